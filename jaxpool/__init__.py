@@ -1,0 +1,15 @@
+"""jaxpool: pooling for JAX with exact, deterministic gradients and Pallas kernels."""
+
+from jaxpool._src.api import avg_pool as avg_pool
+from jaxpool._src.api import avg_pool_grad as avg_pool_grad
+from jaxpool._src.api import l2_pool as l2_pool
+from jaxpool._src.api import lp_pool as lp_pool
+from jaxpool._src.api import lp_pool_grad as lp_pool_grad
+from jaxpool._src.api import max_pool as max_pool
+from jaxpool._src.api import max_pool_grad as max_pool_grad
+from jaxpool._src.api import max_pool_with_indices as max_pool_with_indices
+from jaxpool._src.api import max_unpool as max_unpool
+from jaxpool._src.windows import Geometry as Geometry
+from jaxpool._src.windows import make_geometry as make_geometry
+
+__version__ = "0.1.0"

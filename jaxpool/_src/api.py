@@ -1,0 +1,416 @@
+"""The public functional API: argument checks, dispatch on ``implementation=``, docstrings."""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+from typing import Any, Literal, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxpool._src import xla
+from jaxpool._src.windows import (IMPLEMENTATIONS, Geometry, check_choice, check_rank,
+                                  int_tuple, make_geometry, spatial_rank)
+
+Padding = Union[str, int, Sequence[tuple[int, int]]]
+Implementation = Literal["xla", "pallas"] | None
+DataFormat = Literal["channels_last", "channels_first"]
+
+# Each op is jitted once per (static config): calling it again with the same shapes and
+# config does not retrace.
+_max_pool = jax.jit(xla.max_pool, static_argnums=(1,))
+_max_pool_with_argmax = jax.jit(xla.max_pool_with_argmax, static_argnums=(1,))
+_flat_indices = jax.jit(xla.flat_indices, static_argnums=(1,))
+_avg_pool = jax.jit(xla.avg_pool, static_argnums=(1, 2, 3))
+_lp_pool = jax.jit(xla.lp_pool, static_argnums=(1, 2))
+
+
+def _pallas():
+  from jaxpool._src.pallas import ops as pallas_ops  # imported lazily: the core needs no Pallas
+  return pallas_ops
+
+
+def _use_pallas(implementation: Any, op: str, x: jax.Array, geom: Geometry, **config) -> bool:
+  """Resolves ``implementation``: True to run the Pallas kernels, False for XLA."""
+  check_choice("implementation", implementation, IMPLEMENTATIONS)
+  if implementation == "xla":
+    return False
+  try:
+    pallas_ops = _pallas()
+  except ImportError:
+    if implementation == "pallas":
+      raise
+    return False
+  supported = pallas_ops.supports(op, x.shape, x.dtype, geom, **config)
+  if implementation == "pallas":
+    if not supported:
+      raise ValueError(
+          f"implementation='pallas' does not cover {op} for this call (shape {x.shape}, dtype "
+          f"{x.dtype}, {geom}); use implementation=None or 'xla'.")
+    return True
+  return supported and jax.default_backend() in ("gpu", "cuda", "rocm", "tpu")
+
+
+def _as_array(name: str, x: Any) -> jax.Array:
+  try:
+    x = jnp.asarray(x)
+  except TypeError as e:
+    raise TypeError(f"{name} must be an array; got {type(x).__name__}: {e}") from None
+  return x
+
+
+def _check_dtype(name: str, x: jax.Array, *, allow_int: bool) -> None:
+  dt = x.dtype
+  if jnp.issubdtype(dt, jnp.floating):
+    return
+  if allow_int and jnp.issubdtype(dt, jnp.integer):
+    return
+  allowed = "a float or integer" if allow_int else "a float"
+  raise TypeError(f"{name} must have {allowed} dtype; got {dt}.")
+
+
+def _check_dy(dy: jax.Array, expected: tuple[int, ...]) -> None:
+  if tuple(dy.shape) != tuple(expected):
+    raise ValueError(
+        f"dy must have the shape of the forward output, {tuple(expected)}; got {tuple(dy.shape)}.")
+
+
+def _check_divisor(divisor_override: Any) -> None:
+  if divisor_override is None:
+    return
+  if not isinstance(divisor_override, (int, np.integer)) or isinstance(divisor_override, bool):
+    raise TypeError(f"divisor_override must be a positive int or None; got {divisor_override!r}.")
+  if divisor_override <= 0:
+    raise ValueError(f"divisor_override must be a positive int or None; got {divisor_override!r}.")
+
+
+def _check_p(p: Any) -> float:
+  if isinstance(p, bool) or not isinstance(p, (int, float, np.integer, np.floating)):
+    raise TypeError(f"p must be a finite number >= 1; got {p!r}.")
+  p = float(p)
+  if math.isinf(p):
+    raise ValueError(f"p must be finite (for p=inf use max_pool of |x|); got {p!r}.")
+  if not p >= 1:
+    raise ValueError(f"p must be a finite number >= 1; got {p!r}.")
+  return p
+
+
+# ----------------------------------------------------------------------------- max
+
+
+def max_pool(x: jax.typing.ArrayLike, window_shape: Sequence[int],
+             strides: Sequence[int] | None = None, padding: Padding = "VALID", *,
+             dilation: Sequence[int] | None = None, ceil_mode: bool = False,
+             data_format: DataFormat = "channels_last",
+             implementation: Implementation = None) -> jax.Array:
+  """Max pooling over the spatial dims, with the DirectML gradient.
+
+  Args:
+    x: ``(*batch, *spatial, C)`` (``channels_last``) or ``(*batch, C, *spatial)``
+      (``channels_first``); float or integer dtype.
+    window_shape: taps per spatial dim, e.g. ``(3, 3)``; its length is the number of spatial dims.
+    strides: step per spatial dim; ``None`` means all ones.
+    padding: ``"VALID"``, ``"SAME"`` (extra padding at the end), ``"SAME_LOWER"``, an int (both
+      sides of every spatial dim) or ``(lo, hi)`` pairs, one per spatial dim. Padding never wins.
+    dilation: spacing between taps per spatial dim; ``None`` means all ones.
+    ceil_mode: round the output size up (PyTorch's rule: the last window starts inside the input
+      or the left padding).
+    data_format: ``"channels_last"`` or ``"channels_first"``.
+    implementation: ``None`` (best for the backend), ``"xla"`` or ``"pallas"``.
+
+  Returns:
+    ``y``: ``(*batch, *out_spatial, C)`` (or channels first), with
+    ``out = (L + lo + hi - d*(k-1) - 1) // s + 1`` in floor mode. NaN beats every number; a
+    window with no real element gives ``-inf`` (``iinfo.min`` for ints).
+
+  The gradient sends each window's cotangent to its argmax (the first in row-major window order
+  on ties, the first NaN if any) and sums where windows overlap: deterministic, bit for bit.
+
+  Raises:
+    ValueError, TypeError: for a bad argument, naming it and the value received.
+
+  Example:
+    >>> x = jnp.arange(16.0).reshape(1, 4, 4, 1)
+    >>> max_pool(x, (2, 2), strides=(2, 2))[0, ..., 0]
+    Array([[ 5.,  7.],
+           [13., 15.]], dtype=float32)
+  """
+  x = _as_array("x", x)
+  _check_dtype("x", x, allow_int=True)
+  geom = make_geometry(x.shape, window_shape, strides, padding, dilation, ceil_mode, data_format)
+  if _use_pallas(implementation, "max_pool", x, geom):
+    return _pallas().max_pool(x, geom, interpret=jax.default_backend() == "cpu")
+  return _max_pool(x, geom)
+
+
+def max_pool_with_indices(x: jax.typing.ArrayLike, window_shape: Sequence[int],
+                          strides: Sequence[int] | None = None, padding: Padding = "VALID", *,
+                          dilation: Sequence[int] | None = None, ceil_mode: bool = False,
+                          data_format: DataFormat = "channels_last",
+                          implementation: Implementation = None) -> tuple[jax.Array, jax.Array]:
+  """Max pooling that also returns where each maximum came from (PyTorch's ``return_indices``).
+
+  Args: as :func:`max_pool`.
+
+  Returns:
+    ``(y, indices)``: ``y`` as :func:`max_pool`; ``indices`` int32 of ``y``'s shape, the flat
+    row-major index of the argmax within the input's spatial plane (padding excluded), per
+    (batch..., channel). A window with no real element gives ``-1``. ``y`` is differentiable.
+
+  Example:
+    >>> x = jnp.array([[1., 2., 3.], [2., 4., 2.], [5., 6., 7.]])[None, :, :, None]
+    >>> y, i = max_pool_with_indices(x, (2, 2))
+    >>> i[0, ..., 0]
+    Array([[4, 4],
+           [7, 8]], dtype=int32)
+  """
+  x = _as_array("x", x)
+  _check_dtype("x", x, allow_int=True)
+  geom = make_geometry(x.shape, window_shape, strides, padding, dilation, ceil_mode, data_format)
+  if _use_pallas(implementation, "max_pool", x, geom):
+    y, tap = _pallas().max_pool_with_argmax(x, geom, interpret=jax.default_backend() == "cpu")
+  else:
+    y, tap = _max_pool_with_argmax(x, geom)
+  return y, _flat_indices(tap, geom)
+
+
+def max_pool_grad(x: jax.typing.ArrayLike, dy: jax.typing.ArrayLike,
+                  window_shape: Sequence[int], strides: Sequence[int] | None = None,
+                  padding: Padding = "VALID", *, dilation: Sequence[int] | None = None,
+                  ceil_mode: bool = False, data_format: DataFormat = "channels_last",
+                  implementation: Implementation = None) -> jax.Array:
+  """The max-pooling gradient (DirectML's ``DML_MAX_POOLING_GRAD``).
+
+  Args:
+    x: the forward input, ``(*batch, *spatial, C)`` (or channels first), float dtype.
+    dy: the cotangent of the forward output, of the forward output's shape.
+    window_shape, strides, padding, dilation, ceil_mode, data_format, implementation: as
+      :func:`max_pool`.
+
+  Returns:
+    ``dx`` of ``x``'s shape: zero except at each window's argmax, where that window's ``dy`` is
+    added (summed where windows overlap). The same bits as ``jax.vjp`` of :func:`max_pool`.
+
+  Example:
+    >>> x = jnp.array([[1., 2., 3.], [2., 4., 2.], [5., 6., 7.]])[None, :, :, None]
+    >>> dy = jnp.array([[1., 2.], [4., 5.]])[None, :, :, None]
+    >>> max_pool_grad(x, dy, (2, 2))[0, ..., 0]
+    Array([[0., 0., 0.],
+           [0., 3., 0.],
+           [0., 4., 5.]], dtype=float32)
+  """
+  x = _as_array("x", x)
+  dy = _as_array("dy", dy)
+  _check_dtype("x", x, allow_int=False)
+  geom = make_geometry(x.shape, window_shape, strides, padding, dilation, ceil_mode, data_format)
+  _check_dy(dy, geom.output_shape(x.shape))
+  fwd = functools.partial(max_pool, window_shape=window_shape, strides=strides, padding=padding,
+                          dilation=dilation, ceil_mode=ceil_mode, data_format=data_format,
+                          implementation=implementation)
+  _, vjp = jax.vjp(fwd, x)
+  return vjp(dy.astype(x.dtype))[0]
+
+
+def max_unpool(y: jax.typing.ArrayLike, indices: jax.typing.ArrayLike,
+               output_size: Sequence[int], *,
+               data_format: DataFormat = "channels_last") -> jax.Array:
+  """The inverse of :func:`max_pool_with_indices`: each ``y`` put back where it came from.
+
+  Args:
+    y: pooled values, ``(*batch, *out_spatial, C)`` (or channels first).
+    indices: int32 of ``y``'s shape, flat indices into the unpooled spatial plane, as returned
+      by :func:`max_pool_with_indices`; negative ones (windows with no real element) are dropped.
+    output_size: the unpooled spatial shape (PyTorch's ``output_size``), e.g. ``(H, W)``.
+    data_format: ``"channels_last"`` or ``"channels_first"``.
+
+  Returns:
+    ``(*batch, *output_size, C)`` (or channels first): zeros except at ``indices``. Where two
+    windows picked the same element, both carry its value, so the result does not depend on the
+    order of the writes.
+
+  Example:
+    >>> x = jnp.arange(16.0).reshape(1, 4, 4, 1)
+    >>> y, i = max_pool_with_indices(x, (2, 2), strides=(2, 2))
+    >>> max_unpool(y, i, (4, 4))[0, :, :, 0]
+    Array([[ 0.,  0.,  0.,  0.],
+           [ 0.,  5.,  0.,  7.],
+           [ 0.,  0.,  0.,  0.],
+           [ 0., 13.,  0., 15.]], dtype=float32)
+  """
+  y = _as_array("y", y)
+  indices = _as_array("indices", indices)
+  check_choice("data_format", data_format, ("channels_last", "channels_first"))
+  n = spatial_rank(output_size)
+  size = int_tuple("output_size", output_size, n)
+  check_rank("y", y.shape, n, data_format)
+  if indices.dtype != jnp.int32:
+    raise TypeError(f"indices must be int32 (as max_pool_with_indices returns); got {indices.dtype}.")
+  if tuple(indices.shape) != tuple(y.shape):
+    raise ValueError(
+        f"indices must have y's shape {tuple(y.shape)}; got {tuple(indices.shape)}.")
+  return _max_unpool(y, indices, size, data_format == "channels_last")
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3))
+def _max_unpool(y, indices, size, channels_last):
+  n = len(size)
+  if channels_last:  # move channels in front of the spatial dims
+    y = jnp.moveaxis(y, -1, -1 - n)
+    indices = jnp.moveaxis(indices, -1, -1 - n)
+  lead = y.shape[:-n]
+  plane = math.prod(size)
+  flat_y = y.reshape(-1, math.prod(y.shape[-n:]))
+  flat_i = indices.reshape(flat_y.shape)
+  flat_i = jnp.where(flat_i < 0, plane, flat_i)  # negative: no element; dropped below
+  rows = jnp.arange(flat_y.shape[0])[:, None]
+  out = jnp.zeros((flat_y.shape[0], plane), y.dtype).at[rows, flat_i].set(flat_y, mode="drop")
+  out = out.reshape(*lead, *size)
+  if channels_last:
+    out = jnp.moveaxis(out, -1 - n, -1)
+  return out
+
+
+# ----------------------------------------------------------------------------- average
+
+
+def avg_pool(x: jax.typing.ArrayLike, window_shape: Sequence[int],
+             strides: Sequence[int] | None = None, padding: Padding = "VALID", *,
+             dilation: Sequence[int] | None = None, ceil_mode: bool = False,
+             count_include_pad: bool = True, divisor_override: int | None = None,
+             data_format: DataFormat = "channels_last",
+             implementation: Implementation = None) -> jax.Array:
+  """Average pooling with PyTorch's divisors.
+
+  Args:
+    x: ``(*batch, *spatial, C)`` (or channels first), float dtype; bfloat16 and float16
+      accumulate in float32.
+    window_shape, strides, padding, dilation, ceil_mode, data_format, implementation: as
+      :func:`max_pool`.
+    count_include_pad: if true, divide by the taps inside the padded input (the ceil-mode
+      overhang never counts); if false, by the taps on real elements.
+    divisor_override: a positive int that replaces either divisor.
+
+  Returns:
+    ``(*batch, *out_spatial, C)`` (or channels first). A window with no real element gives 0.
+
+  Example:
+    >>> x = jnp.ones((1, 3, 3, 1))
+    >>> avg_pool(x, (2, 2), padding=1, strides=(2, 2), count_include_pad=True)[0, ..., 0]
+    Array([[0.25, 0.5 ],
+           [0.5 , 1.  ]], dtype=float32)
+  """
+  x = _as_array("x", x)
+  _check_dtype("x", x, allow_int=False)
+  if not isinstance(count_include_pad, (bool, np.bool_)):
+    raise TypeError(f"count_include_pad must be a bool; got {count_include_pad!r}.")
+  _check_divisor(divisor_override)
+  geom = make_geometry(x.shape, window_shape, strides, padding, dilation, ceil_mode, data_format)
+  config = dict(count_include_pad=bool(count_include_pad), divisor_override=divisor_override)
+  if _use_pallas(implementation, "avg_pool", x, geom, **config):
+    return _pallas().avg_pool(x, geom, interpret=jax.default_backend() == "cpu", **config)
+  return _avg_pool(x, geom, bool(count_include_pad),
+                   None if divisor_override is None else int(divisor_override))
+
+
+def avg_pool_grad(dy: jax.typing.ArrayLike, input_shape: Sequence[int],
+                  window_shape: Sequence[int], strides: Sequence[int] | None = None,
+                  padding: Padding = "VALID", *, dilation: Sequence[int] | None = None,
+                  ceil_mode: bool = False, count_include_pad: bool = True,
+                  divisor_override: int | None = None,
+                  data_format: DataFormat = "channels_last",
+                  implementation: Implementation = None) -> jax.Array:
+  """The average-pooling gradient: ``dx`` of shape ``input_shape``.
+
+  Args:
+    dy: the cotangent of the forward output, float dtype.
+    input_shape: the forward input's full shape.
+    Others: as :func:`avg_pool`.
+
+  Returns:
+    ``dx``: each window's ``dy / divisor`` spread over its real elements, summed over windows.
+    The same bits as ``jax.vjp`` of :func:`avg_pool`.
+  """
+  dy = _as_array("dy", dy)
+  _check_dtype("dy", dy, allow_int=False)
+  try:
+    input_shape = tuple(int(s) for s in input_shape)
+  except TypeError:
+    raise TypeError(f"input_shape must be a tuple of ints; got {input_shape!r}.") from None
+  geom = make_geometry(input_shape, window_shape, strides, padding, dilation, ceil_mode,
+                       data_format, name="input_shape")
+  _check_dy(dy, geom.output_shape(input_shape))
+  fwd = functools.partial(avg_pool, window_shape=window_shape, strides=strides, padding=padding,
+                          dilation=dilation, ceil_mode=ceil_mode,
+                          count_include_pad=count_include_pad, divisor_override=divisor_override,
+                          data_format=data_format, implementation=implementation)
+  transpose = jax.linear_transpose(fwd, jax.ShapeDtypeStruct(input_shape, dy.dtype))
+  return transpose(dy)[0]
+
+
+# ----------------------------------------------------------------------------- Lp
+
+
+def lp_pool(x: jax.typing.ArrayLike, p: float, window_shape: Sequence[int],
+            strides: Sequence[int] | None = None, padding: Padding = "VALID", *,
+            dilation: Sequence[int] | None = None, ceil_mode: bool = False,
+            data_format: DataFormat = "channels_last",
+            implementation: Implementation = None) -> jax.Array:
+  """Lp-norm pooling: ``(sum |x|^p)^(1/p)`` over the real elements of each window.
+
+  Args:
+    x: ``(*batch, *spatial, C)`` (or channels first), float dtype (sums in float32 at least).
+    p: a finite number ``>= 1`` (``p=inf`` is :func:`max_pool` of ``|x|``).
+    Others: as :func:`max_pool`.
+
+  Returns:
+    ``(*batch, *out_spatial, C)`` (or channels first). The gradient is 0 where the output is 0.
+
+  Example:
+    >>> x = jnp.array([3., 4., 0., 0.]).reshape(1, 4, 1)
+    >>> lp_pool(x, 2, (2,), strides=(2,))[0, :, 0]
+    Array([5., 0.], dtype=float32)
+  """
+  p = _check_p(p)
+  x = _as_array("x", x)
+  _check_dtype("x", x, allow_int=False)
+  geom = make_geometry(x.shape, window_shape, strides, padding, dilation, ceil_mode, data_format)
+  if implementation is not None:
+    check_choice("implementation", implementation, IMPLEMENTATIONS)
+  # Lp pooling is a window sum between two elementwise maps: the XLA path is the fast path on
+  # every backend (see docs/pallas.md).
+  return _lp_pool(x, geom, p)
+
+
+def l2_pool(x: jax.typing.ArrayLike, window_shape: Sequence[int],
+            strides: Sequence[int] | None = None, padding: Padding = "VALID", *,
+            dilation: Sequence[int] | None = None, ceil_mode: bool = False,
+            data_format: DataFormat = "channels_last",
+            implementation: Implementation = None) -> jax.Array:
+  """L2-norm pooling (MPS's ``MPSCNNPoolingL2Norm``): :func:`lp_pool` with ``p=2``."""
+  return lp_pool(x, 2, window_shape, strides, padding, dilation=dilation, ceil_mode=ceil_mode,
+                 data_format=data_format, implementation=implementation)
+
+
+def lp_pool_grad(x: jax.typing.ArrayLike, dy: jax.typing.ArrayLike, p: float,
+                 window_shape: Sequence[int], strides: Sequence[int] | None = None,
+                 padding: Padding = "VALID", *, dilation: Sequence[int] | None = None,
+                 ceil_mode: bool = False, data_format: DataFormat = "channels_last",
+                 implementation: Implementation = None) -> jax.Array:
+  """The Lp-pooling gradient: ``dx = sum over windows of dy * sign(x) |x|^(p-1) / y^(p-1)``.
+
+  Zero where the window's output is 0. The same bits as ``jax.vjp`` of :func:`lp_pool`.
+  """
+  p = _check_p(p)
+  x = _as_array("x", x)
+  dy = _as_array("dy", dy)
+  _check_dtype("x", x, allow_int=False)
+  geom = make_geometry(x.shape, window_shape, strides, padding, dilation, ceil_mode, data_format)
+  _check_dy(dy, geom.output_shape(x.shape))
+  fwd = functools.partial(lp_pool, p=p, window_shape=window_shape, strides=strides,
+                          padding=padding, dilation=dilation, ceil_mode=ceil_mode,
+                          data_format=data_format, implementation=implementation)
+  _, vjp = jax.vjp(fwd, x)
+  return vjp(dy.astype(x.dtype))[0]

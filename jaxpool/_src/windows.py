@@ -1,0 +1,258 @@
+"""Window and padding arithmetic: the one place that checks and normalises arguments.
+
+Every public op calls :func:`make_geometry` (or one of the small checkers here) first; the
+result, :class:`Geometry`, is a frozen, hashable description of one pooling configuration that
+the implementations (XLA, Pallas) take as a static argument.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import operator
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+DATA_FORMATS = ("channels_last", "channels_first")
+IMPLEMENTATIONS = (None, "xla", "pallas")
+PADDING_STRINGS = ("VALID", "SAME", "SAME_LOWER")
+
+
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+  """A checked pooling configuration for one input shape.
+
+  Attributes:
+    in_spatial: the input's spatial sizes ``L``.
+    window: taps per spatial dim ``k``.
+    strides: ``s`` per spatial dim.
+    dilation: ``d`` per spatial dim.
+    padding: the user's ``(lo, hi)`` per spatial dim, resolved from any padding form.
+    extra: the ceil-mode overhang added after ``hi`` (never real, never counted by
+      ``count_include_pad``).
+    out_spatial: output spatial sizes.
+    channels_last: layout; the spatial dims are ``x.shape[-n-1:-1]`` if true, else
+      ``x.shape[-n:]``.
+  """
+
+  in_spatial: tuple[int, ...]
+  window: tuple[int, ...]
+  strides: tuple[int, ...]
+  dilation: tuple[int, ...]
+  padding: tuple[tuple[int, int], ...]
+  extra: tuple[int, ...]
+  out_spatial: tuple[int, ...]
+  channels_last: bool
+
+  @property
+  def nspatial(self) -> int:
+    return len(self.window)
+
+  @property
+  def effective_window(self) -> tuple[int, ...]:
+    return tuple(d * (k - 1) + 1 for k, d in zip(self.window, self.dilation))
+
+  @property
+  def full_padding(self) -> tuple[tuple[int, int], ...]:
+    """``(lo, hi + extra)`` per spatial dim: what the padded input really spans."""
+    return tuple((lo, hi + e) for (lo, hi), e in zip(self.padding, self.extra))
+
+  @property
+  def num_taps(self) -> int:
+    return math.prod(self.window)
+
+  def spatial_axes(self, ndim: int) -> tuple[int, ...]:
+    n = self.nspatial
+    if self.channels_last:
+      return tuple(range(ndim - 1 - n, ndim - 1))
+    return tuple(range(ndim - n, ndim))
+
+  def taps(self) -> list[tuple[int, ...]]:
+    """Window offsets (in taps, not elements) in row-major order: the tie-break order."""
+    return [tuple(int(i) for i in t) for t in np.ndindex(*self.window)]
+
+  def full_dims(self, ndim: int, spatial: Sequence[Any], fill: Any) -> tuple[Any, ...]:
+    """Spreads one value per spatial dim over all ``ndim`` dims, ``fill`` elsewhere."""
+    out = [fill] * ndim
+    for ax, v in zip(self.spatial_axes(ndim), spatial):
+      out[ax] = v
+    return tuple(out)
+
+  def output_shape(self, in_shape: Sequence[int]) -> tuple[int, ...]:
+    shape = list(in_shape)
+    for ax, o in zip(self.spatial_axes(len(shape)), self.out_spatial):
+      shape[ax] = o
+    return tuple(shape)
+
+
+def _is_int(v: Any) -> bool:
+  return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+
+def check_choice(name: str, value: Any, allowed: Sequence[Any]) -> None:
+  if value not in allowed:
+    raise ValueError(f"{name} must be one of {tuple(allowed)}; got {value!r}.")
+
+
+def int_tuple(name: str, value: Any, n: int, *, default: int | None = None,
+              minimum: int = 1) -> tuple[int, ...]:
+  """Checks a per-spatial-dim tuple of ints (``window_shape``, ``strides``, ``dilation``)."""
+  if value is None:
+    if default is None:
+      raise TypeError(f"{name} is required; got None.")
+    return (default,) * n
+  if _is_int(value):
+    raise TypeError(
+        f"{name} must be a tuple of {n} ints, one per spatial dim; got the int {value!r}.")
+  try:
+    items = tuple(value)
+  except TypeError:
+    raise TypeError(f"{name} must be a tuple of ints; got {value!r}.") from None
+  if not all(_is_int(v) for v in items):
+    raise TypeError(f"{name} must be a tuple of ints; got {value!r}.")
+  if len(items) != n:
+    raise ValueError(
+        f"{name} must have one entry per spatial dim ({n}); got {value!r} of length "
+        f"{len(items)}.")
+  items = tuple(operator.index(v) for v in items)
+  if any(v < minimum for v in items):
+    raise ValueError(f"{name} entries must be >= {minimum}; got {value!r}.")
+  return items
+
+
+def spatial_rank(window_shape: Any) -> int:
+  if _is_int(window_shape):
+    raise TypeError(
+        "window_shape must be a tuple of ints, one per spatial dim (e.g. (2, 2)); got the "
+        f"int {window_shape!r}.")
+  try:
+    n = len(window_shape)
+  except TypeError:
+    raise TypeError(f"window_shape must be a tuple of ints; got {window_shape!r}.") from None
+  if n == 0:
+    raise ValueError("window_shape must name at least one spatial dim; got ().")
+  return n
+
+
+def check_rank(name: str, shape: Sequence[int], n: int, data_format: str) -> None:
+  if len(shape) < n + 1:
+    layout = "(*batch, *spatial, C)" if data_format == "channels_last" else "(*batch, C, *spatial)"
+    raise ValueError(
+        f"{name} must have at least {n + 1} dims, {layout} with {n} spatial dims; got shape "
+        f"{tuple(shape)}.")
+
+
+def _resolve_padding(padding: Any, in_spatial: tuple[int, ...], strides: tuple[int, ...],
+                     eff: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+  n = len(in_spatial)
+  if isinstance(padding, str):
+    check_choice("padding", padding, PADDING_STRINGS)
+    if padding == "VALID":
+      return ((0, 0),) * n
+    pads = []
+    for L, s, e in zip(in_spatial, strides, eff):
+      out = -(-L // s)
+      total = max((out - 1) * s + e - L, 0)
+      small, large = total // 2, total - total // 2
+      pads.append((small, large) if padding == "SAME" else (large, small))
+    return tuple(pads)
+  if _is_int(padding):
+    if padding < 0:
+      raise ValueError(f"padding must be >= 0; got {padding!r}.")
+    return ((int(padding), int(padding)),) * n
+  try:
+    pairs = tuple(padding)
+  except TypeError:
+    raise TypeError(
+        "padding must be 'VALID', 'SAME', 'SAME_LOWER', an int or a sequence of (lo, hi) "
+        f"pairs; got {padding!r}.") from None
+  if len(pairs) != n:
+    raise ValueError(
+        f"padding must have one (lo, hi) pair per spatial dim ({n}); got {padding!r}.")
+  out = []
+  for p in pairs:
+    try:
+      lo, hi = p
+    except (TypeError, ValueError):
+      raise TypeError(f"padding must be a sequence of (lo, hi) pairs; got {padding!r}.") from None
+    if not (_is_int(lo) and _is_int(hi)):
+      raise TypeError(f"padding pairs must hold ints; got {padding!r}.")
+    if lo < 0 or hi < 0:
+      raise ValueError(f"padding must be >= 0; got {padding!r}.")
+    out.append((int(lo), int(hi)))
+  return tuple(out)
+
+
+def make_geometry(x_shape: Sequence[int], window_shape: Any, strides: Any = None,
+                  padding: Any = "VALID", dilation: Any = None, ceil_mode: bool = False,
+                  data_format: str = "channels_last", *, name: str = "x") -> Geometry:
+  """Checks a pooling configuration against an input shape and resolves it.
+
+  Raises:
+    TypeError, ValueError: naming the argument, the value received and what is allowed.
+  """
+  check_choice("data_format", data_format, DATA_FORMATS)
+  if not isinstance(ceil_mode, (bool, np.bool_)):
+    raise TypeError(f"ceil_mode must be a bool; got {ceil_mode!r}.")
+  n = spatial_rank(window_shape)
+  window = int_tuple("window_shape", window_shape, n)
+  strides_t = int_tuple("strides", strides, n, default=1)
+  dilation_t = int_tuple("dilation", dilation, n, default=1)
+  check_rank(name, x_shape, n, data_format)
+  channels_last = data_format == "channels_last"
+  ndim = len(x_shape)
+  axes = (tuple(range(ndim - 1 - n, ndim - 1)) if channels_last else tuple(range(ndim - n, ndim)))
+  in_spatial = tuple(int(x_shape[a]) for a in axes)
+  eff = tuple(d * (k - 1) + 1 for k, d in zip(window, dilation_t))
+  pads = _resolve_padding(padding, in_spatial, strides_t, eff)
+  out_spatial, extra = [], []
+  for i, (L, (lo, hi), e, s) in enumerate(zip(in_spatial, pads, eff, strides_t)):
+    if lo >= e or hi >= e:
+      raise ValueError(
+          f"padding must be smaller than the effective window (dilation*(window-1)+1 = {e}) "
+          f"on each side; got {(lo, hi)} for spatial dim {i} (padding={padding!r}).")
+    span = L + lo + hi
+    if span < e:
+      raise ValueError(
+          f"window larger than the padded input in spatial dim {i}: effective window {e}, "
+          f"padded size {span} (input {L}, padding {(lo, hi)}); window_shape={window_shape!r}, "
+          f"dilation={dilation!r}.")
+    if ceil_mode:
+      out = -(-(span - e) // s) + 1
+      if (out - 1) * s >= L + lo:  # PyTorch: the last window must start inside input or lo pad
+        out -= 1
+    else:
+      out = (span - e) // s + 1
+    out_spatial.append(out)
+    extra.append(max(0, (out - 1) * s + e - span))
+  return Geometry(in_spatial=in_spatial, window=window, strides=strides_t, dilation=dilation_t,
+                  padding=pads, extra=tuple(extra), out_spatial=tuple(out_spatial),
+                  channels_last=channels_last)
+
+
+def tap_valid_1d(geom: Geometry, dim: int, tap: int) -> np.ndarray:
+  """Whether tap ``tap`` of each output position along ``dim`` lands on a real element."""
+  o = np.arange(geom.out_spatial[dim])
+  pos = o * geom.strides[dim] + tap * geom.dilation[dim] - geom.padding[dim][0]
+  return (pos >= 0) & (pos < geom.in_spatial[dim])
+
+
+def window_counts_1d(geom: Geometry, dim: int, include_pad: bool) -> np.ndarray:
+  """Taps per output position along ``dim`` inside the input (or the user-padded input)."""
+  o = np.arange(geom.out_spatial[dim])[:, None]
+  t = np.arange(geom.window[dim])[None, :]
+  pos = o * geom.strides[dim] + t * geom.dilation[dim] - geom.padding[dim][0]
+  lo = -geom.padding[dim][0] if include_pad else 0
+  hi = geom.in_spatial[dim] + (geom.padding[dim][1] if include_pad else 0)
+  return ((pos >= lo) & (pos < hi)).sum(axis=1)
+
+
+def argmax_dtype(num_taps: int) -> np.dtype:
+  """The narrowest signed int holding a tap index and the "no real element" sentinel."""
+  if num_taps <= np.iinfo(np.int8).max:
+    return np.dtype(np.int8)
+  if num_taps <= np.iinfo(np.int16).max:
+    return np.dtype(np.int16)
+  return np.dtype(np.int32)
