@@ -1,0 +1,310 @@
+"""An independent NumPy reference for jaxpool's functional API (SPEC.md sections 1-2).
+
+Plain loops over output positions and window taps, in float64 (int64 for integer max), vectorised
+only over the rows ``(*batch, C)`` that are never pooled. It shares no code with the library: the
+output-size formula, the padding resolution and the divisor rules are written here from the
+contract (and PyTorch's / ONNX's / DirectML's documented rules), not imported.
+
+Conventions, from SPEC.md:
+  * max: padding never wins; ties -> lowest row-major tap; NaN beats every number, the first NaN
+    wins; a window whose real elements are all -inf picks its first real element; a window with no
+    real element outputs -inf (``iinfo.min`` for ints), index -1 and takes no gradient.
+  * avg: PyTorch divisors (count_include_pad counts taps inside the user-padded input, never the
+    ceil-mode overhang; otherwise real taps; divisor_override replaces both); empty window -> 0.
+  * Lp: ``(sum |x|^p)^(1/p)`` over real taps; gradient ``dy sign(x) |x|^(p-1) / y^(p-1)``, 0 where
+    ``y == 0``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+
+# ------------------------------------------------------------------------------ configuration
+
+
+def _per_dim(value, n, default):
+  if value is None:
+    return (default,) * n
+  return tuple(int(v) for v in value)
+
+
+def resolve_padding(padding, in_spatial, window, strides, dilation):
+  """``(lo, hi)`` per spatial dim, from any of the accepted padding forms."""
+  n = len(in_spatial)
+  if isinstance(padding, str):
+    if padding == "VALID":
+      return [(0, 0)] * n
+    pads = []
+    for size, k, s, d in zip(in_spatial, window, strides, dilation):
+      span = d * (k - 1) + 1
+      out = (size + s - 1) // s  # ONNX SAME_*: out = ceil(L / s)
+      total = max(0, (out - 1) * s + span - size)
+      if padding == "SAME":  # SAME_UPPER: the odd element goes at the end
+        pads.append((total // 2, total - total // 2))
+      elif padding == "SAME_LOWER":
+        pads.append((total - total // 2, total // 2))
+      else:
+        raise ValueError(padding)
+    return pads
+  if isinstance(padding, int):
+    return [(padding, padding)] * n
+  return [(int(lo), int(hi)) for lo, hi in padding]
+
+
+def output_size(size, k, s, d, lo, hi, ceil_mode):
+  """PyTorch's ``pooling_output_shape``, with asymmetric padding."""
+  numer = size + lo + hi - d * (k - 1) - 1
+  if ceil_mode:
+    out = -(-numer // s) + 1
+    if (out - 1) * s >= size + lo:  # the last window must start inside the input or lo padding
+      out -= 1
+  else:
+    out = numer // s + 1
+  return out
+
+
+class Config:
+  """One pooling configuration against one input shape (the reference's own arithmetic)."""
+
+  def __init__(self, x_shape, window_shape, strides=None, padding="VALID", dilation=None,
+               ceil_mode=False, data_format="channels_last"):
+    n = len(window_shape)
+    self.n = n
+    self.x_shape = tuple(x_shape)
+    self.channels_last = data_format == "channels_last"
+    if self.channels_last:
+      self.in_spatial = self.x_shape[len(x_shape) - 1 - n:-1]
+    else:
+      self.in_spatial = self.x_shape[len(x_shape) - n:]
+    self.window = tuple(int(k) for k in window_shape)
+    self.strides = _per_dim(strides, n, 1)
+    self.dilation = _per_dim(dilation, n, 1)
+    self.pads = resolve_padding(padding, self.in_spatial, self.window, self.strides,
+                                self.dilation)
+    self.out_spatial = tuple(
+        output_size(size, k, s, d, lo, hi, ceil_mode)
+        for size, k, s, d, (lo, hi) in zip(self.in_spatial, self.window, self.strides,
+                                           self.dilation, self.pads))
+
+  @property
+  def out_shape(self):
+    shape = list(self.x_shape)
+    n = self.n
+    axes = range(len(shape) - 1 - n, len(shape) - 1) if self.channels_last else range(
+        len(shape) - n, len(shape))
+    for a, o in zip(axes, self.out_spatial):
+      shape[a] = o
+    return tuple(shape)
+
+  # rows: every (*batch, C) combination, channels first, spatial flattened
+  def to_rows(self, a, spatial):
+    n = self.n
+    a = np.asarray(a)
+    if self.channels_last:
+      a = np.moveaxis(a, -1, a.ndim - 1 - n)
+    lead = a.shape[:a.ndim - n]
+    return a.reshape(int(np.prod(lead, dtype=np.int64)), int(np.prod(spatial, dtype=np.int64))), lead
+
+  def from_rows(self, rows, lead, spatial):
+    a = rows.reshape(*lead, *spatial)
+    if self.channels_last:
+      a = np.moveaxis(a, a.ndim - 1 - self.n, -1)
+    return a
+
+  def windows(self):
+    """For each output position (row-major): its taps, in row-major tap order.
+
+    Each tap is ``(kind, flat)``: kind ``"real"`` (``flat`` = row-major index in the input's
+    spatial plane), ``"pad"`` (inside the user's padding) or ``"overhang"`` (ceil-mode overhang).
+    """
+    out = []
+    for o in itertools.product(*[range(v) for v in self.out_spatial]):
+      taps = []
+      for t in itertools.product(*[range(k) for k in self.window]):
+        pos = [oi * s + ti * d - lo for oi, ti, s, d, (lo, _) in
+               zip(o, t, self.strides, self.dilation, self.pads)]
+        if all(0 <= p < size for p, size in zip(pos, self.in_spatial)):
+          flat = 0
+          for p, size in zip(pos, self.in_spatial):
+            flat = flat * size + p
+          taps.append(("real", flat))
+        elif all(-lo <= p < size + hi for p, size, (lo, hi) in zip(pos, self.in_spatial,
+                                                                    self.pads)):
+          taps.append(("pad", None))
+        else:
+          taps.append(("overhang", None))
+      out.append(taps)
+    return out
+
+
+# ------------------------------------------------------------------------------ max
+
+
+def _lowest(dtype):
+  dtype = np.dtype(dtype)
+  if np.issubdtype(dtype, np.integer):
+    return np.iinfo(dtype).min
+  return -np.inf
+
+
+def _wide(x):
+  x = np.asarray(x)
+  if np.issubdtype(x.dtype, np.integer):
+    return x.astype(np.int64)
+  return x.astype(np.float64)
+
+
+def max_pool_with_indices(x, window_shape, strides=None, padding="VALID", *, dilation=None,
+                          ceil_mode=False, data_format="channels_last"):
+  """Returns ``(y, indices)``: ``y`` in ``x.dtype``, ``indices`` int32 (PyTorch convention)."""
+  x = np.asarray(x)
+  cfg = Config(x.shape, window_shape, strides, padding, dilation, ceil_mode, data_format)
+  rows, lead = cfg.to_rows(_wide(x), cfg.in_spatial)
+  is_float = np.issubdtype(rows.dtype, np.floating)
+  nout = math.prod(cfg.out_spatial)
+  y = np.full((rows.shape[0], nout), _lowest(x.dtype), rows.dtype)
+  idx = np.full((rows.shape[0], nout), -1, np.int64)
+  for j, taps in enumerate(cfg.windows()):
+    best = np.full(rows.shape[0], _lowest(x.dtype), rows.dtype)
+    arg = np.full(rows.shape[0], -1, np.int64)
+    for kind, flat in taps:
+      if kind != "real":
+        continue
+      v = rows[:, flat]
+      take = arg < 0
+      if is_float:
+        best_nan = np.isnan(best)
+        take |= ~best_nan & (np.isnan(v) | (v > best))
+      else:
+        take |= v > best
+      best = np.where(take, v, best)
+      arg = np.where(take, flat, arg)
+    y[:, j] = best
+    idx[:, j] = arg
+  y = cfg.from_rows(y, lead, cfg.out_spatial).astype(x.dtype)
+  idx = cfg.from_rows(idx, lead, cfg.out_spatial).astype(np.int32)
+  return y, idx
+
+
+def max_pool(x, window_shape, strides=None, padding="VALID", **kw):
+  return max_pool_with_indices(x, window_shape, strides, padding, **kw)[0]
+
+
+def max_pool_grad(x, dy, window_shape, strides=None, padding="VALID", *, dilation=None,
+                  ceil_mode=False, data_format="channels_last"):
+  """DirectML's MaxPoolGrad: scatter-add each window's ``dy`` to its argmax (float64 sums)."""
+  x = np.asarray(x)
+  cfg = Config(x.shape, window_shape, strides, padding, dilation, ceil_mode, data_format)
+  _, idx = max_pool_with_indices(x, window_shape, strides, padding, dilation=dilation,
+                                 ceil_mode=ceil_mode, data_format=data_format)
+  irows, lead = cfg.to_rows(idx, cfg.out_spatial)
+  dyrows, _ = cfg.to_rows(np.asarray(dy).astype(np.float64), cfg.out_spatial)
+  dx = np.zeros((irows.shape[0], math.prod(cfg.in_spatial)), np.float64)
+  for r in range(irows.shape[0]):
+    for j in range(irows.shape[1]):
+      if irows[r, j] >= 0:
+        dx[r, irows[r, j]] += dyrows[r, j]
+  return cfg.from_rows(dx, lead, cfg.in_spatial)
+
+
+def max_unpool(y, indices, output_size, *, data_format="channels_last"):
+  """PyTorch's max_unpool: ``out[..., indices] = y``, zeros elsewhere; -1 indices dropped."""
+  y = np.asarray(y)
+  n = len(output_size)
+  cl = data_format == "channels_last"
+  yy = np.moveaxis(y, -1, y.ndim - 1 - n) if cl else y
+  ii = np.moveaxis(np.asarray(indices), -1, y.ndim - 1 - n) if cl else np.asarray(indices)
+  lead = yy.shape[:yy.ndim - n]
+  yr = yy.reshape(-1, math.prod(yy.shape[yy.ndim - n:]))
+  ir = ii.reshape(yr.shape)
+  out = np.zeros((yr.shape[0], math.prod(output_size)), y.dtype)
+  for r in range(yr.shape[0]):
+    for j in range(yr.shape[1]):
+      if ir[r, j] >= 0:
+        out[r, ir[r, j]] = yr[r, j]
+  out = out.reshape(*lead, *output_size)
+  return np.moveaxis(out, out.ndim - 1 - n, -1) if cl else out
+
+
+# ------------------------------------------------------------------------------ average
+
+
+def _divisors(cfg, count_include_pad, divisor_override):
+  divs = []
+  for taps in cfg.windows():
+    if divisor_override is not None:
+      divs.append(float(divisor_override))
+      continue
+    kinds = ("real", "pad") if count_include_pad else ("real",)
+    divs.append(float(sum(kind in kinds for kind, _ in taps)))
+  return divs
+
+
+def avg_pool(x, window_shape, strides=None, padding="VALID", *, dilation=None, ceil_mode=False,
+             count_include_pad=True, divisor_override=None, data_format="channels_last"):
+  """Average pooling in float64 (the caller casts)."""
+  x = np.asarray(x)
+  cfg = Config(x.shape, window_shape, strides, padding, dilation, ceil_mode, data_format)
+  rows, lead = cfg.to_rows(x.astype(np.float64), cfg.in_spatial)
+  divs = _divisors(cfg, count_include_pad, divisor_override)
+  y = np.zeros((rows.shape[0], len(divs)))
+  for j, taps in enumerate(cfg.windows()):
+    real = [flat for kind, flat in taps if kind == "real"]
+    if real:  # no real element: 0
+      y[:, j] = rows[:, real].sum(axis=1) / divs[j]
+  return cfg.from_rows(y, lead, cfg.out_spatial)
+
+
+def avg_pool_grad(dy, input_shape, window_shape, strides=None, padding="VALID", *, dilation=None,
+                  ceil_mode=False, count_include_pad=True, divisor_override=None,
+                  data_format="channels_last"):
+  cfg = Config(input_shape, window_shape, strides, padding, dilation, ceil_mode, data_format)
+  dyrows, lead = cfg.to_rows(np.asarray(dy).astype(np.float64), cfg.out_spatial)
+  divs = _divisors(cfg, count_include_pad, divisor_override)
+  dx = np.zeros((dyrows.shape[0], math.prod(cfg.in_spatial)))
+  for j, taps in enumerate(cfg.windows()):
+    for kind, flat in taps:
+      if kind == "real":
+        dx[:, flat] += dyrows[:, j] / divs[j]
+  return cfg.from_rows(dx, lead, cfg.in_spatial)
+
+
+# ------------------------------------------------------------------------------ Lp
+
+
+def lp_pool(x, p, window_shape, strides=None, padding="VALID", *, dilation=None, ceil_mode=False,
+            data_format="channels_last"):
+  """``(sum |x|^p)^(1/p)`` over real elements, float64."""
+  x = np.asarray(x)
+  cfg = Config(x.shape, window_shape, strides, padding, dilation, ceil_mode, data_format)
+  rows, lead = cfg.to_rows(np.abs(x.astype(np.float64)), cfg.in_spatial)
+  windows = cfg.windows()
+  y = np.zeros((rows.shape[0], len(windows)))
+  for j, taps in enumerate(windows):
+    real = [flat for kind, flat in taps if kind == "real"]
+    y[:, j] = (rows[:, real] ** p).sum(axis=1) ** (1.0 / p)
+  return cfg.from_rows(y, lead, cfg.out_spatial)
+
+
+def lp_pool_grad(x, dy, p, window_shape, strides=None, padding="VALID", *, dilation=None,
+                 ceil_mode=False, data_format="channels_last"):
+  """``dx = sum_windows dy sign(x) |x|^(p-1) / y^(p-1)``; windows with ``y == 0`` give 0."""
+  x = np.asarray(x)
+  cfg = Config(x.shape, window_shape, strides, padding, dilation, ceil_mode, data_format)
+  xr, lead = cfg.to_rows(x.astype(np.float64), cfg.in_spatial)
+  dyr, _ = cfg.to_rows(np.asarray(dy).astype(np.float64), cfg.out_spatial)
+  dx = np.zeros_like(xr)
+  for j, taps in enumerate(cfg.windows()):
+    real = [flat for kind, flat in taps if kind == "real"]
+    if not real:
+      continue
+    y = (np.abs(xr[:, real]) ** p).sum(axis=1) ** (1.0 / p)
+    safe = np.where(y > 0, y, 1.0)
+    for flat in real:
+      v = xr[:, flat]
+      g = np.sign(v) * np.abs(v) ** (p - 1) / safe ** (p - 1)
+      dx[:, flat] += np.where(y > 0, dyr[:, j] * g, 0.0)
+  return cfg.from_rows(dx, lead, cfg.in_spatial)
