@@ -1,0 +1,1 @@
+"""Pallas kernels for jaxpool (see docs/pallas.md); ``ops`` is the entry point."""
