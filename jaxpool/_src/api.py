@@ -10,6 +10,7 @@ from typing import Any, Literal, Union
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from jaxpool._src import xla
 from jaxpool._src.windows import (IMPLEMENTATIONS, Geometry, check_choice, check_rank,
@@ -247,7 +248,8 @@ def max_unpool(y: jax.typing.ArrayLike, indices: jax.typing.ArrayLike,
   size = int_tuple("output_size", output_size, n)
   check_rank("y", y.shape, n, data_format)
   if indices.dtype != jnp.int32:
-    raise TypeError(f"indices must be int32 (as max_pool_with_indices returns); got {indices.dtype}.")
+    raise TypeError(
+        f"indices must be int32 (as max_pool_with_indices returns); got {indices.dtype}.")
   if tuple(indices.shape) != tuple(y.shape):
     raise ValueError(
         f"indices must have y's shape {tuple(y.shape)}; got {tuple(indices.shape)}.")
@@ -262,12 +264,15 @@ def _max_unpool(y, indices, size, channels_last):
     indices = jnp.moveaxis(indices, -1, -1 - n)
   lead = y.shape[:-n]
   plane = math.prod(size)
-  flat_y = y.reshape(-1, math.prod(y.shape[-n:]))
+  # Only the spatial dims are flattened; the leading (batch, channel) dims stay separate, as
+  # vmapped scatter dims, so a sharding of them carries through (no reshape merges them).
+  flat_y = y.reshape(*lead, math.prod(y.shape[-n:]))
   flat_i = indices.reshape(flat_y.shape)
   flat_i = jnp.where(flat_i < 0, plane, flat_i)  # negative: no element; dropped below
-  rows = jnp.arange(flat_y.shape[0])[:, None]
-  out = jnp.zeros((flat_y.shape[0], plane), y.dtype).at[rows, flat_i].set(flat_y, mode="drop")
-  out = out.reshape(*lead, *size)
+  scatter = lambda v, i: jnp.zeros((plane,), v.dtype).at[i].set(v, mode="drop")
+  for _ in lead:
+    scatter = jax.vmap(scatter)
+  out = scatter(flat_y, flat_i).reshape(*lead, *size)
   if channels_last:
     out = jnp.moveaxis(out, -1 - n, -1)
   return out
@@ -346,7 +351,9 @@ def avg_pool_grad(dy: jax.typing.ArrayLike, input_shape: Sequence[int],
                           dilation=dilation, ceil_mode=ceil_mode,
                           count_include_pad=count_include_pad, divisor_override=divisor_override,
                           data_format=data_format, implementation=implementation)
-  transpose = jax.linear_transpose(fwd, jax.ShapeDtypeStruct(input_shape, dy.dtype))
+  # The primal example comes from dy (full_like) so that it carries dy's varying axes inside
+  # shard_map; a bare ShapeDtypeStruct would not, and the transpose would reject dy.
+  transpose = jax.linear_transpose(fwd, lax.full_like(dy, 0, shape=input_shape))
   return transpose(dy)[0]
 
 
