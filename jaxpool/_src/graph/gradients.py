@@ -1,0 +1,264 @@
+"""Gradient-state nodes and gradient nodes (MPS's ``MPSNNGradientStateNode`` and
+``MPSNNGradientFilterNode``).
+
+A gradient-state node is produced by its forward node: when a graph holds the state node of a
+forward node, that forward node is run through ``forward_with_state`` and what it returns beside
+its output (the argmax of a max pool, the norms of an L2 pool, the weights of a convolution) becomes
+the state node's value.
+
+A gradient node stands for one forward node. Its inputs are, in order, its source gradient(s)
+(the cotangent of the forward output: an image node, or the gradient nodes of the forward node's
+consumers, whose cotangents for it are summed in order), the source images (the forward node's
+inputs) and the gradient state. Its value is a :class:`Cotangents`: one cotangent per forward input
+(``None`` where not wanted) and the cotangents of the forward node's parameters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import KW_ONLY, dataclass, field
+from typing import Any, ClassVar, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jaxpool._src.graph.nodes import (Conv, Dense, Input, Node, Spec, _input, _Pool)
+
+
+class Cotangents(NamedTuple):
+  """The value of a gradient node.
+
+  Attributes:
+    inputs: one cotangent per input of the forward node, ``None`` where not differentiated.
+    params: the cotangents of the forward node's parameters (same structure), or ``None``.
+  """
+
+  inputs: tuple[jax.Array | None, ...]
+  params: dict[str, jax.Array] | None
+
+
+@dataclass(frozen=True)
+class GradientState(Node):
+  """What a forward node keeps for its gradient (MPS's ``MPSNNGradientStateNode``).
+
+  Build it with ``forward.gradient_state()``. Its only input is its forward node, which produces
+  its value; see ``forward.state_doc`` for what it carries.
+  """
+
+  forward: Node = _input(compare=True)
+  _input_fields: ClassVar[tuple[str, ...]] = ("forward",)
+
+  def _normalize(self):
+    if not isinstance(self.forward, Node) or isinstance(self.forward, (GradientState,
+                                                                        GradientNode, Input)):
+      raise self._fail(f"forward must be a forward filter node; got {self.forward!r}.",
+                       TypeError)
+    if not self.forward.keeps_state:
+      raise self._fail(f"{type(self.forward).__name__} {self.forward.name!r} keeps no gradient "
+                       "state (its gradient needs only its source images).")
+
+  def infer_in_graph(self, specs: dict[str, Any], nodes: dict[str, Node]) -> Any:
+    fwd = nodes[self.forward.name]
+    if fwd != self.forward:
+      raise self._fail(f"the graph's node {fwd.name!r} is not the forward node this state was "
+                       "built from.")
+    return self.forward.state_spec(tuple(specs[i] for i in self.forward.inputs))
+
+  def describe(self):
+    return f"GradientState ({self.forward.state_doc})"
+
+
+@dataclass(frozen=True)
+class GradientNode(Node):
+  """The gradient of one forward node (MPS's ``MPSNNGradientFilterNode``).
+
+  Attributes:
+    forward: the forward node; its config (window, strides, padding...) is the gradient's.
+    source_gradient: node(s) giving the cotangent of the forward output (summed in order); a
+      gradient node contributes its cotangent for ``forward``. Empty for a scalar forward
+      output (a loss): the seed is 1.
+    source_image: the forward node's inputs, in order (MPS's ``sourceImage``).
+    gradient_state: the forward node's :class:`GradientState` (where it keeps one).
+    wrt: which forward inputs to differentiate; default every float input.
+  """
+
+  forward: Node = field(default=None, repr=False)
+  source_gradient: Any = _input(default=None)
+  source_image: Any = _input(default=None)
+  gradient_state: Any = _input(default=None)
+  _: KW_ONLY
+  wrt: tuple[bool, ...] | None = None
+  forward_name: str = field(init=False, default="")
+  source_gradients: tuple[str, ...] = field(init=False, default=())
+  source_images: tuple[str, ...] = field(init=False, default=())
+  state: str | None = field(init=False, default=None)
+  _input_fields: ClassVar[tuple[str, ...]] = ("source_gradient", "source_image",
+                                              "gradient_state")
+
+  def _normalize(self):
+    fwd = self.forward
+    if not isinstance(fwd, Node) or isinstance(fwd, (GradientState, GradientNode, Input)):
+      raise self._fail(f"forward must be a forward filter node; got {fwd!r}.", TypeError)
+    self._set("forward_name", fwd.name)
+    n_sg = len(_refs(self.source_gradient))
+    n_si = len(_refs(self.source_image))
+    self._set("source_gradients", self.inputs[:n_sg])
+    self._set("source_images", self.inputs[n_sg:n_sg + n_si])
+    states = self.inputs[n_sg + n_si:]
+    if len(states) > 1:
+      raise self._fail(f"gradient_state must be one node; got {self.gradient_state!r}.")
+    self._set("state", states[0] if states else None)
+    if self.source_images != fwd.inputs:
+      raise self._fail(f"source_image {self.source_images} must be the inputs of its forward "
+                       f"node {fwd.name!r}: {fwd.inputs}.")
+    if fwd.keeps_state and self.state is None:
+      raise self._fail(f"{type(fwd).__name__} {fwd.name!r} needs its gradient state "
+                       f"({fwd.name!r}.gradient_state()).")
+    if not fwd.keeps_state and self.state is not None:
+      raise self._fail(f"{type(fwd).__name__} {fwd.name!r} keeps no gradient state; got "
+                       f"gradient_state {self.state!r}.")
+    st = self.gradient_state
+    if isinstance(st, GradientState) and st.forward.name != fwd.name:
+      raise self._fail(f"gradient_state {st.name!r} belongs to forward node "
+                       f"{st.forward.name!r}, not to {fwd.name!r}.")
+    if self.wrt is not None:
+      self._set("wrt", tuple(bool(w) for w in self.wrt))
+      if len(self.wrt) != len(fwd.inputs):
+        raise self._fail(f"wrt must have one bool per input of {fwd.name!r} "
+                         f"({len(fwd.inputs)}); got {self.wrt!r}.")
+
+  # -- build time ------------------------------------------------------------------------------
+
+  def resolved_wrt(self, in_specs: tuple[Spec, ...]) -> tuple[bool, ...]:
+    if self.wrt is not None:
+      return self.wrt
+    return tuple(bool(jnp.issubdtype(s.dtype, jnp.floating)) for s in in_specs)
+
+  def infer_in_graph(self, specs: dict[str, Any], nodes: dict[str, Node]) -> Cotangents:
+    fwd = self.forward
+    if fwd.name in nodes and nodes[fwd.name] != fwd:
+      raise self._fail(f"the graph's node {fwd.name!r} is not the forward node this gradient "
+                       "was built from.")
+    if self.state is not None:
+      st = nodes[self.state]
+      if not isinstance(st, GradientState) or st.forward.name != fwd.name:
+        owner = st.forward.name if isinstance(st, GradientState) else "no forward node"
+        raise self._fail(f"gradient_state {self.state!r} belongs to {owner!r}, not to its "
+                         f"forward node {fwd.name!r}.")
+    in_specs = tuple(specs[i] for i in self.source_images)
+    out = fwd.infer(in_specs)
+    if not self.source_gradients and out.shape != ():
+      raise self._fail(f"needs a source_gradient: the output of {fwd.name!r} has shape "
+                       f"{out.shape}, not a scalar.")
+    for s in self.source_gradients:
+      node = nodes[s]
+      if isinstance(node, GradientNode):
+        slots = [k for k, i in enumerate(node.forward.inputs) if i == fwd.name]
+        wrt = node.resolved_wrt(tuple(specs[i] for i in node.source_images))
+        if not slots or not any(wrt[k] for k in slots):
+          raise self._fail(f"source gradient {s!r} (the gradient of {node.forward.name!r}) "
+                           f"carries no cotangent for {fwd.name!r}.")
+      elif isinstance(node, GradientState):
+        raise self._fail(f"source gradient {s!r} is a gradient state, not an image.")
+      elif specs[s].shape != out.shape:
+        raise self._fail(f"source gradient {s!r} has shape {specs[s].shape}, but the output of "
+                         f"{fwd.name!r} has shape {out.shape}.")
+    state_spec = specs[self.state] if self.state is not None else None
+    wrt = self.resolved_wrt(in_specs)
+
+    def run(xs, st, dy):
+      return Cotangents(*fwd.backward(xs, st, dy, in_specs, wrt))
+
+    return jax.eval_shape(run, in_specs, state_spec, out)
+
+  # -- run time --------------------------------------------------------------------------------
+
+  def source_gradient_value(self, values: dict[str, Any], nodes: dict[str, Node],
+                            in_specs: tuple[Spec, ...]) -> jax.Array:
+    total = None
+    for s in self.source_gradients:
+      node, v = nodes[s], values[s]
+      if isinstance(node, GradientNode):
+        parts = [v.inputs[k] for k, i in enumerate(node.forward.inputs)
+                 if i == self.forward.name and v.inputs[k] is not None]
+      else:
+        parts = [v]
+      for p in parts:
+        total = p if total is None else total + p
+    if total is None:  # a scalar output: d out / d out = 1
+      total = jnp.ones((), self.forward.infer(in_specs).dtype)
+    return total
+
+  def evaluate(self, values: dict[str, Any], nodes: dict[str, Node],
+               specs: dict[str, Any]) -> Cotangents:
+    in_specs = tuple(specs[i] for i in self.source_images)
+    dy = self.source_gradient_value(values, nodes, in_specs)
+    xs = tuple(values[i] for i in self.source_images)
+    state = values[self.state] if self.state is not None else None
+    dxs, dparams = self.forward.backward(xs, state, dy, in_specs, self.resolved_wrt(in_specs))
+    return Cotangents(tuple(dxs), dparams)
+
+  def describe(self):
+    return f"{type(self.forward).__name__}Gradient"
+
+
+@dataclass(frozen=True)
+class PoolingGradient(GradientNode):
+  """A pooling node's gradient (MPS's ``MPSCNNPoolingGradientNode``): source gradient, source
+  image, gradient state, and the forward's window, strides and padding."""
+
+  @property
+  def window(self) -> tuple[int, ...]:
+    return self.forward.window
+
+  @property
+  def strides(self) -> tuple[int, ...]:
+    return self.forward.strides
+
+  @property
+  def padding(self) -> Any:
+    return self.forward.padding
+
+  @property
+  def offset(self) -> tuple[int, ...]:
+    return self.forward.offset
+
+  @property
+  def dilation(self) -> tuple[int, ...]:
+    return self.forward.dilation_
+
+  def describe(self):
+    f = self.forward
+    pad = f.padding if isinstance(f.padding, str) else f"pad {f.padding}"
+    return (f"{type(f).__name__}Gradient {'x'.join(map(str, f.window))}/"
+            f"{'x'.join(map(str, f.strides))} {pad}")
+
+
+@dataclass(frozen=True)
+class ConvolutionGradient(GradientNode):
+  """A convolution's gradient (MPS's ``MPSCNNConvolutionGradientNode``): the input cotangent
+  and the weight and bias cotangents (``jax.vjp`` of the convolution, with the weights its
+  gradient state kept)."""
+
+
+@dataclass(frozen=True)
+class Gradient(GradientNode):
+  """The gradient of any other node (dense, activation, flatten, add, loss): ``jax.vjp`` of its
+  forward at the source images."""
+
+
+def gradient_class(forward: Node) -> type[GradientNode]:
+  if isinstance(forward, _Pool):
+    return PoolingGradient
+  if isinstance(forward, Conv):
+    return ConvolutionGradient
+  if isinstance(forward, Dense):
+    return Gradient
+  return Gradient
+
+
+def _refs(value: Any) -> tuple[Any, ...]:
+  if value is None:
+    return ()
+  if isinstance(value, (Node, str)):
+    return (value,)
+  return tuple(value)

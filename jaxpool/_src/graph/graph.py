@@ -1,0 +1,430 @@
+"""``Graph``: a topologically ordered tuple of nodes, built from its outputs; ``training_graph``."""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import subprocess
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxpool._src.graph.gradients import Cotangents, GradientNode, GradientState
+from jaxpool._src.graph.nodes import Input, Node
+
+Params = dict[str, dict[str, jax.Array]]
+
+
+class Graph:
+  """A graph of nodes (MPS's ``MPSNNGraph``), as pure functions over a parameter pytree.
+
+  ``Graph(outputs)`` walks back from ``outputs`` (a node or a sequence of nodes), resolves inputs
+  given by name, orders the nodes topologically and infers every node's per-example output shape.
+  Any error is a ``ValueError`` naming the node.
+
+  Attributes:
+    nodes: the nodes in topological order (inputs first).
+    outputs: the names of the output nodes.
+    specs: per-example ``jax.ShapeDtypeStruct`` of every node's value, by name.
+
+  Example:
+    >>> x = Input("image", shape=(8, 8, 1))
+    >>> y = MaxPool("pool", Conv("conv", x, features=4), window=(2, 2))
+    >>> g = Graph(y)
+    >>> params = g.init(jax.random.key(0))
+    >>> g.apply(params, image=jnp.ones((32, 8, 8, 1))).shape     # any leading batch dims
+    (32, 4, 4, 4)
+  """
+
+  def __init__(self, outputs: Node | Sequence[Node]):
+    self._single = isinstance(outputs, Node)
+    outs = (outputs,) if self._single else tuple(outputs)
+    if not outs:
+      raise ValueError("Graph needs at least one output node; got none.")
+    for o in outs:
+      if not isinstance(o, Node):
+        raise TypeError(f"Graph outputs must be nodes; got {o!r}.")
+    by_name = _collect(outs)
+    for node in by_name.values():
+      for i in node.inputs:
+        if i not in by_name:
+          raise ValueError(f"node {node.name!r} ({type(node).__name__}): unknown input {i!r}; "
+                           f"the graph has {sorted(by_name)}.")
+    order = _toposort(outs, by_name)
+    self.nodes: tuple[Node, ...] = tuple(order)
+    self.outputs: tuple[str, ...] = tuple(o.name for o in outs)
+    self._by_name = {n.name: n for n in order}
+    self._states: dict[str, str] = {}
+    for n in order:
+      if isinstance(n, GradientState):
+        if n.forward.name in self._states:
+          raise ValueError(f"node {n.name!r} (GradientState): forward node {n.forward.name!r} "
+                           f"already has the gradient state {self._states[n.forward.name]!r}.")
+        self._states[n.forward.name] = n.name
+    self.specs: dict[str, Any] = {}
+    for n in order:
+      self.specs[n.name] = _infer(n, self.specs, self._by_name)
+
+  # -- introspection ---------------------------------------------------------------------------
+
+  def node(self, name: str) -> Node:
+    """The node called ``name``."""
+    try:
+      return self._by_name[name]
+    except KeyError:
+      raise KeyError(f"no node {name!r} in this graph; it has {list(self._by_name)}.") from None
+
+  @property
+  def inputs(self) -> tuple[Input, ...]:
+    """The input (image) nodes, in order."""
+    return tuple(n for n in self.nodes if isinstance(n, Input))
+
+  def param_specs(self) -> dict[str, dict[str, jax.ShapeDtypeStruct]]:
+    out = {}
+    for n in self.nodes:
+      if n.has_params and not isinstance(n, (GradientNode, GradientState)):
+        out[n.name] = n.param_specs(self._in_specs(n))
+    return out
+
+  def num_params(self) -> int:
+    return sum(math.prod(s.shape) for p in self.param_specs().values() for s in p.values())
+
+  def __iter__(self):
+    return iter(self.nodes)
+
+  def __len__(self) -> int:
+    return len(self.nodes)
+
+  def __eq__(self, other: object) -> bool:
+    return (type(self) is type(other) and self.nodes == other.nodes
+            and self.outputs == other.outputs)
+
+  def __hash__(self) -> int:
+    return hash((type(self), self.nodes, self.outputs))
+
+  def __repr__(self) -> str:
+    return f"{type(self).__name__}({len(self.nodes)} nodes, outputs={self.outputs})"
+
+  def __str__(self) -> str:
+    return self.summary()
+
+  def _in_specs(self, n: Node) -> tuple[Any, ...]:
+    return tuple(self.specs[i] for i in n.inputs)
+
+  # -- running ---------------------------------------------------------------------------------
+
+  def init(self, key: jax.Array, **inputs: jax.typing.ArrayLike) -> Params:
+    """Parameters of every node that has some, from its initializers (its "data source").
+
+    Args:
+      key: a PRNG key; each parameterised node gets its own split, in graph order.
+      **inputs: optional example inputs, checked against the input nodes' shapes.
+
+    Returns:
+      ``{node_name: {"w": ..., "b": ...}}`` for every node with parameters.
+    """
+    if inputs:
+      self._check_inputs(inputs, require_all=False)
+    specs = self.param_specs()
+    keys = jax.random.split(key, max(len(specs), 1))
+    return {name: self._by_name[name].init_params(k, self._in_specs(self._by_name[name]))
+            for k, name in zip(keys, specs)}
+
+  def _check_inputs(self, inputs: Mapping[str, Any], require_all: bool = True
+                    ) -> dict[str, jax.Array]:
+    names = {n.name: n for n in self.inputs}
+    unknown = sorted(set(inputs) - set(names))
+    if unknown:
+      raise ValueError(f"unknown input(s) {unknown}; this graph's inputs are {sorted(names)}.")
+    missing = sorted(set(names) - set(inputs))
+    if require_all and missing:
+      raise ValueError(f"missing input(s) {missing}; this graph's inputs are {sorted(names)}.")
+    out, batch = {}, None
+    for name, value in inputs.items():
+      node = names[name]
+      x = jnp.asarray(value)
+      k = x.ndim - len(node.shape)
+      if k < 0 or tuple(x.shape[k:]) != node.shape:
+        raise ValueError(f"input {name!r} must have shape (*batch, {', '.join(map(str, node.shape))}"
+                         f"{',' if len(node.shape) == 1 else ''}); got {tuple(x.shape)}.")
+      if batch is not None and tuple(x.shape[:k]) != batch[1]:
+        raise ValueError(f"inputs {batch[0]!r} and {name!r} have different batch dims: "
+                         f"{batch[1]} and {tuple(x.shape[:k])}.")
+      batch = batch or (name, tuple(x.shape[:k]))
+      if (jnp.issubdtype(x.dtype, jnp.floating) != jnp.issubdtype(node.dtype, jnp.floating)
+          and not (x.dtype == bool and not jnp.issubdtype(node.dtype, jnp.floating))):
+        raise TypeError(f"input {name!r} must have a {node.dtype} dtype; got {x.dtype}.")
+      out[name] = x.astype(node.dtype)
+    return out
+
+  def evaluate(self, params: Params, **inputs: jax.typing.ArrayLike) -> dict[str, Any]:
+    """Runs every node; returns the value of every node by name (states and gradients too)."""
+    values: dict[str, Any] = dict(self._check_inputs(inputs))
+    for n in self.nodes:
+      with jax.named_scope(n.name):
+        if isinstance(n, (Input, GradientState)):
+          continue  # given by the caller / produced by its forward node
+        if isinstance(n, GradientNode):
+          values[n.name] = n.evaluate(values, self._by_name, self.specs)
+          continue
+        xs = tuple(values[i] for i in n.inputs)
+        p = params[n.name] if n.has_params else None
+        if n.name in self._states:
+          values[n.name], values[self._states[n.name]] = n.forward_with_state(
+              p, xs, self._in_specs(n))
+        else:
+          values[n.name] = n.forward(p, xs, self._in_specs(n))
+    return values
+
+  def apply(self, params: Params, **inputs: jax.typing.ArrayLike) -> Any:
+    """Runs the graph: pure, jittable, vmappable (MPS's ``encodeBatch`` is ``jax.vmap``).
+
+    Args:
+      params: as returned by :meth:`init`.
+      **inputs: one array per input node, ``(*batch, *shape)``; the same batch dims for all.
+
+    Returns:
+      The output's value, or a tuple of them if the graph was built from a sequence.
+    """
+    values = self.evaluate(params, **inputs)
+    outs = tuple(values[o] for o in self.outputs)
+    return outs[0] if self._single else outs
+
+  # -- printing and pictures -------------------------------------------------------------------
+
+  def summary(self) -> str:
+    """A table: each node, its op, its inputs, its per-example output shape, its parameters."""
+    pspecs = self.param_specs()
+    rows = [("#", "node", "op", "inputs", "shape", "params")]
+    for k, n in enumerate(self.nodes):
+      count = sum(math.prod(s.shape) for s in pspecs.get(n.name, {}).values())
+      rows.append((str(k), n.name, n.describe(), ", ".join(n.inputs) or "-",
+                   _shape_str(self.specs[n.name]), f"{count:,}" if count else "-"))
+    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+    lines = [f"{type(self).__name__}: {len(self.nodes)} nodes, {self.num_params():,} parameters, "
+             f"outputs {', '.join(self.outputs)}"]
+    for r in rows:
+      cells = [r[c].rjust(widths[c]) if c in (0, 5) else r[c].ljust(widths[c])
+               for c in range(len(r))]
+      lines.append("  ".join(cells).rstrip())
+    return "\n".join(lines)
+
+  def to_dot(self) -> str:
+    """The graph in Graphviz's DOT language: inputs as ellipses, filters as boxes, gradient
+    states as notes, gradient nodes as grey boxes; edges from each input to its consumer."""
+    lines = [f'digraph "{type(self).__name__}" {{', "  rankdir=TB;",
+             '  node [fontname="Helvetica", fontsize=10];']
+    for n in self.nodes:
+      label = f"{n.name}\\n{n.describe()}\\n{_shape_str(self.specs[n.name])}"
+      if isinstance(n, Input):
+        style = 'shape=ellipse, style=filled, fillcolor="#dbe9f6"'
+      elif isinstance(n, GradientState):
+        style = 'shape=note, style=filled, fillcolor="#fff2cc"'
+      elif isinstance(n, GradientNode):
+        style = 'shape=box, style="rounded,filled", fillcolor="#e6e6e6"'
+      else:
+        style = 'shape=box, style="rounded,filled", fillcolor="#d9ead3"'
+      if n.name in self.outputs:
+        style += ", penwidth=2"
+      lines.append(f'  "{_esc(n.name)}" [label="{_esc(label)}", {style}];')
+    for n in self.nodes:
+      for i in n.inputs:
+        lines.append(f'  "{_esc(i)}" -> "{_esc(n.name)}";')
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+  def save(self, path: str | os.PathLike) -> str:
+    """Writes the picture: ``.dot`` as text, ``.svg``/``.png``/``.pdf`` through Graphviz's
+    ``dot`` (``RuntimeError`` if it is not installed: check :func:`has_graphviz`).
+
+    Returns:
+      the path written.
+    """
+    path = os.fspath(path)
+    fmt = os.path.splitext(path)[1].lstrip(".").lower()
+    if fmt == "dot":
+      with open(path, "w") as f:
+        f.write(self.to_dot())
+      return path
+    if fmt not in ("svg", "png", "pdf"):
+      raise ValueError(f"path must end in .dot, .svg, .png or .pdf; got {path!r}.")
+    dot = shutil.which("dot")
+    if dot is None:
+      raise RuntimeError("rendering needs Graphviz's `dot` on the PATH (apt install graphviz); "
+                         "save a .dot file instead.")
+    subprocess.run([dot, f"-T{fmt}", "-o", path], input=self.to_dot().encode(), check=True)
+    return path
+
+
+def has_graphviz() -> bool:
+  """Whether Graphviz's ``dot`` binary is on the PATH (needed to render SVG/PNG)."""
+  return shutil.which("dot") is not None
+
+
+class TrainingGraph(Graph):
+  """The forward graph of a loss plus, for each node, its gradient-state and gradient nodes.
+
+  Built by :func:`training_graph`. :meth:`run` gives ``(loss, grads)``, equal to
+  ``jax.value_and_grad`` of the forward graph's ``apply``.
+
+  Attributes:
+    loss: the loss node's name.
+    gradients: ``{forward node name: gradient node name}``.
+  """
+
+  def __init__(self, outputs: Sequence[Node], loss: str, gradients: dict[str, str]):
+    super().__init__(outputs)
+    self.loss = loss
+    self.gradients = dict(gradients)
+
+  def run(self, params: Params, **inputs: jax.typing.ArrayLike) -> tuple[jax.Array, Params]:
+    """Runs the forward and gradient nodes.
+
+    Returns:
+      ``(loss, grads)``: the loss (a scalar) and the cotangent of every parameter, in the
+      structure of ``params``.
+    """
+    values = self.evaluate(params, **inputs)
+    grads = {}
+    for name in self.param_specs():
+      ct: Cotangents = values[self.gradients[name]]
+      grads[name] = ct.params
+    return values[self.loss], grads
+
+  __call__ = run
+
+
+def training_graph(loss: Node | Graph) -> TrainingGraph:
+  """The training graph of a scalar loss, built node by node (MPS's ``trainingGraph``).
+
+  Walking the forward graph backwards, each node that depends on a parameter gets a gradient node
+  (``node.gradient_filter``): its source gradient is the sum of its consumers' gradient nodes
+  (the seed 1 for the loss), its source images are the node's inputs, and where the node keeps
+  something for its gradient (the argmax of a max pool, the norms of an L2 pool, the weights of a
+  convolution) a gradient-state node carries it. Inputs that depend on no parameter are not
+  differentiated.
+
+  Args:
+    loss: the loss node (scalar output), or a single-output graph of it.
+
+  Returns:
+    a :class:`TrainingGraph` whose :meth:`~TrainingGraph.run` gives ``(loss, grads)``.
+
+  Raises:
+    ValueError: if the loss is not a scalar or no node has parameters.
+  """
+  if isinstance(loss, Graph):
+    if len(loss.outputs) != 1:
+      raise ValueError(f"training_graph needs a single loss output; got {loss.outputs}.")
+    loss = loss.node(loss.outputs[0])
+  fwd = Graph(loss)
+  if fwd.specs[loss.name].shape != ():
+    raise ValueError(f"node {loss.name!r} ({type(loss).__name__}): a loss must be a scalar; its "
+                     f"output has shape {fwd.specs[loss.name].shape}.")
+  trainable: dict[str, bool] = {}
+  consumers: dict[str, list[str]] = {n.name: [] for n in fwd.nodes}
+  for n in fwd.nodes:
+    if isinstance(n, (GradientNode, GradientState)):
+      raise ValueError(f"node {n.name!r}: training_graph takes a forward graph; it already holds "
+                       f"the {type(n).__name__}.")
+    trainable[n.name] = n.has_params or any(trainable[i] for i in n.inputs)
+    for i in n.inputs:
+      if n.name not in consumers[i]:
+        consumers[i].append(n.name)
+  if not any(n.has_params for n in fwd.nodes):
+    raise ValueError(f"node {loss.name!r}: nothing to train; no node of its graph has parameters.")
+  grads: dict[str, GradientNode] = {}
+  for n in reversed(fwd.nodes):
+    if isinstance(n, Input) or not trainable[n.name]:
+      continue
+    sources = tuple(grads[c] for c in consumers[n.name])
+    wrt = tuple(trainable[i] and jnp.issubdtype(fwd.specs[i].dtype, jnp.floating)
+                for i in n.inputs)
+    grads[n.name] = n.gradient_filter(sources or None, wrt=wrt)
+  outputs = [loss] + [grads[n.name] for n in fwd.nodes if n.has_params]
+  return TrainingGraph(outputs, loss.name, {k: g.name for k, g in grads.items()})
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _collect(outs: Sequence[Node]) -> dict[str, Node]:
+  by_name: dict[str, Node] = {}
+  stack = list(reversed(outs))
+  while stack:
+    n = stack.pop()
+    if n.name in by_name:
+      if by_name[n.name] != n:
+        raise ValueError(f"node {n.name!r}: two different nodes share this name "
+                         f"({by_name[n.name]!r} and {n!r}).")
+      continue
+    by_name[n.name] = n
+    stack.extend(reversed(n.refs))
+    if isinstance(n, GradientNode):  # the forward node's object, for name resolution
+      stack.extend(r for r in n.forward.refs)
+  return by_name
+
+
+def _toposort(outs: Sequence[Node], by_name: dict[str, Node]) -> list[Node]:
+  order: list[Node] = []
+  state: dict[str, int] = {}  # 1: on the stack, 2: done
+
+  for root in outs:
+    if state.get(root.name) == 2:
+      continue
+    stack: list[tuple[str, int]] = [(root.name, 0)]
+    path: list[str] = []
+    while stack:
+      name, k = stack.pop()
+      node = by_name[name]
+      if k == 0:
+        if state.get(name) == 2:
+          continue
+        state[name] = 1
+        path.append(name)
+      if k < len(node.inputs):
+        stack.append((name, k + 1))
+        nxt = node.inputs[k]
+        if state.get(nxt) == 1:
+          cycle = path[path.index(nxt):] + [nxt]
+          raise ValueError(f"node {nxt!r}: the graph has a cycle: {' -> '.join(reversed(cycle))}.")
+        if state.get(nxt) != 2:
+          stack.append((nxt, 0))
+      else:
+        state[name] = 2
+        path.pop()
+        order.append(node)
+  return order
+
+
+def _infer(n: Node, specs: dict[str, Any], by_name: dict[str, Node]) -> Any:
+  try:
+    if hasattr(n, "infer_in_graph"):
+      return n.infer_in_graph(specs, by_name)
+    return n.infer(tuple(specs[i] for i in n.inputs))
+  except (TypeError, ValueError) as e:  # e.g. a shape that lax rejects: name the node
+    if str(e).startswith(f"node {n.name!r}"):
+      raise
+    raise ValueError(f"node {n.name!r} ({type(n).__name__}): {e}") from e
+
+
+def _shape_str(spec: Any) -> str:
+  if isinstance(spec, jax.ShapeDtypeStruct):
+    return str(tuple(spec.shape))
+  if isinstance(spec, Cotangents):
+    shapes = [str(tuple(s.shape)) for s in spec.inputs if s is not None]
+    if spec.params:
+      shapes.append("+ " + ", ".join(f"d{k}" for k in spec.params))
+    return " ".join(shapes) or "-"
+  if spec is None:
+    return "-"
+  leaves = jax.tree_util.tree_leaves(spec)
+  return " ".join(str(tuple(s.shape)) for s in leaves) or "-"
+
+
+def _esc(s: str) -> str:
+  return s.replace('"', '\\"')
+
