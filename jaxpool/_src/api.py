@@ -353,8 +353,11 @@ def avg_pool_grad(dy: jax.typing.ArrayLike, input_shape: Sequence[int],
                           data_format=data_format, implementation=implementation)
   # The primal example comes from dy (full_like) so that it carries dy's varying axes inside
   # shard_map; a bare ShapeDtypeStruct would not, and the transpose would reject dy.
-  transpose = jax.linear_transpose(fwd, lax.full_like(dy, 0, shape=input_shape))
-  return transpose(dy)[0]
+  # jax.vjp, not jax.linear_transpose: avg_pool is a custom_jvp whose tangent map (a fixed-order
+  # tap sum) is what jax.grad transposes; linear_transpose would transpose the primal
+  # reduce_window instead and round differently.
+  _, vjp = jax.vjp(fwd, lax.full_like(dy, 0, shape=input_shape))
+  return vjp(dy)[0]
 
 
 # ----------------------------------------------------------------------------- Lp
