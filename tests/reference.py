@@ -106,7 +106,8 @@ class Config:
     if self.channels_last:
       a = np.moveaxis(a, -1, a.ndim - 1 - n)
     lead = a.shape[:a.ndim - n]
-    return a.reshape(int(np.prod(lead, dtype=np.int64)), int(np.prod(spatial, dtype=np.int64))), lead
+    rows = int(np.prod(lead, dtype=np.int64))
+    return a.reshape(rows, int(np.prod(spatial, dtype=np.int64))), lead
 
   def from_rows(self, rows, lead, spatial):
     a = rows.reshape(*lead, *spatial)
