@@ -1,0 +1,249 @@
+"""Pooling on one GPU: XLA, jaxpool (XLA and Pallas paths) and PyTorch cuDNN, side by side.
+
+Run on a GPU machine from the repository root::
+
+  XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=$PWD python3 benchmarks/gpu.py [--out DIR]
+
+Timer: each sample runs the op ``INNER`` times back to back, then blocks until the device is
+done (``block_until_ready`` / ``torch.cuda.synchronize``); the sample is the elapsed wall time over
+``INNER``. After warm-up (which also compiles), the median of ``REPS`` samples is reported. Every
+op gets its arrays as jit arguments (no closed-over constants) and random, non-zero data.
+
+Bytes: each row counts what the op must read and write once: forward ``x + y`` (``+ argmax`` when
+it writes one), backward ``dy + argmax + dx`` (for XLA's select_and_scatter, which recomputes the
+argmax from ``x``: ``x + dy + dx``), forward plus backward the sum of the two. GB/s is those bytes
+over the time; "of copy" divides by the bandwidth of a device-to-device pass (``x + 1`` on a
+1 GiB float32 array, read + write) timed by the same timer in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from jax import lax  # noqa: E402
+
+import jaxpool  # noqa: E402
+from jaxpool._src import windows  # noqa: E402
+from jaxpool._src.pallas import triton as pk  # noqa: E402
+
+INNER = 10
+REPS = 30
+CASES = [
+    # name, shape (N, H, W, C), window, strides, padding
+    ("128x112x112x64 3x3/s2/p1", (128, 112, 112, 64), (3, 3), (2, 2), 1),
+    ("64x224x224x64 2x2/s2", (64, 224, 224, 64), (2, 2), (2, 2), 0),
+]
+DTYPES = ("float32", "bfloat16")
+
+
+def time_jax(fn, *args) -> float:
+  out = fn(*args)
+  jax.block_until_ready(out)
+  for _ in range(2):
+    jax.block_until_ready(fn(*args))
+  samples = []
+  for _ in range(REPS):
+    t0 = time.perf_counter()
+    for _ in range(INNER):
+      out = fn(*args)
+    jax.block_until_ready(out)
+    samples.append((time.perf_counter() - t0) / INNER)
+  return statistics.median(samples) * 1e3
+
+
+def time_torch(fn) -> float:
+  import torch
+  for _ in range(3):
+    fn()
+  torch.cuda.synchronize()
+  samples = []
+  for _ in range(REPS):
+    t0 = time.perf_counter()
+    for _ in range(INNER):
+      fn()
+    torch.cuda.synchronize()
+    samples.append((time.perf_counter() - t0) / INNER)
+  return statistics.median(samples) * 1e3
+
+
+def copy_bandwidth() -> float:
+  """GB/s of ``x + 1`` over a 1 GiB float32 array, counting bytes read plus written."""
+  x = jax.random.normal(jax.random.key(0), (256 * 1024 * 1024,), jnp.float32)
+  ms = time_jax(jax.jit(lambda a: a + 1), x)
+  return 2 * x.size * 4 / ms / 1e6
+
+
+def torch_case(shape, window, strides, padding, dtype):
+  try:
+    import torch
+    import torch.nn.functional as F
+  except ImportError:
+    return None
+  tdt = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+  n, h, w, c = shape
+  x = torch.randn(n, c, h, w, device="cuda", dtype=tdt).to(memory_format=torch.channels_last)
+  x.requires_grad_(True)
+  y0 = F.max_pool2d(x, window, strides, padding)
+  dy = torch.randn_like(y0).contiguous(memory_format=torch.channels_last)
+
+  def fwd_bwd():
+    x.grad = None
+    y = F.max_pool2d(x, window, strides, padding)
+    y.backward(dy)
+
+  def fwd():
+    with torch.no_grad():
+      F.max_pool2d(x, window, strides, padding)
+
+  out = {"torch_fwd": time_torch(fwd), "torch_fwd_bwd": time_torch(fwd_bwd)}
+  del x, dy, y0
+  torch.cuda.empty_cache()
+  return out
+
+
+def run_case(name, shape, window, strides, padding, dtype, copy_gbs):
+  dt = jnp.dtype(dtype)
+  kx, kd = jax.random.split(jax.random.key(hash((name, dtype)) % 2**31))
+  x = jax.random.normal(kx, shape, jnp.float32).astype(dt)
+  geom = windows.make_geometry(shape, window, strides, padding)
+  out_shape = geom.output_shape(shape)
+  dy = jax.random.normal(kd, out_shape, jnp.float32).astype(dt)
+  pad_cfg = ((0, 0), *geom.full_padding, (0, 0))
+  kw = dict(window_shape=window, strides=strides, padding=padding)
+
+  def xla_fwd(a):
+    return lax.reduce_window(a, jnp.array(-jnp.inf, a.dtype), lax.max, (1, *window, 1), (1, *strides, 1), pad_cfg)
+
+  xla_vjp = jax.jit(lambda a: jax.vjp(xla_fwd, a)[1])(x)
+  idx = jax.jit(lambda a: pk.max_forward_argmax(a, geom, interpret=False)[1])(x)
+
+  def vjp_of(f):
+    return jax.jit(lambda a, g: jax.vjp(f, a)[1](g)[0])
+
+  mp = lambda impl: (lambda a: jaxpool.max_pool(a, **kw, implementation=impl))
+  ap = lambda impl: (lambda a: jaxpool.avg_pool(a, **kw, implementation=impl))
+  isz = dt.itemsize
+  nx, ny = x.size * isz, dy.size * isz
+  ni = idx.size * idx.dtype.itemsize
+  rows = {}
+
+  def row(key, ms, nbytes):
+    rows[key] = {"ms": ms, "bytes": nbytes, "GBps": nbytes / ms / 1e6,
+                 "of_copy": nbytes / ms / 1e6 / copy_gbs}
+
+  row("xla_fwd", time_jax(jax.jit(xla_fwd), x), nx + ny)
+  row("xla_bwd", time_jax(jax.jit(lambda v, g: v(g)[0]), xla_vjp, dy), nx + ny + nx)
+  row("jaxpool_xla_fwd_bwd", time_jax(vjp_of(mp("xla")), x, dy), nx + ny + ni + ni + ny + nx)
+  row("pallas_fwd", time_jax(jax.jit(lambda a: pk.max_forward(a, geom, interpret=False)), x),
+      nx + ny)
+  row("pallas_fwd_argmax",
+      time_jax(jax.jit(lambda a: pk.max_forward_argmax(a, geom, interpret=False)), x),
+      nx + ny + ni)
+  row("pallas_bwd",
+      time_jax(jax.jit(lambda i, g: pk.max_backward(i, g, shape, geom, interpret=False)), idx, dy),
+      ni + ny + nx)
+  row("pallas_fwd_bwd", time_jax(vjp_of(mp("pallas")), x, dy), nx + ny + ni + ni + ny + nx)
+  row("xla_avg_fwd_bwd", time_jax(vjp_of(ap("xla")), x, dy), nx + ny + ny + nx)
+  row("pallas_avg_fwd_bwd", time_jax(vjp_of(ap("pallas")), x, dy), nx + ny + ny + nx)
+  # Same bits as the XLA path, checked here on the benchmark's own data.
+  same = bool(jnp.array_equal(vjp_of(mp("pallas"))(x, dy), vjp_of(mp("xla"))(x, dy)))
+  del x, dy, idx, xla_vjp
+  t = torch_case(shape, window, strides, padding if isinstance(padding, int) else 0, dtype)
+  if t is not None:
+    row("torch_fwd", t["torch_fwd"], nx + ny)
+    row("torch_fwd_bwd", t["torch_fwd_bwd"], nx + ny + ny + nx)
+  r = {k: v["ms"] for k, v in rows.items()}
+  ratios = {
+      "bwd_speedup_vs_xla": r["xla_bwd"] / r["pallas_bwd"],
+      "fwd_bwd_speedup_vs_torch": (r["torch_fwd_bwd"] / r["pallas_fwd_bwd"]
+                                   if "torch_fwd_bwd" in r else None),
+      "fwd_bwd_speedup_vs_jaxpool_xla": r["jaxpool_xla_fwd_bwd"] / r["pallas_fwd_bwd"],
+      "avg_speedup_vs_xla": r["xla_avg_fwd_bwd"] / r["pallas_avg_fwd_bwd"],
+  }
+  return {"case": name, "dtype": dtype, "rows": rows, "ratios": ratios,
+          "grad_bits_equal_xla_path": same}
+
+
+def plot(results, path):
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  keys = ["xla_fwd", "pallas_fwd", "xla_bwd", "pallas_bwd", "torch_fwd_bwd",
+          "jaxpool_xla_fwd_bwd", "pallas_fwd_bwd", "xla_avg_fwd_bwd", "pallas_avg_fwd_bwd"]
+  fig, ax = plt.subplots(figsize=(12, 5))
+  width = 0.8 / len(results)
+  for n, res in enumerate(results):
+    vals = [res["rows"].get(k, {}).get("ms", np.nan) for k in keys]
+    ax.bar(np.arange(len(keys)) + n * width, vals, width, label=f"{res['case']} {res['dtype']}")
+  ax.set_xticks(np.arange(len(keys)) + 0.4 - width / 2)
+  ax.set_xticklabels(keys, rotation=30, ha="right")
+  ax.set_ylabel("ms (median)")
+  ax.set_title(f"Max/avg pooling on {jax.devices()[0].device_kind}")
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  ap.add_argument("--json", default=os.path.join(root, "benchmarks/results/gpu.json"))
+  ap.add_argument("--png", default=os.path.join(root, "docs/img/bench_gpu.png"))
+  args = ap.parse_args()
+  dev = jax.devices()[0]
+  print(f"device {dev.device_kind}; jax {jax.__version__}; python {platform.python_version()}")
+  copy_gbs = copy_bandwidth()
+  print(f"copy bandwidth (x + 1, 1 GiB f32, read + write): {copy_gbs:.0f} GB/s", flush=True)
+  results = []
+  for name, shape, window, strides, padding in CASES:
+    for dtype in DTYPES:
+      res = run_case(name, shape, window, strides, padding, dtype, copy_gbs)
+      results.append(res)
+      print(f"\n{name} {dtype}  (grad bits == jaxpool XLA path: {res['grad_bits_equal_xla_path']})")
+      print(f"  {'row':24s} {'ms':>8s} {'GB/s':>8s} {'of copy':>8s}")
+      for k, v in res["rows"].items():
+        print(f"  {k:24s} {v['ms']:8.3f} {v['GBps']:8.0f} {v['of_copy']:8.2f}")
+      print("  " + ", ".join(f"{k}={v:.2f}" for k, v in res["ratios"].items() if v is not None),
+            flush=True)
+  meta = {"device": dev.device_kind, "jax": jax.__version__, "copy_GBps": copy_gbs,
+          "timer": f"median of {REPS} samples, each {INNER} calls then block_until_ready",
+          "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+  try:
+    import torch
+    meta["torch"] = torch.__version__
+  except ImportError:
+    pass
+  os.makedirs(os.path.dirname(args.json), exist_ok=True)
+  with open(args.json, "w") as f:
+    json.dump({"meta": meta, "results": results}, f, indent=1)
+  try:
+    os.makedirs(os.path.dirname(args.png), exist_ok=True)
+    plot(results, args.png)
+  except Exception as e:  # the numbers matter more than the picture
+    print("plot failed:", e)
+  print("\nsummary (ms): case dtype | xla_bwd pallas_bwd (x) | torch_fb pallas_fb (x) | "
+        "fwd/bwd of copy | avg xla pallas")
+  for res in results:
+    r, q = res["rows"], res["ratios"]
+    tfb = r.get("torch_fwd_bwd", {}).get("ms", float("nan"))
+    print(f"{res['case'][:14]} {res['dtype'][:4]} | {r['xla_bwd']['ms']:.3f} "
+          f"{r['pallas_bwd']['ms']:.3f} ({q['bwd_speedup_vs_xla']:.1f}x) | {tfb:.3f} "
+          f"{r['pallas_fwd_bwd']['ms']:.3f} ({q['fwd_bwd_speedup_vs_torch'] or float('nan'):.1f}x)"
+          f" | {r['pallas_fwd']['of_copy']:.2f}/{r['pallas_bwd']['of_copy']:.2f} | "
+          f"{r['xla_avg_fwd_bwd']['ms']:.3f} {r['pallas_avg_fwd_bwd']['ms']:.3f}")
+
+
+if __name__ == "__main__":
+  main()
