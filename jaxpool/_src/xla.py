@@ -138,9 +138,17 @@ def _cpu_barrier(y: jax.Array, idx: jax.Array) -> tuple[jax.Array, jax.Array]:
   # every tap of the scatter that reads the argmax: k-fold recomputation and a 10x slower
   # backward. A conditional is a real fusion boundary; its predicate is always true (a tap
   # index is below its dtype's max), but XLA cannot prove it, so it writes (y, idx) once.
-  pred = idx.reshape(-1)[0] < jnp.iinfo(idx.dtype).max
+  # One element, indexed without a reshape (a reshape would merge sharded dims).
+  pred = idx[(0,) * idx.ndim] < jnp.iinfo(idx.dtype).max
   # (The branches must differ, or XLA folds the conditional away.)
   return lax.cond(pred, lambda a: a, lambda a: jax.tree.map(jnp.zeros_like, a), (y, idx))
+
+
+def _sharded_in_type(a: jax.Array) -> bool:
+  """Whether ``a`` is sharded over an Explicit mesh axis (sharding in types)."""
+  sharding = getattr(jax.typeof(a), "sharding", None)
+  spec = getattr(sharding, "spec", None)
+  return spec is not None and any(p is not None for p in spec)
 
 
 def _argmax_materialized(x: jax.Array, geom: Geometry) -> tuple[jax.Array, jax.Array]:
@@ -148,6 +156,9 @@ def _argmax_materialized(x: jax.Array, geom: Geometry) -> tuple[jax.Array, jax.A
   y, idx = max_pool_argmax(x, geom)
   if idx.size == 0:
     return y, idx
+  if _sharded_in_type(idx):
+    # Explicit sharding: the predicate's element lives on one device; keep the plain barrier.
+    return lax.optimization_barrier((y, idx))
   return lax.platform_dependent(y, idx, cpu=_cpu_barrier,
                                 default=lambda y, idx: lax.optimization_barrier((y, idx)))
 

@@ -185,7 +185,9 @@ class GradientNode(Node):
       for p in parts:
         total = p if total is None else total + p
     if total is None:  # a scalar output: d out / d out = 1
-      total = jnp.ones((), self.forward.infer(in_specs).dtype)
+      # (full_like of the loss itself, so that inside shard_map the seed varies as it does)
+      total = jax.lax.full_like(values[self.forward.name], 1,
+                                self.forward.infer(in_specs).dtype)
     return total
 
   def evaluate(self, values: dict[str, Any], nodes: dict[str, Node],

@@ -1,0 +1,80 @@
+"""Every op under sharding (jit with NamedSharding inputs, shard_map) equals one device.
+
+The checks run in one subprocess with 8 CPU devices (tests/sharding_checks.py), so that this
+pytest process keeps its single device; each test below asserts on one group of its checks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).with_name("sharding_checks.py")
+
+# Groups of checks: (name prefix, how many checks at least). A group that ran fewer checks
+# than expected fails too, so a check cannot vanish silently.
+GROUPS = [
+    ("jit/channels_last/explicit/batch+channels/", 12),
+    ("jit/channels_last/explicit/batch/", 12),
+    ("jit/channels_last/auto/batch+channels/", 12),
+    ("shard_map/channels_last/", 12),
+    ("jit/channels_first/explicit/batch+channels/", 12),
+    ("jit/channels_first/auto/batch+channels/", 12),
+    ("shard_map/channels_first/", 12),
+    ("jit/channels_last/spatial/", 3),
+    ("jit/channels_first/spatial/", 3),
+    ("jit/1d/", 1),
+    ("jit/3d/", 1),
+    ("jit/data_parallel/", 1),
+    ("shard_map/vmap_grad", 1),
+]
+
+
+@pytest.fixture(scope="module")
+def results():
+  env = dict(os.environ)
+  env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8")
+  env["JAX_PLATFORMS"] = "cpu"
+  proc = subprocess.run([sys.executable, str(SCRIPT)], env=env, capture_output=True, text=True,
+                        timeout=600)
+  out = {}
+  for line in proc.stdout.splitlines():
+    if line.startswith("{"):
+      r = json.loads(line)
+      out[r["name"]] = r
+  if "summary" not in out:
+    pytest.fail(f"sharding_checks.py did not finish (rc {proc.returncode}):\n"
+                f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+  return out
+
+
+@pytest.mark.parametrize("prefix,minimum", GROUPS, ids=[g[0].strip("/") for g in GROUPS])
+def test_sharded_equals_one_device(results, prefix, minimum):
+  group = {k: v for k, v in results.items() if k.startswith(prefix)}
+  assert len(group) >= minimum, f"only {len(group)} checks named {prefix}*: {sorted(group)}"
+  failed = {k: v["detail"] for k, v in group.items() if not v["ok"]}
+  assert not failed, "\n\n".join(f"{k}:\n{d}" for k, d in failed.items())
+
+
+def test_every_check_is_in_a_group(results):
+  names = [k for k in results if k != "summary"]
+  loose = [k for k in names
+           if not k.startswith("graph/") and not any(k.startswith(p) for p, _ in GROUPS)]
+  assert not loose, loose
+  assert results["summary"]["ok"] == all(results[k]["ok"] for k in names)
+
+
+def test_graph_under_sharding(results):
+  try:
+    import jaxpool.graph  # noqa: F401
+  except ImportError:
+    pytest.skip("jaxpool.graph is not there yet")
+  group = {k: v for k, v in results.items() if k.startswith("graph/")}
+  assert len(group) >= 2, sorted(group)
+  failed = {k: v["detail"] for k, v in group.items() if not v["ok"]}
+  assert not failed, "\n\n".join(f"{k}:\n{d}" for k, d in failed.items())
