@@ -148,8 +148,8 @@ class Graph:
       x = jnp.asarray(value)
       k = x.ndim - len(node.shape)
       if k < 0 or tuple(x.shape[k:]) != node.shape:
-        raise ValueError(f"input {name!r} must have shape (*batch, {', '.join(map(str, node.shape))}"
-                         f"{',' if len(node.shape) == 1 else ''}); got {tuple(x.shape)}.")
+        raise ValueError(f"input {name!r} must have shape (*batch, *{node.shape}); got "
+                         f"{tuple(x.shape)}.")
       if batch is not None and tuple(x.shape[:k]) != batch[1]:
         raise ValueError(f"inputs {batch[0]!r} and {name!r} have different batch dims: "
                          f"{batch[1]} and {tuple(x.shape[:k])}.")
@@ -335,7 +335,8 @@ def training_graph(loss: Node | Graph) -> TrainingGraph:
       if n.name not in consumers[i]:
         consumers[i].append(n.name)
   if not any(n.has_params for n in fwd.nodes):
-    raise ValueError(f"node {loss.name!r}: nothing to train; no node of its graph has parameters.")
+    raise ValueError(f"node {loss.name!r} ({type(loss).__name__}): nothing to train; no node of "
+                     "its graph has parameters.")
   grads: dict[str, GradientNode] = {}
   for n in reversed(fwd.nodes):
     if isinstance(n, Input) or not trainable[n.name]:

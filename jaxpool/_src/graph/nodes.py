@@ -408,7 +408,7 @@ class Conv(Node):
         padding=self._pads(spec.shape), rhs_dilation=self.dilation, dimension_numbers=dn,
         **_conv_precision(self.accumulator_precision, x.dtype))
     if self.use_bias:
-      y = y + params["b"].astype(y.dtype)
+      y = y + params["b"].astype(y.dtype).reshape((1,) * (y.ndim - 1) + (-1,))
     y = y.astype(x.dtype)
     return y.reshape((*batch, *y.shape[1:]))
 
@@ -465,7 +465,7 @@ class Dense(Node):
     y = jnp.matmul(xf, params["w"].astype(x.dtype),
                    **_conv_precision(self.accumulator_precision, x.dtype))
     if self.use_bias:
-      y = y + params["b"].astype(y.dtype)
+      y = y + params["b"].astype(y.dtype).reshape((1,) * (y.ndim - 1) + (-1,))
     return y.astype(x.dtype)
 
   def describe(self):
@@ -710,15 +710,15 @@ class L2Pool(_Pool):
       return (None,), None
     x, pads = self._crop(xs[0], in_specs[0])
     kw = self._kw(pads)
-    geom = jaxpool.make_geometry(x.shape, kw["window_shape"], kw["strides"], kw["padding"],
-                                 kw.get("dilation"))
     acc = xla.accumulator_dtype(x.dtype)
     xa, y = x.astype(acc), state.astype(acc)
     positive = y > 0
     denom = jnp.where(positive, y, 1)
 
-    def lin(t):  # the core's tangent map of lp_pool at p = 2, with y taken from the state
-      return jnp.where(positive, xla.window_sum(xa * t.astype(acc), geom) / denom, 0)
+    def lin(t):  # the tangent map of l2_pool, with y taken from the state; avg_pool with
+      # divisor 1 is the window sum, so its transpose is the core's (the same bits as jax.grad)
+      s = jaxpool.avg_pool(xa * t.astype(acc), **kw, divisor_override=1)
+      return jnp.where(positive, s / denom, 0)
 
     _, vjp = jax.vjp(lin, jnp.zeros_like(x))
     dx = vjp(jnp.asarray(dy).astype(acc))[0]
