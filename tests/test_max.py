@@ -65,23 +65,10 @@ def test_max_pool_property(cfg, seed, specials):
   dy = rng.integers(-3, 4, size=y.shape).astype(np.float32)
   dx = jp.max_pool_grad(x, dy, **kw)
   assert_bitwise(dx, ref.max_pool_grad(x, dy, **kw).astype(np.float32) + 0.0)
-
-
-@hypothesis.settings(SETTINGS, max_examples=8)
-@hypothesis.given(cfg=pool_configs(max_nspatial=2), seed=st.integers(0, 2**31 - 1))
-def test_max_pool_grad_random_dy(cfg, seed):
-  """Non-integer cotangents: float32 sums to within rounding of the float64 reference."""
-  shape, kw = split(cfg)
-  rng = np.random.default_rng(seed)
-  x = tie_rich(rng, shape)
-  dy = rng.standard_normal(ref.Config(shape, **_ref_cfg(kw)).out_shape).astype(np.float32)
+  # non-integer cotangents: float32 sums, to within rounding of the float64 reference
+  dy = rng.standard_normal(y.shape).astype(np.float32)
   dx = jp.max_pool_grad(x, dy, **kw)
   np.testing.assert_allclose(dx, ref.max_pool_grad(x, dy, **kw), rtol=1e-6, atol=1e-6)
-
-
-def _ref_cfg(kw):
-  return dict(window_shape=kw["window_shape"], strides=kw["strides"], padding=kw["padding"],
-              dilation=kw["dilation"], ceil_mode=kw["ceil_mode"], data_format=kw["data_format"])
 
 
 # ------------------------------------------------------------------------------ hand cases
