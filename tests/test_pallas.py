@@ -97,8 +97,8 @@ def _check_avg(rng, cfg, dtype, count_include_pad, divisor_override):
   np.testing.assert_allclose(np.float32(a), np.float32(b), rtol=_tol(dtype, 1),
                              atol=_tol(dtype, taps))
   dy = _data(rng, a.shape, dtype, special=False)
-  ga, gb = [jax.vjp(lambda v, impl=impl: jaxpool.avg_pool(v, **kw, implementation=impl), x)[1](dy)[0]
-            for impl in ("pallas", "xla")]
+  ga, gb = [jax.vjp(lambda v, impl=impl: jaxpool.avg_pool(v, **kw, implementation=impl),
+                    x)[1](dy)[0] for impl in ("pallas", "xla")]
   assert ga.dtype == gb.dtype == x.dtype
   np.testing.assert_allclose(np.float32(ga), np.float32(gb), rtol=_tol(dtype, 1),
                              atol=_tol(dtype, taps))

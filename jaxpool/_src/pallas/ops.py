@@ -81,7 +81,7 @@ def _batched_call(fn, n_args: int):
   return f
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _fwd_fns(geom: Geometry, interpret: bool):
   k = _kernels()
   fwd = _batched_call(functools.partial(k.max_forward, geom=geom, interpret=interpret), 1)
@@ -90,7 +90,7 @@ def _fwd_fns(geom: Geometry, interpret: bool):
   return fwd, fwd_arg
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _max_bwd_fn(geom: Geometry, interpret: bool):
   k = _kernels()
 
@@ -101,7 +101,7 @@ def _max_bwd_fn(geom: Geometry, interpret: bool):
   return _batched_call(bwd, 2)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _avg_fns(geom: Geometry, interpret: bool, count_include_pad: bool,
              divisor_override: int | None):
   k = _kernels()

@@ -76,7 +76,7 @@ def _next_pow2(n: int) -> int:
 
 
 def block_sizes(width: int, channels: int, itemsize: int) -> tuple[int, int]:
-  """``(bw, bc)``: powers of two; channels whole up to 512 bytes a row, columns with little waste."""
+  """``(bw, bc)``, powers of two: whole channels up to 512 bytes a row; columns, little waste."""
   bc = min(_next_pow2(channels), max(512 // itemsize, 1))
   budget = max(8192 // bc, 1)  # at most 8192 elements a tile
   best = None
@@ -278,58 +278,93 @@ def avg_forward(x: jax.Array, geom: Geometry, *, interpret: bool, count_include_
 
 def _backward_kernel(*refs, g: Geom2, bw: int, bc: int, channels: int, mode: str,
                      include_pad: bool, divisor: int | None, interpret: bool):
-  """One input row of ``dx``: gathers, over the taps in a fixed order, the windows holding it."""
+  """``dx`` for ``sh`` input rows and ``sw * bw`` columns, one stride phase at a time.
+
+  The input element ``(h, w) = (hm * sh + rh, m * sw + rw)`` lies at tap ``(i, j)`` of window
+  ``(hm + qh, m + qw)`` exactly when ``rh + ph - i * dh = qh * sh`` and ``rw + pw - j * dw =
+  qw * sw``: for a fixed phase ``(rh, rw)`` the taps that can hold it and the offsets ``qh, qw``
+  are static, and each tap's window coordinates are a contiguous run over ``m``. So each phase
+  loads only the taps that matter, as whole tiles, and sums them in descending tap order: the
+  order in which JAX's transpose of the XLA path's tap gather adds them (the skipped taps add
+  exact zeros there), so max-pool gradients have the same bits on both paths.
+  """
   if mode == "max":
     idx_ref, dy_ref, dx_ref = refs
   else:
     dy_ref, dx_ref = refs
+  hm_count = -(-g.H // g.sh)
   pid = pl.program_id(0)
-  b, h = pid // g.H, pid % g.H
-  tile = _Tile(g.W, channels, bw, bc, interpret)
-  w = tile.cols
+  b, hm = pid // hm_count, pid % hm_count
+  m = pl.program_id(1) * bw + jnp.arange(bw, dtype=jnp.int32)
+  raw_c = pl.program_id(2) * bc + jnp.arange(bc, dtype=jnp.int32)
+  exact_c = channels % bc == 0
+  if exact_c and not interpret:
+    chans = pl.ds(pl.program_id(2) * bc, bc)
+  else:
+    chans = jnp.minimum(raw_c, channels - 1)[None, :]
+
+  def at(row, cols):
+    if isinstance(chans, pl.Slice):
+      return (b, row, cols, chans)
+    return (b, row, cols[:, None], chans)
+
   dtype = dy_ref.dtype
   acc_t = accumulator_dtype(dtype)
   lo_h, hi_h = (-g.ph, g.H + g.phh) if include_pad else (0, g.H)
   lo_w, hi_w = (-g.pw, g.W + g.pwh) if include_pad else (0, g.W)
-  acc = None
-  # Descending tap order: the order in which JAX's transpose of the XLA path's tap gather adds
-  # the taps' contributions, so that max-pool gradients have the same bits on both paths.
-  for t in reversed(range(g.taps)):
-    i, j = divmod(t, g.kw)
-    hn = h + g.ph - i * g.dh
-    ho = jnp.maximum(hn, 0) // g.sh
-    h_ok = (hn >= 0) & (hn % g.sh == 0) & (ho < g.Ho)
-    hoc = jnp.minimum(ho, g.Ho - 1)
-    wn = w + g.pw - j * g.dw
-    wo = jnp.maximum(wn, 0) // g.sw
-    w_ok = (wn >= 0) & (wn % g.sw == 0) & (wo < g.Wo)
-    woc = jnp.minimum(wo, g.Wo - 1)
-    ok = (h_ok & w_ok)[:, None]
-    at = tile.index(b, hoc, woc)
-    dyt = _load(dy_ref, at, ok, np.array(0, dtype))
-    if mode == "max":
-      sel = ok & (_load(idx_ref, at, ok, np.array(-1, idx_ref.dtype)) == t)
-      c = jnp.where(sel, dyt, np.array(0, dtype)).astype(acc_t)
-      # Round after every add, as the XLA path does when it adds 16-bit cotangents.
-      acc = c if acc is None else (acc + c).astype(dtype).astype(acc_t)
-    else:
-      if divisor is not None:
-        div = jnp.full((bw,), divisor, acc_t)
+  zero = jnp.zeros((bw, bc), acc_t)
+  for rh in range(g.sh):
+    h = hm * g.sh + rh
+    for rw in range(g.sw):
+      w = m * g.sw + rw
+      acc = None
+      for t in reversed(range(g.taps)):
+        i, j = divmod(t, g.kw)
+        qh, remh = divmod(rh + g.ph - i * g.dh, g.sh)
+        qw, remw = divmod(rw + g.pw - j * g.dw, g.sw)
+        if remh or remw:
+          continue
+        ho, wo = hm + qh, m + qw
+        ok = ((ho >= 0) & (ho < g.Ho) & (wo >= 0) & (wo < g.Wo))[:, None]
+        where = at(jnp.clip(ho, 0, g.Ho - 1), jnp.clip(wo, 0, g.Wo - 1))
+        dyt = _load(dy_ref, where, ok, np.array(0, dtype))
+        if mode == "max":
+          sel = ok & (_load(idx_ref, where, ok, np.array(-1, idx_ref.dtype)) == t)
+          c = jnp.where(sel, dyt, np.array(0, dtype)).astype(acc_t)
+          if acc is None:
+            acc = c if t == g.taps - 1 else (zero + c).astype(dtype).astype(acc_t)
+          else:
+            # Round after every add, as the XLA path does when it adds 16-bit cotangents.
+            acc = (acc + c).astype(dtype).astype(acc_t)
+        else:
+          if divisor is not None:
+            div = jnp.full((bw,), divisor, acc_t)
+          else:
+            # The divisor of window (ho, wo): its taps inside the counted region.
+            hoc, woc = jnp.clip(ho, 0, g.Ho - 1), jnp.clip(wo, 0, g.Wo - 1)
+            ch = jnp.zeros((), jnp.int32)
+            for ii in range(g.kh):
+              hh = hoc * g.sh + ii * g.dh - g.ph
+              ch = ch + ((hh >= lo_h) & (hh < hi_h)).astype(jnp.int32)
+            cw = jnp.zeros((bw,), jnp.int32)
+            for jj in range(g.kw):
+              ww = woc * g.sw + jj * g.dw - g.pw
+              cw = cw + ((ww >= lo_w) & (ww < hi_w)).astype(jnp.int32)
+            cnt = ch * cw
+            div = jnp.where(cnt == 0, 1, cnt).astype(acc_t)
+          c = jnp.where(ok, dyt.astype(acc_t) / div[:, None], 0)
+          acc = c if acc is None else acc + c
+      if acc is None:
+        acc = zero
+      # Rows and columns past the end: masked when compiled; in interpret mode the store's
+      # scatter drops out-of-bounds indices (and clamped channels rewrite their own value).
+      if interpret:
+        dx_ref[at(h, w)] = acc.astype(dtype)
       else:
-        # The divisor of window (ho, wo): its taps inside the counted region.
-        ch = jnp.zeros((), jnp.int32)
-        for ii in range(g.kh):
-          hh = hoc * g.sh + ii * g.dh - g.ph
-          ch = ch + ((hh >= lo_h) & (hh < hi_h)).astype(jnp.int32)
-        cw = jnp.zeros((bw,), jnp.int32)
-        for jj in range(g.kw):
-          ww = woc * g.sw + jj * g.dw - g.pw
-          cw = cw + ((ww >= lo_w) & (ww < hi_w)).astype(jnp.int32)
-        cnt = ch * cw
-        div = jnp.where(cnt == 0, 1, cnt).astype(acc_t)
-      c = jnp.where(ok, dyt.astype(acc_t) / div[:, None], 0)
-      acc = c if acc is None else acc + c
-  _store(dx_ref, tile.index(b, h, w), acc.astype(dtype), tile)
+        mask = ((w < g.W) & (h < g.H))[:, None]
+        if not exact_c:
+          mask = mask & (raw_c < channels)[None, :]
+        plgpu.store(dx_ref.at[at(h, w)], acc.astype(dtype), mask=mask)
 
 
 def _backward_call(operands, in_shape, geom: Geometry, mode: str, interpret: bool,
@@ -339,8 +374,8 @@ def _backward_call(operands, in_shape, geom: Geometry, mode: str, interpret: boo
   c = dy.shape[-1]
   ops4 = [_as4(o, g, (g.Ho, g.Wo)) for o in operands]
   nb = ops4[0].shape[0]
-  bw, bc = block_sizes(g.W, c, dy.dtype.itemsize)
-  grid = (nb * g.H, pl.cdiv(g.W, bw), pl.cdiv(c, bc))
+  bw, bc = block_sizes(-(-g.W // g.sw), c, dy.dtype.itemsize)
+  grid = (nb * -(-g.H // g.sh), pl.cdiv(-(-g.W // g.sw), bw), pl.cdiv(c, bc))
   kernel = functools.partial(_backward_kernel, g=g, bw=bw, bc=bc, channels=c, mode=mode,
                              include_pad=include_pad, divisor=divisor, interpret=interpret)
   shape4 = (nb, g.H, g.W, c)
