@@ -59,6 +59,7 @@ def save_plot(history: dict[str, list[float]], path: str) -> None:
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
+  from matplotlib.ticker import MaxNLocator
 
   epochs = np.arange(1, len(history["loss"]) + 1)
   fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
@@ -77,6 +78,8 @@ def save_plot(history: dict[str, list[float]], path: str) -> None:
   ax2.set_ylim(min(90.0, 100 * min(history["test_acc"]) - 1), 100.5)
   ax2.legend(loc="lower right")
   ax2.grid(alpha=0.3)
+  for ax in (ax1, ax2):
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
   fig.suptitle("jaxpool.graph CNN on scikit-learn digits (training graph + optax adam)")
   fig.tight_layout()
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
