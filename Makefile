@@ -15,6 +15,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 demo: $(STAMP)
+	$(PY) examples/train_digits.py
 	$(PY) examples/quickstart.py
 	$(PY) benchmarks/cpu.py
 
