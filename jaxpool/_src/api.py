@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 from collections.abc import Sequence
 from typing import Any, Literal, Union
 
@@ -244,7 +245,7 @@ def max_unpool(y: jax.typing.ArrayLike, indices: jax.typing.ArrayLike,
   y = _as_array("y", y)
   indices = _as_array("indices", indices)
   check_choice("data_format", data_format, ("channels_last", "channels_first"))
-  n = spatial_rank(output_size)
+  n = spatial_rank(output_size, "output_size")
   size = int_tuple("output_size", output_size, n)
   check_rank("y", y.shape, n, data_format)
   if indices.dtype != jnp.int32:
@@ -341,7 +342,7 @@ def avg_pool_grad(dy: jax.typing.ArrayLike, input_shape: Sequence[int],
   dy = _as_array("dy", dy)
   _check_dtype("dy", dy, allow_int=False)
   try:
-    input_shape = tuple(int(s) for s in input_shape)
+    input_shape = tuple(operator.index(s) for s in input_shape)  # no silent int(1.5) or int("1")
   except TypeError:
     raise TypeError(f"input_shape must be a tuple of ints; got {input_shape!r}.") from None
   geom = make_geometry(input_shape, window_shape, strides, padding, dilation, ceil_mode,

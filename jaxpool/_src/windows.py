@@ -122,17 +122,17 @@ def int_tuple(name: str, value: Any, n: int, *, default: int | None = None,
   return items
 
 
-def spatial_rank(window_shape: Any) -> int:
+def spatial_rank(window_shape: Any, name: str = "window_shape") -> int:
   if _is_int(window_shape):
     raise TypeError(
-        "window_shape must be a tuple of ints, one per spatial dim (e.g. (2, 2)); got the "
+        f"{name} must be a tuple of ints, one per spatial dim (e.g. (2, 2)); got the "
         f"int {window_shape!r}.")
   try:
     n = len(window_shape)
   except TypeError:
-    raise TypeError(f"window_shape must be a tuple of ints; got {window_shape!r}.") from None
+    raise TypeError(f"{name} must be a tuple of ints; got {window_shape!r}.") from None
   if n == 0:
-    raise ValueError("window_shape must name at least one spatial dim; got ().")
+    raise ValueError(f"{name} must name at least one spatial dim; got ().")
   return n
 
 
