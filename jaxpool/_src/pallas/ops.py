@@ -37,14 +37,16 @@ MAX_TAPS = 64  # the tap loops are unrolled; larger windows stay on XLA
 def supports(op: str, shape, dtype, geom: Geometry, **config) -> bool:
   """Whether the Pallas kernels cover this call (else the dispatcher uses XLA).
 
-  Covered: 1-D and 2-D pooling in ``channels_last`` (``(*batch, *spatial, C)``), float32,
-  bfloat16 and float16, at most ``MAX_TAPS`` taps, no empty dims; every padding, stride,
+  Covered (GPU, or interpret mode on a CPU; not TPU): 1-D and 2-D pooling in
+  ``channels_last`` (``(*batch, *spatial, C)``), float32, bfloat16 and float16, at most ``MAX_TAPS`` taps, no empty dims; every padding, stride,
   dilation, ceil mode, and for average pooling every ``count_include_pad`` and
   ``divisor_override``.
   """
   if op not in OPS:
     return False
   del config  # every avg config is covered
+  if jax.default_backend() == "tpu":
+    return False  # no TPU kernels yet (docs/pallas.md): XLA serves TPUs
   if not geom.channels_last or geom.nspatial not in (1, 2):
     return False
   if np.dtype(dtype) not in _FLOAT_DTYPES:
@@ -57,7 +59,9 @@ def supports(op: str, shape, dtype, geom: Geometry, **config) -> bool:
 
 
 def _kernels():
-  """The backend module. Only the Triton kernels exist for now; TPU: see docs/pallas.md."""
+  """The backend module: the Triton kernels (GPU, and interpret mode on a CPU).
+
+  There are no TPU kernels yet (docs/pallas.md); ``supports`` is False on a TPU."""
   return _triton
 
 
