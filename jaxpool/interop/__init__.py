@@ -1,0 +1,14 @@
+"""Drop-in pooling layers for Flax (linen and nnx) and Equinox.
+
+Each submodule imports its framework, so import the one you use (the core ``jaxpool`` imports
+none of them; install them with ``pip install "jaxpool[interop]"``)::
+
+  from jaxpool.interop import flax_linen   # MaxPool, AvgPool, LPPool, L2Pool; max_pool, avg_pool
+  from jaxpool.interop import flax_nnx     # the same as nnx.Modules
+  from jaxpool.interop import equinox      # MaxPool1d/2d/3d, AvgPool1d/2d/3d, LPPool1d/2d/3d
+
+The layers keep the names, argument names and defaults of the framework they come from, and
+add jaxpool's options (``dilation``, ``ceil_mode``, ``count_include_pad``, ``divisor_override``,
+``implementation``) as keyword arguments. Where a framework and PyTorch differ, the layer follows
+the framework; docs/api.md lists the differences.
+"""
