@@ -39,8 +39,8 @@ def supports(op: str, shape, dtype, geom: Geometry, **config) -> bool:
 
   Covered (GPU, or interpret mode on a CPU; not TPU): 1-D and 2-D pooling in
   ``channels_last`` (``(*batch, *spatial, C)``), float32, bfloat16 and float16, at most
-  ``MAX_TAPS`` taps, no empty dims; every padding, stride, dilation, ceil mode, and for average pooling every ``count_include_pad`` and
-  ``divisor_override``.
+  ``MAX_TAPS`` taps, no empty dims; every padding, stride, dilation, ceil mode, and for average
+  pooling every ``count_include_pad`` and ``divisor_override``.
   """
   if op not in OPS:
     return False
