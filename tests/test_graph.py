@@ -108,7 +108,11 @@ def test_nodes_are_frozen_and_hashable():
   assert "MaxPool(name='p', inputs=('x',), window=(2, 2)" in repr(a)
   g1 = jg.Graph(a)
   assert g1 == jg.Graph(jg.MaxPool("p", x, window=(2, 2), padding=((0, 1), (0, 1))))
-  assert hash(g1) == hash(jg.Graph(b if False else a))
+  assert hash(g1) == hash(jg.Graph(jg.MaxPool("p", x, window=(2, 2), padding=((0, 1), (0, 1)))))
+  # Nodes built twice with the same config (default initializers included) are equal.
+  assert jg.Conv("c", x, features=2) == jg.Conv("c", "x", features=2)
+  assert hash(jg.Dense("d", x, features=2)) == hash(jg.Dense("d", x, features=2))
+  assert jg.Conv("c", x, features=2) != jg.Conv("c", x, features=3)
 
 
 def test_apply_batch_dims_jit_vmap(rng):

@@ -303,8 +303,8 @@ def _conv_precision(acc: str, dtype) -> dict[str, Any]:
   return dict(precision=lax.Precision.DEFAULT, preferred_element_type=None)
 
 
-def _default_weights_init():
-  return jax.nn.initializers.he_normal()
+# One shared default, so that two nodes built with the same config compare (and hash) equal.
+HE_NORMAL = jax.nn.initializers.he_normal()
 
 
 @dataclass(frozen=True)
@@ -339,7 +339,7 @@ class Conv(Node):
   dilation: tuple[int, ...] | None = None
   use_bias: bool = True
   accumulator_precision: str = "float"
-  weights_init: Callable[..., jax.Array] = field(default_factory=_default_weights_init)
+  weights_init: Callable[..., jax.Array] = HE_NORMAL
   bias_init: Callable[..., jax.Array] = jax.nn.initializers.zeros
   param_dtype: Any = jnp.float32
   has_params: ClassVar[bool] = True
@@ -435,7 +435,7 @@ class Dense(Node):
   features: int = 1
   use_bias: bool = True
   accumulator_precision: str = "float"
-  weights_init: Callable[..., jax.Array] = field(default_factory=_default_weights_init)
+  weights_init: Callable[..., jax.Array] = HE_NORMAL
   bias_init: Callable[..., jax.Array] = jax.nn.initializers.zeros
   param_dtype: Any = jnp.float32
   has_params: ClassVar[bool] = True
