@@ -9,7 +9,7 @@ import pytest
 import reference as ref
 from core_strategies import assert_bitwise, assert_same_bits, jp, pool_configs, split, tie_rich
 
-SETTINGS = hypothesis.settings(max_examples=20, deadline=None, derandomize=True,
+SETTINGS = hypothesis.settings(max_examples=12, deadline=None, derandomize=True,
                                suppress_health_check=[hypothesis.HealthCheck.too_slow])
 
 # (shape, window, strides, padding, dilation, ceil_mode, data_format)

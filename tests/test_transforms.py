@@ -192,7 +192,7 @@ def test_jacfwd_equals_jacrev(op, rng):
 @pytest.mark.parametrize("op", ["max", "max_with_indices"])
 def test_max_hessian_is_zero(op, rng):
   f = _ops(KW)[op]
-  x = unique_values(rng, (1, 5, 4, 2))
+  x = unique_values(rng, (1, 5, 4, 1))
   w = rng.standard_normal(f(x).shape).astype(np.float32)
   h = jax.hessian(lambda v: jnp.sum(f(v) * w))(x)
   assert h.shape == 2 * x.shape
@@ -224,10 +224,11 @@ def test_lp_hessian_matches_finite_differences(p, rng):
     fd = (grad(x + eps * v) - grad(x - eps * v)) / (2 * eps)
     assert hvp.dtype == np.float64
     np.testing.assert_allclose(hvp, fd, rtol=1e-6, atol=1e-7)
-    h = jax.hessian(loss)(x).reshape(x.size, x.size)
-    np.testing.assert_allclose(h, h.T, rtol=1e-10, atol=1e-12)  # symmetric
-    np.testing.assert_allclose(h @ v.reshape(-1), np.asarray(hvp).reshape(-1), rtol=1e-9,
-                               atol=1e-12)
+    if p == 3:  # the full Hessian (jacfwd of jacrev) once: it is the slow part
+      h = jax.hessian(loss)(x).reshape(x.size, x.size)
+      np.testing.assert_allclose(h, h.T, rtol=1e-10, atol=1e-12)  # symmetric
+      np.testing.assert_allclose(h @ v.reshape(-1), np.asarray(hvp).reshape(-1), rtol=1e-9,
+                                 atol=1e-12)
 
 
 @pytest.mark.parametrize("op", ["max", "avg_exclude_pad", "lp3"])
