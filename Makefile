@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint install clean
+.PHONY: demo test lint docs types install clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,8 +22,17 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(PY) -m ruff check jaxpool tests examples benchmarks
 
+# `make test` = lint + pytest + the documentation site (warnings are errors) + the type check.
 test: $(STAMP) lint
 	$(PY) -m pytest -q tests
+	$(MAKE) docs types
+
+docs: $(STAMP)
+	$(PY) docs/make_figures.py
+	$(VENV)/bin/mkdocs build --strict --quiet
+
+types: $(STAMP)
+	$(VENV)/bin/mypy
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache site

@@ -69,7 +69,7 @@ def _pairs(v: Any, n: int) -> tuple[tuple[int, int], ...]:
     raise ValueError(f"padding must be an int, {n} ints or {n} (lo, hi) pairs; got {v!r}.")
   if all(isinstance(p, int) for p in t):
     return tuple((p, p) for p in t)
-  return tuple(tuple(p) for p in t)  # type: ignore[misc]
+  return tuple(tuple(p) for p in t)
 
 
 class _Pool(eqx.Module):
@@ -145,8 +145,8 @@ class _LPPool(_Pool):
 def _fixed(base: type, n: int, name: str, doc: str) -> type:
   """A subclass of ``base`` with ``num_spatial_dims`` fixed to ``n`` (Equinox's signature)."""
 
-  def __init__(self, *args: Any, **kwargs: Any) -> None:
-    base.__init__(self, n, *args, **kwargs)
+  def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+    base.__init__(self, n, *args, **kwargs)  # type: ignore[misc]
 
   return type(name, (base,), {"__init__": __init__, "__doc__": doc, "__module__": __name__})
 

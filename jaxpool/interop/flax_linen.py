@@ -126,8 +126,9 @@ class AvgPool(nn.Module):
   """Average pooling as a linen module (no parameters): :func:`avg_pool` with its attributes.
 
   Attributes:
-    window_shape, strides, padding, count_include_pad, dilation, ceil_mode, divisor_override,
-    implementation: as :func:`avg_pool`.
+    window_shape: taps per spatial dim.
+    strides, padding, count_include_pad: as :func:`avg_pool` (Flax's defaults).
+    dilation, ceil_mode, divisor_override, implementation: as :func:`jaxpool.avg_pool`.
   """
 
   window_shape: Sequence[int]

@@ -1,0 +1,76 @@
+"""mkdocs hook: renders the benchmark tables of docs/benchmarks.md from the committed JSON.
+
+``<!-- table:cpu -->`` becomes the table of benchmarks/results/cpu.json and ``<!-- table:gpu -->``
+that of benchmarks/results/gpu.json, so the page always shows the numbers in the repository.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _load(name):
+  path = os.path.join(ROOT, "benchmarks", "results", name)
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    return json.load(f)
+
+
+def _fmt(v):
+  return "" if v is None else f"{v:.2f}"
+
+
+def cpu_table() -> str:
+  d = _load("cpu.json")
+  if d is None:
+    return "*(benchmarks/results/cpu.json is not there yet: run `make demo`.)*"
+  head = ("| op | shape | dtype | window / stride / padding | XLA fwd | jaxpool fwd | XLA bwd | "
+          "jaxpool bwd | XLA fwd+bwd | jaxpool fwd+bwd | bwd speed-up | same result |\n"
+          "|---|---|---|---|--:|--:|--:|--:|--:|--:|--:|:-:|\n")
+  rows = []
+  for r in d["rows"]:
+    pad = ",".join(f"{lo}/{hi}" for lo, hi in r["padding"])
+    rows.append(
+        f"| {r['op']} | {'x'.join(map(str, r['shape']))} | {r['dtype']} | "
+        f"{'x'.join(map(str, r['window']))} / {'x'.join(map(str, r['strides']))} / {pad} | "
+        f"{_fmt(r['xla_fwd'])} | {_fmt(r['jaxpool_fwd'])} | {_fmt(r['xla_bwd'])} | "
+        f"{_fmt(r['jaxpool_bwd'])} | {_fmt(r['xla_fwd_bwd'])} | {_fmt(r['jaxpool_fwd_bwd'])} | "
+        f"{r['xla_bwd'] / r['jaxpool_bwd']:.1f}x | {'yes' if r.get('same_result') else 'no'} |")
+  meta = (f"\n\nTimes in ms (benchmarks/cpu.py, {d.get('repeats')} repeats per timing); jax "
+          f"{d.get('jax')}, {d.get('cores')} CPU cores. Max-pool residual: "
+          f"{d.get('residual_bytes_per_output')} byte per output element "
+          f"({', '.join(d.get('residuals', []))}).")
+  return head + "\n".join(rows) + meta
+
+
+GPU_COLUMNS = [("xla_fwd", "XLA fwd"), ("pallas_fwd", "Pallas fwd"), ("xla_bwd", "XLA bwd"),
+               ("pallas_bwd", "Pallas bwd"), ("jaxpool_xla_fwd_bwd", "jaxpool XLA fwd+bwd"),
+               ("pallas_fwd_bwd", "Pallas fwd+bwd"), ("torch_fwd_bwd", "PyTorch fwd+bwd")]
+
+
+def gpu_table() -> str:
+  d = _load("gpu.json")
+  if d is None:
+    return "*(benchmarks/results/gpu.json is not there yet.)*"
+  head = ("| case | dtype | " + " | ".join(c for _, c in GPU_COLUMNS) + " |\n|---|---|"
+          + "--:|" * len(GPU_COLUMNS) + "\n")
+  rows = []
+  for r in d["results"]:
+    cells = [_fmt(r["rows"].get(k, {}).get("ms")) for k, _ in GPU_COLUMNS]
+    rows.append(f"| {r['case']} | {r['dtype']} | " + " | ".join(cells) + " |")
+  m = d.get("meta", {})
+  meta = (f"\n\nTimes in ms on {m.get('device')}, jax {m.get('jax')}, {m.get('timer')}"
+          + (f"; PyTorch {m['torch']}" if m.get("torch") else "") + ".")
+  return head + "\n".join(rows) + meta
+
+
+def on_page_markdown(markdown, page, config, files):  # noqa: ARG001  (mkdocs hook signature)
+  if "<!-- table:cpu -->" in markdown:
+    markdown = markdown.replace("<!-- table:cpu -->", cpu_table())
+  if "<!-- table:gpu -->" in markdown:
+    markdown = markdown.replace("<!-- table:gpu -->", gpu_table())
+  return markdown
