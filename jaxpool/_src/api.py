@@ -231,7 +231,8 @@ def max_unpool(y: jax.typing.ArrayLike, indices: jax.typing.ArrayLike,
   Returns:
     ``(*batch, *output_size, C)`` (or channels first): zeros except at ``indices``. Where two
     windows picked the same element, both carry its value, so the result does not depend on the
-    order of the writes.
+    order of the writes. The gradient with respect to ``y`` is PyTorch's: a gather at
+    ``indices`` (every window that picked an element gets that element's cotangent).
 
   Example:
     >>> x = jnp.arange(16.0).reshape(1, 4, 4, 1)
@@ -257,8 +258,7 @@ def max_unpool(y: jax.typing.ArrayLike, indices: jax.typing.ArrayLike,
   return _max_unpool(y, indices, size, data_format == "channels_last")
 
 
-@functools.partial(jax.jit, static_argnums=(2, 3))
-def _max_unpool(y, indices, size, channels_last):
+def _unpool_scatter(y, indices, size, channels_last, *, add):
   n = len(size)
   if channels_last:  # move channels in front of the spatial dims
     y = jnp.moveaxis(y, -1, -1 - n)
@@ -270,13 +270,35 @@ def _max_unpool(y, indices, size, channels_last):
   flat_y = y.reshape(*lead, math.prod(y.shape[-n:]))
   flat_i = indices.reshape(flat_y.shape)
   flat_i = jnp.where(flat_i < 0, plane, flat_i)  # negative: no element; dropped below
-  scatter = lambda v, i: jnp.zeros((plane,), v.dtype).at[i].set(v, mode="drop")
+  if add:
+    scatter = lambda v, i: jnp.zeros((plane,), v.dtype).at[i].add(v, mode="drop")
+  else:
+    scatter = lambda v, i: jnp.zeros((plane,), v.dtype).at[i].set(v, mode="drop")
   for _ in lead:
     scatter = jax.vmap(scatter)
   out = scatter(flat_y, flat_i).reshape(*lead, *size)
   if channels_last:
     out = jnp.moveaxis(out, -1 - n, -1)
   return out
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3))
+def _max_unpool_core(y, indices, size, channels_last):
+  return _unpool_scatter(y, indices, size, channels_last, add=False)
+
+
+@_max_unpool_core.defjvp
+def _max_unpool_jvp(size, channels_last, primals, tangents):
+  # PyTorch's convention: the gradient of unpooling is a gather at the indices, so every window
+  # that picked an element gets that element's cotangent. The tangent map whose transpose is
+  # that gather is a scatter-add (for indices from max_pool_with_indices, duplicates carry one
+  # value, so the primal's set and an add of the primal would agree).
+  (y, indices), (t, _) = primals, tangents
+  out = _unpool_scatter(y, indices, size, channels_last, add=False)
+  return out, _unpool_scatter(t, indices, size, channels_last, add=True)
+
+
+_max_unpool = jax.jit(_max_unpool_core, static_argnums=(2, 3))
 
 
 # ----------------------------------------------------------------------------- average
