@@ -18,6 +18,7 @@ as its transpose. ``jvp``/``jacfwd`` evaluate the linear map forward; second ord
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -37,16 +38,15 @@ MAX_TAPS = 64  # the tap loops are unrolled; larger windows stay on XLA
 def supports(op: str, shape, dtype, geom: Geometry, **config) -> bool:
   """Whether the Pallas kernels cover this call (else the dispatcher uses XLA).
 
-  Covered (GPU, or interpret mode on a CPU; not TPU): 1-D and 2-D pooling in
+  Covered (GPU, TPU, or interpret mode on a CPU): 1-D and 2-D pooling in
   ``channels_last`` (``(*batch, *spatial, C)``), float32, bfloat16 and float16, at most
   ``MAX_TAPS`` taps, no empty dims; every padding, stride, dilation, ceil mode, and for average
-  pooling every ``count_include_pad`` and ``divisor_override``.
+  pooling every ``count_include_pad`` and ``divisor_override``. The TPU kernels (:func:`backend`
+  ``"tpu"``) also need one image's channel block to fit their VMEM budget.
   """
   if op not in OPS:
     return False
   del config  # every avg config is covered
-  if jax.default_backend() == "tpu":
-    return False  # no TPU kernels yet (docs/pallas.md): XLA serves TPUs
   if not geom.channels_last or geom.nspatial not in (1, 2):
     return False
   if np.dtype(dtype) not in _FLOAT_DTYPES:
@@ -55,13 +55,35 @@ def supports(op: str, shape, dtype, geom: Geometry, **config) -> bool:
     return False
   if len(shape) < geom.nspatial + 1:
     return False
+  if backend() == "tpu":
+    from jaxpool._src.pallas import tpu as _tpu
+    return _tpu.fits(geom, shape, dtype)
   return True
 
 
-def _kernels():
-  """The backend module: the Triton kernels (GPU, and interpret mode on a CPU).
+BACKEND_ENV = "JAXPOOL_PALLAS_BACKEND"
+BACKENDS = ("triton", "tpu")
 
-  There are no TPU kernels yet (docs/pallas.md); ``supports`` is False on a TPU."""
+
+def backend() -> str:
+  """Which kernels run: ``"tpu"`` (Mosaic TPU) on a TPU, else ``"triton"``.
+
+  The environment variable ``JAXPOOL_PALLAS_BACKEND`` (``"tpu"`` or ``"triton"``) overrides it;
+  on a CPU, ``"tpu"`` runs the TPU kernels in the TPU interpreter (how they are tested).
+  """
+  name = os.environ.get(BACKEND_ENV, "").strip().lower()
+  if not name:
+    return "tpu" if jax.default_backend() == "tpu" else "triton"
+  if name not in BACKENDS:
+    raise ValueError(f"{BACKEND_ENV} must be one of {BACKENDS} or unset, got {name!r}")
+  return name
+
+
+def _kernels(name: str):
+  """The backend module: ``tpu.py`` (Mosaic TPU) or ``triton.py`` (GPU; interpret on a CPU)."""
+  if name == "tpu":
+    from jaxpool._src.pallas import tpu as _tpu
+    return _tpu
   return _triton
 
 
@@ -86,8 +108,8 @@ def _batched_call(fn, n_args: int):
 
 
 @functools.cache
-def _fwd_fns(geom: Geometry, interpret: bool):
-  k = _kernels()
+def _fwd_fns(geom: Geometry, interpret: bool, kernels: str):
+  k = _kernels(kernels)
   fwd = _batched_call(functools.partial(k.max_forward, geom=geom, interpret=interpret), 1)
   fwd_arg = _batched_call(functools.partial(k.max_forward_argmax, geom=geom,
                                             interpret=interpret), 1)
@@ -95,8 +117,8 @@ def _fwd_fns(geom: Geometry, interpret: bool):
 
 
 @functools.cache
-def _max_bwd_fn(geom: Geometry, interpret: bool):
-  k = _kernels()
+def _max_bwd_fn(geom: Geometry, interpret: bool, kernels: str):
+  k = _kernels(kernels)
 
   def bwd(idx, dy):
     in_shape = (*idx.shape[:-1 - geom.nspatial], *geom.in_spatial, idx.shape[-1])
@@ -106,9 +128,9 @@ def _max_bwd_fn(geom: Geometry, interpret: bool):
 
 
 @functools.cache
-def _avg_fns(geom: Geometry, interpret: bool, count_include_pad: bool,
+def _avg_fns(geom: Geometry, interpret: bool, kernels: str, count_include_pad: bool,
              divisor_override: int | None):
-  k = _kernels()
+  k = _kernels(kernels)
   cfg = dict(interpret=interpret, count_include_pad=count_include_pad,
              divisor_override=divisor_override)
   fwd = _batched_call(functools.partial(k.avg_forward, geom=geom, **cfg), 1)
@@ -173,66 +195,67 @@ _register_linear_call_batching()
 # ----------------------------------------------------------------------------- max
 
 
-def _gather_lin(idx: jax.Array, t: jax.Array, geom: Geometry, interpret: bool) -> jax.Array:
+def _gather_lin(idx: jax.Array, t: jax.Array, geom: Geometry, interpret: bool,
+                kernels: str) -> jax.Array:
   """``t`` at each window's argmax (linear in ``t``); its transpose is the backward kernel."""
-  bwd = _max_bwd_fn(geom, interpret)
+  bwd = _max_bwd_fn(geom, interpret, kernels)
   return linear_call(lambda i, x: xla.gather_at_argmax(x, i, geom),
                      lambda i, ct: bwd(i, ct), idx, t)
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))
-def _max_pool(x, geom, interpret):
-  return _fwd_fns(geom, interpret)[0](x)
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2, 3))
+def _max_pool(x, geom, interpret, kernels):
+  return _fwd_fns(geom, interpret, kernels)[0](x)
 
 
 @_max_pool.defjvp
-def _max_pool_jvp(geom, interpret, primals, tangents):
+def _max_pool_jvp(geom, interpret, kernels, primals, tangents):
   (x,), (t,) = primals, tangents
-  y, idx = _max_pool_with_argmax(x, geom, interpret)
-  return y, _gather_lin(idx, t, geom, interpret)
+  y, idx = _max_pool_with_argmax(x, geom, interpret, kernels)
+  return y, _gather_lin(idx, t, geom, interpret, kernels)
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))
-def _max_pool_with_argmax(x, geom, interpret):
-  return _fwd_fns(geom, interpret)[1](x)
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2, 3))
+def _max_pool_with_argmax(x, geom, interpret, kernels):
+  return _fwd_fns(geom, interpret, kernels)[1](x)
 
 
 @_max_pool_with_argmax.defjvp
-def _max_pool_with_argmax_jvp(geom, interpret, primals, tangents):
+def _max_pool_with_argmax_jvp(geom, interpret, kernels, primals, tangents):
   (x,), (t,) = primals, tangents
-  y, idx = _max_pool_with_argmax(x, geom, interpret)
-  return (y, idx), (_gather_lin(idx, t, geom, interpret),
+  y, idx = _max_pool_with_argmax(x, geom, interpret, kernels)
+  return (y, idx), (_gather_lin(idx, t, geom, interpret, kernels),
                     np.zeros(idx.shape, jax.dtypes.float0))
 
 
-_max_pool_jit = jax.jit(_max_pool, static_argnums=(1, 2))
-_max_pool_with_argmax_jit = jax.jit(_max_pool_with_argmax, static_argnums=(1, 2))
+_max_pool_jit = jax.jit(_max_pool, static_argnums=(1, 2, 3))
+_max_pool_with_argmax_jit = jax.jit(_max_pool_with_argmax, static_argnums=(1, 2, 3))
 
 
 def max_pool(x: jax.Array, geom: Geometry, *, interpret: bool = False) -> jax.Array:
   """Max pooling through the Pallas kernels (``x: (*batch, *spatial, C)``)."""
-  return _max_pool_jit(x, geom, bool(interpret))
+  return _max_pool_jit(x, geom, bool(interpret), backend())
 
 
 def max_pool_with_argmax(x: jax.Array, geom: Geometry, *,
                          interpret: bool = False) -> tuple[jax.Array, jax.Array]:
   """``(y, tap)``: as ``xla.max_pool_argmax`` (``tap`` in ``argmax_dtype``, -1: no element)."""
-  return _max_pool_with_argmax_jit(x, geom, bool(interpret))
+  return _max_pool_with_argmax_jit(x, geom, bool(interpret), backend())
 
 
 # ----------------------------------------------------------------------------- average
 
 
-def _avg_pool(x, geom, interpret, count_include_pad, divisor_override):
-  fwd, bwd = _avg_fns(geom, interpret, count_include_pad, divisor_override)
+def _avg_pool(x, geom, interpret, kernels, count_include_pad, divisor_override):
+  fwd, bwd = _avg_fns(geom, interpret, kernels, count_include_pad, divisor_override)
   return linear_call(lambda _, v: fwd(v), lambda _, ct: bwd(ct), (), x)
 
 
-_avg_pool_jit = jax.jit(_avg_pool, static_argnums=(1, 2, 3, 4))
+_avg_pool_jit = jax.jit(_avg_pool, static_argnums=(1, 2, 3, 4, 5))
 
 
 def avg_pool(x: jax.Array, geom: Geometry, *, interpret: bool = False,
              count_include_pad: bool = True, divisor_override: int | None = None) -> jax.Array:
   """Average pooling through the Pallas kernels; the gradient is the backward kernel."""
-  return _avg_pool_jit(x, geom, bool(interpret), bool(count_include_pad),
+  return _avg_pool_jit(x, geom, bool(interpret), backend(), bool(count_include_pad),
                        None if divisor_override is None else int(divisor_override))

@@ -45,11 +45,19 @@ VMEM_BUDGET = 48 * 2**20  # bytes of VMEM one grid step may use (v5e/v6e have 12
 _F32 = jnp.float32
 
 
-def _interpret_arg(interpret: bool):
-  if not interpret:
-    return False
-  params = getattr(pltpu, "InterpretParams", None)
-  return params() if params is not None else True
+def _interpret_arg(interpret: bool | str):
+  """``pallas_call``'s ``interpret``: False (compile for a TPU), True (Pallas' generic
+  interpreter) or ``"tpu"`` (the TPU interpreter, ``pltpu.InterpretParams``: out-of-bounds reads
+  raise, uninitialized VMEM reads NaN).
+
+  ``ops.py`` uses True: the TPU interpreter's ordered callbacks are not threaded through the
+  transpose of ``linear_call`` (JAX 0.10.2 fails to lower it), so the tests run the kernels
+  through the TPU interpreter directly and through the generic one under ``grad``/``vmap``.
+  """
+  if interpret == "tpu":
+    params = getattr(pltpu, "InterpretParams", None)
+    return params() if params is not None else True
+  return bool(interpret)
 
 
 def _round_up(n: int, m: int) -> int:
@@ -242,7 +250,7 @@ def _specs(nb: int, c: int, rows: int, cols: int):
   return cb, (nb, c // cb), pl.BlockSpec((None, rows, cols, cb), lambda b, k: (b, 0, 0, k))
 
 
-def _forward_call(x: jax.Array, geom: Geometry, mode: str, interpret: bool,
+def _forward_call(x: jax.Array, geom: Geometry, mode: str, interpret: bool | str,
                   include_pad: bool = False, divisor: int | None = None):
   g = Geom2.from_geometry(geom)
   out_shape = geom.output_shape(x.shape)
@@ -273,17 +281,17 @@ def _forward_call(x: jax.Array, geom: Geometry, mode: str, interpret: bool,
   return tuple(r.reshape(out_shape) for r in res)
 
 
-def max_forward(x: jax.Array, geom: Geometry, *, interpret: bool) -> jax.Array:
+def max_forward(x: jax.Array, geom: Geometry, *, interpret: bool | str) -> jax.Array:
   """Max pooling without the argmax. ``x: (*batch, *spatial, C)`` -> ``(*batch, *out, C)``."""
   return _forward_call(x, geom, "max", interpret)[0]
 
 
-def max_forward_argmax(x: jax.Array, geom: Geometry, *, interpret: bool):
+def max_forward_argmax(x: jax.Array, geom: Geometry, *, interpret: bool | str):
   """Max pooling and the argmax as a row-major tap offset (``argmax_dtype``; -1: no element)."""
   return _forward_call(x, geom, "argmax", interpret)
 
 
-def avg_forward(x: jax.Array, geom: Geometry, *, interpret: bool, count_include_pad: bool,
+def avg_forward(x: jax.Array, geom: Geometry, *, interpret: bool | str, count_include_pad: bool,
                 divisor_override: int | None) -> jax.Array:
   """Average pooling; sums in float32."""
   return _forward_call(x, geom, "avg", interpret, count_include_pad, divisor_override)[0]
@@ -381,7 +389,7 @@ def _backward_kernel(*refs, g: Geom2, mode: str, include_pad: bool, divisor: int
   _fori(hm_count, rows)
 
 
-def _backward_call(operands, in_shape, geom: Geometry, mode: str, interpret: bool,
+def _backward_call(operands, in_shape, geom: Geometry, mode: str, interpret: bool | str,
                    include_pad: bool = False, divisor: int | None = None) -> jax.Array:
   g = Geom2.from_geometry(geom)
   dy = operands[-1]
@@ -411,7 +419,7 @@ def _backward_call(operands, in_shape, geom: Geometry, mode: str, interpret: boo
 
 
 def max_backward(idx: jax.Array, dy: jax.Array, in_shape, geom: Geometry, *,
-                 interpret: bool) -> jax.Array:
+                 interpret: bool | str) -> jax.Array:
   """``dx``: each input element sums, in descending tap order, the ``dy`` of windows choosing it.
 
   Args:
@@ -422,7 +430,7 @@ def max_backward(idx: jax.Array, dy: jax.Array, in_shape, geom: Geometry, *,
   return _backward_call((idx, dy), in_shape, geom, "max", interpret)
 
 
-def avg_backward(dy: jax.Array, in_shape, geom: Geometry, *, interpret: bool,
+def avg_backward(dy: jax.Array, in_shape, geom: Geometry, *, interpret: bool | str,
                  count_include_pad: bool, divisor_override: int | None) -> jax.Array:
   """``dx``: each input element sums ``dy / divisor`` of the windows that hold it."""
   return _backward_call((dy,), in_shape, geom, "avg", interpret, count_include_pad,
