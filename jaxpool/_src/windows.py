@@ -171,7 +171,7 @@ def _resolve_padding(padding: Any, in_spatial: tuple[int, ...], strides: tuple[i
   if len(pairs) != n:
     raise ValueError(
         f"padding must have one (lo, hi) pair per spatial dim ({n}); got {padding!r}.")
-  out = []
+  resolved: list[tuple[int, int]] = []
   for p in pairs:
     try:
       lo, hi = p
@@ -181,8 +181,8 @@ def _resolve_padding(padding: Any, in_spatial: tuple[int, ...], strides: tuple[i
       raise TypeError(f"padding pairs must hold ints; got {padding!r}.")
     if lo < 0 or hi < 0:
       raise ValueError(f"padding must be >= 0; got {padding!r}.")
-    out.append((int(lo), int(hi)))
-  return tuple(out)
+    resolved.append((int(lo), int(hi)))
+  return tuple(resolved)
 
 
 def make_geometry(x_shape: Sequence[int], window_shape: Any, strides: Any = None,

@@ -22,7 +22,7 @@ from jax import lax
 from jaxpool._src.windows import (Geometry, argmax_dtype, tap_valid_1d, window_counts_1d)
 
 
-def lowest(dtype) -> jax.Array:
+def lowest(dtype) -> np.ndarray:
   """The identity of max for ``dtype``: ``-inf`` for floats, ``iinfo.min`` for ints."""
   dtype = np.dtype(dtype)
   if jnp.issubdtype(dtype, jnp.floating):
@@ -235,10 +235,10 @@ def window_sum_linear(t: jax.Array, geom: Geometry) -> jax.Array:
   ``reduce_window`` (a padded reduce-window over the dilated cotangent), and deterministic.
   """
   tp = _pad(t, geom, 0)
-  out = None
-  for tap in geom.taps():
-    ts = _tap_slice(tp, geom, tap)
-    out = ts if out is None else out + ts
+  first, *rest = geom.taps()
+  out = _tap_slice(tp, geom, first)
+  for tap in rest:
+    out = out + _tap_slice(tp, geom, tap)
   return out
 
 
