@@ -13,11 +13,27 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxtyping import Array, ArrayLike, Float, Int, Real
+
 from jaxpool._src import xla
 from jaxpool._src.windows import (IMPLEMENTATIONS, Geometry, check_choice, check_rank,
                                   int_tuple, make_geometry, spatial_rank)
 
 Padding = Union[str, int, Sequence[tuple[int, int]]]
+
+# Shapes (jaxtyping): "*batch_spatial_c" is (*batch, *spatial, C) for channels_last and
+# (*batch, C, *spatial) for channels_first; "*batch_out_c" is the same with the pooled spatial
+# sizes. Only the layout tells which dims are spatial, so the annotations name them together.
+PoolIn = Real[ArrayLike, "*batch_spatial_c"]
+FloatIn = Float[ArrayLike, "*batch_spatial_c"]
+FloatOutIn = Float[ArrayLike, "*batch_out_c"]
+PoolOut = Real[Array, "*batch_out_c"]
+FloatOut = Float[Array, "*batch_out_c"]
+FloatGrad = Float[Array, "*batch_spatial_c"]
+IndicesOut = Int[Array, "*batch_out_c"]
+IndicesIn = Int[ArrayLike, "*batch_out_c"]
+PooledIn = Real[ArrayLike, "*batch_out_c"]
+UnpooledOut = Real[Array, "*batch_spatial_c"]
 Implementation = Literal["xla", "pallas"] | None
 DataFormat = Literal["channels_last", "channels_first"]
 
@@ -53,7 +69,10 @@ def _use_pallas(implementation: Any, op: str, x: jax.Array, geom: Geometry, **co
           f"implementation='pallas' does not cover {op} for this call (shape {x.shape}, dtype "
           f"{x.dtype}, {geom}); use implementation=None or 'xla'.")
     return True
-  return supported and jax.default_backend() in ("gpu", "cuda", "rocm", "tpu")
+  # By default the kernels serve GPUs, where they are compiled and tested. The TPU kernels
+  # have only run in interpret mode (no TPU was reachable): on a TPU they run when asked for
+  # (implementation="pallas"), and None keeps XLA until they have been compiled on one.
+  return supported and jax.default_backend() in ("gpu", "cuda", "rocm")
 
 
 def _as_array(name: str, x: Any) -> jax.Array:
@@ -103,11 +122,11 @@ def _check_p(p: Any) -> float:
 # ----------------------------------------------------------------------------- max
 
 
-def max_pool(x: jax.typing.ArrayLike, window_shape: Sequence[int],
+def max_pool(x: PoolIn, window_shape: Sequence[int],
              strides: Sequence[int] | None = None, padding: Padding = "VALID", *,
              dilation: Sequence[int] | None = None, ceil_mode: bool = False,
              data_format: DataFormat = "channels_last",
-             implementation: Implementation = None) -> jax.Array:
+             implementation: Implementation = None) -> PoolOut:
   """Max pooling over the spatial dims, with the DirectML gradient.
 
   Args:
@@ -148,11 +167,11 @@ def max_pool(x: jax.typing.ArrayLike, window_shape: Sequence[int],
   return _max_pool(x, geom)
 
 
-def max_pool_with_indices(x: jax.typing.ArrayLike, window_shape: Sequence[int],
+def max_pool_with_indices(x: PoolIn, window_shape: Sequence[int],
                           strides: Sequence[int] | None = None, padding: Padding = "VALID", *,
                           dilation: Sequence[int] | None = None, ceil_mode: bool = False,
                           data_format: DataFormat = "channels_last",
-                          implementation: Implementation = None) -> tuple[jax.Array, jax.Array]:
+                          implementation: Implementation = None) -> tuple[PoolOut, IndicesOut]:
   """Max pooling that also returns where each maximum came from (PyTorch's ``return_indices``).
 
   Args: as :func:`max_pool`.
@@ -179,11 +198,11 @@ def max_pool_with_indices(x: jax.typing.ArrayLike, window_shape: Sequence[int],
   return y, _flat_indices(tap, geom)
 
 
-def max_pool_grad(x: jax.typing.ArrayLike, dy: jax.typing.ArrayLike,
+def max_pool_grad(x: FloatIn, dy: FloatOutIn,
                   window_shape: Sequence[int], strides: Sequence[int] | None = None,
                   padding: Padding = "VALID", *, dilation: Sequence[int] | None = None,
                   ceil_mode: bool = False, data_format: DataFormat = "channels_last",
-                  implementation: Implementation = None) -> jax.Array:
+                  implementation: Implementation = None) -> FloatGrad:
   """The max-pooling gradient (DirectML's ``DML_MAX_POOLING_GRAD``).
 
   Args:
@@ -216,9 +235,9 @@ def max_pool_grad(x: jax.typing.ArrayLike, dy: jax.typing.ArrayLike,
   return vjp(dy.astype(x.dtype))[0]
 
 
-def max_unpool(y: jax.typing.ArrayLike, indices: jax.typing.ArrayLike,
+def max_unpool(y: PooledIn, indices: IndicesIn,
                output_size: Sequence[int], *,
-               data_format: DataFormat = "channels_last") -> jax.Array:
+               data_format: DataFormat = "channels_last") -> UnpooledOut:
   """The inverse of :func:`max_pool_with_indices`: each ``y`` put back where it came from.
 
   Args:
@@ -304,12 +323,12 @@ _max_unpool = jax.jit(_max_unpool_core, static_argnums=(2, 3))
 # ----------------------------------------------------------------------------- average
 
 
-def avg_pool(x: jax.typing.ArrayLike, window_shape: Sequence[int],
+def avg_pool(x: FloatIn, window_shape: Sequence[int],
              strides: Sequence[int] | None = None, padding: Padding = "VALID", *,
              dilation: Sequence[int] | None = None, ceil_mode: bool = False,
              count_include_pad: bool = True, divisor_override: int | None = None,
              data_format: DataFormat = "channels_last",
-             implementation: Implementation = None) -> jax.Array:
+             implementation: Implementation = None) -> FloatOut:
   """Average pooling with PyTorch's divisors.
 
   Args:
@@ -343,13 +362,13 @@ def avg_pool(x: jax.typing.ArrayLike, window_shape: Sequence[int],
                    None if divisor_override is None else int(divisor_override))
 
 
-def avg_pool_grad(dy: jax.typing.ArrayLike, input_shape: Sequence[int],
+def avg_pool_grad(dy: FloatOutIn, input_shape: Sequence[int],
                   window_shape: Sequence[int], strides: Sequence[int] | None = None,
                   padding: Padding = "VALID", *, dilation: Sequence[int] | None = None,
                   ceil_mode: bool = False, count_include_pad: bool = True,
                   divisor_override: int | None = None,
                   data_format: DataFormat = "channels_last",
-                  implementation: Implementation = None) -> jax.Array:
+                  implementation: Implementation = None) -> FloatGrad:
   """The average-pooling gradient: ``dx`` of shape ``input_shape``.
 
   Args:
@@ -386,11 +405,11 @@ def avg_pool_grad(dy: jax.typing.ArrayLike, input_shape: Sequence[int],
 # ----------------------------------------------------------------------------- Lp
 
 
-def lp_pool(x: jax.typing.ArrayLike, p: float, window_shape: Sequence[int],
+def lp_pool(x: FloatIn, p: float, window_shape: Sequence[int],
             strides: Sequence[int] | None = None, padding: Padding = "VALID", *,
             dilation: Sequence[int] | None = None, ceil_mode: bool = False,
             data_format: DataFormat = "channels_last",
-            implementation: Implementation = None) -> jax.Array:
+            implementation: Implementation = None) -> FloatOut:
   """Lp-norm pooling: ``(sum |x|^p)^(1/p)`` over the real elements of each window.
 
   Args:
@@ -417,21 +436,21 @@ def lp_pool(x: jax.typing.ArrayLike, p: float, window_shape: Sequence[int],
   return _lp_pool(x, geom, p)
 
 
-def l2_pool(x: jax.typing.ArrayLike, window_shape: Sequence[int],
+def l2_pool(x: FloatIn, window_shape: Sequence[int],
             strides: Sequence[int] | None = None, padding: Padding = "VALID", *,
             dilation: Sequence[int] | None = None, ceil_mode: bool = False,
             data_format: DataFormat = "channels_last",
-            implementation: Implementation = None) -> jax.Array:
+            implementation: Implementation = None) -> FloatOut:
   """L2-norm pooling (MPS's ``MPSCNNPoolingL2Norm``): :func:`lp_pool` with ``p=2``."""
   return lp_pool(x, 2, window_shape, strides, padding, dilation=dilation, ceil_mode=ceil_mode,
                  data_format=data_format, implementation=implementation)
 
 
-def lp_pool_grad(x: jax.typing.ArrayLike, dy: jax.typing.ArrayLike, p: float,
+def lp_pool_grad(x: FloatIn, dy: FloatOutIn, p: float,
                  window_shape: Sequence[int], strides: Sequence[int] | None = None,
                  padding: Padding = "VALID", *, dilation: Sequence[int] | None = None,
                  ceil_mode: bool = False, data_format: DataFormat = "channels_last",
-                 implementation: Implementation = None) -> jax.Array:
+                 implementation: Implementation = None) -> FloatGrad:
   """The Lp-pooling gradient: ``dx = sum over windows of dy * sign(x) |x|^(p-1) / y^(p-1)``.
 
   Zero where the window's output is 0. The same bits as ``jax.vjp`` of :func:`lp_pool`.
