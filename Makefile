@@ -24,7 +24,7 @@ lint: $(STAMP)
 
 # `make test` = lint + pytest + the documentation site (warnings are errors) + the type check.
 test: $(STAMP) lint
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n 2 tests
 	$(MAKE) docs types
 
 docs: $(STAMP)

@@ -20,14 +20,11 @@ SCRIPT = Path(__file__).with_name("sharding_checks.py")
 # than expected fails too, so a check cannot vanish silently.
 GROUPS = [
     ("jit/channels_last/explicit/batch+channels/", 12),
-    ("jit/channels_last/explicit/batch/", 12),
     ("jit/channels_last/auto/batch+channels/", 12),
     ("shard_map/channels_last/", 12),
     ("jit/channels_first/explicit/batch+channels/", 12),
-    ("jit/channels_first/auto/batch+channels/", 12),
     ("shard_map/channels_first/", 12),
     ("jit/channels_last/spatial/", 3),
-    ("jit/channels_first/spatial/", 3),
     ("jit/1d/", 1),
     ("jit/3d/", 1),
     ("jit/data_parallel/", 1),
