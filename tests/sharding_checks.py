@@ -266,6 +266,33 @@ def main() -> int:
   check("shard_map/vmap_grad_per_example")(functools.partial(
       run_shard_map, per_example, (tie_rich(k3, (8, 6, 6, 2)),), [P("data")], P("data"), mesh))
 
+  # The Pallas kernels (interpret mode here) under an Explicit mesh, inside jax.set_mesh as
+  # users write it: the dispatcher runs them once per shard through shard_map. Max: same bits
+  # as the XLA path; avg: float rounding.
+  xp = tie_rich(k1, (8, 9, 10, 4))
+  spec_p = P("data", None, None, "model")
+
+  def pallas_ops(impl):
+    kw = dict(window_shape=(3, 3), strides=(2, 2), padding=1, implementation=impl)
+    return (
+        jax.value_and_grad(lambda v: jnp.sum(jaxpool.max_pool(v, **kw) ** 2)),
+        lambda v: jaxpool.max_pool_with_indices(v, **kw),
+        jax.grad(lambda v: jnp.sum(jaxpool.avg_pool(v, **kw) ** 2)),
+    )
+
+  def check_pallas_explicit():
+    placed = jax.device_put(xp, NamedSharding(mesh, spec_p))
+    with jax.set_mesh(mesh):
+      got = [jax.jit(f)(placed) for f in pallas_ops("pallas")]
+      want = [jax.jit(f)(placed) for f in pallas_ops("xla")]
+    for g, w in zip(got[:2], want[:2]):
+      assert_equal(g, w, "pallas vs xla (max)")
+    np.testing.assert_allclose(np.asarray(got[2]), np.asarray(want[2]), rtol=1e-6, atol=1e-6)
+    for leaf in jax.tree.leaves(got):
+      if leaf.ndim:  # (the loss is a replicated scalar)
+        assert leaf.sharding.spec == spec_p, leaf.sharding
+  check("jit/pallas/explicit/batch+channels")(check_pallas_explicit)
+
   graph_checks(mesh, auto, k4)
 
   failed = [r["name"] for r in RESULTS if not r["ok"]]

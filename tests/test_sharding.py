@@ -28,6 +28,7 @@ GROUPS = [
     ("jit/1d/", 1),
     ("jit/3d/", 1),
     ("jit/data_parallel/", 1),
+    ("jit/pallas/explicit/", 1),
     ("shard_map/vmap_grad", 1),
 ]
 

@@ -63,6 +63,11 @@ def _use_pallas(implementation: Any, op: str, x: jax.Array, geom: Geometry, **co
       raise
     return False
   supported = pallas_ops.supports(op, x.shape, x.dtype, geom, **config)
+  explicit = _explicit_sharding(x)
+  if explicit is not None:
+    spec = explicit[1]
+    supported = supported and all(
+        ax >= len(spec) or spec[ax] is None for ax in geom.spatial_axes(x.ndim))
   if implementation == "pallas":
     if not supported:
       raise ValueError(
@@ -73,6 +78,33 @@ def _use_pallas(implementation: Any, op: str, x: jax.Array, geom: Geometry, **co
   # have only run in interpret mode (no TPU was reachable): on a TPU they run when asked for
   # (implementation="pallas"), and None keeps XLA until they have been compiled on one.
   return supported and jax.default_backend() in ("gpu", "cuda", "rocm")
+
+
+def _explicit_sharding(x: jax.Array):
+  """``(mesh, spec)`` when ``x`` is sharded over Explicit mesh axes (sharding in types)."""
+  sharding: Any = getattr(jax.typeof(x), "sharding", None)
+  spec = getattr(sharding, "spec", None)
+  if spec is None or all(p is None for p in spec):
+    return None
+  return sharding.mesh, spec
+
+
+def _run_pallas(op: str, x: jax.Array, geom: Geometry, **config):
+  """Calls a Pallas op; with Explicit sharding, once per shard inside ``shard_map``.
+
+  Pooling never mixes batch or channel elements, so a block of them is pooled on its own device
+  (``_use_pallas`` keeps XLA where a spatial dim is sharded: that needs halos).
+  """
+  fn = functools.partial(getattr(_pallas(), op), geom=geom,
+                         interpret=jax.default_backend() == "cpu", **config)
+  explicit = _explicit_sharding(x)
+  if explicit is None:
+    return fn(x)
+  mesh, spec = explicit
+  spec = jax.sharding.PartitionSpec(*spec, *([None] * (x.ndim - len(spec))))
+  out_specs = (spec, spec) if op == "max_pool_with_argmax" else spec
+  return jax.shard_map(fn, mesh=mesh, in_specs=(spec,), out_specs=out_specs,
+                       check_vma=False)(x)
 
 
 def _as_array(name: str, x: Any) -> jax.Array:
@@ -163,7 +195,7 @@ def max_pool(x: PoolIn, window_shape: Sequence[int],
   _check_dtype("x", x, allow_int=True)
   geom = make_geometry(x.shape, window_shape, strides, padding, dilation, ceil_mode, data_format)
   if _use_pallas(implementation, "max_pool", x, geom):
-    return _pallas().max_pool(x, geom, interpret=jax.default_backend() == "cpu")
+    return _run_pallas("max_pool", x, geom)
   return _max_pool(x, geom)
 
 
@@ -192,7 +224,7 @@ def max_pool_with_indices(x: PoolIn, window_shape: Sequence[int],
   _check_dtype("x", x, allow_int=True)
   geom = make_geometry(x.shape, window_shape, strides, padding, dilation, ceil_mode, data_format)
   if _use_pallas(implementation, "max_pool", x, geom):
-    y, tap = _pallas().max_pool_with_argmax(x, geom, interpret=jax.default_backend() == "cpu")
+    y, tap = _run_pallas("max_pool_with_argmax", x, geom)
   else:
     y, tap = _max_pool_with_argmax(x, geom)
   return y, _flat_indices(tap, geom)
@@ -357,7 +389,7 @@ def avg_pool(x: FloatIn, window_shape: Sequence[int],
   geom = make_geometry(x.shape, window_shape, strides, padding, dilation, ceil_mode, data_format)
   config = dict(count_include_pad=bool(count_include_pad), divisor_override=divisor_override)
   if _use_pallas(implementation, "avg_pool", x, geom, **config):
-    return _pallas().avg_pool(x, geom, interpret=jax.default_backend() == "cpu", **config)
+    return _run_pallas("avg_pool", x, geom, **config)
   return _avg_pool(x, geom, bool(count_include_pad),
                    None if divisor_override is None else int(divisor_override))
 

@@ -97,16 +97,17 @@ def max_pool_argmax(x: jax.Array, geom: Geometry) -> tuple[jax.Array, jax.Array]
   ndim = x.ndim
   is_float = jnp.issubdtype(x.dtype, jnp.floating)
   xp = _pad(x, geom, lowest(x.dtype))
-  out_shape = geom.output_shape(x.shape)
   adt = argmax_dtype(geom.num_taps)
-  best = jnp.full(out_shape, lowest(x.dtype), x.dtype)
-  idx = jnp.full(out_shape, -1, adt)
-  for i, tap in enumerate(geom.taps()):
-    xt = _tap_slice(xp, geom, tap)
-    mask = _tap_mask(geom, tap, ndim)
-    if i == 0 and mask is None:
-      best, idx = xt, jnp.zeros(out_shape, adt)
-      continue
+  taps = geom.taps()
+  first = _tap_slice(xp, geom, taps[0])
+  # full_like, not full: the running values inherit the input's sharding (Explicit meshes).
+  if _tap_mask(geom, taps[0], ndim) is None:  # tap 0 is real everywhere: it starts the race
+    best, idx, start = first, lax.full_like(first, 0, adt), 1
+  else:
+    best, idx, start = lax.full_like(first, lowest(x.dtype)), lax.full_like(first, -1, adt), 0
+  for i in range(start, len(taps)):
+    xt = _tap_slice(xp, geom, taps[i])
+    mask = _tap_mask(geom, taps[i], ndim)
     better = (idx < 0) | (xt > best)
     if is_float:
       better = better | (jnp.isnan(xt) & ~jnp.isnan(best))
@@ -191,7 +192,7 @@ def flat_indices(idx: jax.Array, geom: Geometry) -> jax.Array:
   """Tap offsets -> flat row-major index in the input's spatial plane (int32; -1: none)."""
   ndim = idx.ndim
   idx32 = idx.astype(jnp.int32)
-  flat = jnp.zeros(idx.shape, jnp.int32)
+  flat = lax.full_like(idx32, 0)
   row = 1
   for dim in reversed(range(geom.nspatial)):
     inner = int(np.prod(geom.window[dim + 1:], dtype=np.int64))
