@@ -63,7 +63,7 @@ def _use_pallas(implementation: Any, op: str, x: jax.Array, geom: Geometry, **co
       raise
     return False
   supported = pallas_ops.supports(op, x.shape, x.dtype, geom, **config)
-  explicit = _explicit_sharding(x)
+  explicit = xla.explicit_sharding(x)
   if explicit is not None:
     spec = explicit[1]
     supported = supported and all(
@@ -80,15 +80,6 @@ def _use_pallas(implementation: Any, op: str, x: jax.Array, geom: Geometry, **co
   return supported and jax.default_backend() in ("gpu", "cuda", "rocm")
 
 
-def _explicit_sharding(x: jax.Array):
-  """``(mesh, spec)`` when ``x`` is sharded over Explicit mesh axes (sharding in types)."""
-  sharding: Any = getattr(jax.typeof(x), "sharding", None)
-  spec = getattr(sharding, "spec", None)
-  if spec is None or all(p is None for p in spec):
-    return None
-  return sharding.mesh, spec
-
-
 def _run_pallas(op: str, x: jax.Array, geom: Geometry, **config):
   """Calls a Pallas op; with Explicit sharding, once per shard inside ``shard_map``.
 
@@ -97,7 +88,7 @@ def _run_pallas(op: str, x: jax.Array, geom: Geometry, **config):
   """
   fn = functools.partial(getattr(_pallas(), op), geom=geom,
                          interpret=jax.default_backend() == "cpu", **config)
-  explicit = _explicit_sharding(x)
+  explicit = xla.explicit_sharding(x)
   if explicit is None:
     return fn(x)
   mesh, spec = explicit

@@ -13,6 +13,7 @@ nothing here is a ``custom_vjp``.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -145,11 +146,13 @@ def _cpu_barrier(y: jax.Array, idx: jax.Array) -> tuple[jax.Array, jax.Array]:
   return lax.cond(pred, lambda a: a, lambda a: jax.tree.map(jnp.zeros_like, a), (y, idx))
 
 
-def _sharded_in_type(a: jax.Array) -> bool:
-  """Whether ``a`` is sharded over an Explicit mesh axis (sharding in types)."""
-  sharding = getattr(jax.typeof(a), "sharding", None)
+def explicit_sharding(a: jax.Array):
+  """``(mesh, spec)`` when ``a`` is sharded over Explicit mesh axes (sharding in types)."""
+  sharding: Any = getattr(jax.typeof(a), "sharding", None)
   spec = getattr(sharding, "spec", None)
-  return spec is not None and any(p is not None for p in spec)
+  if spec is None or all(p is None for p in spec):
+    return None
+  return sharding.mesh, spec
 
 
 def _argmax_materialized(x: jax.Array, geom: Geometry) -> tuple[jax.Array, jax.Array]:
@@ -157,7 +160,7 @@ def _argmax_materialized(x: jax.Array, geom: Geometry) -> tuple[jax.Array, jax.A
   y, idx = max_pool_argmax(x, geom)
   if idx.size == 0:
     return y, idx
-  if _sharded_in_type(idx):
+  if explicit_sharding(idx) is not None:
     # Explicit sharding: the predicate's element lives on one device; keep the plain barrier.
     return lax.optimization_barrier((y, idx))
   return lax.platform_dependent(y, idx, cpu=_cpu_barrier,
