@@ -67,7 +67,10 @@ def forward(params, x):
 
 def loss_fn(params, x, y):
   logits = forward(params, x)
-  return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+  # One-hot labels rather than optax's integer-label loss: its take_along_axis has no sharding
+  # rule for a batch-sharded operand under Explicit meshes (jax 0.11).
+  labels = jax.nn.one_hot(y, logits.shape[-1], dtype=logits.dtype)
+  return optax.softmax_cross_entropy(logits, labels).mean()
 
 
 OPT = optax.adam(3e-3)

@@ -22,6 +22,11 @@ import jaxpool
 from jaxpool._src import windows, xla
 from jaxpool._src.pallas import ops, tpu
 
+# No TPU is reachable: the TPU kernels are tested in interpret mode, which the dispatcher picks
+# on a CPU only (on a GPU it would try to compile them for the GPU).
+pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu",
+                                reason="TPU kernels run in interpret mode on a CPU only")
+
 
 @pytest.fixture(autouse=True)
 def _tpu_kernels(monkeypatch):

@@ -202,7 +202,8 @@ def test_max_hessian_is_zero(op, rng):
   assert not np.any(np.asarray(hvp))
   # a loss that is not linear in y: Hessian = J^T diag(2w) J, J the 0/1 argmax selection
   h2 = jax.hessian(lambda u: jnp.sum(f(u) ** 2 * w))(x)
-  jac = jax.jacrev(f)(x).reshape(w.size, x.size)
+  # (in NumPy: a jax matmul on a GPU would round through TF32)
+  jac = np.asarray(jax.jacrev(f)(x)).reshape(w.size, x.size)
   expected = jac.T @ np.diag(2 * w.reshape(-1)) @ jac
   np.testing.assert_allclose(np.asarray(h2).reshape(x.size, x.size), expected, rtol=1e-6,
                              atol=1e-6)
