@@ -28,17 +28,21 @@ RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
 def timeit_all(calls: dict, repeats: int) -> dict:
-  """Median wall time in ms of each ``fn(*args)``, timed round-robin so that load on this
-  shared machine affects every contender alike; two warm-up calls each first."""
+  """Median wall time in ms of each ``fn(*args)``: per call, two warm-up runs, then ``repeats``
+  timed runs back to back; the calls are measured one after another, in rounds of three, so
+  that a change of load on this shared machine meets every contender."""
   for fn, args in calls.values():
     for _ in range(2):
       jax.block_until_ready(fn(*args))
-  times = {name: [] for name in calls}
-  for _ in range(repeats):
+  times: dict[str, list[float]] = {name: [] for name in calls}
+  rounds = 3
+  for _ in range(rounds):
     for name, (fn, args) in calls.items():
-      t0 = time.perf_counter()
-      jax.block_until_ready(fn(*args))
-      times[name].append((time.perf_counter() - t0) * 1e3)
+      jax.block_until_ready(fn(*args))  # warm again after the previous contender
+      for _ in range(max(1, repeats // rounds)):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times[name].append((time.perf_counter() - t0) * 1e3)
   return {name: statistics.median(v) for name, v in times.items()}
 
 

@@ -119,16 +119,57 @@ def max_pool_argmax(x: jax.Array, geom: Geometry) -> tuple[jax.Array, jax.Array]
   return best, idx
 
 
+def _phase_taps(t: jax.Array, geom: Geometry) -> list[jax.Array]:
+  """Every tap's values for every output position, as contiguous slices of a phase view.
+
+  The padded ``t`` is padded again to a multiple of the stride and each spatial dim split into
+  ``(q, r)``, position ``q*s + r``. Tap ``j`` of output ``o`` reads ``o*s + j*d``: phase
+  ``r = j*d % s`` at ``q = o + j*d // s``, a contiguous run over ``o``. The result equals the
+  strided tap slices, but the transpose of a contiguous slice is a plain pad, so JAX's transpose
+  of a gather built on it (the max-pool gradient) is a sum of shifted planes with no interior
+  padding: no division or remainder per element, several times faster on a CPU.
+  """
+  tp = _pad(t, geom, 0)
+  ndim = tp.ndim
+  axes = geom.spatial_axes(ndim)
+  extra = [(0, 0, 0)] * ndim
+  split: list[int] = []
+  for d in range(ndim):
+    if d in axes:
+      s = geom.strides[axes.index(d)]
+      q = -(-tp.shape[d] // s)
+      extra[d] = (0, q * s - tp.shape[d], 0)
+      split += [q, s]
+    else:
+      split.append(tp.shape[d])
+  tv = lax.pad(tp, np.array(0, tp.dtype), extra).reshape(split)
+  out_shape = geom.output_shape(t.shape)
+  taps = []
+  for tap in geom.taps():
+    start, limit = [], []
+    for d in range(ndim):
+      if d in axes:
+        i = axes.index(d)
+        off = tap[i] * geom.dilation[i]
+        q0, r = divmod(off, geom.strides[i])
+        start += [q0, r]
+        limit += [q0 + geom.out_spatial[i], r + 1]
+      else:
+        start.append(0)
+        limit.append(tp.shape[d])
+    taps.append(lax.slice(tv, start, limit).reshape(out_shape))
+  return taps
+
+
 def gather_at_argmax(t: jax.Array, idx: jax.Array, geom: Geometry) -> jax.Array:
   """``y_t[o] = t[argmax(o)]``; zero for a window with no real element.
 
   Linear in ``t``; JAX's transpose of it is the max-pool gradient (a deterministic,
   fused scatter-add of each window's cotangent into its argmax).
   """
-  tp = _pad(t, geom, 0)
-  cases = [_tap_slice(tp, geom, tap) for tap in geom.taps()]
-  # An empty window has idx == -1 and its taps all read padding, which is zero in ``tp`` and
-  # dropped by the transpose of the pad: tap 0 serves it with no extra case.
+  cases = _phase_taps(t, geom)
+  # An empty window has idx == -1 and its taps all read padding, which is zero in the padded
+  # ``t`` and dropped by the transpose of the pad: tap 0 serves it with no extra case.
   which = jnp.maximum(idx, 0) if has_empty_windows(geom) else idx
   if len(cases) == 1:
     return cases[0]
