@@ -44,7 +44,8 @@ class GradientState(Node):
   its value; see ``forward.state_doc`` for what it carries.
   """
 
-  forward: Node = _input(compare=True)
+  # MPS's name for the field; it shadows Node.forward (the method), which a state node never runs.
+  forward: Node = _input(compare=True)  # type: ignore[assignment]
   _input_fields: ClassVar[tuple[str, ...]] = ("forward",)
 
   def _normalize(self):
@@ -81,7 +82,9 @@ class GradientNode(Node):
     wrt: which forward inputs to differentiate; default every float input.
   """
 
-  forward: Node = field(default=None, repr=False)
+  # Shadows Node.forward (the method; a gradient node never runs it). _normalize rejects anything
+  # but a forward node, the None default included, so a built gradient node always holds one.
+  forward: Node = field(default=None, repr=False)  # type: ignore[assignment]
   source_gradient: Any = _input(default=None)
   source_image: Any = _input(default=None)
   gradient_state: Any = _input(default=None)
@@ -208,25 +211,37 @@ class PoolingGradient(GradientNode):
   """A pooling node's gradient (MPS's ``MPSCNNPoolingGradientNode``): source gradient, source
   image, gradient state, and the forward's window, strides and padding."""
 
+  def _pool(self) -> _Pool:
+    fwd = self.forward
+    if not isinstance(fwd, _Pool):
+      raise self._fail(f"forward must be a pooling node; got {fwd!r}.", TypeError)
+    return fwd
+
   @property
   def window(self) -> tuple[int, ...]:
-    return self.forward.window
+    return self._pool().window
 
   @property
   def strides(self) -> tuple[int, ...]:
-    return self.forward.strides
+    strides = self._pool().strides
+    if strides is None:  # set by the pooling node's _normalize
+      raise self._fail("its forward node has no strides.")
+    return strides
 
   @property
   def padding(self) -> Any:
-    return self.forward.padding
+    return self._pool().padding
 
   @property
   def offset(self) -> tuple[int, ...]:
-    return self.forward.offset
+    offset = self._pool().offset
+    if offset is None:  # set by the pooling node's _normalize
+      raise self._fail("its forward node has no offset.")
+    return offset
 
   @property
   def dilation(self) -> tuple[int, ...]:
-    return self.forward.dilation_
+    return self._pool().dilation_
 
   def describe(self):
     f = self.forward

@@ -41,7 +41,7 @@ class Graph:
 
   def __init__(self, outputs: Node | Sequence[Node]):
     self._single = isinstance(outputs, Node)
-    outs = (outputs,) if self._single else tuple(outputs)
+    outs: tuple[Node, ...] = (outputs,) if isinstance(outputs, Node) else tuple(outputs)
     if not outs:
       raise ValueError("Graph needs at least one output node; got none.")
     for o in outs:
@@ -83,10 +83,14 @@ class Graph:
     return tuple(n for n in self.nodes if isinstance(n, Input))
 
   def param_specs(self) -> dict[str, dict[str, jax.ShapeDtypeStruct]]:
-    out = {}
+    out: dict[str, dict[str, jax.ShapeDtypeStruct]] = {}
     for n in self.nodes:
       if n.has_params and not isinstance(n, (GradientNode, GradientState)):
-        out[n.name] = n.param_specs(self._in_specs(n))
+        specs = n.param_specs(self._in_specs(n))
+        if specs is None:
+          raise ValueError(f"node {n.name!r} ({type(n).__name__}) has parameters but gave no "
+                           "parameter specs.")
+        out[n.name] = specs
     return out
 
   def num_params(self) -> int:
@@ -130,8 +134,15 @@ class Graph:
       self._check_inputs(inputs, require_all=False)
     specs = self.param_specs()
     keys = jax.random.split(key, max(len(specs), 1))
-    return {name: self._by_name[name].init_params(k, self._in_specs(self._by_name[name]))
-            for k, name in zip(keys, specs)}
+    params: Params = {}
+    for k, name in zip(keys, specs):
+      node = self._by_name[name]
+      p = node.init_params(k, self._in_specs(node))
+      if p is None:
+        raise ValueError(f"node {name!r} ({type(node).__name__}) has parameters but its "
+                         "init_params gave none.")
+      params[name] = p
+    return params
 
   def _check_inputs(self, inputs: Mapping[str, Any], require_all: bool = True
                     ) -> dict[str, jax.Array]:
@@ -291,6 +302,9 @@ class TrainingGraph(Graph):
     grads = {}
     for name in self.param_specs():
       ct: Cotangents = values[self.gradients[name]]
+      if ct.params is None:
+        raise ValueError(f"gradient node {self.gradients[name]!r} gave no parameter cotangents "
+                         f"for {name!r}.")
       grads[name] = ct.params
     return values[self.loss], grads
 

@@ -257,6 +257,9 @@ def resolve_padding(policy: str | tuple[tuple[int, int], ...], in_spatial: Seque
       total = max((-(-L // s) - 1) * s + e - L, 0)
       pads.append((total // 2, total - total // 2))
     return tuple(pads)
+  if isinstance(policy, str):
+    raise ValueError(f"padding must be one of {PADDING_POLICIES} or (lo, hi) pairs; got "
+                     f"{policy!r}.")
   return tuple(policy)
 
 
@@ -515,9 +518,12 @@ class _Pool(Node):
     ``o`` elements toward the end, keeping the number of windows: ``(lo - o, hi + o)``. A
     negative entry means the windows start inside the input: that many elements are cropped.
     """
-    pads = resolve_padding(self.padding, spatial, self.window, self.strides, self.dilation_)
+    strides, offset = self.strides, self.offset
+    if strides is None or offset is None:  # both set by _normalize
+      raise self._fail("strides and offset are unset; build the node through its constructor.")
+    pads = resolve_padding(self.padding, spatial, self.window, strides, self.dilation_)
     crop, final = [], []
-    for (lo, hi), o in zip(pads, self.offset):
+    for (lo, hi), o in zip(pads, offset):
       lo, hi = lo - o, hi + o
       crop.append((max(-lo, 0), max(-hi, 0)))
       final.append((max(lo, 0), max(hi, 0)))

@@ -30,6 +30,7 @@ No TPU was reachable when these were written: they are tested in the TPU interpr
 from __future__ import annotations
 
 import functools
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -126,7 +127,8 @@ def fits(geom: Geometry, shape, dtype) -> bool:
 
 
 def _compiler_params(n_grid: int, need: int):
-  return pltpu.CompilerParams(dimension_semantics=("parallel",) * n_grid,
+  parallel: Literal["parallel"] = "parallel"
+  return pltpu.CompilerParams(dimension_semantics=(parallel,) * n_grid,
                               vmem_limit_bytes=int(min(max(need + (8 << 20), 32 << 20),
                                                        100 << 20)))
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from types import ModuleType
 
 import jax
 import jax.numpy as jnp
@@ -25,11 +26,15 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 try:
-  from jax.experimental.pallas import triton as plgpu
+  from jax.experimental.pallas import triton as _plgpu
+  plgpu: ModuleType | None = _plgpu
 except ImportError:  # pragma: no cover - jaxlib without the Triton backend
   plgpu = None
 
 from jaxpool._src.windows import Geometry, argmax_dtype
+
+# Older Pallas had ``load``/``store`` at the top level; newer jax (and its type hints) has not.
+_pl_legacy: ModuleType = pl
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,7 +84,7 @@ def block_sizes(width: int, channels: int, itemsize: int) -> tuple[int, int]:
   """``(bw, bc)``, powers of two: whole channels up to 512 bytes a row; columns, little waste."""
   bc = min(_next_pow2(channels), max(512 // itemsize, 1))
   budget = max(8192 // bc, 1)  # at most 8192 elements a tile
-  best = None
+  best: tuple[tuple[int, int], int] | None = None
   for bw in (1, 2, 4, 8, 16, 32, 64, 128):
     if bw > budget:
       break
@@ -87,6 +92,8 @@ def block_sizes(width: int, channels: int, itemsize: int) -> tuple[int, int]:
     key = (padded, -bw)
     if best is None or key < best[0]:
       best = (key, bw)
+  if best is None:  # unreachable: budget >= 1, so bw = 1 always qualifies
+    raise ValueError(f"no column block for width {width}, {channels} channels.")
   return best[1], bc
 
 
@@ -116,6 +123,8 @@ class _Tile:
     self.cols = jnp.minimum(raw_w, n_cols - 1)
     self.in_cols = raw_w < n_cols
     exact_c = channels % bc == 0
+    self.chan_index: slice | pl.Slice | jax.Array
+    self.chan_mask: jax.Array | None
     if exact_c and not interpret:
       # Compiled: a plain slice keeps the channel dim provably contiguous (vector loads).
       self.chan_index = pl.ds(pl.program_id(2) * bc, bc)
@@ -139,7 +148,7 @@ class _Tile:
 def _load(ref, idx, mask, other):
   if plgpu is not None and hasattr(plgpu, "load"):
     return plgpu.load(ref.at[idx], mask=mask, other=other)
-  return pl.load(ref, idx, mask=mask, other=other)  # pragma: no cover - older Pallas
+  return _pl_legacy.load(ref, idx, mask=mask, other=other)  # pragma: no cover - older Pallas
 
 
 def _store(ref, idx, val, tile: _Tile):
@@ -150,7 +159,7 @@ def _store(ref, idx, val, tile: _Tile):
   if plgpu is not None and hasattr(plgpu, "store"):
     plgpu.store(ref.at[idx], val, mask=mask)
   else:  # pragma: no cover - older Pallas
-    pl.store(ref, idx, val, mask=mask)
+    _pl_legacy.store(ref, idx, val, mask=mask)
 
 
 def _compiler_params(num_warps: int = 4):
@@ -298,6 +307,7 @@ def _backward_kernel(*refs, g: Geom2, bw: int, bc: int, channels: int, mode: str
   m = pl.program_id(1) * bw + jnp.arange(bw, dtype=jnp.int32)
   raw_c = pl.program_id(2) * bc + jnp.arange(bc, dtype=jnp.int32)
   exact_c = channels % bc == 0
+  chans: slice | pl.Slice | jax.Array
   if exact_c and not interpret:
     chans = pl.ds(pl.program_id(2) * bc, bc)
   else:
@@ -364,6 +374,8 @@ def _backward_kernel(*refs, g: Geom2, bw: int, bc: int, channels: int, mode: str
         mask = ((w < g.W) & (h < g.H))[:, None]
         if not exact_c:
           mask = mask & (raw_c < channels)[None, :]
+        if plgpu is None:  # pragma: no cover - compiled kernels need the Triton backend
+          raise RuntimeError("compiled Pallas GPU kernels need jax.experimental.pallas.triton.")
         plgpu.store(dx_ref.at[at(h, w)], acc.astype(dtype), mask=mask)
 
 
