@@ -167,7 +167,13 @@ def gather_at_argmax(t: jax.Array, idx: jax.Array, geom: Geometry) -> jax.Array:
   Linear in ``t``; JAX's transpose of it is the max-pool gradient (a deterministic,
   fused scatter-add of each window's cotangent into its argmax).
   """
-  cases = _phase_taps(t, geom)
+  if explicit_sharding(t) is None:
+    cases = _phase_taps(t, geom)
+  else:
+    # Under Explicit mesh axes the phase view's reshape would need an out_sharding for every
+    # split; the strided slices need none and give the same values (and, transposed, bits).
+    tp = _pad(t, geom, 0)
+    cases = [_tap_slice(tp, geom, tap) for tap in geom.taps()]
   # An empty window has idx == -1 and its taps all read padding, which is zero in the padded
   # ``t`` and dropped by the transpose of the pad: tap 0 serves it with no extra case.
   which = jnp.maximum(idx, 0) if has_empty_windows(geom) else idx

@@ -32,6 +32,7 @@ except ImportError:  # pragma: no cover - jaxlib without the Triton backend
   plgpu = None
 
 from jaxpool._src.windows import Geometry, argmax_dtype
+from jaxpool._src.xla import accumulator_dtype, lowest
 
 # Older Pallas had ``load``/``store`` at the top level; newer jax (and its type hints) has not.
 _pl_legacy: ModuleType = pl
@@ -95,18 +96,6 @@ def block_sizes(width: int, channels: int, itemsize: int) -> tuple[int, int]:
   if best is None:  # unreachable: budget >= 1, so bw = 1 always qualifies
     raise ValueError(f"no column block for width {width}, {channels} channels.")
   return best[1], bc
-
-
-def lowest(dtype) -> np.ndarray:
-  dtype = np.dtype(dtype)
-  if jnp.issubdtype(dtype, jnp.floating):
-    return np.array(-np.inf, dtype)
-  return np.array(np.iinfo(dtype).min, dtype)
-
-
-def accumulator_dtype(dtype) -> np.dtype:
-  dtype = np.dtype(dtype)
-  return np.dtype(np.float32) if dtype.itemsize < 4 else dtype
 
 
 class _Tile:
