@@ -22,8 +22,9 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(PY) -m ruff check jaxpool tests examples benchmarks
 
-# `make test` = lint + pytest + the documentation site (warnings are errors) + the type check.
+# `make test` = lint + the docstring examples + pytest + the docs site (warnings are errors) + mypy.
 test: $(STAMP) lint
+	$(PY) -m pytest -q -p no:cacheprovider --doctest-modules jaxpool
 	$(PY) -m pytest -q -n 2 tests
 	$(MAKE) docs types
 

@@ -31,6 +31,7 @@ class Graph:
     specs: per-example ``jax.ShapeDtypeStruct`` of every node's value, by name.
 
   Example:
+    >>> from jaxpool.graph import Conv, Input, MaxPool
     >>> x = Input("image", shape=(8, 8, 1))
     >>> y = MaxPool("pool", Conv("conv", x, features=4), window=(2, 2))
     >>> g = Graph(y)

@@ -184,7 +184,7 @@ def _register_linear_call_batching():
 
   p = custom_derivatives.linear_call_p
   fancy = getattr(batching, "fancy_primitive_batchers", None)
-  if (fancy is not None and p in fancy) or p in batching.primitive_batchers:
+  if fancy is not None and p in fancy:  # (primitive_batchers writes into this table too)
     return  # JAX has its own rule
   batching.primitive_batchers[p] = _linear_call_batch_rule
 
