@@ -41,11 +41,17 @@ from jaxpool._src.pallas import triton as pk  # noqa: E402
 INNER = 10
 REPS = 30
 CASES = [
-    # name, shape (N, H, W, C), window, strides, padding
-    ("128x112x112x64 3x3/s2/p1", (128, 112, 112, 64), (3, 3), (2, 2), 1),
-    ("64x224x224x64 2x2/s2", (64, 224, 224, 64), (2, 2), (2, 2), 0),
+    # name, shape, window, strides, padding, data_format, dtypes
+    ("128x112x112x64 3x3/s2/p1", (128, 112, 112, 64), (3, 3), (2, 2), 1, "channels_last",
+     ("float32", "bfloat16")),
+    ("64x224x224x64 2x2/s2", (64, 224, 224, 64), (2, 2), (2, 2), 0, "channels_last",
+     ("float32", "bfloat16")),
+    # The first case's data in NCHW, and a 3-D (video) pool in NDHWC.
+    ("128x64x112x112 NCHW 3x3/s2/p1", (128, 64, 112, 112), (3, 3), (2, 2), 1, "channels_first",
+     ("float32",)),
+    ("16x16x56x56x64 3x3x3/s2/p1", (16, 16, 56, 56, 64), (3, 3, 3), (2, 2, 2), 1,
+     "channels_last", ("float32",)),
 ]
-DTYPES = ("float32", "bfloat16")
 
 
 def time_jax(fn, *args) -> float:
@@ -85,45 +91,56 @@ def copy_bandwidth() -> float:
   return 2 * x.size * 4 / ms / 1e6
 
 
-def torch_case(shape, window, strides, padding, dtype):
+def torch_case(shape, window, strides, padding, dtype, data_format):
+  """PyTorch's max pooling (cuDNN or its own kernels) on the same layout in memory."""
   try:
     import torch
     import torch.nn.functional as F
   except ImportError:
     return None
   tdt = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
-  n, h, w, c = shape
-  x = torch.randn(n, c, h, w, device="cuda", dtype=tdt).to(memory_format=torch.channels_last)
+  pool = {2: F.max_pool2d, 3: F.max_pool3d}.get(len(window))
+  if pool is None:
+    return None
+  if data_format == "channels_last":
+    n, *spatial, c = shape
+    fmt = torch.channels_last if len(window) == 2 else torch.channels_last_3d
+    x = torch.randn(n, c, *spatial, device="cuda", dtype=tdt).to(memory_format=fmt)
+  else:
+    fmt = torch.contiguous_format
+    x = torch.randn(*shape, device="cuda", dtype=tdt)
   x.requires_grad_(True)
-  y0 = F.max_pool2d(x, window, strides, padding)
-  dy = torch.randn_like(y0).contiguous(memory_format=torch.channels_last)
+  y0 = pool(x, window, strides, padding)
+  dy = torch.randn_like(y0).contiguous(memory_format=fmt)
 
   def fwd_bwd():
     x.grad = None
-    y = F.max_pool2d(x, window, strides, padding)
+    y = pool(x, window, strides, padding)
     y.backward(dy)
 
   def fwd():
     with torch.no_grad():
-      F.max_pool2d(x, window, strides, padding)
+      pool(x, window, strides, padding)
 
   out = {"torch_fwd": time_torch(fwd), "torch_fwd_bwd": time_torch(fwd_bwd)}
   return out
 
 
-def run_case(name, shape, window, strides, padding, dtype, copy_gbs):
+def run_case(name, shape, window, strides, padding, data_format, dtype, copy_gbs):
   dt = jnp.dtype(dtype)
   kx, kd = jax.random.split(jax.random.key(hash((name, dtype)) % 2**31))
   x = jax.random.normal(kx, shape, jnp.float32).astype(dt)
-  geom = windows.make_geometry(shape, window, strides, padding)
+  geom = windows.make_geometry(shape, window, strides, padding, data_format=data_format)
   out_shape = geom.output_shape(shape)
   dy = jax.random.normal(kd, out_shape, jnp.float32).astype(dt)
-  pad_cfg = ((0, 0), *geom.full_padding, (0, 0))
-  kw = dict(window_shape=window, strides=strides, padding=padding)
+  nd = len(shape)
+  pad_cfg = geom.full_dims(nd, geom.full_padding, (0, 0))
+  kw = dict(window_shape=window, strides=strides, padding=padding, data_format=data_format)
 
   def xla_fwd(a):
-    return lax.reduce_window(a, np.array(-np.inf, a.dtype), lax.max, (1, *window, 1),
-                             (1, *strides, 1), pad_cfg)
+    return lax.reduce_window(a, np.array(-np.inf, a.dtype), lax.max,
+                             geom.full_dims(nd, window, 1), geom.full_dims(nd, strides, 1),
+                             pad_cfg)
 
   xla_vjp = jax.jit(lambda a: jax.vjp(xla_fwd, a)[1])(x)
   idx = jax.jit(lambda a: pk.max_forward_argmax(a, geom, interpret=False)[1])(x)
@@ -164,7 +181,8 @@ def run_case(name, shape, window, strides, padding, dtype, copy_gbs):
   # Same bits as the XLA path, checked here on the benchmark's own data.
   same = bool(jnp.array_equal(vjp_of(mp("pallas"))(x, dy)[1], vjp_of(mp("xla"))(x, dy)[1]))
   del x, dy, idx, xla_vjp
-  t = torch_case(shape, window, strides, padding if isinstance(padding, int) else 0, dtype)
+  t = torch_case(shape, window, strides, padding if isinstance(padding, int) else 0, dtype,
+                 data_format)
   if t is not None:
     row("torch_fwd", t["torch_fwd"], nx + ny)
     row("torch_fwd_bwd", t["torch_fwd_bwd"], nx + ny + ny + nx)
@@ -211,9 +229,9 @@ def main():
   copy_gbs = copy_bandwidth()
   print(f"copy bandwidth (x + 1, 1 GiB f32, read + write): {copy_gbs:.0f} GB/s", flush=True)
   results = []
-  for name, shape, window, strides, padding in CASES:
-    for dtype in DTYPES:
-      res = run_case(name, shape, window, strides, padding, dtype, copy_gbs)
+  for name, shape, window, strides, padding, data_format, dtypes in CASES:
+    for dtype in dtypes:
+      res = run_case(name, shape, window, strides, padding, data_format, dtype, copy_gbs)
       results.append(res)
       print(f"\n{name} {dtype}  (grad bits == jaxpool XLA path: {res['grad_bits_equal_xla_path']})")
       print(f"  {'row':24s} {'ms':>8s} {'GB/s':>8s} {'of copy':>8s}")

@@ -27,17 +27,28 @@ CONFIGS = [
     ((1, 7, 6, 3), (2, 3), (2, 1), "SAME", (2, 1), True),  # dilation, ceil mode
     ((3, 10, 4), (4,), (3,), ((3, 2),), None, True),  # 1-D, windows past the edge
 ]
+# 3-D and channels_first (the TPU kernels cover neither), with the layout last.
+CONFIGS_ND = [
+    ((2, 3, 9, 11), (3, 3), (2, 2), ((1, 2), (2, 1)), None, False, "channels_first"),
+    ((2, 5, 6, 7, 3), (3, 2, 3), (2, 1, 2), ((1, 1), (0, 1), (1, 0)), (1, 2, 1), True),
+    ((1, 2, 5, 6, 7), (2, 3, 2), (2, 2, 1), 1, None, False, "channels_first"),
+    ((2, 3, 10), (4,), (3,), ((3, 2),), None, True, "channels_first"),
+]
+ND_IDS = ["2d_first", "3d_last_dilated_ceil", "3d_first", "1d_first"]
 GPU_CONFIGS = [
     ((4, 57, 45, 64), (3, 3), (2, 2), 1, None, False),
     ((2, 33, 70, 40), (2, 2), (2, 2), 0, None, True),
     ((3, 31, 29, 96), (5, 3), (2, 3), ((2, 1), (0, 2)), (1, 2), False),
     ((5, 100, 24), (3,), (2,), ((1, 1),), None, False),
+    ((4, 64, 56, 57), (3, 3), (2, 2), 1, None, False, "channels_first"),
+    ((2, 9, 30, 33, 32), (3, 3, 3), (2, 2, 2), 1, None, False),
+    ((2, 8, 9, 20, 22), (2, 2, 2), (2, 2, 2), 0, (1, 1, 2), True, "channels_first"),
 ]
 
 
-def _kw(window, strides, padding, dilation, ceil_mode):
+def _kw(window, strides, padding, dilation, ceil_mode, data_format="channels_last"):
   return dict(window_shape=window, strides=strides, padding=padding, dilation=dilation,
-              ceil_mode=ceil_mode)
+              ceil_mode=ceil_mode, data_format=data_format)
 
 
 def _data(rng, shape, dtype, *, special=True):
@@ -110,6 +121,17 @@ def _check_avg(rng, cfg, dtype, count_include_pad, divisor_override):
 @pytest.mark.parametrize("cfg", CONFIGS, ids=["2d_overlap", "2d_dilated_ceil", "1d_edge"])
 def test_max_matches_xla(rng, cfg):
   _check_max(rng, cfg, jnp.float32)
+
+
+@pytest.mark.parametrize("cfg", CONFIGS_ND, ids=ND_IDS)
+def test_nd_and_channels_first_match_xla(rng, cfg):
+  _check_max(rng, cfg, jnp.float32)
+  _check_avg(rng, cfg, jnp.float32, cfg[-1] == "channels_first", None)
+
+
+def test_nd_bfloat16_avg_divisor(rng):
+  _check_max(rng, CONFIGS_ND[1], jnp.bfloat16)
+  _check_avg(rng, CONFIGS_ND[2], jnp.bfloat16, False, 5)
 
 
 def test_max_bfloat16_matches_xla(rng):
@@ -203,14 +225,15 @@ def test_supports():
   assert not ops.supports("lp_pool", (2, 8, 8, 4), jnp.float32, g2)
   assert not ops.supports("max_pool", (2, 8, 8, 4), jnp.int32, g2)
   cf = windows.make_geometry((2, 4, 8, 8), (2, 2), (2, 2), data_format="channels_first")
-  assert not ops.supports("max_pool", (2, 4, 8, 8), jnp.float32, cf)
+  assert ops.supports("max_pool", (2, 4, 8, 8), jnp.float32, cf)
   g3 = windows.make_geometry((1, 4, 4, 4, 2), (2, 2, 2))
-  assert not ops.supports("max_pool", (1, 4, 4, 4, 2), jnp.float32, g3)
+  assert ops.supports("max_pool", (1, 4, 4, 4, 2), jnp.float32, g3)
+  g4 = windows.make_geometry((1, 3, 3, 3, 3, 1), (2, 2, 2, 2))
+  assert not ops.supports("max_pool", (1, 3, 3, 3, 3, 1), jnp.float32, g4)
   big = windows.make_geometry((1, 20, 20, 1), (9, 9))
   assert not ops.supports("max_pool", (1, 20, 20, 1), jnp.float32, big)
   with pytest.raises(ValueError, match="pallas"):
-    jaxpool.max_pool(jnp.ones((1, 4, 8, 8)), (2, 2), data_format="channels_first",
-                     implementation="pallas")
+    jaxpool.max_pool(jnp.ones((1, 3, 3, 3, 3, 1)), (2, 2, 2, 2), implementation="pallas")
 
 
 # ----------------------------------------------------------------------------- GPU (compiled)
@@ -259,3 +282,28 @@ def test_gpu_deterministic(rng):
   a, b = f(x, dy), f(x, dy)
   assert np.array_equal(np.asarray(a), np.asarray(b))
   assert "jaxpool_max_pool_bwd" in str(jax.make_jaxpr(f)(x, dy))
+
+
+@pytest.mark.parametrize("cfg", [GPU_CONFIGS[0], CONFIGS_ND[0], CONFIGS_ND[1], CONFIGS_ND[3]],
+                         ids=["2d_last", "2d_first", "3d_last", "1d_first"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_lowers_to_triton(cfg, dtype):
+  """Every kernel, compiled (not interpreted), lowers to a Triton call for CUDA, on any host:
+  Pallas' Triton lowering runs; Triton's compiler (on a GPU) does not."""
+  from jaxpool._src.pallas import triton as pk
+  shape, *geo = cfg
+  geom = windows.make_geometry(shape, *_kw(*geo).values())
+  x = jnp.zeros(shape, dtype)
+  y = jax.ShapeDtypeStruct(geom.output_shape(shape), dtype)
+  idx = jax.ShapeDtypeStruct(y.shape, windows.argmax_dtype(geom.num_taps))
+  avg = dict(interpret=False, count_include_pad=False, divisor_override=None)
+  fns = [
+      (lambda a: pk.max_forward(a, geom, interpret=False), x),
+      (lambda a: pk.max_forward_argmax(a, geom, interpret=False), x),
+      (lambda i, d: pk.max_backward(i, d, shape, geom, interpret=False), idx, y),
+      (lambda a: pk.avg_forward(a, geom, **avg), x),
+      (lambda d: pk.avg_backward(d, shape, geom, **avg), y),
+  ]
+  for fn, *args in fns:
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "xla.gpu.triton" in text

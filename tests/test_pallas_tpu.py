@@ -129,8 +129,14 @@ def test_backend_choice_and_vmem_limit(monkeypatch):
   gb = windows.make_geometry(big, (2, 2), (2, 2))
   assert not tpu.fits(gb, big, jnp.float32)
   assert not ops.supports("max_pool", big, jnp.float32, gb)
+  # 3-D and channels_first pooling: Triton kernels only.
+  g3 = windows.make_geometry((1, 4, 4, 4, 2), (2, 2, 2))
+  cf = windows.make_geometry((2, 4, 8, 8), (2, 2), (2, 2), data_format="channels_first")
+  assert not ops.supports("max_pool", (1, 4, 4, 4, 2), jnp.float32, g3)
+  assert not ops.supports("avg_pool", (2, 4, 8, 8), jnp.float32, cf)
   monkeypatch.setenv(ops.BACKEND_ENV, "triton")
   assert ops.backend() == "triton" and ops.supports("max_pool", big, jnp.float32, gb)
+  assert ops.supports("max_pool", (1, 4, 4, 4, 2), jnp.float32, g3)
   monkeypatch.setenv(ops.BACKEND_ENV, "mosaic")
   with pytest.raises(ValueError, match="JAXPOOL_PALLAS_BACKEND"):
     ops.backend()

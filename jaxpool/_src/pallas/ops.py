@@ -38,16 +38,16 @@ MAX_TAPS = 64  # the tap loops are unrolled; larger windows stay on XLA
 def supports(op: str, shape, dtype, geom: Geometry, **config) -> bool:
   """Whether the Pallas kernels cover this call (else the dispatcher uses XLA).
 
-  Covered (GPU, TPU, or interpret mode on a CPU): 1-D and 2-D pooling in
-  ``channels_last`` (``(*batch, *spatial, C)``), float32, bfloat16 and float16, at most
-  ``MAX_TAPS`` taps, no empty dims; every padding, stride, dilation, ceil mode, and for average
-  pooling every ``count_include_pad`` and ``divisor_override``. The TPU kernels (:func:`backend`
-  ``"tpu"``) also need one image's channel block to fit their VMEM budget.
+  Covered (GPU, or interpret mode on a CPU): 1-D, 2-D and 3-D pooling in either layout,
+  float32, bfloat16 and float16, at most ``MAX_TAPS`` taps, no empty dims; every padding,
+  stride, dilation, ceil mode, and for average pooling every ``count_include_pad`` and
+  ``divisor_override``. The TPU kernels (:func:`backend` ``"tpu"``) cover 1-D and 2-D
+  ``channels_last`` only, and need one image's channel block to fit their VMEM budget.
   """
   if op not in OPS:
     return False
   del config  # every avg config is covered
-  if not geom.channels_last or geom.nspatial not in (1, 2):
+  if geom.nspatial not in (1, 2, 3):
     return False
   if np.dtype(dtype) not in _FLOAT_DTYPES:
     return False
@@ -57,7 +57,7 @@ def supports(op: str, shape, dtype, geom: Geometry, **config) -> bool:
     return False
   if backend() == "tpu":
     from jaxpool._src.pallas import tpu as _tpu
-    return _tpu.fits(geom, shape, dtype)
+    return geom.channels_last and geom.nspatial <= 2 and _tpu.fits(geom, shape, dtype)
   return True
 
 
@@ -107,6 +107,14 @@ def _batched_call(fn, n_args: int):
   return f
 
 
+def _input_shape(geom: Geometry, out_shape) -> tuple[int, ...]:
+  """The forward input's shape, from its output's (any batch dims, either layout)."""
+  shape = list(out_shape)
+  for ax, n in zip(geom.spatial_axes(len(shape)), geom.in_spatial):
+    shape[ax] = n
+  return tuple(shape)
+
+
 @functools.cache
 def _fwd_fns(geom: Geometry, interpret: bool, kernels: str):
   k = _kernels(kernels)
@@ -121,8 +129,7 @@ def _max_bwd_fn(geom: Geometry, interpret: bool, kernels: str):
   k = _kernels(kernels)
 
   def bwd(idx, dy):
-    in_shape = (*idx.shape[:-1 - geom.nspatial], *geom.in_spatial, idx.shape[-1])
-    return k.max_backward(idx, dy, in_shape, geom, interpret=interpret)
+    return k.max_backward(idx, dy, _input_shape(geom, idx.shape), geom, interpret=interpret)
 
   return _batched_call(bwd, 2)
 
@@ -136,8 +143,7 @@ def _avg_fns(geom: Geometry, interpret: bool, kernels: str, count_include_pad: b
   fwd = _batched_call(functools.partial(k.avg_forward, geom=geom, **cfg), 1)
 
   def bwd(dy):
-    in_shape = (*dy.shape[:-1 - geom.nspatial], *geom.in_spatial, dy.shape[-1])
-    return k.avg_backward(dy, in_shape, geom, **cfg)
+    return k.avg_backward(dy, _input_shape(geom, dy.shape), geom, **cfg)
 
   return fwd, _batched_call(bwd, 1)
 

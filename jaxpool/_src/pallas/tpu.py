@@ -29,6 +29,7 @@ No TPU was reachable when these were written: they are tested in the TPU interpr
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Literal
 
@@ -39,8 +40,43 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from jaxpool._src.pallas.triton import Geom2, accumulator_dtype, lowest
 from jaxpool._src.windows import Geometry, argmax_dtype
+from jaxpool._src.xla import accumulator_dtype, lowest
+
+@dataclasses.dataclass(frozen=True)
+class Geom2:
+  """A 2-D channels_last pooling geometry in the kernels' terms (1-D pools get ``H = 1``)."""
+
+  H: int
+  W: int
+  Ho: int
+  Wo: int
+  kh: int
+  kw: int
+  sh: int
+  sw: int
+  dh: int
+  dw: int
+  ph: int  # low padding (the high side only shows through Ho/Wo)
+  pw: int
+  phh: int  # high user padding (counted by count_include_pad; the ceil overhang is not)
+  pwh: int
+
+  @property
+  def taps(self) -> int:
+    return self.kh * self.kw
+
+  @staticmethod
+  def from_geometry(geom: Geometry) -> Geom2:
+    if geom.nspatial == 1:
+      (w,), (k,), (s,), (d,) = geom.in_spatial, geom.window, geom.strides, geom.dilation
+      ((lo, hi),), (o,) = geom.padding, geom.out_spatial
+      return Geom2(1, w, 1, o, 1, k, 1, s, 1, d, 0, lo, 0, hi)
+    (h, w), (kh, kw), (sh, sw), (dh, dw) = (geom.in_spatial, geom.window, geom.strides,
+                                            geom.dilation)
+    ((ph, phh), (pw, pwh)), (ho, wo) = geom.padding, geom.out_spatial
+    return Geom2(h, w, ho, wo, kh, kw, sh, sw, dh, dw, ph, pw, phh, pwh)
+
 
 VMEM_BUDGET = 48 * 2**20  # bytes of VMEM one grid step may use (v5e/v6e have 128 MiB, v7x 64)
 _F32 = jnp.float32

@@ -1,12 +1,16 @@
-"""Pallas kernels for GPUs (the Triton backend), 2-D pooling in channels_last.
+"""Pallas kernels for GPUs (the Triton backend): 1-D, 2-D and 3-D pooling, both layouts.
 
-Every kernel sees its operands as ``(B, H, W, C)`` (the leading batch dims flattened; a 1-D
-pool is ``H = 1``). One program covers one row of its output (``b, h``), a block of ``bw``
-columns and a block of ``bc`` channels; channels are the contiguous dim, so each tap's load is a
-coalesced ``(bw, bc)`` tile. Windows that overlap the edges are masked explicitly: every index is
-clamped into the array and the lanes that fall outside (padding, the ceil-mode overhang, the
-block's overhang past ``W`` or ``C``) are masked out of the result, so the kernels never read or
-write out of bounds, compiled or in interpret mode.
+Every kernel sees the spatial dims as ``(D, H, W)`` (1-D and 2-D pools get unit ``D`` and
+``H``). A program covers one output row (``b, d, h``), a block of ``bw`` columns and a block of
+``bl`` *lanes*: the channels in ``channels_last`` (the operand viewed as ``(B, D, H, W, C)``,
+channels contiguous) or the planes in ``channels_first`` (viewed as ``(P, D, H, W)`` with
+``P = batch * C``, columns contiguous). Each tap's load is a ``(bw, bl)`` tile.
+
+Windows that overlap the edges are masked explicitly: every index is clamped into the array and
+the lanes that fall outside (padding, the ceil-mode overhang, the block's overhang past ``W`` or
+the lanes) are masked out of the result, so the kernels never read or write out of bounds,
+compiled or in interpret mode. Programs whose windows all lie inside the array (most of them)
+take a second code path, chosen at run time, without masks or clamps.
 
 Forward kernels gather over the window's taps (max with the argmax, or a sum for average
 pooling). Backward kernels are gathers too: each input element visits the taps of the windows
@@ -18,6 +22,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
+import math
+from collections.abc import Callable
 from types import ModuleType
 
 import jax
@@ -37,226 +44,281 @@ from jaxpool._src.xla import accumulator_dtype, lowest
 # Older Pallas had ``load``/``store`` at the top level; newer jax (and its type hints) has not.
 _pl_legacy: ModuleType = pl
 
+Launch = tuple[int, int, int]  # (bw, bl, num_warps)
+
 
 @dataclasses.dataclass(frozen=True)
-class Geom2:
-  """A 2-D channels_last pooling geometry in the kernels' terms (1-D pools get ``H = 1``)."""
+class Geom3:
+  """A pooling geometry in the kernels' terms: three spatial dims ``(D, H, W)``, unit dims
+  prepended for 1-D and 2-D pools, and the layout."""
 
-  H: int
-  W: int
-  Ho: int
-  Wo: int
-  kh: int
-  kw: int
-  sh: int
-  sw: int
-  dh: int
-  dw: int
-  ph: int  # low padding (the high side only shows through Ho/Wo)
-  pw: int
-  phh: int  # high user padding (counted by count_include_pad; the ceil overhang is not)
-  pwh: int
+  inp: tuple[int, int, int]
+  out: tuple[int, int, int]
+  k: tuple[int, int, int]
+  s: tuple[int, int, int]
+  d: tuple[int, int, int]
+  lo: tuple[int, int, int]  # low padding (the high side only shows through ``out``)
+  hi: tuple[int, int, int]  # high user padding (count_include_pad; the ceil overhang is not)
+  channels_last: bool
 
   @property
   def taps(self) -> int:
-    return self.kh * self.kw
+    return math.prod(self.k)
+
+  def tap_offsets(self):
+    """``(t, (a, i, j))`` for every tap, row-major (the argmax's tie-break order)."""
+    return enumerate(itertools.product(*(range(k) for k in self.k)))
 
   @staticmethod
-  def from_geometry(geom: Geometry) -> Geom2:
-    if geom.nspatial == 1:
-      (w,), (k,), (s,), (d,) = geom.in_spatial, geom.window, geom.strides, geom.dilation
-      ((lo, hi),), (o,) = geom.padding, geom.out_spatial
-      return Geom2(1, w, 1, o, 1, k, 1, s, 1, d, 0, lo, 0, hi)
-    (h, w), (kh, kw), (sh, sw), (dh, dw) = (geom.in_spatial, geom.window, geom.strides,
-                                            geom.dilation)
-    ((ph, phh), (pw, pwh)), (ho, wo) = geom.padding, geom.out_spatial
-    return Geom2(h, w, ho, wo, kh, kw, sh, sw, dh, dw, ph, pw, phh, pwh)
+  def from_geometry(geom: Geometry) -> Geom3:
+    pad = 3 - geom.nspatial
 
+    def three(v, fill):
+      return (fill,) * pad + tuple(int(e) for e in v)
 
-def _pow2_at_most(n: int) -> int:
-  return 1 << (max(int(n), 1).bit_length() - 1)
+    return Geom3(three(geom.in_spatial, 1), three(geom.out_spatial, 1), three(geom.window, 1),
+                 three(geom.strides, 1), three(geom.dilation, 1),
+                 three((lo for lo, _ in geom.padding), 0),
+                 three((hi for _, hi in geom.padding), 0), geom.channels_last)
 
 
 def _next_pow2(n: int) -> int:
   return 1 << (max(int(n), 1) - 1).bit_length()
 
 
-def block_sizes(width: int, channels: int, itemsize: int) -> tuple[int, int]:
-  """``(bw, bc)``, powers of two: whole channels up to 512 bytes a row; columns, little waste."""
-  bc = min(_next_pow2(channels), max(512 // itemsize, 1))
-  budget = max(8192 // bc, 1)  # at most 8192 elements a tile
-  best: tuple[tuple[int, int], int] | None = None
-  for bw in (1, 2, 4, 8, 16, 32, 64, 128):
-    if bw > budget:
-      break
-    padded = -(-width // bw) * bw
-    key = (padded, -bw)
-    if best is None or key < best[0]:
-      best = (key, bw)
-  if best is None:  # unreachable: budget >= 1, so bw = 1 always qualifies
-    raise ValueError(f"no column block for width {width}, {channels} channels.")
-  return best[1], bc
+def _least_waste(width: int, most: int) -> int:
+  """The power-of-two block (at most ``most``) that pads ``width`` least; the largest on ties."""
+  best = min((-(-width // bw) * bw, -bw) for bw in (1 << e for e in range(8)) if bw <= most)
+  return -best[1]
+
+
+def launch_config(width: int, lanes: int, itemsize: int, channels_last: bool) -> Launch:
+  """``(bw, bl, num_warps)`` for a kernel over ``width`` columns and ``lanes`` lanes.
+
+  channels_last: whole channel rows up to 512 bytes, columns with the least padding in a tile of
+  at most 8192 elements, 8 warps (``benchmarks/sweep_gpu.py``: many small per-thread tiles keep
+  enough loads in flight; see NOTES.md). channels_first: the columns are contiguous, so up to 64
+  columns and planes to fill a 1024-element tile.
+  """
+  if channels_last:
+    bl = min(_next_pow2(lanes), max(512 // itemsize, 1))
+    return _least_waste(width, max(8192 // bl, 1)), bl, 8
+  bw = min(_next_pow2(width), 64)
+  return bw, min(_next_pow2(lanes), max(1024 // bw, 1)), 4
 
 
 class _Tile:
-  """Column and channel coordinates of one program's tile, clamped into range.
+  """Lane coordinates of one program's tile and the layout's indexer.
 
-  ``cols`` and ``chans`` are clamped, so lanes past the end duplicate the last real column or
-  channel: they compute the same value and, in interpret mode (where stores go unmasked, since
-  the interpreter's masked scatter would let a masked lane restore an old value), write it again.
+  ``lane`` is clamped, so lanes past the end duplicate the last real one: they compute the same
+  value and, in interpret mode (where stores go unmasked, since the interpreter's masked scatter
+  would let a masked lane restore an old value), write it again.
   """
 
-  def __init__(self, n_cols: int, channels: int, bw: int, bc: int, interpret: bool):
-    raw_w = pl.program_id(1) * bw + jnp.arange(bw, dtype=jnp.int32)
-    raw_c = pl.program_id(2) * bc + jnp.arange(bc, dtype=jnp.int32)
-    self.cols = jnp.minimum(raw_w, n_cols - 1)
-    self.in_cols = raw_w < n_cols
-    exact_c = channels % bc == 0
-    self.chan_index: slice | pl.Slice | jax.Array
-    self.chan_mask: jax.Array | None
-    if exact_c and not interpret:
+  def __init__(self, lanes: int, bl: int, interpret: bool, channels_last: bool):
+    raw = pl.program_id(2) * bl + jnp.arange(bl, dtype=jnp.int32)
+    exact = lanes % bl == 0
+    self.channels_last = channels_last
+    self.lane: pl.Slice | jax.Array
+    if channels_last and exact and not interpret:
       # Compiled: a plain slice keeps the channel dim provably contiguous (vector loads).
-      self.chan_index = pl.ds(pl.program_id(2) * bc, bc)
-      self.chan_mask = None
+      self.lane = pl.ds(pl.program_id(2) * bl, bl)
     else:
-      self.chan_index = jnp.minimum(raw_c, channels - 1)[None, :]
-      self.chan_mask = None if exact_c else (raw_c < channels)[None, :]
+      self.lane = jnp.minimum(raw, lanes - 1)
+    self.lane_mask = None if exact else (raw < lanes)[None, :]
     self.interpret = interpret
 
-  def index(self, b, row, cols):
-    """Indexer for ``ref[b, row, cols, chans]`` -> ``(bw, bc)``."""
-    if isinstance(self.chan_index, pl.Slice):
-      return (b, row, cols, self.chan_index)
-    return (b, row, cols[:, None], self.chan_index)
+  def index(self, b, d, h, cols):
+    """Indexer for the element ``(b, d, h, cols, lanes)`` of the operand -> ``(bw, bl)``."""
+    if not self.channels_last:
+      assert not isinstance(self.lane, pl.Slice)
+      return (self.lane[None, :], d, h, cols[:, None])
+    if isinstance(self.lane, pl.Slice):
+      return (b, d, h, cols, self.lane)
+    return (b, d, h, cols[:, None], self.lane[None, :])
 
-  def store_mask(self):
-    m = self.in_cols[:, None]
-    return m if self.chan_mask is None else (m & self.chan_mask)
+  def store(self, ref, idx, val, col_mask=None):
+    """Stores ``val``; compiled, masked to the real columns (``col_mask``) and lanes."""
+    if self.interpret:
+      ref[idx] = val
+      return
+    mask = None if col_mask is None else col_mask[:, None]
+    if self.lane_mask is not None:
+      mask = self.lane_mask if mask is None else (mask & self.lane_mask)
+    if plgpu is not None and hasattr(plgpu, "store"):
+      plgpu.store(ref.at[idx], val, mask=mask)
+    else:  # pragma: no cover - older Pallas
+      _pl_legacy.store(ref, idx, val, mask=mask)
 
 
-def _load(ref, idx, mask, other):
+def _load(ref, idx, mask=None, other=None):
   if plgpu is not None and hasattr(plgpu, "load"):
     return plgpu.load(ref.at[idx], mask=mask, other=other)
   return _pl_legacy.load(ref, idx, mask=mask, other=other)  # pragma: no cover - older Pallas
 
 
-def _store(ref, idx, val, tile: _Tile):
-  if tile.interpret:
-    ref[idx] = val
-    return
-  mask = tile.store_mask()
-  if plgpu is not None and hasattr(plgpu, "store"):
-    plgpu.store(ref.at[idx], val, mask=mask)
-  else:  # pragma: no cover - older Pallas
-    _pl_legacy.store(ref, idx, val, mask=mask)
+def _split(pid, sizes):
+  """``pid`` -> (its quotient by ``prod(sizes)``, *its row-major coordinates over ``sizes``)."""
+  coords = []
+  for n in reversed(sizes):
+    coords.append(pid % n)
+    pid = pid // n
+  return (pid, *reversed(coords))
 
 
-def _compiler_params(num_warps: int = 4):
+def _both_paths(interior, body: Callable[[bool], None]) -> None:
+  """Runs ``body(edge=False)`` where ``interior`` holds (no masks), else ``body(edge=True)``."""
+  pl.when(interior)(lambda: body(False))
+  pl.when(jnp.logical_not(interior))(lambda: body(True))
+
+
+def _greater(x, best):
+  """``x`` replaces ``best``: larger, or the first NaN (a NaN ``best`` is never replaced)."""
+  if not jnp.issubdtype(x.dtype, jnp.floating):
+    return x > best
+  return jnp.logical_not(x <= best) & (best == best)
+
+
+def _compiler_params(num_warps: int):
   if plgpu is None:
     return None
   return plgpu.CompilerParams(num_warps=num_warps, num_stages=1)
 
 
-def _grid_spec_kwargs(interpret: bool):
-  return {} if interpret else {"compiler_params": _compiler_params()}
+def _call_kwargs(interpret: bool, num_warps: int):
+  return {} if interpret else {"compiler_params": _compiler_params(num_warps)}
+
+
+def _view_shape(shape, spatial, channels_last: bool) -> tuple[int, ...]:
+  """``(B, D, H, W, C)`` (channels_last) or ``(P, D, H, W)`` (channels_first) for ``shape``."""
+  rest = math.prod(shape) // (math.prod(spatial) * (shape[-1] if channels_last else 1))
+  return (rest, *spatial, shape[-1]) if channels_last else (rest, *spatial)
+
+
+def _view(x: jax.Array, spatial, channels_last: bool) -> jax.Array:
+  return x.reshape(_view_shape(x.shape, spatial, channels_last))
+
+
+def _lanes_and_batch(x4: jax.Array, channels_last: bool) -> tuple[int, int]:
+  return (x4.shape[-1], x4.shape[0]) if channels_last else (x4.shape[0], 1)
+
+
+def _window_count(g: Geom3, wins, include_pad: bool, bw: int):
+  """Each window's taps inside the counted region (the input, or the input and its user
+  padding with ``include_pad``), a product of one factor per dim: ``(bw,)`` int32."""
+  cnt = jnp.ones((bw,), jnp.int32)
+  for dim, o in enumerate(wins):
+    lo = -g.lo[dim] if include_pad else 0
+    hi = g.inp[dim] + (g.hi[dim] if include_pad else 0)
+    n = jnp.zeros(jnp.shape(o), jnp.int32)
+    for a in range(g.k[dim]):
+      e = o * g.s[dim] + a * g.d[dim] - g.lo[dim]
+      n = n + ((e >= lo) & (e < hi)).astype(jnp.int32)
+    cnt = cnt * n
+  return cnt
 
 
 # ----------------------------------------------------------------------------- forward
 
 
-def _window_kernel(x_ref, *out_refs, g: Geom2, bw: int, bc: int, channels: int, mode: str,
+def _window_kernel(x_ref, *out_refs, g: Geom3, bw: int, bl: int, lanes: int, mode: str,
                    include_pad: bool, divisor: int | None, interpret: bool):
   """One output row: max (``mode='max'``), max with argmax (``'argmax'``) or average (``'avg'``)."""
-  pid = pl.program_id(0)
-  b, ho = pid // g.Ho, pid % g.Ho
-  tile = _Tile(g.Wo, channels, bw, bc, interpret)
-  wo = tile.cols
+  (D, H, W), (Do, Ho, Wo) = g.inp, g.out
+  b, do, ho = _split(pl.program_id(0), (Do, Ho))
+  tile = _Tile(lanes, bl, interpret, g.channels_last)
+  w0 = pl.program_id(1) * bw
+  raw_wo = w0 + jnp.arange(bw, dtype=jnp.int32)
+  # Lanes past the last column are clamped copies of it (their stores are masked).
+  wo = jnp.minimum(raw_wo, Wo - 1)
+  col_mask = None if Wo % bw == 0 else raw_wo < Wo
+  # Interior: every tap of every (real) window of the tile lies inside the input.
+  interior = None
+  for dim, first_win, last_win in ((0, do, do), (1, ho, ho), (2, w0, jnp.minimum(w0 + bw, Wo) - 1)):
+    first = first_win * g.s[dim] - g.lo[dim]
+    last = last_win * g.s[dim] + (g.k[dim] - 1) * g.d[dim] - g.lo[dim]
+    inside = (first >= 0) & (last < g.inp[dim])
+    interior = inside if interior is None else interior & inside
   dtype = x_ref.dtype
-  if mode == "avg":
-    acc_t = accumulator_dtype(dtype)
-    acc = jnp.zeros((bw, bc), acc_t)
-    cnt_h = jnp.zeros((), jnp.int32)
-    cnt_w = jnp.zeros((bw,), jnp.int32)
-  else:
-    best = jnp.full((bw, bc), lowest(dtype), dtype)
-    idx = jnp.full((bw, bc), -1, jnp.int32)
-  lo_h, hi_h = (-g.ph, g.H + g.phh) if include_pad else (0, g.H)
-  lo_w, hi_w = (-g.pw, g.W + g.pwh) if include_pad else (0, g.W)
-  for i in range(g.kh):
-    h = ho * g.sh + i * g.dh - g.ph
-    h_ok = (h >= 0) & (h < g.H)
-    hc = jnp.clip(h, 0, g.H - 1)
-    if mode == "avg":
-      cnt_h = cnt_h + ((h >= lo_h) & (h < hi_h)).astype(jnp.int32)
-    for j in range(g.kw):
-      w = wo * g.sw + j * g.dw - g.pw
-      # Lanes past the block's end are clamped copies of real ones: never masked here.
-      ok = (h_ok & (w >= 0) & (w < g.W))[:, None]
-      wc = jnp.clip(w, 0, g.W - 1)
+  acc_t = accumulator_dtype(dtype)
+  idx_t = out_refs[1].dtype if mode == "argmax" else jnp.int8
+  low = lowest(dtype)
+
+  def body(edge: bool):
+    best = acc = idx = None
+    for t, (a, i, j) in g.tap_offsets():
+      d = do * g.s[0] + a * g.d[0] - g.lo[0]
+      h = ho * g.s[1] + i * g.d[1] - g.lo[1]
+      w = wo * g.s[2] + j * g.d[2] - g.lo[2]
+      ok = None
+      if edge:
+        ok = ((d >= 0) & (d < D) & (h >= 0) & (h < H) & (w >= 0) & (w < W))[:, None]
+        d, h, w = jnp.clip(d, 0, D - 1), jnp.clip(h, 0, H - 1), jnp.clip(w, 0, W - 1)
+      where = tile.index(b, d, h, w)
       if mode == "avg":
-        if i == 0:
-          cnt_w = cnt_w + ((w >= lo_w) & (w < hi_w)).astype(jnp.int32)
-        xt = _load(x_ref, tile.index(b, hc, wc), ok, np.array(0, dtype))
-        acc = acc + jnp.where(ok, xt.astype(acc_t), 0)
+        xt = _load(x_ref, where, ok, None if ok is None else np.array(0, dtype)).astype(acc_t)
+        acc = xt if acc is None else acc + xt
         continue
-      xt = _load(x_ref, tile.index(b, hc, wc), ok, lowest(dtype))
-      if mode == "argmax":
-        better = (idx < 0) | (xt > best)
-      else:
-        better = xt > best
-      if jnp.issubdtype(dtype, jnp.floating):
-        better = better | (jnp.isnan(xt) & ~jnp.isnan(best))
-      better = better & ok
+      # Masked taps read the lowest value: never greater than ``best``.
+      xt = _load(x_ref, where, ok, None if ok is None else low)
+      if mode == "max":
+        best = xt if best is None else jnp.where(_greater(xt, best), xt, best)
+        continue
+      if best is None and not edge:
+        best, idx = xt, jnp.zeros((bw, bl), idx_t)
+        continue
+      if best is None:
+        best, idx = jnp.full((bw, bl), low, dtype), jnp.full((bw, bl), -1, idx_t)
+      better = _greater(xt, best)
+      if ok is not None:
+        # A window's first real tap is its argmax so far, whatever its value.
+        better = ok & ((idx < 0) | better)
       best = jnp.where(better, xt, best)
-      if mode == "argmax":
-        idx = jnp.where(better, i * g.kw + j, idx)
-  out_idx = tile.index(b, ho, wo)
-  if mode == "avg":
-    if divisor is not None:
-      div = jnp.full((bw, 1), divisor, acc_t)
-    else:
-      cnt = cnt_h * cnt_w
-      div = jnp.where(cnt == 0, 1, cnt).astype(acc_t)[:, None]
-    _store(out_refs[0], out_idx, (acc / div).astype(dtype), tile)
-    return
-  _store(out_refs[0], out_idx, best, tile)
-  if mode == "argmax":
-    _store(out_refs[1], out_idx, idx.astype(out_refs[1].dtype), tile)
+      idx = jnp.where(better, np.array(t, idx_t), idx)
+    out_at = tile.index(b, do, ho, wo)
+    if mode == "avg":
+      if divisor is not None or not edge:  # an interior window counts all its taps
+        div = np.array(divisor if divisor is not None else g.taps, acc_t)
+      else:
+        cnt = _window_count(g, (do, ho, wo), include_pad, bw)
+        div = jnp.where(cnt == 0, 1, cnt).astype(acc_t)[:, None]
+      tile.store(out_refs[0], out_at, (acc / div).astype(dtype), col_mask)
+      return
+    tile.store(out_refs[0], out_at, best, col_mask)
+    if mode == "argmax":
+      tile.store(out_refs[1], out_at, idx, col_mask)
 
-
-def _as4(x: jax.Array, g: Geom2, spatial: tuple[int, int]) -> jax.Array:
-  c = x.shape[-1]
-  return x.reshape(-1, spatial[0], spatial[1], c)
+  _both_paths(interior, body)
 
 
 def _window_call(x: jax.Array, geom: Geometry, mode: str, interpret: bool,
-                 include_pad: bool = False, divisor: int | None = None):
-  g = Geom2.from_geometry(geom)
+                 include_pad: bool = False, divisor: int | None = None,
+                 launch: Launch | None = None):
+  g = Geom3.from_geometry(geom)
   out_shape = geom.output_shape(x.shape)
-  c = x.shape[-1]
-  x4 = _as4(x, g, (g.H, g.W))
-  nb = x4.shape[0]
-  bw, bc = block_sizes(g.Wo, c, x.dtype.itemsize)
-  grid = (nb * g.Ho, pl.cdiv(g.Wo, bw), pl.cdiv(c, bc))
-  shape4 = (nb, g.Ho, g.Wo, c)
+  x4 = _view(x, g.inp, g.channels_last)
+  lanes, nb = _lanes_and_batch(x4, g.channels_last)
+  bw, bl, warps = launch or launch_config(g.out[2], lanes, x.dtype.itemsize, g.channels_last)
+  grid = (nb * g.out[0] * g.out[1], pl.cdiv(g.out[2], bw), pl.cdiv(lanes, bl))
+  shape4 = _view_shape(out_shape, g.out, g.channels_last)
   outs = [jax.ShapeDtypeStruct(shape4, x.dtype)]
   if mode == "argmax":
     outs.append(jax.ShapeDtypeStruct(shape4, argmax_dtype(g.taps)))
-  kernel = functools.partial(_window_kernel, g=g, bw=bw, bc=bc, channels=c, mode=mode,
+  kernel = functools.partial(_window_kernel, g=g, bw=bw, bl=bl, lanes=lanes, mode=mode,
                              include_pad=include_pad, divisor=divisor, interpret=interpret)
   n_in, n_out = x.size * x.dtype.itemsize, sum(
-      int(np.prod(o.shape)) * np.dtype(o.dtype).itemsize for o in outs)
+      math.prod(o.shape) * np.dtype(o.dtype).itemsize for o in outs)
   res = pl.pallas_call(
       kernel, out_shape=tuple(outs), grid=grid, interpret=interpret,
       name=f"jaxpool_{mode}_pool_fwd",
-      cost_estimate=pl.CostEstimate(flops=int(np.prod(shape4)) * g.taps,
+      cost_estimate=pl.CostEstimate(flops=math.prod(shape4) * g.taps,
                                     transcendentals=0, bytes_accessed=n_in + n_out),
-      **_grid_spec_kwargs(interpret))(x4)
+      **_call_kwargs(interpret, warps))(x4)
   return tuple(r.reshape(out_shape) for r in res)
 
 
 def max_forward(x: jax.Array, geom: Geometry, *, interpret: bool) -> jax.Array:
-  """Max pooling without the argmax. ``x: (*batch, *spatial, C)`` -> ``(*batch, *out, C)``."""
+  """Max pooling without the argmax: ``x`` in either layout, 1-3 spatial dims."""
   return _window_call(x, geom, "max", interpret)[0]
 
 
@@ -274,120 +336,128 @@ def avg_forward(x: jax.Array, geom: Geometry, *, interpret: bool, count_include_
 # ----------------------------------------------------------------------------- backward
 
 
-def _backward_kernel(*refs, g: Geom2, bw: int, bc: int, channels: int, mode: str,
-                     include_pad: bool, divisor: int | None, interpret: bool):
-  """``dx`` for ``sh`` input rows and ``sw * bw`` columns, one stride phase at a time.
+def _phase_taps(g: Geom3, dim: int, r: int):
+  """``(tap, q)`` along ``dim`` for the input phase ``r``: the element ``m * s + r`` lies at tap
+  ``a`` of window ``m + q`` exactly when ``r + lo - a * d = q * s``."""
+  out = []
+  for a in range(g.k[dim]):
+    q, rem = divmod(r + g.lo[dim] - a * g.d[dim], g.s[dim])
+    if not rem:
+      out.append((a, q))
+  return out
 
-  The input element ``(h, w) = (hm * sh + rh, m * sw + rw)`` lies at tap ``(i, j)`` of window
-  ``(hm + qh, m + qw)`` exactly when ``rh + ph - i * dh = qh * sh`` and ``rw + pw - j * dw =
-  qw * sw``: for a fixed phase ``(rh, rw)`` the taps that can hold it and the offsets ``qh, qw``
-  are static, and each tap's window coordinates are a contiguous run over ``m``. So each phase
-  loads only the taps that matter, as whole tiles, and sums them in descending tap order: the
-  order in which JAX's transpose of the XLA path's tap gather adds them (the skipped taps add
-  exact zeros there), so max-pool gradients have the same bits on both paths.
+
+def _backward_kernel(*refs, g: Geom3, bw: int, bl: int, lanes: int, mode: str,
+                     include_pad: bool, divisor: int | None, interpret: bool):
+  """``dx`` for a block of ``s_d x s_h`` input rows and ``s_w * bw`` columns, phase by phase.
+
+  The input element ``(m_d s_d + r_d, m_h s_h + r_h, m s_w + r_w)`` lies at tap ``(a, i, j)`` of
+  window ``(m_d + q_d, m_h + q_h, m + q_w)`` exactly when ``r + lo - tap * d = q * s`` in every
+  dim: for a fixed phase ``r`` the taps that can hold it and the offsets ``q`` are static, and
+  each tap's windows are a contiguous run over ``m``. So each phase loads only the taps that
+  matter, as whole tiles, and sums them in descending tap order: the order in which JAX's
+  transpose of the XLA path's tap gather adds them (the skipped taps add exact zeros there), so
+  max-pool gradients have the same bits on both paths.
   """
   if mode == "max":
     idx_ref, dy_ref, dx_ref = refs
   else:
     dy_ref, dx_ref = refs
-  hm_count = -(-g.H // g.sh)
-  pid = pl.program_id(0)
-  b, hm = pid // hm_count, pid % hm_count
-  m = pl.program_id(1) * bw + jnp.arange(bw, dtype=jnp.int32)
-  raw_c = pl.program_id(2) * bc + jnp.arange(bc, dtype=jnp.int32)
-  exact_c = channels % bc == 0
-  chans: slice | pl.Slice | jax.Array
-  if exact_c and not interpret:
-    chans = pl.ds(pl.program_id(2) * bc, bc)
-  else:
-    chans = jnp.minimum(raw_c, channels - 1)[None, :]
-
-  def at(row, cols):
-    if isinstance(chans, pl.Slice):
-      return (b, row, cols, chans)
-    return (b, row, cols[:, None], chans)
-
+  (D, H, W), (Do, Ho, Wo) = g.inp, g.out
+  mcount = [-(-n // s) for n, s in zip(g.inp, g.s)]
+  b, md, mh = _split(pl.program_id(0), mcount[:2])
+  tile = _Tile(lanes, bl, interpret, g.channels_last)
+  m0 = pl.program_id(1) * bw
+  raw_m = m0 + jnp.arange(bw, dtype=jnp.int32)
+  # Lanes past the last column block are clamped copies (their stores are masked).
+  m = jnp.minimum(raw_m, mcount[2] - 1)
+  real_m = None if mcount[2] % bw == 0 else raw_m < mcount[2]
+  # Interior: every phase's rows exist and every window the (real) tile visits is real; the
+  # columns past W (when W is no multiple of the stride) are masked on both paths.
+  interior = None
+  for dim, first_m, last_m in ((0, md, md), (1, mh, mh),
+                               (2, m0, jnp.minimum(m0 + bw, mcount[2]) - 1)):
+    qs = [q for r in range(g.s[dim]) for _, q in _phase_taps(g, dim, r)]
+    inside = (first_m + min(qs) >= 0) & (last_m + max(qs) < g.out[dim])
+    if dim < 2:
+      inside &= (first_m + 1) * g.s[dim] <= g.inp[dim]
+    interior = inside if interior is None else interior & inside
   dtype = dy_ref.dtype
   acc_t = accumulator_dtype(dtype)
-  lo_h, hi_h = (-g.ph, g.H + g.phh) if include_pad else (0, g.H)
-  lo_w, hi_w = (-g.pw, g.W + g.pwh) if include_pad else (0, g.W)
-  zero = jnp.zeros((bw, bc), acc_t)
-  for rh in range(g.sh):
-    h = hm * g.sh + rh
-    for rw in range(g.sw):
-      w = m * g.sw + rw
+  zero = jnp.zeros((bw, bl), acc_t)
+
+  def divisor_of(wins):
+    """The average divisor of the windows ``wins = (od, oh, ow)``."""
+    if divisor is not None:
+      return np.array(divisor, acc_t)
+    cnt = _window_count(g, wins, include_pad, bw)
+    return jnp.where(cnt == 0, 1, cnt).astype(acc_t)[:, None]
+
+  def body(edge: bool):
+    for rd, rh, rw in itertools.product(*(range(s) for s in g.s)):
+      d, h, w = md * g.s[0] + rd, mh * g.s[1] + rh, m * g.s[2] + rw
       acc = None
-      for t in reversed(range(g.taps)):
-        i, j = divmod(t, g.kw)
-        qh, remh = divmod(rh + g.ph - i * g.dh, g.sh)
-        qw, remw = divmod(rw + g.pw - j * g.dw, g.sw)
-        if remh or remw:
-          continue
-        ho, wo = hm + qh, m + qw
-        ok = ((ho >= 0) & (ho < g.Ho) & (wo >= 0) & (wo < g.Wo))[:, None]
-        where = at(jnp.clip(ho, 0, g.Ho - 1), jnp.clip(wo, 0, g.Wo - 1))
-        dyt = _load(dy_ref, where, ok, np.array(0, dtype))
+      taps = [(a, qd, i, qh, j, qw) for a, qd in _phase_taps(g, 0, rd)
+              for i, qh in _phase_taps(g, 1, rh) for j, qw in _phase_taps(g, 2, rw)]
+      for a, qd, i, qh, j, qw in reversed(taps):
+        t = (a * g.k[1] + i) * g.k[2] + j
+        od, oh, ow = md + qd, mh + qh, m + qw
+        ok = None
+        if edge:
+          ok = ((od >= 0) & (od < Do) & (oh >= 0) & (oh < Ho) & (ow >= 0) & (ow < Wo))[:, None]
+          od, oh, ow = (jnp.clip(od, 0, Do - 1), jnp.clip(oh, 0, Ho - 1),
+                        jnp.clip(ow, 0, Wo - 1))
+        where = tile.index(b, od, oh, ow)
+        dyt = _load(dy_ref, where, ok, None if ok is None else np.array(0, dtype))
         if mode == "max":
-          sel = ok & (_load(idx_ref, where, ok, np.array(-1, idx_ref.dtype)) == t)
-          c = jnp.where(sel, dyt, np.array(0, dtype)).astype(acc_t)
+          it = _load(idx_ref, where, ok, None if ok is None else np.array(-1, idx_ref.dtype))
+          c = jnp.where(it == t, dyt, np.array(0, dtype)).astype(acc_t)
           if acc is None:
             acc = c if t == g.taps - 1 else (zero + c).astype(dtype).astype(acc_t)
           else:
             # Round after every add, as the XLA path does when it adds 16-bit cotangents.
             acc = (acc + c).astype(dtype).astype(acc_t)
         else:
-          if divisor is not None:
-            div = jnp.full((bw,), divisor, acc_t)
-          else:
-            # The divisor of window (ho, wo): its taps inside the counted region.
-            hoc, woc = jnp.clip(ho, 0, g.Ho - 1), jnp.clip(wo, 0, g.Wo - 1)
-            ch = jnp.zeros((), jnp.int32)
-            for ii in range(g.kh):
-              hh = hoc * g.sh + ii * g.dh - g.ph
-              ch = ch + ((hh >= lo_h) & (hh < hi_h)).astype(jnp.int32)
-            cw = jnp.zeros((bw,), jnp.int32)
-            for jj in range(g.kw):
-              ww = woc * g.sw + jj * g.dw - g.pw
-              cw = cw + ((ww >= lo_w) & (ww < hi_w)).astype(jnp.int32)
-            cnt = ch * cw
-            div = jnp.where(cnt == 0, 1, cnt).astype(acc_t)
-          c = jnp.where(ok, dyt.astype(acc_t) / div[:, None], 0)
+          c = dyt.astype(acc_t) / divisor_of((od, oh, ow))
+          if ok is not None:
+            c = jnp.where(ok, c, 0)
           acc = c if acc is None else acc + c
       if acc is None:
         acc = zero
       # Rows and columns past the end: masked when compiled; in interpret mode the store's
-      # scatter drops out-of-bounds indices (and clamped channels rewrite their own value).
-      if interpret:
-        dx_ref[at(h, w)] = acc.astype(dtype)
-      else:
-        mask = ((w < g.W) & (h < g.H))[:, None]
-        if not exact_c:
-          mask = mask & (raw_c < channels)[None, :]
-        if plgpu is None:  # pragma: no cover - compiled kernels need the Triton backend
-          raise RuntimeError("compiled Pallas GPU kernels need jax.experimental.pallas.triton.")
-        plgpu.store(dx_ref.at[at(h, w)], acc.astype(dtype), mask=mask)
+      # scatter drops out-of-bounds indices (and clamped lanes rewrite their own value).
+      col_mask = real_m
+      if W % g.s[2]:
+        col_mask = (w < W) if col_mask is None else (col_mask & (w < W))
+      if edge:
+        rows = jnp.broadcast_to((d < D) & (h < H), (bw,))
+        col_mask = rows if col_mask is None else (col_mask & rows)
+      tile.store(dx_ref, tile.index(b, d, h, w), acc.astype(dtype), col_mask)
+
+  _both_paths(interior, body)
 
 
 def _backward_call(operands, in_shape, geom: Geometry, mode: str, interpret: bool,
-                   include_pad: bool = False, divisor: int | None = None) -> jax.Array:
-  g = Geom2.from_geometry(geom)
+                   include_pad: bool = False, divisor: int | None = None,
+                   launch: Launch | None = None) -> jax.Array:
+  g = Geom3.from_geometry(geom)
   dy = operands[-1]
-  c = dy.shape[-1]
-  ops4 = [_as4(o, g, (g.Ho, g.Wo)) for o in operands]
-  nb = ops4[0].shape[0]
-  bw, bc = block_sizes(-(-g.W // g.sw), c, dy.dtype.itemsize)
-  grid = (nb * -(-g.H // g.sh), pl.cdiv(-(-g.W // g.sw), bw), pl.cdiv(c, bc))
-  kernel = functools.partial(_backward_kernel, g=g, bw=bw, bc=bc, channels=c, mode=mode,
+  ops4 = [_view(o, g.out, g.channels_last) for o in operands]
+  lanes, nb = _lanes_and_batch(ops4[0], g.channels_last)
+  mcount = [-(-n // s) for n, s in zip(g.inp, g.s)]
+  bw, bl, warps = launch or launch_config(mcount[2], lanes, dy.dtype.itemsize, g.channels_last)
+  grid = (nb * mcount[0] * mcount[1], pl.cdiv(mcount[2], bw), pl.cdiv(lanes, bl))
+  kernel = functools.partial(_backward_kernel, g=g, bw=bw, bl=bl, lanes=lanes, mode=mode,
                              include_pad=include_pad, divisor=divisor, interpret=interpret)
-  shape4 = (nb, g.H, g.W, c)
-  nbytes = sum(o.size * o.dtype.itemsize for o in operands) + int(np.prod(shape4)) * \
+  shape4 = _view_shape(in_shape, g.inp, g.channels_last)
+  nbytes = sum(o.size * o.dtype.itemsize for o in operands) + math.prod(shape4) * \
       dy.dtype.itemsize
   dx = pl.pallas_call(
       kernel, out_shape=jax.ShapeDtypeStruct(shape4, dy.dtype), grid=grid, interpret=interpret,
       name=f"jaxpool_{mode}_pool_bwd",
-      cost_estimate=pl.CostEstimate(flops=int(np.prod(shape4)) * g.taps, transcendentals=0,
+      cost_estimate=pl.CostEstimate(flops=math.prod(shape4) * g.taps, transcendentals=0,
                                     bytes_accessed=nbytes),
-      **_grid_spec_kwargs(interpret))(*ops4)
+      **_call_kwargs(interpret, warps))(*ops4)
   return dx.reshape(in_shape)
 
 
@@ -396,9 +466,9 @@ def max_backward(idx: jax.Array, dy: jax.Array, in_shape, geom: Geometry, *,
   """``dx``: each input element sums, in descending tap order, the ``dy`` of windows choosing it.
 
   Args:
-    idx: ``(*batch, *out, C)`` argmax tap offsets from :func:`max_forward_argmax`.
-    dy: ``(*batch, *out, C)`` cotangent.
-    in_shape: the forward input's shape ``(*batch, *spatial, C)``.
+    idx: argmax tap offsets from :func:`max_forward_argmax` (the forward output's shape).
+    dy: cotangent, the forward output's shape.
+    in_shape: the forward input's shape.
   """
   return _backward_call((idx, dy), in_shape, geom, "max", interpret)
 
