@@ -32,7 +32,8 @@ from jaxpool._src.pallas import triton as pk  # noqa: E402
 
 COLS = (8, 16, 32, 64)
 WARPS = (2, 4, 8)
-TILES = (512, 1024, 2048)  # channels_first: columns x planes
+COLS_FIRST = (16, 32, 64, 128)  # channels_first: columns, and columns x planes
+TILES = (512, 1024, 2048)
 
 
 def _fwd(x, *, geom, cfg, argmax):
@@ -46,12 +47,13 @@ def _bwd(idx, dy, *, shape, geom, cfg):
 def main() -> None:
   ap = argparse.ArgumentParser()
   ap.add_argument("--out", default=os.environ.get("OUT", "."))
+  ap.add_argument("--only", default="", help="run the cases whose name contains this")
   args = ap.parse_args()
   bench.REPS = 10
   copy = bench.copy_bandwidth()
   print(f"copy {copy:.0f} GB/s", flush=True)
   rows = []
-  cases = [(c, dtype) for c in bench.CASES for dtype in c[-1]]
+  cases = [(c, dtype) for c in bench.CASES for dtype in c[-1] if args.only in c[0]]
   for (name, shape, window, strides, padding, data_format, _), dtype in cases:
     dt = jnp.dtype(dtype)
     x = jax.random.normal(jax.random.key(0), shape, jnp.float32).astype(dt)
@@ -62,7 +64,8 @@ def main() -> None:
     if data_format == "channels_last":
       configs = list(itertools.product(COLS, (shape[-1],), WARPS))
     else:
-      configs = [(bw, t // bw, w) for bw in COLS for t in TILES for w in (4, 8)]
+      configs = [(bw, t // bw, w) for bw in COLS_FIRST for t in TILES for w in (4, 8)
+                 if t // bw >= 1]
     for kernel, cfg in itertools.product(("fwd", "fwd_argmax", "bwd"), configs):
       if kernel == "bwd":
         fn = jax.jit(functools.partial(_bwd, shape=shape, geom=geom, cfg=cfg))

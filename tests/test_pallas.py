@@ -33,8 +33,10 @@ CONFIGS_ND = [
     ((2, 5, 6, 7, 3), (3, 2, 3), (2, 1, 2), ((1, 1), (0, 1), (1, 0)), (1, 2, 1), True),
     ((1, 2, 5, 6, 7), (2, 3, 2), (2, 2, 1), 1, None, False, "channels_first"),
     ((2, 3, 10), (4,), (3,), ((3, 2),), None, True, "channels_first"),
+    # wide rows: channels_first blocks of 64 columns, so some take the interior path
+    ((1, 2, 5, 150), (3, 3), (2, 2), 1, None, False, "channels_first"),
 ]
-ND_IDS = ["2d_first", "3d_last_dilated_ceil", "3d_first", "1d_first"]
+ND_IDS = ["2d_first", "3d_last_dilated_ceil", "3d_first", "1d_first", "2d_first_wide"]
 GPU_CONFIGS = [
     ((4, 57, 45, 64), (3, 3), (2, 2), 1, None, False),
     ((2, 33, 70, 40), (2, 2), (2, 2), 0, None, True),
@@ -43,6 +45,7 @@ GPU_CONFIGS = [
     ((4, 64, 56, 57), (3, 3), (2, 2), 1, None, False, "channels_first"),
     ((2, 9, 30, 33, 32), (3, 3, 3), (2, 2, 2), 1, None, False),
     ((2, 8, 9, 20, 22), (2, 2, 2), (2, 2, 2), 0, (1, 1, 2), True, "channels_first"),
+    ((2, 16, 20, 300), (3, 3), (2, 2), 1, None, False, "channels_first"),
 ]
 
 

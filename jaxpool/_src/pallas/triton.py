@@ -4,7 +4,9 @@ Every kernel sees the spatial dims as ``(D, H, W)`` (1-D and 2-D pools get unit 
 ``H``). A program covers one output row (``b, d, h``), a block of ``bw`` columns and a block of
 ``bl`` *lanes*: the channels in ``channels_last`` (the operand viewed as ``(B, D, H, W, C)``,
 channels contiguous) or the planes in ``channels_first`` (viewed as ``(P, D, H, W)`` with
-``P = batch * C``, columns contiguous). Each tap's load is a ``(bw, bl)`` tile.
+``P = batch * C``, columns contiguous). Each tap's load is a tile with the contiguous dim last:
+``(bw, bl)`` in channels_last, ``(bl, bw)`` in channels_first (Triton spreads a warp's threads
+along the last dim, so that is what keeps the loads coalesced).
 
 Windows that overlap the edges are masked explicitly: every index is clamped into the array and
 the lanes that fall outside (padding, the ceil-mode overhang, the block's overhang past ``W`` or
@@ -95,16 +97,24 @@ def _least_waste(width: int, most: int) -> int:
 def launch_config(width: int, lanes: int, itemsize: int, channels_last: bool) -> Launch:
   """``(bw, bl, num_warps)`` for a kernel over ``width`` columns and ``lanes`` lanes.
 
-  channels_last: whole channel rows up to 512 bytes, columns with the least padding in a tile of
-  at most 8192 elements, 8 warps (``benchmarks/sweep_gpu.py``: many small per-thread tiles keep
-  enough loads in flight; see NOTES.md). channels_first: the columns are contiguous, so up to 64
-  columns and planes to fill a 1024-element tile.
+  channels_last: whole channel rows up to 512 bytes; columns that pad ``width`` least, at most
+  16 (more for narrow channel rows, up to 1024 elements a tile). channels_first: up to 64
+  contiguous columns, planes up to 1024 elements a tile. Warps: one thread per 8 bytes of the
+  tile, 1 to 8. ``benchmarks/sweep_gpu.py`` measured the alternatives (NOTES.md): small
+  per-thread tiles keep the most loads in flight.
   """
   if channels_last:
     bl = min(_next_pow2(lanes), max(512 // itemsize, 1))
-    return _least_waste(width, max(8192 // bl, 1)), bl, 8
-  bw = min(_next_pow2(width), 64)
-  return bw, min(_next_pow2(lanes), max(1024 // bw, 1)), 4
+    bw = _least_waste(width, min(max(8192 // bl, 1), max(16, 1024 // bl)))
+  else:
+    bw = min(_next_pow2(width), 64)
+    bl = min(_next_pow2(lanes), max(1024 // bw, 1))
+  warps = min(max(bw * bl * itemsize // 256, 1), 8)
+  return bw, bl, _pow2_at_most(warps)
+
+
+def _pow2_at_most(n: int) -> int:
+  return 1 << (max(int(n), 1).bit_length() - 1)
 
 
 class _Tile:
@@ -115,24 +125,35 @@ class _Tile:
   would let a masked lane restore an old value), write it again.
   """
 
-  def __init__(self, lanes: int, bl: int, interpret: bool, channels_last: bool):
+  def __init__(self, bw: int, lanes: int, bl: int, interpret: bool, channels_last: bool):
     raw = pl.program_id(2) * bl + jnp.arange(bl, dtype=jnp.int32)
     exact = lanes % bl == 0
     self.channels_last = channels_last
+    self.shape = (bw, bl) if channels_last else (bl, bw)
     self.lane: pl.Slice | jax.Array
     if channels_last and exact and not interpret:
       # Compiled: a plain slice keeps the channel dim provably contiguous (vector loads).
       self.lane = pl.ds(pl.program_id(2) * bl, bl)
     else:
       self.lane = jnp.minimum(raw, lanes - 1)
-    self.lane_mask = None if exact else (raw < lanes)[None, :]
+    self.lane_mask = None if exact else self.lanes_of(raw < lanes)
     self.interpret = interpret
 
+  def cols_of(self, v):
+    """A per-column ``(bw,)`` vector (or a scalar) laid along the tile's column dim."""
+    if jnp.ndim(v) == 0:
+      return v
+    return v[:, None] if self.channels_last else v[None, :]
+
+  def lanes_of(self, v):
+    """A per-lane ``(bl,)`` vector laid along the tile's lane dim."""
+    return v[None, :] if self.channels_last else v[:, None]
+
   def index(self, b, d, h, cols):
-    """Indexer for the element ``(b, d, h, cols, lanes)`` of the operand -> ``(bw, bl)``."""
+    """Indexer for the elements ``(b, d, h, cols, lanes)`` of the operand -> ``self.shape``."""
     if not self.channels_last:
       assert not isinstance(self.lane, pl.Slice)
-      return (self.lane[None, :], d, h, cols[:, None])
+      return (self.lane[:, None], d, h, cols[None, :])
     if isinstance(self.lane, pl.Slice):
       return (b, d, h, cols, self.lane)
     return (b, d, h, cols[:, None], self.lane[None, :])
@@ -142,7 +163,7 @@ class _Tile:
     if self.interpret:
       ref[idx] = val
       return
-    mask = None if col_mask is None else col_mask[:, None]
+    mask = None if col_mask is None else self.cols_of(col_mask)
     if self.lane_mask is not None:
       mask = self.lane_mask if mask is None else (mask & self.lane_mask)
     if plgpu is not None and hasattr(plgpu, "store"):
@@ -226,7 +247,7 @@ def _window_kernel(x_ref, *out_refs, g: Geom3, bw: int, bl: int, lanes: int, mod
   """One output row: max (``mode='max'``), max with argmax (``'argmax'``) or average (``'avg'``)."""
   (D, H, W), (Do, Ho, Wo) = g.inp, g.out
   b, do, ho = _split(pl.program_id(0), (Do, Ho))
-  tile = _Tile(lanes, bl, interpret, g.channels_last)
+  tile = _Tile(bw, lanes, bl, interpret, g.channels_last)
   w0 = pl.program_id(1) * bw
   raw_wo = w0 + jnp.arange(bw, dtype=jnp.int32)
   # Lanes past the last column are clamped copies of it (their stores are masked).
@@ -252,7 +273,7 @@ def _window_kernel(x_ref, *out_refs, g: Geom3, bw: int, bl: int, lanes: int, mod
       w = wo * g.s[2] + j * g.d[2] - g.lo[2]
       ok = None
       if edge:
-        ok = ((d >= 0) & (d < D) & (h >= 0) & (h < H) & (w >= 0) & (w < W))[:, None]
+        ok = tile.cols_of((d >= 0) & (d < D) & (h >= 0) & (h < H) & (w >= 0) & (w < W))
         d, h, w = jnp.clip(d, 0, D - 1), jnp.clip(h, 0, H - 1), jnp.clip(w, 0, W - 1)
       where = tile.index(b, d, h, w)
       if mode == "avg":
@@ -265,10 +286,10 @@ def _window_kernel(x_ref, *out_refs, g: Geom3, bw: int, bl: int, lanes: int, mod
         best = xt if best is None else jnp.where(_greater(xt, best), xt, best)
         continue
       if best is None and not edge:
-        best, idx = xt, jnp.zeros((bw, bl), idx_t)
+        best, idx = xt, jnp.zeros(tile.shape, idx_t)
         continue
       if best is None:
-        best, idx = jnp.full((bw, bl), low, dtype), jnp.full((bw, bl), -1, idx_t)
+        best, idx = jnp.full(tile.shape, low, dtype), jnp.full(tile.shape, -1, idx_t)
       better = _greater(xt, best)
       if ok is not None:
         # A window's first real tap is its argmax so far, whatever its value.
@@ -281,7 +302,7 @@ def _window_kernel(x_ref, *out_refs, g: Geom3, bw: int, bl: int, lanes: int, mod
         div = np.array(divisor if divisor is not None else g.taps, acc_t)
       else:
         cnt = _window_count(g, (do, ho, wo), include_pad, bw)
-        div = jnp.where(cnt == 0, 1, cnt).astype(acc_t)[:, None]
+        div = tile.cols_of(jnp.where(cnt == 0, 1, cnt).astype(acc_t))
       tile.store(out_refs[0], out_at, (acc / div).astype(dtype), col_mask)
       return
     tile.store(out_refs[0], out_at, best, col_mask)
@@ -349,7 +370,8 @@ def _phase_taps(g: Geom3, dim: int, r: int):
 
 def _backward_kernel(*refs, g: Geom3, bw: int, bl: int, lanes: int, mode: str,
                      include_pad: bool, divisor: int | None, interpret: bool):
-  """``dx`` for a block of ``s_d x s_h`` input rows and ``s_w * bw`` columns, phase by phase.
+  """``dx`` for a block of ``s_d x s_h`` input rows and ``s_w * bw`` (channels_last) or ``bw``
+  (channels_first) columns, phase by phase.
 
   The input element ``(m_d s_d + r_d, m_h s_h + r_h, m s_w + r_w)`` lies at tap ``(a, i, j)`` of
   window ``(m_d + q_d, m_h + q_h, m + q_w)`` exactly when ``r + lo - tap * d = q * s`` in every
@@ -357,7 +379,9 @@ def _backward_kernel(*refs, g: Geom3, bw: int, bl: int, lanes: int, mode: str,
   each tap's windows are a contiguous run over ``m``. So each phase loads only the taps that
   matter, as whole tiles, and sums them in descending tap order: the order in which JAX's
   transpose of the XLA path's tap gather adds them (the skipped taps add exact zeros there), so
-  max-pool gradients have the same bits on both paths.
+  max-pool gradients have the same bits on both paths. In channels_first the columns are the
+  contiguous dim, so a block is a run of input columns (stored whole) and the column phase is
+  per lane: every column tap is visited, masked to the lanes it can hold.
   """
   if mode == "max":
     idx_ref, dy_ref, dx_ref = refs
@@ -366,17 +390,34 @@ def _backward_kernel(*refs, g: Geom3, bw: int, bl: int, lanes: int, mode: str,
   (D, H, W), (Do, Ho, Wo) = g.inp, g.out
   mcount = [-(-n // s) for n, s in zip(g.inp, g.s)]
   b, md, mh = _split(pl.program_id(0), mcount[:2])
-  tile = _Tile(lanes, bl, interpret, g.channels_last)
-  m0 = pl.program_id(1) * bw
-  raw_m = m0 + jnp.arange(bw, dtype=jnp.int32)
-  # Lanes past the last column block are clamped copies (their stores are masked).
-  m = jnp.minimum(raw_m, mcount[2] - 1)
-  real_m = None if mcount[2] % bw == 0 else raw_m < mcount[2]
+  tile = _Tile(bw, lanes, bl, interpret, g.channels_last)
+  c0 = pl.program_id(1) * bw
+  raw = c0 + jnp.arange(bw, dtype=jnp.int32)
+  sw = g.s[2]
+  if g.channels_last:
+    # Columns by phase: the block is ``bw`` values of ``m``, each phase ``r_w`` one group.
+    m = jnp.minimum(raw, mcount[2] - 1)  # lanes past the end: clamped copies, stores masked
+    col_mask = None if mcount[2] % bw == 0 else raw < mcount[2]
+    m_span = (c0, jnp.minimum(c0 + bw, mcount[2]) - 1)
+    groups = [(m * sw + rw, m, [(j, q, None) for j, q in _phase_taps(g, 2, rw)])
+              for rw in range(sw)]
+  else:
+    # channels_first: the block is ``bw`` contiguous input columns (whole-line stores), each
+    # lane with its own phase, so the column taps are masked per lane.
+    w = jnp.minimum(raw, W - 1)
+    col_mask = None if W % bw == 0 else raw < W
+    m, rw = w // sw, w % sw
+    m_span = (c0 // sw, (jnp.minimum(c0 + bw, W) - 1) // sw)
+    jtaps = []
+    for j in range(g.k[2]):
+      shift = -(-(j * g.d[2]) // sw) + 1  # keeps the numerator >= 0 for C-style // and %
+      num = rw + g.lo[2] - j * g.d[2] + shift * sw
+      jtaps.append((j, num // sw - shift, num % sw == 0))
+    groups = [(w, m, jtaps)]
   # Interior: every phase's rows exist and every window the (real) tile visits is real; the
-  # columns past W (when W is no multiple of the stride) are masked on both paths.
+  # columns past W are masked on both paths.
   interior = None
-  for dim, first_m, last_m in ((0, md, md), (1, mh, mh),
-                               (2, m0, jnp.minimum(m0 + bw, mcount[2]) - 1)):
+  for dim, first_m, last_m in ((0, md, md), (1, mh, mh), (2, *m_span)):
     qs = [q for r in range(g.s[dim]) for _, q in _phase_taps(g, dim, r)]
     inside = (first_m + min(qs) >= 0) & (last_m + max(qs) < g.out[dim])
     if dim < 2:
@@ -384,29 +425,33 @@ def _backward_kernel(*refs, g: Geom3, bw: int, bl: int, lanes: int, mode: str,
     interior = inside if interior is None else interior & inside
   dtype = dy_ref.dtype
   acc_t = accumulator_dtype(dtype)
-  zero = jnp.zeros((bw, bl), acc_t)
+  zero = jnp.zeros(tile.shape, acc_t)
 
   def divisor_of(wins):
     """The average divisor of the windows ``wins = (od, oh, ow)``."""
     if divisor is not None:
       return np.array(divisor, acc_t)
     cnt = _window_count(g, wins, include_pad, bw)
-    return jnp.where(cnt == 0, 1, cnt).astype(acc_t)[:, None]
+    return tile.cols_of(jnp.where(cnt == 0, 1, cnt).astype(acc_t))
 
   def body(edge: bool):
-    for rd, rh, rw in itertools.product(*(range(s) for s in g.s)):
-      d, h, w = md * g.s[0] + rd, mh * g.s[1] + rh, m * g.s[2] + rw
+    for (rd, rh), (w, m, jtaps) in itertools.product(
+        itertools.product(range(g.s[0]), range(g.s[1])), groups):
+      d, h = md * g.s[0] + rd, mh * g.s[1] + rh
       acc = None
-      taps = [(a, qd, i, qh, j, qw) for a, qd in _phase_taps(g, 0, rd)
-              for i, qh in _phase_taps(g, 1, rh) for j, qw in _phase_taps(g, 2, rw)]
-      for a, qd, i, qh, j, qw in reversed(taps):
+      taps = [(a, qd, i, qh, j, qw, lane_ok) for a, qd in _phase_taps(g, 0, rd)
+              for i, qh in _phase_taps(g, 1, rh) for j, qw, lane_ok in jtaps]
+      for a, qd, i, qh, j, qw, lane_ok in reversed(taps):
         t = (a * g.k[1] + i) * g.k[2] + j
         od, oh, ow = md + qd, mh + qh, m + qw
-        ok = None
+        ok = lane_ok
         if edge:
-          ok = ((od >= 0) & (od < Do) & (oh >= 0) & (oh < Ho) & (ow >= 0) & (ow < Wo))[:, None]
+          real = (od >= 0) & (od < Do) & (oh >= 0) & (oh < Ho) & (ow >= 0) & (ow < Wo)
+          ok = real if ok is None else ok & real
           od, oh, ow = (jnp.clip(od, 0, Do - 1), jnp.clip(oh, 0, Ho - 1),
                         jnp.clip(ow, 0, Wo - 1))
+        if ok is not None:
+          ok = tile.cols_of(ok)
         where = tile.index(b, od, oh, ow)
         dyt = _load(dy_ref, where, ok, None if ok is None else np.array(0, dtype))
         if mode == "max":
@@ -426,13 +471,13 @@ def _backward_kernel(*refs, g: Geom3, bw: int, bl: int, lanes: int, mode: str,
         acc = zero
       # Rows and columns past the end: masked when compiled; in interpret mode the store's
       # scatter drops out-of-bounds indices (and clamped lanes rewrite their own value).
-      col_mask = real_m
-      if W % g.s[2]:
-        col_mask = (w < W) if col_mask is None else (col_mask & (w < W))
+      mask = col_mask
+      if W % sw and g.channels_last:
+        mask = (w < W) if mask is None else (mask & (w < W))
       if edge:
         rows = jnp.broadcast_to((d < D) & (h < H), (bw,))
-        col_mask = rows if col_mask is None else (col_mask & rows)
-      tile.store(dx_ref, tile.index(b, d, h, w), acc.astype(dtype), col_mask)
+        mask = rows if mask is None else (mask & rows)
+      tile.store(dx_ref, tile.index(b, d, h, w), acc.astype(dtype), mask)
 
   _both_paths(interior, body)
 
@@ -445,8 +490,9 @@ def _backward_call(operands, in_shape, geom: Geometry, mode: str, interpret: boo
   ops4 = [_view(o, g.out, g.channels_last) for o in operands]
   lanes, nb = _lanes_and_batch(ops4[0], g.channels_last)
   mcount = [-(-n // s) for n, s in zip(g.inp, g.s)]
-  bw, bl, warps = launch or launch_config(mcount[2], lanes, dy.dtype.itemsize, g.channels_last)
-  grid = (nb * mcount[0] * mcount[1], pl.cdiv(mcount[2], bw), pl.cdiv(lanes, bl))
+  cols = mcount[2] if g.channels_last else g.inp[2]  # phase columns, or input columns
+  bw, bl, warps = launch or launch_config(cols, lanes, dy.dtype.itemsize, g.channels_last)
+  grid = (nb * mcount[0] * mcount[1], pl.cdiv(cols, bw), pl.cdiv(lanes, bl))
   kernel = functools.partial(_backward_kernel, g=g, bw=bw, bl=bl, lanes=lanes, mode=mode,
                              include_pad=include_pad, divisor=divisor, interpret=interpret)
   shape4 = _view_shape(in_shape, g.inp, g.channels_last)
