@@ -310,3 +310,21 @@ def test_lowers_to_triton(cfg, dtype):
   for fn, *args in fns:
     text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "xla.gpu.triton" in text
+
+
+def test_default_dispatch(monkeypatch):
+  """None: the kernels where they run compiled (GPU, TPU), XLA on a CPU or when
+  JAXPOOL_IMPLEMENTATION=xla; a bad value of that variable is an error naming it."""
+  from jaxpool._src import api
+  x = jnp.ones((2, 8, 8, 4))
+  geom = windows.make_geometry(x.shape, (2, 2), (2, 2))
+  monkeypatch.delenv(api.DEFAULT_ENV, raising=False)
+  for platform, expected in (("cpu", False), ("gpu", True), ("tpu", True)):
+    monkeypatch.setattr(jax, "default_backend", lambda p=platform: p)
+    assert api._use_pallas(None, "max_pool", x, geom) is expected, platform
+  monkeypatch.setenv(api.DEFAULT_ENV, "xla")
+  assert api._use_pallas(None, "max_pool", x, geom) is False
+  assert api._use_pallas("pallas", "max_pool", x, geom) is True  # an explicit choice wins
+  monkeypatch.setenv(api.DEFAULT_ENV, "triton")
+  with pytest.raises(ValueError, match="JAXPOOL_IMPLEMENTATION.*'triton'"):
+    api._use_pallas(None, "max_pool", x, geom)

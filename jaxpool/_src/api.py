@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import math
 import operator
+import os
 from collections.abc import Sequence
 from typing import Any, Literal, Union
 
@@ -51,9 +52,26 @@ def _pallas():
   return pallas_ops
 
 
+DEFAULT_ENV = "JAXPOOL_IMPLEMENTATION"
+
+
+def _default_implementation() -> str | None:
+  """What ``implementation=None`` means: ``JAXPOOL_IMPLEMENTATION=xla`` makes it XLA
+  everywhere (a switch for a whole program, its layers included); unset, the kernels where
+  they run compiled (GPU, TPU) and XLA elsewhere."""
+  name = os.environ.get(DEFAULT_ENV, "").strip().lower()
+  if name in ("", "auto"):
+    return None
+  if name != "xla":
+    raise ValueError(f"{DEFAULT_ENV} must be 'xla', 'auto' or unset; got {name!r}.")
+  return name
+
+
 def _use_pallas(implementation: Any, op: str, x: jax.Array, geom: Geometry, **config) -> bool:
   """Resolves ``implementation``: True to run the Pallas kernels, False for XLA."""
   check_choice("implementation", implementation, IMPLEMENTATIONS)
+  if implementation is None:
+    implementation = _default_implementation()
   if implementation == "xla":
     return False
   try:
@@ -74,10 +92,10 @@ def _use_pallas(implementation: Any, op: str, x: jax.Array, geom: Geometry, **co
           f"implementation='pallas' does not cover {op} for this call (shape {x.shape}, dtype "
           f"{x.dtype}, {geom}); use implementation=None or 'xla'.")
     return True
-  # By default the kernels serve GPUs, where they are compiled and tested. The TPU kernels
-  # have only run in interpret mode (no TPU was reachable): on a TPU they run when asked for
-  # (implementation="pallas"), and None keeps XLA until they have been compiled on one.
-  return supported and jax.default_backend() in ("gpu", "cuda", "rocm")
+  # By default the kernels serve GPUs and TPUs, where they run compiled. (No TPU was
+  # reachable: the TPU kernels are tested in interpret mode and lowered to Mosaic, never
+  # compiled; see docs/pallas.md, and JAXPOOL_IMPLEMENTATION=xla to opt out.)
+  return supported and jax.default_backend() in ("gpu", "cuda", "rocm", "tpu")
 
 
 def _run_pallas(op: str, x: jax.Array, geom: Geometry, **config):

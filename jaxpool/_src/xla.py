@@ -167,11 +167,13 @@ def gather_at_argmax(t: jax.Array, idx: jax.Array, geom: Geometry) -> jax.Array:
   Linear in ``t``; JAX's transpose of it is the max-pool gradient (a deterministic,
   fused scatter-add of each window's cotangent into its argmax).
   """
-  if explicit_sharding(t) is None:
+  if explicit_sharding(t) is None and explicit_sharding(idx) is None:
     cases = _phase_taps(t, geom)
   else:
     # Under Explicit mesh axes the phase view's reshape would need an out_sharding for every
     # split; the strided slices need none and give the same values (and, transposed, bits).
+    # (``idx`` is checked too: under ``linearize`` a tangent's type may not carry the sharding
+    # that its cotangent has when the transpose runs, as in JAX 0.11.)
     tp = _pad(t, geom, 0)
     cases = [_tap_slice(tp, geom, tap) for tap in geom.taps()]
   # An empty window has idx == -1 and its taps all read padding, which is zero in the padded
