@@ -200,6 +200,20 @@ def _greater(x, best):
   return jnp.logical_not(x <= best) & (best == best)
 
 
+def _interleaves(stride: int) -> bool:
+  """Whether :func:`_interleave` handles ``stride`` phases (Triton stacks two at a time)."""
+  return stride & (stride - 1) == 0
+
+
+def _interleave(parts):
+  """``(bl, n * bw)`` from ``n`` (a power of two) ``(bl, bw)`` tiles: column ``m * n + r`` is
+  ``parts[r][:, m]``. Pairs are stacked on a new minor dim and flattened, recursively."""
+  if len(parts) == 1:
+    return parts[0]
+  evens, odds = _interleave(parts[0::2]), _interleave(parts[1::2])
+  return jnp.stack([evens, odds], axis=-1).reshape(evens.shape[0], 2 * evens.shape[1])
+
+
 def _compiler_params(num_warps: int):
   if plgpu is None:
     return None
@@ -394,16 +408,19 @@ def _backward_kernel(*refs, g: Geom3, bw: int, bl: int, lanes: int, mode: str,
   c0 = pl.program_id(1) * bw
   raw = c0 + jnp.arange(bw, dtype=jnp.int32)
   sw = g.s[2]
-  if g.channels_last:
+  interleave = not g.channels_last and _interleaves(sw)
+  if g.channels_last or interleave:
     # Columns by phase: the block is ``bw`` values of ``m``, each phase ``r_w`` one group.
+    # (channels_first with a power-of-two stride: the phases' results are interleaved into
+    # whole lines of ``sw * bw`` columns before they are stored.)
     m = jnp.minimum(raw, mcount[2] - 1)  # lanes past the end: clamped copies, stores masked
     col_mask = None if mcount[2] % bw == 0 else raw < mcount[2]
     m_span = (c0, jnp.minimum(c0 + bw, mcount[2]) - 1)
     groups = [(m * sw + rw, m, [(j, q, None) for j, q in _phase_taps(g, 2, rw)])
               for rw in range(sw)]
   else:
-    # channels_first: the block is ``bw`` contiguous input columns (whole-line stores), each
-    # lane with its own phase, so the column taps are masked per lane.
+    # channels_first, other strides: the block is ``bw`` contiguous input columns (whole-line
+    # stores), each lane with its own phase, so the column taps are masked per lane.
     w = jnp.minimum(raw, W - 1)
     col_mask = None if W % bw == 0 else raw < W
     m, rw = w // sw, w % sw
@@ -434,50 +451,61 @@ def _backward_kernel(*refs, g: Geom3, bw: int, bl: int, lanes: int, mode: str,
     cnt = _window_count(g, wins, include_pad, bw)
     return tile.cols_of(jnp.where(cnt == 0, 1, cnt).astype(acc_t))
 
-  def body(edge: bool):
-    for (rd, rh), (w, m, jtaps) in itertools.product(
-        itertools.product(range(g.s[0]), range(g.s[1])), groups):
-      d, h = md * g.s[0] + rd, mh * g.s[1] + rh
-      acc = None
-      taps = [(a, qd, i, qh, j, qw, lane_ok) for a, qd in _phase_taps(g, 0, rd)
-              for i, qh in _phase_taps(g, 1, rh) for j, qw, lane_ok in jtaps]
-      for a, qd, i, qh, j, qw, lane_ok in reversed(taps):
-        t = (a * g.k[1] + i) * g.k[2] + j
-        od, oh, ow = md + qd, mh + qh, m + qw
-        ok = lane_ok
-        if edge:
-          real = (od >= 0) & (od < Do) & (oh >= 0) & (oh < Ho) & (ow >= 0) & (ow < Wo)
-          ok = real if ok is None else ok & real
-          od, oh, ow = (jnp.clip(od, 0, Do - 1), jnp.clip(oh, 0, Ho - 1),
-                        jnp.clip(ow, 0, Wo - 1))
-        if ok is not None:
-          ok = tile.cols_of(ok)
-        where = tile.index(b, od, oh, ow)
-        dyt = _load(dy_ref, where, ok, None if ok is None else np.array(0, dtype))
-        if mode == "max":
-          it = _load(idx_ref, where, ok, None if ok is None else np.array(-1, idx_ref.dtype))
-          c = jnp.where(it == t, dyt, np.array(0, dtype)).astype(acc_t)
-          if acc is None:
-            acc = c if t == g.taps - 1 else (zero + c).astype(dtype).astype(acc_t)
-          else:
-            # Round after every add, as the XLA path does when it adds 16-bit cotangents.
-            acc = (acc + c).astype(dtype).astype(acc_t)
-        else:
-          c = dyt.astype(acc_t) / divisor_of((od, oh, ow))
-          if ok is not None:
-            c = jnp.where(ok, c, 0)
-          acc = c if acc is None else acc + c
-      if acc is None:
-        acc = zero
-      # Rows and columns past the end: masked when compiled; in interpret mode the store's
-      # scatter drops out-of-bounds indices (and clamped lanes rewrite their own value).
-      mask = col_mask
-      if W % sw and g.channels_last:
-        mask = (w < W) if mask is None else (mask & (w < W))
+  def store(d, h, w, acc, edge):
+    # Rows and columns past the end: masked when compiled; in interpret mode the store's
+    # scatter drops out-of-bounds indices (and clamped lanes rewrite their own value).
+    mask = col_mask if w.shape == (bw,) else None
+    if W % sw or interleave:
+      past = w < W  # (an interleaved line's overhang past the last m is past W too)
+      mask = past if mask is None else (mask & past)
+    if edge:
+      rows = jnp.broadcast_to((d < D) & (h < H), w.shape)
+      mask = rows if mask is None else (mask & rows)
+    tile.store(dx_ref, tile.index(b, d, h, w), acc.astype(dtype), mask)
+
+  def phase_sum(rd, rh, m, jtaps, edge):
+    """One phase's ``dx`` tile: the sum, in descending tap order, of its taps' shares."""
+    acc = None
+    taps = [(a, qd, i, qh, j, qw, lane_ok) for a, qd in _phase_taps(g, 0, rd)
+            for i, qh in _phase_taps(g, 1, rh) for j, qw, lane_ok in jtaps]
+    for a, qd, i, qh, j, qw, lane_ok in reversed(taps):
+      t = (a * g.k[1] + i) * g.k[2] + j
+      od, oh, ow = md + qd, mh + qh, m + qw
+      ok = lane_ok
       if edge:
-        rows = jnp.broadcast_to((d < D) & (h < H), (bw,))
-        mask = rows if mask is None else (mask & rows)
-      tile.store(dx_ref, tile.index(b, d, h, w), acc.astype(dtype), mask)
+        real = (od >= 0) & (od < Do) & (oh >= 0) & (oh < Ho) & (ow >= 0) & (ow < Wo)
+        ok = real if ok is None else ok & real
+        od, oh, ow = (jnp.clip(od, 0, Do - 1), jnp.clip(oh, 0, Ho - 1),
+                      jnp.clip(ow, 0, Wo - 1))
+      if ok is not None:
+        ok = tile.cols_of(ok)
+      where = tile.index(b, od, oh, ow)
+      dyt = _load(dy_ref, where, ok, None if ok is None else np.array(0, dtype))
+      if mode == "max":
+        it = _load(idx_ref, where, ok, None if ok is None else np.array(-1, idx_ref.dtype))
+        c = jnp.where(it == t, dyt, np.array(0, dtype)).astype(acc_t)
+        if acc is None:
+          acc = c if t == g.taps - 1 else (zero + c).astype(dtype).astype(acc_t)
+        else:
+          # Round after every add, as the XLA path does when it adds 16-bit cotangents.
+          acc = (acc + c).astype(dtype).astype(acc_t)
+      else:
+        c = dyt.astype(acc_t) / divisor_of((od, oh, ow))
+        if ok is not None:
+          c = jnp.where(ok, c, 0)
+        acc = c if acc is None else acc + c
+    return zero if acc is None else acc
+
+  def body(edge: bool):
+    for rd, rh in itertools.product(range(g.s[0]), range(g.s[1])):
+      d, h = md * g.s[0] + rd, mh * g.s[1] + rh
+      accs = [phase_sum(rd, rh, m, jtaps, edge) for _, m, jtaps in groups]
+      if interleave:
+        # Whole lines of ``sw * bw`` columns: column ``m * sw + r`` from phase ``r``.
+        store(d, h, c0 * sw + jnp.arange(bw * sw, dtype=jnp.int32), _interleave(accs), edge)
+      else:
+        for (w, _, _), acc in zip(groups, accs):
+          store(d, h, w, acc, edge)
 
   _both_paths(interior, body)
 
@@ -490,7 +518,9 @@ def _backward_call(operands, in_shape, geom: Geometry, mode: str, interpret: boo
   ops4 = [_view(o, g.out, g.channels_last) for o in operands]
   lanes, nb = _lanes_and_batch(ops4[0], g.channels_last)
   mcount = [-(-n // s) for n, s in zip(g.inp, g.s)]
-  cols = mcount[2] if g.channels_last else g.inp[2]  # phase columns, or input columns
+  # The column block counts phase columns ``m`` (or, channels_first with a stride that does not
+  # interleave, input columns).
+  cols = mcount[2] if g.channels_last or _interleaves(g.s[2]) else g.inp[2]
   bw, bl, warps = launch or launch_config(cols, lanes, dy.dtype.itemsize, g.channels_last)
   grid = (nb * mcount[0] * mcount[1], pl.cdiv(cols, bw), pl.cdiv(lanes, bl))
   kernel = functools.partial(_backward_kernel, g=g, bw=bw, bl=bl, lanes=lanes, mode=mode,
