@@ -329,3 +329,30 @@ def test_default_dispatch(monkeypatch):
   monkeypatch.setenv(api.DEFAULT_ENV, "triton")
   with pytest.raises(ValueError, match="JAXPOOL_IMPLEMENTATION.*'triton'"):
     api._use_pallas(None, "max_pool", x, geom)
+
+
+@pytest.mark.parametrize("cfg", [CONFIGS[0], CONFIGS_ND[0], CONFIGS_ND[3]],
+                         ids=["2d_last", "2d_first", "1d_first_stride3"])
+def test_small_blocks_take_both_paths(rng, cfg):
+  """Blocks of 2 columns and 2 lanes, so that a small image has interior blocks (no masks) and
+  edge blocks: every kernel, both code paths, against the XLA path."""
+  from jaxpool._src import xla
+  from jaxpool._src.pallas import triton as pk
+  shape, *geo = cfg
+  geom = windows.make_geometry(shape, *_kw(*geo).values())
+  launch = (2, 2, 1)
+  x = _data(rng, shape, jnp.float32)
+  y, idx = pk._window_call(x, geom, "argmax", True, launch=launch)
+  yb, ib = xla.max_pool_argmax(x, geom)
+  _bits_equal(y, yb)
+  _bits_equal(idx, ib)
+  _bits_equal(pk._window_call(x, geom, "max", True, launch=launch)[0], yb)
+  dy = _data(rng, y.shape, jnp.float32, special=False)
+  dx = pk._backward_call((ib, dy), shape, geom, "max", True, launch=launch)
+  _bits_equal(dx, jax.vjp(lambda t: xla.gather_at_argmax(t, ib, geom), x)[1](dy)[0])
+  xf = _data(rng, shape, jnp.float32, special=False)
+  a = pk._window_call(xf, geom, "avg", True, True, None, launch=launch)[0]
+  ref, vjp = jax.vjp(lambda v: xla.avg_pool(v, geom, True, None), xf)
+  np.testing.assert_allclose(a, ref, rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(pk._backward_call((dy,), shape, geom, "avg", True, True, None,
+                                               launch=launch), vjp(dy)[0], rtol=1e-6, atol=1e-6)

@@ -88,24 +88,27 @@ def _next_pow2(n: int) -> int:
   return 1 << (max(int(n), 1) - 1).bit_length()
 
 
-def _least_waste(width: int, most: int) -> int:
-  """The power-of-two block (at most ``most``) that pads ``width`` least; the largest on ties."""
-  best = min((-(-width // bw) * bw, -bw) for bw in (1 << e for e in range(8)) if bw <= most)
+def _least_waste(width: int, most: int, least: int = 1) -> int:
+  """The power-of-two block in ``[least, most]`` (``least`` no more than ``width`` needs) that
+  pads ``width`` least; the largest on ties."""
+  least = min(least, _next_pow2(width), most)
+  best = min((-(-width // bw) * bw, -bw) for bw in (1 << e for e in range(8))
+             if least <= bw <= most)
   return -best[1]
 
 
 def launch_config(width: int, lanes: int, itemsize: int, channels_last: bool) -> Launch:
   """``(bw, bl, num_warps)`` for a kernel over ``width`` columns and ``lanes`` lanes.
 
-  channels_last: whole channel rows up to 512 bytes; columns that pad ``width`` least, at most
-  16 (more for narrow channel rows, up to 1024 elements a tile). channels_first: up to 64
+  channels_last: whole channel rows up to 512 bytes; columns that pad ``width`` least, from 8
+  to 16 (more for narrow channel rows, up to 1024 elements a tile). channels_first: up to 64
   contiguous columns, planes up to 1024 elements a tile. Warps: one thread per 8 bytes of the
   tile, 1 to 8. ``benchmarks/sweep_gpu.py`` measured the alternatives (NOTES.md): small
   per-thread tiles keep the most loads in flight.
   """
   if channels_last:
     bl = min(_next_pow2(lanes), max(512 // itemsize, 1))
-    bw = _least_waste(width, min(max(8192 // bl, 1), max(16, 1024 // bl)))
+    bw = _least_waste(width, min(max(8192 // bl, 1), max(16, 1024 // bl)), least=8)
   else:
     bw = min(_next_pow2(width), 64)
     bl = min(_next_pow2(lanes), max(1024 // bw, 1))
