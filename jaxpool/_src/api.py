@@ -181,7 +181,8 @@ def max_pool(x: PoolIn, window_shape: Sequence[int],
     ceil_mode: round the output size up (PyTorch's rule: the last window starts inside the input
       or the left padding).
     data_format: ``"channels_last"`` or ``"channels_first"``.
-    implementation: ``None`` (best for the backend), ``"xla"`` or ``"pallas"``.
+    implementation: ``None`` (the Pallas kernels on a GPU or TPU where they cover the call,
+      else XLA; ``JAXPOOL_IMPLEMENTATION=xla`` makes it XLA), ``"xla"`` or ``"pallas"``.
 
   Returns:
     ``y``: ``(*batch, *out_spatial, C)`` (or channels first), with
