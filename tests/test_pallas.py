@@ -356,3 +356,27 @@ def test_small_blocks_take_both_paths(rng, cfg):
   np.testing.assert_allclose(a, ref, rtol=1e-6, atol=1e-6)
   np.testing.assert_allclose(pk._backward_call((dy,), shape, geom, "avg", True, True, None,
                                                launch=launch), vjp(dy)[0], rtol=1e-6, atol=1e-6)
+
+
+def test_nd_transformations(rng):
+  """Per-example gradients (vmap of grad) and jvp through the 3-D and channels_first kernels."""
+  for shape, window, strides, fmt in (((2, 3, 7, 9), (3, 3), (2, 2), "channels_first"),
+                                      ((2, 5, 6, 4, 2), (2, 3, 2), (2, 2, 1), "channels_last")):
+    x = _data(rng, shape, jnp.float32, special=False)
+    kw = dict(window_shape=window, strides=strides, padding=1, data_format=fmt)
+
+    def loss(impl, kw=kw):
+      def f(v):
+        y = jaxpool.max_pool(v, **kw, implementation=impl)
+        return jnp.sum(y * y) + jnp.sum(jnp.sin(jaxpool.avg_pool(v, **kw, implementation=impl)))
+      return f
+
+    p, q = loss("pallas"), loss("xla")
+    ga = jax.jit(jax.vmap(jax.grad(p)))(x[:, None])
+    gb = jax.jit(jax.vmap(jax.grad(q)))(x[:, None])
+    np.testing.assert_allclose(ga, gb, rtol=1e-6, atol=1e-6)
+    t = _data(rng, shape, jnp.float32, special=False)
+    (pa, ta), (pb, tb) = jax.jvp(p, (x,), (t,)), jax.jvp(q, (x,), (t,))
+    np.testing.assert_allclose(pa, pb, rtol=1e-6)
+    np.testing.assert_allclose(ta, tb, rtol=1e-5)
+    assert "jaxpool_max_pool_bwd" in str(jax.make_jaxpr(jax.grad(p))(x))

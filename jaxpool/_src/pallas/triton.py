@@ -28,6 +28,7 @@ import itertools
 import math
 from collections.abc import Callable
 from types import ModuleType
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -133,7 +134,7 @@ class _Tile:
     exact = lanes % bl == 0
     self.channels_last = channels_last
     self.shape = (bw, bl) if channels_last else (bl, bw)
-    self.lane: pl.Slice | jax.Array
+    self.lane: Any  # a pl.Slice (compiled, contiguous channels) or an index array
     if channels_last and exact and not interpret:
       # Compiled: a plain slice keeps the channel dim provably contiguous (vector loads).
       self.lane = pl.ds(pl.program_id(2) * bl, bl)
@@ -307,6 +308,7 @@ def _window_kernel(x_ref, *out_refs, g: Geom3, bw: int, bl: int, lanes: int, mod
         continue
       if best is None:
         best, idx = jnp.full(tile.shape, low, dtype), jnp.full(tile.shape, -1, idx_t)
+      assert idx is not None
       better = _greater(xt, best)
       if ok is not None:
         # A window's first real tap is its argmax so far, whatever its value.
@@ -412,6 +414,8 @@ def _backward_kernel(*refs, g: Geom3, bw: int, bl: int, lanes: int, mode: str,
   raw = c0 + jnp.arange(bw, dtype=jnp.int32)
   sw = g.s[2]
   interleave = not g.channels_last and _interleaves(sw)
+  # (store columns, window-phase columns m, [(column tap j, offset q, lane mask or None)])
+  groups: list[tuple[Any, Any, list[tuple[int, Any, Any]]]]
   if g.channels_last or interleave:
     # Columns by phase: the block is ``bw`` values of ``m``, each phase ``r_w`` one group.
     # (channels_first with a power-of-two stride: the phases' results are interleaved into
