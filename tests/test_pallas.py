@@ -170,28 +170,33 @@ def test_empty_windows_and_all_neg_inf():
               jaxpool.avg_pool(x1, **kw1, implementation="xla"))
 
 
-def test_transformations(rng):
-  """vmap(grad), jvp, hessian and shard_map, against the XLA path."""
-  shape, window, strides, padding = (2, 6, 5, 3), (3, 3), (2, 2), 1
-  x = _data(rng, shape, jnp.float32, special=False)
-
+def _check_vmap_grad_and_jvp(rng, x, kw):
+  """Per-example gradients (vmap of grad) and jvp of a max + avg loss, Pallas against XLA;
+  returns the two losses."""
   def loss(impl):
     def f(v):
-      y = jaxpool.max_pool(v, window, strides, padding, implementation=impl)
-      z = jaxpool.avg_pool(v, window, strides, padding, implementation=impl)
+      y = jaxpool.max_pool(v, **kw, implementation=impl)
+      z = jaxpool.avg_pool(v, **kw, implementation=impl)
       return jnp.sum(y * y) + jnp.sum(jnp.sin(z))
     return f
 
   p, q = loss("pallas"), loss("xla")
-  # per-example gradients
   ga = jax.jit(jax.vmap(jax.grad(p)))(x[:, None])
   gb = jax.jit(jax.vmap(jax.grad(q)))(x[:, None])
   np.testing.assert_allclose(ga, gb, rtol=1e-6, atol=1e-6)
-  # forward mode
-  t = _data(rng, shape, jnp.float32, special=False)
+  t = _data(rng, x.shape, jnp.float32, special=False)
   (pa, ta), (pb, tb) = jax.jvp(p, (x,), (t,)), jax.jvp(q, (x,), (t,))
   np.testing.assert_allclose(pa, pb, rtol=1e-6)
   np.testing.assert_allclose(ta, tb, rtol=1e-5)
+  return p, q
+
+
+def test_transformations(rng):
+  """vmap(grad), jvp, hessian and shard_map, against the XLA path."""
+  shape, window, strides, padding = (2, 6, 5, 3), (3, 3), (2, 2), 1
+  x = _data(rng, shape, jnp.float32, special=False)
+  p, q = _check_vmap_grad_and_jvp(rng, x, dict(window_shape=window, strides=strides,
+                                               padding=padding))
   # second order: jacfwd over jacrev
   xs = x[:1, :4, :4, :1]
   np.testing.assert_allclose(jax.hessian(p)(xs), jax.hessian(q)(xs), rtol=1e-5, atol=1e-6)
@@ -363,20 +368,6 @@ def test_nd_transformations(rng):
   for shape, window, strides, fmt in (((2, 3, 7, 9), (3, 3), (2, 2), "channels_first"),
                                       ((2, 5, 6, 4, 2), (2, 3, 2), (2, 2, 1), "channels_last")):
     x = _data(rng, shape, jnp.float32, special=False)
-    kw = dict(window_shape=window, strides=strides, padding=1, data_format=fmt)
-
-    def loss(impl, kw=kw):
-      def f(v):
-        y = jaxpool.max_pool(v, **kw, implementation=impl)
-        return jnp.sum(y * y) + jnp.sum(jnp.sin(jaxpool.avg_pool(v, **kw, implementation=impl)))
-      return f
-
-    p, q = loss("pallas"), loss("xla")
-    ga = jax.jit(jax.vmap(jax.grad(p)))(x[:, None])
-    gb = jax.jit(jax.vmap(jax.grad(q)))(x[:, None])
-    np.testing.assert_allclose(ga, gb, rtol=1e-6, atol=1e-6)
-    t = _data(rng, shape, jnp.float32, special=False)
-    (pa, ta), (pb, tb) = jax.jvp(p, (x,), (t,)), jax.jvp(q, (x,), (t,))
-    np.testing.assert_allclose(pa, pb, rtol=1e-6)
-    np.testing.assert_allclose(ta, tb, rtol=1e-5)
+    p, _ = _check_vmap_grad_and_jvp(rng, x, dict(window_shape=window, strides=strides,
+                                                 padding=1, data_format=fmt))
     assert "jaxpool_max_pool_bwd" in str(jax.make_jaxpr(jax.grad(p))(x))
