@@ -12,7 +12,7 @@ fi
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > "$OUT/gpu.txt" 2>&1
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())" >> "$OUT/gpu.txt" 2>&1
-timeout 200 python3 -m pytest -q -p no:cacheprovider -p no:benchmark -m gpu tests > "$OUT/gpu_tests.log" 2>&1
+timeout 300 python3 -m pytest -q -p no:cacheprovider -p no:benchmark -n 4 -m gpu tests > "$OUT/gpu_tests.log" 2>&1
 timeout 260 python3 -m pytest -q -p no:cacheprovider -p no:benchmark -n 8 tests > "$OUT/suite.log" 2>&1
 timeout 90 python3 examples/data_parallel.py --steps 150 > "$OUT/data_parallel.log" 2>&1
 if [ "${BENCH:-0}" = 1 ]; then timeout 200 python3 benchmarks/gpu.py > "$OUT/bench.log" 2>&1; fi
