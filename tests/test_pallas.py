@@ -239,6 +239,11 @@ def test_supports():
   assert ops.supports("max_pool", (1, 4, 4, 4, 2), jnp.float32, g3)
   g4 = windows.make_geometry((1, 3, 3, 3, 3, 1), (2, 2, 2, 2))
   assert not ops.supports("max_pool", (1, 3, 3, 3, 3, 1), jnp.float32, g4)
+  huge = (2**16, 2**8, 2**7, 1)  # 2**31 elements: only the shape is looked at
+  gh = windows.make_geometry(huge, (2, 2), (2, 2))
+  assert not ops.supports("max_pool", huge, jnp.float32, gh)
+  under = (2**16, 2**8, 2**7 - 1, 1)
+  assert ops.supports("max_pool", under, jnp.float32, windows.make_geometry(under, (2, 2), (2, 2)))
   big = windows.make_geometry((1, 20, 20, 1), (9, 9))
   assert not ops.supports("max_pool", (1, 20, 20, 1), jnp.float32, big)
   with pytest.raises(ValueError, match="pallas"):

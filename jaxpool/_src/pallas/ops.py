@@ -18,6 +18,7 @@ as its transpose. ``jvp``/``jacfwd`` evaluate the linear map forward; second ord
 from __future__ import annotations
 
 import functools
+import math
 import os
 
 import jax
@@ -33,6 +34,7 @@ from jaxpool._src.windows import Geometry
 OPS = ("max_pool", "avg_pool")
 _FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(np.float16))
 MAX_TAPS = 64  # the tap loops are unrolled; larger windows stay on XLA
+MAX_ELEMENTS = 2**31 - 1  # the kernels index in int32; larger arrays stay on XLA
 
 
 def supports(op: str, shape, dtype, geom: Geometry, **config) -> bool:
@@ -41,8 +43,9 @@ def supports(op: str, shape, dtype, geom: Geometry, **config) -> bool:
   Covered (GPU, or interpret mode on a CPU): 1-D, 2-D and 3-D pooling in either layout,
   float32, bfloat16 and float16, at most ``MAX_TAPS`` taps, no empty dims; every padding,
   stride, dilation, ceil mode, and for average pooling every ``count_include_pad`` and
-  ``divisor_override``. The TPU kernels (:func:`backend` ``"tpu"``) cover 1-D and 2-D
-  ``channels_last`` only, and need one image's channel block to fit their VMEM budget.
+  ``divisor_override``; arrays of at most ``MAX_ELEMENTS`` elements (int32 indexing). The TPU
+  kernels (:func:`backend` ``"tpu"``) cover 1-D and 2-D ``channels_last`` only, and need one
+  image's channel block to fit their VMEM budget.
   """
   if op not in OPS:
     return False
@@ -52,6 +55,8 @@ def supports(op: str, shape, dtype, geom: Geometry, **config) -> bool:
   if np.dtype(dtype) not in _FLOAT_DTYPES:
     return False
   if geom.num_taps > MAX_TAPS or any(int(s) == 0 for s in shape):
+    return False
+  if math.prod(int(s) for s in shape) > MAX_ELEMENTS:
     return False
   if len(shape) < geom.nspatial + 1:
     return False
