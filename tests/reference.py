@@ -7,8 +7,9 @@ contract (and PyTorch's / ONNX's / DirectML's documented rules), not imported.
 
 Conventions, from SPEC.md:
   * max: padding never wins; ties -> lowest row-major tap; NaN beats every number, the first NaN
-    wins; a window whose real elements are all -inf picks its first real element; a window with no
-    real element outputs -inf (``iinfo.min`` for ints), index -1 and takes no gradient.
+    wins; +0.0 beats -0.0 (as ``lax.max``); a window whose real elements are all -inf picks its
+    first real element; a window with no real element outputs -inf (``iinfo.min`` for ints),
+    index -1 and takes no gradient.
   * avg: PyTorch divisors (count_include_pad counts taps inside the user-padded input, never the
     ceil-mode overhang; otherwise real taps; divisor_override replaces both); empty window -> 0.
   * Lp: ``(sum |x|^p)^(1/p)`` over real taps; gradient ``dy sign(x) |x|^(p-1) / y^(p-1)``, 0 where
@@ -178,7 +179,9 @@ def max_pool_with_indices(x, window_shape, strides=None, padding="VALID", *, dil
       take = arg < 0
       if is_float:
         best_nan = np.isnan(best)
-        take |= ~best_nan & (np.isnan(v) | (v > best))
+        # +0.0 beats -0.0 (as lax.max does): the value at the argmax is the forward's value.
+        zero_up = (v == best) & np.signbit(best) & ~np.signbit(v)
+        take |= ~best_nan & (np.isnan(v) | (v > best) | zero_up)
       else:
         take |= v > best
       best = np.where(take, v, best)

@@ -17,6 +17,7 @@ from jax import lax
 from jaxtyping import Array, ArrayLike, Float, Int, Real
 
 from jaxpool._src import xla
+from jaxpool._src.dtypes import check_dtype
 from jaxpool._src.windows import (IMPLEMENTATIONS, Geometry, check_choice, check_rank,
                                   int_tuple, make_geometry, spatial_rank)
 
@@ -117,21 +118,13 @@ def _run_pallas(op: str, x: jax.Array, geom: Geometry, **config):
 
 
 def _as_array(name: str, x: Any) -> jax.Array:
+  if x is None:
+    raise TypeError(f"{name} must be an array; got None.")
   try:
     x = jnp.asarray(x)
-  except TypeError as e:
+  except (TypeError, ValueError) as e:  # ragged lists, strings, objects
     raise TypeError(f"{name} must be an array; got {type(x).__name__}: {e}") from None
   return x
-
-
-def _check_dtype(name: str, x: jax.Array, *, allow_int: bool) -> None:
-  dt = x.dtype
-  if jnp.issubdtype(dt, jnp.floating):
-    return
-  if allow_int and jnp.issubdtype(dt, jnp.integer):
-    return
-  allowed = "a float or integer" if allow_int else "a float"
-  raise TypeError(f"{name} must have {allowed} dtype; got {dt}.")
 
 
 def _check_dy(dy: jax.Array, expected: tuple[int, ...]) -> None:
@@ -202,7 +195,7 @@ def max_pool(x: PoolIn, window_shape: Sequence[int],
            [13., 15.]], dtype=float32)
   """
   x = _as_array("x", x)
-  _check_dtype("x", x, allow_int=True)
+  check_dtype("x", x, allow_int=True)
   geom = make_geometry(x.shape, window_shape, strides, padding, dilation, ceil_mode, data_format)
   if _use_pallas(implementation, "max_pool", x, geom):
     return _run_pallas("max_pool", x, geom)
@@ -231,7 +224,7 @@ def max_pool_with_indices(x: PoolIn, window_shape: Sequence[int],
            [7, 8]], dtype=int32)
   """
   x = _as_array("x", x)
-  _check_dtype("x", x, allow_int=True)
+  check_dtype("x", x, allow_int=True)
   geom = make_geometry(x.shape, window_shape, strides, padding, dilation, ceil_mode, data_format)
   if _use_pallas(implementation, "max_pool", x, geom):
     y, tap = _run_pallas("max_pool_with_argmax", x, geom)
@@ -267,7 +260,8 @@ def max_pool_grad(x: FloatIn, dy: FloatOutIn,
   """
   x = _as_array("x", x)
   dy = _as_array("dy", dy)
-  _check_dtype("x", x, allow_int=False)
+  check_dtype("x", x, allow_int=False)
+  check_dtype("dy", dy, allow_int=True)  # a complex dy would lose its imaginary part
   geom = make_geometry(x.shape, window_shape, strides, padding, dilation, ceil_mode, data_format)
   _check_dy(dy, geom.output_shape(x.shape))
   fwd = functools.partial(max_pool, window_shape=window_shape, strides=strides, padding=padding,
@@ -285,7 +279,9 @@ def max_unpool(y: PooledIn, indices: IndicesIn,
   Args:
     y: pooled values, ``(*batch, *out_spatial, C)`` (or channels first).
     indices: int32 of ``y``'s shape, flat indices into the unpooled spatial plane, as returned
-      by :func:`max_pool_with_indices`; negative ones (windows with no real element) are dropped.
+      by :func:`max_pool_with_indices`; ``-1`` (a window with no real element) is dropped. An
+      index outside ``[-1, prod(output_size))`` raises a ValueError when the call runs eagerly;
+      under ``jit`` (where the values are not known when the call is traced) it is dropped.
     output_size: the unpooled spatial shape (PyTorch's ``output_size``), e.g. ``(H, W)``.
     data_format: ``"channels_last"`` or ``"channels_first"``.
 
@@ -316,7 +312,20 @@ def max_unpool(y: PooledIn, indices: IndicesIn,
   if tuple(indices.shape) != tuple(y.shape):
     raise ValueError(
         f"indices must have y's shape {tuple(y.shape)}; got {tuple(indices.shape)}.")
+  if not isinstance(indices, jax.core.Tracer):
+    _check_unpool_indices(indices, size)
   return _max_unpool(y, indices, size, data_format == "channels_last")
+
+
+def _check_unpool_indices(indices: jax.Array, size: tuple[int, ...]) -> None:
+  """Eager calls: every index must address the unpooled plane (or be -1, no element)."""
+  plane = math.prod(size)
+  bad = (indices >= plane) | (indices < -1)
+  if indices.size and bool(jnp.any(bad)):
+    value = int(indices.ravel()[jnp.argmax(bad.ravel())])
+    raise ValueError(
+        f"indices must lie in [-1, {plane}) for output_size {size} ({plane} elements per "
+        f"plane); got {value}. Was output_size the pooled input's spatial shape?")
 
 
 def _unpool_scatter(y, indices, size, channels_last, *, add):
@@ -392,7 +401,7 @@ def avg_pool(x: FloatIn, window_shape: Sequence[int],
            [0.5 , 1.  ]], dtype=float32)
   """
   x = _as_array("x", x)
-  _check_dtype("x", x, allow_int=False)
+  check_dtype("x", x, allow_int=False)
   if not isinstance(count_include_pad, (bool, np.bool_)):
     raise TypeError(f"count_include_pad must be a bool; got {count_include_pad!r}.")
   _check_divisor(divisor_override)
@@ -423,11 +432,14 @@ def avg_pool_grad(dy: FloatOutIn, input_shape: Sequence[int],
     The same bits as ``jax.vjp`` of :func:`avg_pool`.
   """
   dy = _as_array("dy", dy)
-  _check_dtype("dy", dy, allow_int=False)
+  check_dtype("dy", dy, allow_int=False)
   try:
-    input_shape = tuple(operator.index(s) for s in input_shape)  # no silent int(1.5) or int("1")
+    shape = tuple(operator.index(s) for s in input_shape)  # no silent int(1.5) or int("1")
   except TypeError:
     raise TypeError(f"input_shape must be a tuple of ints; got {input_shape!r}.") from None
+  if any(s < 0 for s in shape):
+    raise ValueError(f"input_shape entries must be >= 0; got {input_shape!r}.")
+  input_shape = shape
   geom = make_geometry(input_shape, window_shape, strides, padding, dilation, ceil_mode,
                        data_format, name="input_shape")
   _check_dy(dy, geom.output_shape(input_shape))
@@ -469,7 +481,7 @@ def lp_pool(x: FloatIn, p: float, window_shape: Sequence[int],
   """
   p = _check_p(p)
   x = _as_array("x", x)
-  _check_dtype("x", x, allow_int=False)
+  check_dtype("x", x, allow_int=False)
   geom = make_geometry(x.shape, window_shape, strides, padding, dilation, ceil_mode, data_format)
   if implementation is not None:
     check_choice("implementation", implementation, IMPLEMENTATIONS)
@@ -500,7 +512,8 @@ def lp_pool_grad(x: FloatIn, dy: FloatOutIn, p: float,
   p = _check_p(p)
   x = _as_array("x", x)
   dy = _as_array("dy", dy)
-  _check_dtype("x", x, allow_int=False)
+  check_dtype("x", x, allow_int=False)
+  check_dtype("dy", dy, allow_int=True)  # a complex dy would lose its imaginary part
   geom = make_geometry(x.shape, window_shape, strides, padding, dilation, ceil_mode, data_format)
   _check_dy(dy, geom.output_shape(x.shape))
   fwd = functools.partial(lp_pool, p=p, window_shape=window_shape, strides=strides,

@@ -16,6 +16,9 @@ from typing import Any
 import numpy as np
 
 DATA_FORMATS = ("channels_last", "channels_first")
+# Sizes, strides, dilations, padding, the padded extent and the number of taps must each fit in
+# int32: XLA and the kernels index with it, and a larger value is a mistake, not a pool.
+MAX_SIZE = 2**31 - 1
 IMPLEMENTATIONS = (None, "xla", "pallas")
 PADDING_STRINGS = ("VALID", "SAME", "SAME_LOWER")
 
@@ -119,6 +122,8 @@ def int_tuple(name: str, value: Any, n: int, *, default: int | None = None,
   items = tuple(operator.index(v) for v in items)
   if any(v < minimum for v in items):
     raise ValueError(f"{name} entries must be >= {minimum}; got {value!r}.")
+  if any(v > MAX_SIZE for v in items):
+    raise ValueError(f"{name} entries must be at most 2**31 - 1; got {value!r}.")
   return items
 
 
@@ -161,6 +166,8 @@ def _resolve_padding(padding: Any, in_spatial: tuple[int, ...], strides: tuple[i
   if _is_int(padding):
     if padding < 0:
       raise ValueError(f"padding must be >= 0; got {padding!r}.")
+    if padding > MAX_SIZE:
+      raise ValueError(f"padding must be at most 2**31 - 1; got {padding!r}.")
     return ((int(padding), int(padding)),) * n
   try:
     pairs = tuple(padding)
@@ -181,6 +188,8 @@ def _resolve_padding(padding: Any, in_spatial: tuple[int, ...], strides: tuple[i
       raise TypeError(f"padding pairs must hold ints; got {padding!r}.")
     if lo < 0 or hi < 0:
       raise ValueError(f"padding must be >= 0; got {padding!r}.")
+    if lo > MAX_SIZE or hi > MAX_SIZE:
+      raise ValueError(f"padding must be at most 2**31 - 1; got {padding!r}.")
     resolved.append((int(lo), int(hi)))
   return tuple(resolved)
 
@@ -214,6 +223,11 @@ def make_geometry(x_shape: Sequence[int], window_shape: Any, strides: Any = None
           f"padding must be smaller than the effective window (dilation*(window-1)+1 = {e}) "
           f"on each side; got {(lo, hi)} for spatial dim {i} (padding={padding!r}).")
     span = L + lo + hi
+    if span > MAX_SIZE or e > MAX_SIZE:
+      raise ValueError(
+          f"the padded input ({span}) and the effective window ({e}) must each be at most "
+          f"2**31 - 1 in spatial dim {i}; got window_shape={window_shape!r}, "
+          f"dilation={dilation!r}, padding={padding!r}.")
     if span < e:
       raise ValueError(
           f"window larger than the padded input in spatial dim {i}: effective window {e}, "
@@ -227,6 +241,10 @@ def make_geometry(x_shape: Sequence[int], window_shape: Any, strides: Any = None
       out = (span - e) // s + 1
     out_spatial.append(out)
     extra.append(max(0, (out - 1) * s + e - span))
+  if math.prod(window) > MAX_SIZE:
+    raise ValueError(
+        f"window_shape must have at most 2**31 - 1 taps in all; got {window_shape!r} "
+        f"({math.prod(window)} taps).")
   return Geometry(in_spatial=in_spatial, window=window, strides=strides_t, dilation=dilation_t,
                   padding=pads, extra=tuple(extra), out_spatial=tuple(out_spatial),
                   channels_last=channels_last)
@@ -234,19 +252,25 @@ def make_geometry(x_shape: Sequence[int], window_shape: Any, strides: Any = None
 
 def tap_valid_1d(geom: Geometry, dim: int, tap: int) -> np.ndarray:
   """Whether tap ``tap`` of each output position along ``dim`` lands on a real element."""
-  o = np.arange(geom.out_spatial[dim])
+  o = np.arange(geom.out_spatial[dim], dtype=np.int64)
   pos = o * geom.strides[dim] + tap * geom.dilation[dim] - geom.padding[dim][0]
   return (pos >= 0) & (pos < geom.in_spatial[dim])
 
 
 def window_counts_1d(geom: Geometry, dim: int, include_pad: bool) -> np.ndarray:
-  """Taps per output position along ``dim`` inside the input (or the user-padded input)."""
-  o = np.arange(geom.out_spatial[dim])[:, None]
-  t = np.arange(geom.window[dim])[None, :]
-  pos = o * geom.strides[dim] + t * geom.dilation[dim] - geom.padding[dim][0]
-  lo = -geom.padding[dim][0] if include_pad else 0
-  hi = geom.in_spatial[dim] + (geom.padding[dim][1] if include_pad else 0)
-  return ((pos >= lo) & (pos < hi)).sum(axis=1)
+  """Taps per output position along ``dim`` inside the input (or the user-padded input).
+
+  Counted in closed form, so the cost is one entry per output position whatever the window.
+  """
+  o = np.arange(geom.out_spatial[dim], dtype=np.int64)
+  s, d, k = geom.strides[dim], geom.dilation[dim], geom.window[dim]
+  pad_lo, pad_hi = geom.padding[dim]
+  lo = -pad_lo if include_pad else 0
+  hi = geom.in_spatial[dim] + (pad_hi if include_pad else 0)
+  # Tap t of window o reads o*s + t*d - pad_lo; count the t in [0, k) landing in [lo, hi).
+  first = np.maximum(-((o * s - pad_lo - lo) // d), 0)  # ceil((lo - o*s + pad_lo) / d)
+  last = np.minimum((hi - 1 - o * s + pad_lo) // d, k - 1)
+  return np.maximum(last - first + 1, 0)
 
 
 def argmax_dtype(num_taps: int) -> np.dtype:

@@ -20,21 +20,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxpool._src.dtypes import accumulator_dtype, beats, lowest
 from jaxpool._src.windows import (Geometry, argmax_dtype, tap_valid_1d, window_counts_1d)
 
-
-def lowest(dtype) -> np.ndarray:
-  """The identity of max for ``dtype``: ``-inf`` for floats, ``iinfo.min`` for ints."""
-  dtype = np.dtype(dtype)
-  if jnp.issubdtype(dtype, jnp.floating):
-    return np.array(-np.inf, dtype)
-  return np.array(np.iinfo(dtype).min, dtype)
-
-
-def accumulator_dtype(dtype) -> np.dtype:
-  """Sums of bfloat16/float16 accumulate in float32."""
-  dtype = np.dtype(dtype)
-  return np.dtype(np.float32) if dtype.itemsize < 4 else dtype
+__all__ = ["accumulator_dtype", "lowest"]  # (re-exported: the kernels' reference values)
 
 
 def _window_args(geom: Geometry, ndim: int, *, with_extra: bool = True):
@@ -52,24 +41,157 @@ def _pad(x: jax.Array, geom: Geometry, fill) -> jax.Array:
   return lax.pad(x, jnp.asarray(fill, x.dtype), cfg)
 
 
-def _tap_slice(xp: jax.Array, geom: Geometry, tap) -> jax.Array:
+# ----------------------------------------------------------------------------- taps
+#
+# A window's taps are visited in row-major order, the order that breaks ties. Windows of at most
+# UNROLL_TAPS taps run as straight-line code: one static slice per tap, which XLA fuses best.
+# Larger windows (global pooling, say) run a loop over the taps whose body reads its tap with a
+# dynamic slice: compile time and memory stay the same whatever the window's size. The loop body
+# is rematerialised in reverse mode, so the transpose keeps no per-tap residuals: it adds each
+# tap's cotangent into place (one output-sized update per tap).
+
+UNROLL_TAPS = 64  # compile time grows with the taps below it; benchmarks/NOTES.md measures it
+TAPS_PER_TRIP = 8  # taps per trip of the loop
+
+Tap = tuple  # one coordinate per spatial dim: Python ints (straight-line code) or int32 scalars
+
+
+def _is_static(tap: Tap) -> bool:
+  return all(isinstance(t, (int, np.integer)) for t in tap)
+
+
+def _tap_coords(geom: Geometry, j: jax.Array) -> Tap:
+  """The row-major coordinates of tap number ``j`` (an int32 scalar)."""
+  coords = []
+  for k in reversed(geom.window):
+    coords.append(j % k)
+    j = j // k
+  return tuple(reversed(coords))
+
+
+def _fold_taps(geom: Geometry, step, init, start: int = 0):
+  """``carry = step(j, tap, carry)`` for the taps ``j = start, start + 1, ...`` in row-major
+  order, from ``carry = init()``: straight-line code up to ``UNROLL_TAPS`` taps, else a loop.
+
+  The loop is rematerialised as a whole in reverse mode: its residuals are the arrays it closes
+  over (never an output-sized value it makes, such as a zero start), and its trips recompute
+  their tap offsets instead of saving them.
+  """
+  if geom.num_taps <= UNROLL_TAPS:
+    carry = init()
+    for j, tap in enumerate(geom.taps()):
+      if j >= start:
+        carry = step(j, tap, carry)
+    return carry
+  # Each trip runs TAPS_PER_TRIP taps (fewer trips: a GPU pays a launch per trip); a second loop
+  # runs the remainder one tap a trip, so no trip needs a bound check.
+  count = geom.num_taps - start
+  full, rest = divmod(count, TAPS_PER_TRIP)
+
+  def trips(first: int, per_trip: int):
+    def trip(i, c):
+      for u in range(per_trip):
+        j = first + i * per_trip + u
+        c = step(j, _tap_coords(geom, j), c)
+      return c
+    return jax.checkpoint(trip, prevent_cse=False)
+
+  def loop():
+    carry = lax.fori_loop(0, full, trips(start, TAPS_PER_TRIP), init())
+    return lax.fori_loop(0, rest, trips(start + full * TAPS_PER_TRIP, 1), carry)
+
+  return jax.checkpoint(loop, prevent_cse=False)()
+
+
+def _tap_slice(xp: jax.Array, geom: Geometry, tap: Tap) -> jax.Array:
   """The values tap ``tap`` reads for every output position (``xp`` already padded)."""
   ndim = xp.ndim
   start = geom.full_dims(ndim, [t * d for t, d in zip(tap, geom.dilation)], 0)
   strides = geom.full_dims(ndim, geom.strides, 1)
   out = geom.output_shape(xp.shape)
-  limit = tuple(b + (o - 1) * s + 1 for b, o, s in zip(start, out, strides))
-  return lax.slice(xp, start, limit, strides)
+  size = tuple((o - 1) * s + 1 for o, s in zip(out, strides))
+  if _is_static(tap):
+    return lax.slice(xp, start, tuple(b + n for b, n in zip(start, size)), strides)
+  return lax.slice(lax.dynamic_slice(xp, start, size), (0,) * ndim, size, strides)
 
 
-def _tap_mask(geom: Geometry, tap, ndim: int) -> np.ndarray | None:
-  """Static mask of the output positions where ``tap`` reads a real element; None: all do."""
+def _phase_view(t: jax.Array, geom: Geometry) -> jax.Array:
+  """The zero-padded ``t`` with each spatial dim split into ``(q, r)``, position ``q*s + r``.
+
+  Tap ``j`` of output ``o`` reads ``o*s + j*d``: phase ``r = j*d % s`` at ``q = o + j*d // s``,
+  a contiguous run over ``o``. Its slices equal the strided tap slices, but the transpose of a
+  contiguous slice is a plain pad (or, in the loop, an in-place add of an output-sized block), so
+  the transpose of a gather built on it (the max-pool gradient) is a sum of shifted planes with
+  no interior padding: no division or remainder per element, several times faster on a CPU.
+  """
+  tp = _pad(t, geom, 0)
+  ndim = tp.ndim
+  axes = geom.spatial_axes(ndim)
+  extra = [(0, 0, 0)] * ndim
+  split: list[int] = []
+  for d in range(ndim):
+    if d in axes:
+      s = geom.strides[axes.index(d)]
+      q = -(-tp.shape[d] // s)
+      extra[d] = (0, q * s - tp.shape[d], 0)
+      split += [q, s]
+    else:
+      split.append(tp.shape[d])
+  return lax.pad(tp, np.array(0, tp.dtype), extra).reshape(split)
+
+
+def _phase_slice(tv: jax.Array, geom: Geometry, tap: Tap, out_shape) -> jax.Array:
+  """Tap ``tap``'s values for every output position, from the phase view ``tv``."""
+  axes = geom.spatial_axes(len(out_shape))
+  start: list = []
+  size: list[int] = []
+  for d, n in enumerate(out_shape):
+    if d in axes:
+      i = axes.index(d)
+      q0, r = divmod(tap[i] * geom.dilation[i], geom.strides[i])
+      start += [q0, r]
+      size += [geom.out_spatial[i], 1]
+    else:
+      start.append(0)
+      size.append(n)
+  if _is_static(tap):
+    part = lax.slice(tv, start, [b + n for b, n in zip(start, size)])
+  else:
+    part = lax.dynamic_slice(tv, start, size)
+  return part.reshape(out_shape)
+
+
+def _reader(t: jax.Array, geom: Geometry, *, phase: bool):
+  """``read(tap)``: tap ``tap``'s values of the zero-padded ``t`` for every output position,
+  through the phase view (fast transposes) or strided slices. Under Explicit mesh axes the phase
+  view's reshape would need an out_sharding for every split; the strided slices need none and
+  give the same values."""
+  out_shape = geom.output_shape(t.shape)
+  if phase and explicit_sharding(t) is None:
+    tv = _phase_view(t, geom)
+    return lambda tap: _phase_slice(tv, geom, tap, out_shape)
+  tp = _pad(t, geom, 0)
+  return lambda tap: _tap_slice(tp, geom, tap)
+
+
+def _tap_mask(geom: Geometry, tap: Tap, ndim: int):
+  """Mask of the output positions where ``tap`` reads a real element; None: all do."""
   mask = None
+  static = _is_static(tap)
   for dim, t in enumerate(tap):
-    valid = tap_valid_1d(geom, dim, t)
-    if valid.all():
-      continue
-    shape = geom.full_dims(ndim, [len(valid) if i == dim else 1 for i in range(geom.nspatial)], 1)
+    if static:
+      valid = tap_valid_1d(geom, dim, t)
+      if valid.all():
+        continue
+    else:
+      lo, _ = geom.padding[dim]
+      out, s, d = geom.out_spatial[dim], geom.strides[dim], geom.dilation[dim]
+      if lo == 0 and (out - 1) * s + (geom.window[dim] - 1) * d < geom.in_spatial[dim]:
+        continue  # every tap of every window is real along this dim
+      pos = np.arange(out, dtype=np.int32) * s + t * d - lo
+      valid = (pos >= 0) & (pos < geom.in_spatial[dim])
+    shape = geom.full_dims(ndim, [out_n if i == dim else 1
+                                  for i, out_n in enumerate(geom.out_spatial)], 1)
     m = valid.reshape(shape)
     mask = m if mask is None else (mask & m)
   return mask
@@ -92,73 +214,27 @@ def max_pool_argmax(x: jax.Array, geom: Geometry) -> tuple[jax.Array, jax.Array]
   """Max pooling that also returns the winning tap of each window.
 
   Returns ``(y, tap)``: ``tap`` is the row-major offset of the argmax within the window
-  (``argmax_dtype``), the first one on ties; NaN beats every number and the first NaN wins;
-  padding never wins. A window with no real element gives ``y = lowest`` and ``tap = -1``.
+  (``argmax_dtype``), chosen by :func:`jaxpool._src.dtypes.beats` (the first maximum; NaN beats
+  every number; ``+0.0`` beats ``-0.0``); padding never wins. A window with no real element gives
+  ``y = lowest`` and ``tap = -1``.
   """
   ndim = x.ndim
-  is_float = jnp.issubdtype(x.dtype, jnp.floating)
   xp = _pad(x, geom, lowest(x.dtype))
   adt = argmax_dtype(geom.num_taps)
-  taps = geom.taps()
-  first = _tap_slice(xp, geom, taps[0])
-  # full_like, not full: the running values inherit the input's sharding (Explicit meshes).
-  if _tap_mask(geom, taps[0], ndim) is None:  # tap 0 is real everywhere: it starts the race
-    best, idx, start = first, lax.full_like(first, 0, adt), 1
-  else:
-    best, idx, start = lax.full_like(first, lowest(x.dtype)), lax.full_like(first, -1, adt), 0
-  for i in range(start, len(taps)):
-    xt = _tap_slice(xp, geom, taps[i])
-    mask = _tap_mask(geom, taps[i], ndim)
-    better = (idx < 0) | (xt > best)
-    if is_float:
-      better = better | (jnp.isnan(xt) & ~jnp.isnan(best))
+  first = _tap_slice(xp, geom, (0,) * geom.nspatial)
+
+  def step(j, tap, carry):
+    best, idx = carry
+    xt = first if _is_static(tap) and j == 0 else _tap_slice(xp, geom, tap)
+    better = (idx < 0) | beats(xt, best)
+    mask = _tap_mask(geom, tap, ndim)
     if mask is not None:
       better = better & mask
-    best = jnp.where(better, xt, best)
-    idx = jnp.where(better, jnp.asarray(i, adt), idx)
-  return best, idx
+    return jnp.where(better, xt, best), jnp.where(better, jnp.asarray(j).astype(adt), idx)
 
-
-def _phase_taps(t: jax.Array, geom: Geometry) -> list[jax.Array]:
-  """Every tap's values for every output position, as contiguous slices of a phase view.
-
-  The padded ``t`` is padded again to a multiple of the stride and each spatial dim split into
-  ``(q, r)``, position ``q*s + r``. Tap ``j`` of output ``o`` reads ``o*s + j*d``: phase
-  ``r = j*d % s`` at ``q = o + j*d // s``, a contiguous run over ``o``. The result equals the
-  strided tap slices, but the transpose of a contiguous slice is a plain pad, so JAX's transpose
-  of a gather built on it (the max-pool gradient) is a sum of shifted planes with no interior
-  padding: no division or remainder per element, several times faster on a CPU.
-  """
-  tp = _pad(t, geom, 0)
-  ndim = tp.ndim
-  axes = geom.spatial_axes(ndim)
-  extra = [(0, 0, 0)] * ndim
-  split: list[int] = []
-  for d in range(ndim):
-    if d in axes:
-      s = geom.strides[axes.index(d)]
-      q = -(-tp.shape[d] // s)
-      extra[d] = (0, q * s - tp.shape[d], 0)
-      split += [q, s]
-    else:
-      split.append(tp.shape[d])
-  tv = lax.pad(tp, np.array(0, tp.dtype), extra).reshape(split)
-  out_shape = geom.output_shape(t.shape)
-  taps = []
-  for tap in geom.taps():
-    start, limit = [], []
-    for d in range(ndim):
-      if d in axes:
-        i = axes.index(d)
-        off = tap[i] * geom.dilation[i]
-        q0, r = divmod(off, geom.strides[i])
-        start += [q0, r]
-        limit += [q0 + geom.out_spatial[i], r + 1]
-      else:
-        start.append(0)
-        limit.append(tp.shape[d])
-    taps.append(lax.slice(tv, start, limit).reshape(out_shape))
-  return taps
+  # full_like, not full: the running values inherit the input's sharding (Explicit meshes).
+  init = lambda: (lax.full_like(first, lowest(x.dtype)), lax.full_like(first, -1, adt))
+  return _fold_taps(geom, step, init)
 
 
 def gather_at_argmax(t: jax.Array, idx: jax.Array, geom: Geometry) -> jax.Array:
@@ -167,15 +243,14 @@ def gather_at_argmax(t: jax.Array, idx: jax.Array, geom: Geometry) -> jax.Array:
   Linear in ``t``; JAX's transpose of it is the max-pool gradient (a deterministic,
   fused scatter-add of each window's cotangent into its argmax).
   """
-  if explicit_sharding(t) is None and explicit_sharding(idx) is None:
-    cases = _phase_taps(t, geom)
-  else:
-    # Under Explicit mesh axes the phase view's reshape would need an out_sharding for every
-    # split; the strided slices need none and give the same values (and, transposed, bits).
-    # (``idx`` is checked too: under ``linearize`` a tangent's type may not carry the sharding
-    # that its cotangent has when the transpose runs, as in JAX 0.11.)
-    tp = _pad(t, geom, 0)
-    cases = [_tap_slice(tp, geom, tap) for tap in geom.taps()]
+  # (``idx`` is checked too: under ``linearize`` a tangent's type may not carry the sharding
+  # that its cotangent has when the transpose runs, as in JAX 0.11.)
+  read = _reader(t, geom, phase=explicit_sharding(idx) is None)
+  if geom.num_taps > UNROLL_TAPS:
+    # An empty window has idx == -1, which no tap matches: it stays zero.
+    return _fold_taps(geom, lambda j, tap, acc: jnp.where(idx == j, read(tap), acc),
+                      lambda: lax.full_like(idx, 0, t.dtype))
+  cases = [read(tap) for tap in geom.taps()]
   # An empty window has idx == -1 and its taps all read padding, which is zero in the padded
   # ``t`` and dropped by the transpose of the pad: tap 0 serves it with no extra case.
   which = jnp.maximum(idx, 0) if has_empty_windows(geom) else idx
@@ -281,18 +356,15 @@ def window_sum(x: jax.Array, geom: Geometry) -> jax.Array:
 
 
 def window_sum_linear(t: jax.Array, geom: Geometry) -> jax.Array:
-  """The same sum as a fixed-order sum of strided tap slices: for tangents.
+  """The same sum as a fixed-order sum of tap slices: for tangents.
 
-  It is linear in ``t`` and built from pad, slice and add, so JAX transposes it into interior
-  pads that XLA fuses into one gather-like pass: several times faster than the transpose of
+  It is linear in ``t`` and built from pad, slice and add, so JAX transposes it into pads that
+  XLA fuses into one gather-like pass: several times faster than the transpose of
   ``reduce_window`` (a padded reduce-window over the dilated cotangent), and deterministic.
   """
-  tp = _pad(t, geom, 0)
-  first, *rest = geom.taps()
-  out = _tap_slice(tp, geom, first)
-  for tap in rest:
-    out = out + _tap_slice(tp, geom, tap)
-  return out
+  read = _reader(t, geom, phase=geom.num_taps > UNROLL_TAPS)
+  return _fold_taps(geom, lambda j, tap, acc: acc + read(tap),
+                    lambda: read((0,) * geom.nspatial), start=1)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2, 3))
@@ -314,49 +386,69 @@ def _avg_pool_jvp(geom, count_include_pad, divisor_override, primals, tangents):
 
 
 # ----------------------------------------------------------------------------- Lp
+#
+# ``(sum |x|^p)^(1/p)`` computed as written overflows for large |x| (1e20**3 in float32) and
+# underflows for small |x| (1e-30**2). Each window is scaled by its largest |x|, m:
+# ``y = m * (sum (|x|/m)^p)^(1/p)``, where every term is at most 1 and the largest is 1, so y is
+# right to rounding wherever it is representable. The gradient is written the same way,
+# ``dy = sum sign(x) (|x|/y)^(p-1) dx``, whose factors are at most 1.
 
 
-def _abs_pow(a: jax.Array, p: float) -> jax.Array:
+def _lp_sum_scaled(x: jax.Array, m: jax.Array, geom: Geometry, p: float) -> jax.Array:
+  """``sum (|x|/m)^p`` over each window's real elements (``m > 0``)."""
+  read = _reader(x, geom, phase=geom.num_taps > UNROLL_TAPS)
+
+  def step(j, tap, acc):
+    r = jnp.abs(read(tap)) / m
+    return acc + (r * r if p == 2 else r ** p)
+
+  return _fold_taps(geom, step, lambda: jnp.zeros_like(m))
+
+
+def _lp_forward(xa: jax.Array, geom: Geometry, p: float) -> jax.Array:
+  """Lp pooling of ``xa`` (already in the accumulator dtype)."""
   if p == 1:
-    return jnp.abs(a)
-  if p == 2:
-    return a * a
-  return jnp.abs(a) ** p
-
-
-def _root(s: jax.Array, p: float) -> jax.Array:
-  if p == 1:
-    return s
-  if p == 2:
-    return jnp.sqrt(s)
-  return s ** (1.0 / p)
+    return window_sum(jnp.abs(xa), geom)
+  # The scale is any positive number (y does not depend on it), so it is not differentiated.
+  m = lax.stop_gradient(max_pool_forward(jnp.abs(xa), geom))  # NaN in, NaN; -inf if empty
+  finite = (m > 0) & jnp.isfinite(m)
+  scale = jnp.where(finite, m, 1)
+  s = _lp_sum_scaled(xa, scale, geom, p)
+  y = scale * (jnp.sqrt(s) if p == 2 else s ** (1.0 / p))
+  return jnp.where(finite, y, jnp.where(m > 0, m, 0))  # inf and NaN pass through; 0 stays 0
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))
 def lp_pool(x: jax.Array, geom: Geometry, p: float) -> jax.Array:
   """``(sum |x|^p)^(1/p)`` over the real elements of each window."""
-  acc = accumulator_dtype(x.dtype)
-  return _root(window_sum(_abs_pow(x.astype(acc), p), geom), p).astype(x.dtype)
+  return _lp_forward(x.astype(accumulator_dtype(x.dtype)), geom, p).astype(x.dtype)
+
+
+def _lp_tangent(xa: jax.Array, y: jax.Array, t: jax.Array, geom: Geometry, p: float):
+  """``sum sign(x) (|x|/y)^(p-1) t`` over each window (linear in ``t``; ``y > 0``)."""
+  xread = _reader(xa, geom, phase=geom.num_taps > UNROLL_TAPS)
+  tread = _reader(t, geom, phase=geom.num_taps > UNROLL_TAPS)
+
+  def step(j, tap, acc):
+    xt = xread(tap)
+    r = jnp.abs(xt) / y
+    w = jnp.sign(xt) * (r if p == 2 else r ** (p - 1))
+    return acc + w * tread(tap)
+
+  return _fold_taps(geom, step, lambda: jnp.zeros_like(y))
 
 
 @lp_pool.defjvp
 def _lp_pool_jvp(geom, p, primals, tangents):
   (x,), (t,) = primals, tangents
   acc = accumulator_dtype(x.dtype)
-  xa = x.astype(acc)
-  y = _root(window_sum(_abs_pow(xa, p), geom), p)
-  # d y = sum(sign(x) |x|^(p-1) dx) / y^(p-1), and 0 where y == 0 (never NaN).
+  xa, ta = x.astype(acc), t.astype(acc)
+  y = _lp_forward(xa, geom, p)
   if p == 1:
-    g = jnp.sign(xa)
-  elif p == 2:
-    g = xa
+    dy = window_sum_linear(jnp.sign(xa) * ta, geom)
   else:
-    g = jnp.sign(xa) * _abs_pow(xa, p - 1)
-  num = window_sum_linear(g * t.astype(acc), geom)
-  if p == 1:
-    dy = num
-  else:
-    positive = y > 0
-    denom = jnp.where(positive, y if p == 2 else y ** (p - 1), 1)
-    dy = jnp.where(positive, num / denom, 0)
+    # 0 where y == 0 (never NaN), and where y overflowed to inf (every |x|/y is 0 there).
+    # Rematerialised: reverse mode keeps x and y, not one weight per tap and output.
+    tangent = jax.checkpoint(functools.partial(_lp_tangent, geom=geom, p=p), prevent_cse=False)
+    dy = tangent(xa, jnp.where(y > 0, y, 1), ta)
   return y.astype(x.dtype), dy.astype(x.dtype)

@@ -41,7 +41,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from jaxpool._src.windows import Geometry, argmax_dtype
-from jaxpool._src.xla import accumulator_dtype, lowest
+from jaxpool._src.dtypes import accumulator_dtype, beats, lowest
 
 @dataclasses.dataclass(frozen=True)
 class Geom2:
@@ -222,7 +222,6 @@ def _max_kernel(x_ref, *refs, g: Geom2, argmax: bool):
   else:
     y_ref, pad_ref = refs
   cb = pad_ref.shape[2]
-  floating = jnp.issubdtype(x_ref.dtype, jnp.floating)
   _fill_padded(x_ref, pad_ref, g, lowest(_F32))
   col_ok = [_col_mask(*_tap_cols(g, j), g.Wo, cb) for j in range(g.kw)]
 
@@ -234,9 +233,7 @@ def _max_kernel(x_ref, *refs, g: Geom2, argmax: bool):
       h_ok = (h >= 0) & (h < g.H)
       for j in range(g.kw):
         xt = _row_taps(pad_ref, ho, i, j, g)
-        better = (idx < 0) | (xt > best) if argmax else xt > best
-        if floating:
-          better = better | (jnp.isnan(xt) & ~jnp.isnan(best))
+        better = (idx < 0) | beats(xt, best) if argmax else beats(xt, best)
         ok = h_ok if col_ok[j] is None else (col_ok[j] & h_ok)
         better = better & ok
         best = jnp.where(better, xt, best)

@@ -42,7 +42,7 @@ except ImportError:  # pragma: no cover - jaxlib without the Triton backend
   plgpu = None
 
 from jaxpool._src.windows import Geometry, argmax_dtype
-from jaxpool._src.xla import accumulator_dtype, lowest
+from jaxpool._src.dtypes import accumulator_dtype, beats, lowest
 
 # Older Pallas had ``load``/``store`` at the top level; newer jax (and its type hints) has not.
 _pl_legacy: ModuleType = pl
@@ -197,13 +197,6 @@ def _both_paths(interior, body: Callable[[bool], None]) -> None:
   pl.when(jnp.logical_not(interior))(lambda: body(True))
 
 
-def _greater(x, best):
-  """``x`` replaces ``best``: larger, or the first NaN (a NaN ``best`` is never replaced)."""
-  if not jnp.issubdtype(x.dtype, jnp.floating):
-    return x > best
-  return jnp.logical_not(x <= best) & (best == best)
-
-
 def _interleaves(stride: int) -> bool:
   """Whether :func:`_interleave` handles ``stride`` phases (Triton stacks two at a time)."""
   return stride & (stride - 1) == 0
@@ -301,7 +294,7 @@ def _window_kernel(x_ref, *out_refs, g: Geom3, bw: int, bl: int, lanes: int, mod
       # Masked taps read the lowest value: never greater than ``best``.
       xt = _load(x_ref, where, ok, None if ok is None else low)
       if mode == "max":
-        best = xt if best is None else jnp.where(_greater(xt, best), xt, best)
+        best = xt if best is None else jnp.where(beats(xt, best), xt, best)
         continue
       if best is None and not edge:
         best, idx = xt, jnp.zeros(tile.shape, idx_t)
@@ -309,7 +302,7 @@ def _window_kernel(x_ref, *out_refs, g: Geom3, bw: int, bl: int, lanes: int, mod
       if best is None:
         best, idx = jnp.full(tile.shape, low, dtype), jnp.full(tile.shape, -1, idx_t)
       assert idx is not None
-      better = _greater(xt, best)
+      better = beats(xt, best)
       if ok is not None:
         # A window's first real tap is its argmax so far, whatever its value.
         better = ok & ((idx < 0) | better)
