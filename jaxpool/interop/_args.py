@@ -32,8 +32,8 @@ def _items(name: str, value: Any, what: str) -> tuple[Any, ...]:
     raise TypeError(f"{name} must be {what}; got {value!r} (a bool is not an int).")
   if isinstance(value, (str, bytes, dict, set, frozenset)):
     raise TypeError(f"{name} must be {what}; got {value!r}.")
-  if isinstance(value, np.ndarray) and value.ndim != 1:
-    raise TypeError(f"{name} must be {what}; got an array of shape {value.shape}.")
+  if isinstance(value, np.ndarray) and value.ndim == 0:
+    raise TypeError(f"{name} must be {what}; got {value!r}.")
   try:
     return tuple(value)
   except TypeError:
