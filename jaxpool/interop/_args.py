@@ -166,6 +166,23 @@ def flax_padding(value: Any, n: int) -> str | int | tuple[tuple[int, int], ...]:
   return tuple(out)
 
 
+def flax_config(window_shape: Any, strides: Any = None, padding: Any = "VALID", *,
+                dilation: Any = None, ceil_mode: Any = False, data_format: Any = "channels_last",
+                implementation: Any = None) -> dict[str, Any]:
+  """Checks Flax-style pooling arguments; returns them as the core's keyword arguments.
+
+  Raises:
+    TypeError, ValueError: naming the argument and the value received.
+  """
+  window = flax_window(window_shape)
+  n = len(window)
+  return dict(window_shape=window, strides=flax_per_dim("strides", strides, n),
+              padding=flax_padding(padding, n), dilation=flax_per_dim("dilation", dilation, n),
+              ceil_mode=check_bool("ceil_mode", ceil_mode),
+              data_format=check_data_format(data_format),
+              implementation=check_implementation(implementation))
+
+
 # ----------------------------------------------------------------------------- Equinox's forms
 
 

@@ -1,8 +1,10 @@
 """Flax linen pooling, backed by jaxpool: functions and ``nn.Module`` layers.
 
 ``max_pool`` and ``avg_pool`` take ``flax.linen.max_pool``/``avg_pool``'s arguments and return
-the same values on every configuration Flax supports (tested in tests/test_interop.py), with
-jaxpool's gradient (deterministic, the first maximum on ties) and extra keyword options. The
+the same values on every configuration Flax supports, but for a padding as large as the window,
+a negative padding and bools as sizes, which are refused (tests/test_interop.py and
+tests/test_reliability_layers.py), with jaxpool's gradient (deterministic, the first maximum on
+ties) and extra keyword options. The
 layers ``MaxPool``, ``AvgPool``, ``LPPool`` and ``L2Pool`` wrap them as modules without
 parameters, so that they can sit in an ``nn.Sequential``.
 
@@ -35,30 +37,11 @@ import numpy as np
 
 import jaxpool
 from jaxpool._src.windows import check_rank
-from jaxpool.interop._args import (check_bool, check_data_format, check_divisor,
-                                   check_implementation, check_norm, flax_padding, flax_per_dim,
-                                   flax_window)
+from jaxpool.interop._args import check_bool, check_divisor, check_norm, flax_config
 
 __all__ = ["max_pool", "avg_pool", "lp_pool", "MaxPool", "AvgPool", "LPPool", "L2Pool"]
 
 Padding = str | int | Sequence[tuple[int, int]]
-
-
-def pool_config(window_shape: Any, strides: Any = None, padding: Any = "VALID", *,
-                dilation: Any = None, ceil_mode: Any = False, data_format: Any = "channels_last",
-                implementation: Any = None) -> dict[str, Any]:
-  """Checks Flax-style pooling arguments; returns them as the core's keyword arguments.
-
-  Raises:
-    TypeError, ValueError: naming the argument and the value received.
-  """
-  window = flax_window(window_shape)
-  n = len(window)
-  return dict(window_shape=window, strides=flax_per_dim("strides", strides, n),
-              padding=flax_padding(padding, n), dilation=flax_per_dim("dilation", dilation, n),
-              ceil_mode=check_bool("ceil_mode", ceil_mode),
-              data_format=check_data_format(data_format),
-              implementation=check_implementation(implementation))
 
 
 def _checked(inputs: Any, cfg: dict[str, Any]) -> Any:
@@ -87,7 +70,7 @@ def max_pool(inputs: jax.typing.ArrayLike, window_shape: Sequence[int],
   Raises:
     TypeError, ValueError: for a bad argument, naming it as written here.
   """
-  cfg = pool_config(window_shape, strides, padding, dilation=dilation, ceil_mode=ceil_mode,
+  cfg = flax_config(window_shape, strides, padding, dilation=dilation, ceil_mode=ceil_mode,
                     data_format=data_format, implementation=implementation)
   return jaxpool.max_pool(_checked(inputs, cfg), **cfg)
 
@@ -109,7 +92,7 @@ def avg_pool(inputs: jax.typing.ArrayLike, window_shape: Sequence[int],
   Returns:
     ``(*batch, *out_spatial, features)`` (or channels first), in the input's dtype.
   """
-  cfg = pool_config(window_shape, strides, padding, dilation=dilation, ceil_mode=ceil_mode,
+  cfg = flax_config(window_shape, strides, padding, dilation=dilation, ceil_mode=ceil_mode,
                     data_format=data_format, implementation=implementation)
   return jaxpool.avg_pool(_checked(inputs, cfg), **cfg,
                           count_include_pad=check_bool("count_include_pad", count_include_pad),
@@ -130,7 +113,7 @@ def lp_pool(inputs: jax.typing.ArrayLike, p: float, window_shape: Sequence[int],
     ``(*batch, *out_spatial, features)`` (or channels first).
   """
   p = check_norm("p", p)
-  cfg = pool_config(window_shape, strides, padding, dilation=dilation, ceil_mode=ceil_mode,
+  cfg = flax_config(window_shape, strides, padding, dilation=dilation, ceil_mode=ceil_mode,
                     data_format=data_format, implementation=implementation)
   return jaxpool.lp_pool(_checked(inputs, cfg), p, **cfg)
 
@@ -152,7 +135,7 @@ class MaxPool(nn.Module):
   data_format: str = "channels_last"
 
   def __post_init__(self) -> None:
-    pool_config(self.window_shape, self.strides, self.padding, dilation=self.dilation,
+    flax_config(self.window_shape, self.strides, self.padding, dilation=self.dilation,
                 ceil_mode=self.ceil_mode, data_format=self.data_format,
                 implementation=self.implementation)
     super().__post_init__()
@@ -183,7 +166,7 @@ class AvgPool(nn.Module):
   data_format: str = "channels_last"
 
   def __post_init__(self) -> None:
-    pool_config(self.window_shape, self.strides, self.padding, dilation=self.dilation,
+    flax_config(self.window_shape, self.strides, self.padding, dilation=self.dilation,
                 ceil_mode=self.ceil_mode, data_format=self.data_format,
                 implementation=self.implementation)
     check_bool("count_include_pad", self.count_include_pad)
@@ -217,7 +200,7 @@ class LPPool(nn.Module):
 
   def __post_init__(self) -> None:
     check_norm("p", self.p)
-    pool_config(self.window_shape, self.strides, self.padding, dilation=self.dilation,
+    flax_config(self.window_shape, self.strides, self.padding, dilation=self.dilation,
                 ceil_mode=self.ceil_mode, data_format=self.data_format,
                 implementation=self.implementation)
     super().__post_init__()
@@ -245,7 +228,7 @@ class L2Pool(nn.Module):
   data_format: str = "channels_last"
 
   def __post_init__(self) -> None:
-    pool_config(self.window_shape, self.strides, self.padding, dilation=self.dilation,
+    flax_config(self.window_shape, self.strides, self.padding, dilation=self.dilation,
                 ceil_mode=self.ceil_mode, data_format=self.data_format,
                 implementation=self.implementation)
     super().__post_init__()

@@ -26,8 +26,8 @@ from typing import Any
 import jax
 from flax import nnx
 
-from jaxpool.interop._args import check_bool, check_divisor, check_norm
-from jaxpool.interop.flax_linen import Padding, avg_pool, lp_pool, max_pool, pool_config
+from jaxpool.interop._args import check_bool, check_divisor, check_norm, flax_config
+from jaxpool.interop.flax_linen import Padding, avg_pool, lp_pool, max_pool
 
 __all__ = ["max_pool", "avg_pool", "lp_pool", "MaxPool", "AvgPool", "LPPool", "L2Pool"]
 
@@ -38,7 +38,7 @@ class _Pool(nnx.Module):
   def __init__(self, window_shape: Sequence[int], strides: Sequence[int] | None,
                padding: Padding, dilation: Sequence[int] | None, ceil_mode: bool,
                data_format: str, implementation: str | None):
-    cfg = pool_config(window_shape, strides, padding, dilation=dilation, ceil_mode=ceil_mode,
+    cfg = flax_config(window_shape, strides, padding, dilation=dilation, ceil_mode=ceil_mode,
                       data_format=data_format, implementation=implementation)
     self.window_shape: tuple[int, ...] = cfg["window_shape"]
     self.strides: tuple[int, ...] | None = cfg["strides"]
