@@ -35,8 +35,12 @@ from typing import Any
 
 import equinox as eqx
 import jax
+import numpy as np
 
 import jaxpool
+from jaxpool._src.windows import check_rank
+from jaxpool.interop._args import (check_bool, check_divisor, check_implementation, check_norm,
+                                   eqx_padding, eqx_per_dim)
 
 __all__ = ["MaxPool1d", "MaxPool2d", "MaxPool3d", "AvgPool1d", "AvgPool2d", "AvgPool3d",
            "LPPool1d", "LPPool2d", "LPPool3d"]
@@ -45,35 +49,11 @@ IntOrSeq = int | Sequence[int]
 PaddingArg = int | Sequence[int] | Sequence[tuple[int, int]]
 
 
-def _per_dim(name: str, v: Any, n: int) -> tuple[int, ...]:
-  if isinstance(v, int) and not isinstance(v, bool):
-    return (v,) * n
-  try:
-    t = tuple(v)
-  except TypeError:
-    raise TypeError(f"{name} must be an int or a sequence of {n} ints; got {v!r}.") from None
-  if len(t) != n:
-    raise ValueError(f"{name} must be an int or a sequence of {n} ints; got {v!r}.")
-  return t
-
-
-def _pairs(v: Any, n: int) -> tuple[tuple[int, int], ...]:
-  """Equinox's padding forms: an int, one int per dim, or one ``(lo, hi)`` pair per dim."""
-  if isinstance(v, int) and not isinstance(v, bool):
-    return ((v, v),) * n
-  try:
-    t = tuple(v)
-  except TypeError:
-    raise TypeError(f"padding must be an int, {n} ints or {n} (lo, hi) pairs; got {v!r}.") from None
-  if len(t) != n:
-    raise ValueError(f"padding must be an int, {n} ints or {n} (lo, hi) pairs; got {v!r}.")
-  if all(isinstance(p, int) for p in t):
-    return tuple((p, p) for p in t)
-  return tuple(tuple(p) for p in t)
-
-
 class _Pool(eqx.Module):
-  """Shared configuration: static fields, so the layer is a pytree with no leaves."""
+  """Shared configuration: static fields, so the layer is a pytree with no leaves.
+
+  Every argument is checked here, under Equinox's names, and kept as tuples of Python ints.
+  """
 
   num_spatial_dims: int = eqx.field(static=True)
   kernel_size: tuple[int, ...] = eqx.field(static=True)
@@ -88,12 +68,34 @@ class _Pool(eqx.Module):
                implementation: str | None = None):
     n = num_spatial_dims
     self.num_spatial_dims = n
-    self.kernel_size = _per_dim("kernel_size", kernel_size, n)
-    self.stride = _per_dim("stride", stride, n)
-    self.padding = _pairs(padding, n)
-    self.use_ceil = use_ceil
-    self.dilation = _per_dim("dilation", dilation, n)
-    self.implementation = implementation
+    self.kernel_size = eqx_per_dim("kernel_size", kernel_size, n)
+    self.stride = eqx_per_dim("stride", stride, n)
+    self.padding = eqx_padding(padding, n)
+    self.use_ceil = check_bool("use_ceil", use_ceil)
+    self.dilation = eqx_per_dim("dilation", dilation, n)
+    self.implementation = check_implementation(implementation)
+    for i, ((lo, hi), k, d) in enumerate(zip(self.padding, self.kernel_size, self.dilation)):
+      e = d * (k - 1) + 1
+      if lo >= e or hi >= e:
+        kernel = f"kernel_size {k}" if d == 1 else f"dilation*(kernel_size-1)+1 = {e}"
+        raise ValueError(
+            f"padding must be smaller than the window ({kernel}) on each side, so that every "
+            f"window holds a real element; got {(lo, hi)} in spatial dim {i} "
+            f"(padding={padding!r}). Equinox allows padding equal to the kernel size.")
+
+  def _check(self, x: Any) -> Any:
+    """Explicit input checks, so that no error names an argument the user never wrote."""
+    shape = np.shape(x)
+    n = self.num_spatial_dims
+    check_rank("x", shape, n, "channels_first")
+    for i, (L, (lo, hi), k, d) in enumerate(zip(shape[-n:], self.padding, self.kernel_size,
+                                                 self.dilation)):
+      if L + lo + hi < d * (k - 1) + 1:
+        raise ValueError(
+            f"kernel_size {self.kernel_size} (dilation {self.dilation}) is larger than the "
+            f"padded input in spatial dim {i}: size {L} plus padding {(lo, hi)}; x has shape "
+            f"{tuple(shape)}.")
+    return x
 
   def _kwargs(self) -> dict[str, Any]:
     return dict(window_shape=self.kernel_size, strides=self.stride, padding=self.padding,
@@ -105,7 +107,7 @@ class _MaxPool(_Pool):
 
   def __call__(self, x: jax.Array, *, key: Any = None) -> jax.Array:
     """``(channels, *spatial)`` -> ``(channels, *out_spatial)``; ``key`` is ignored."""
-    return jaxpool.max_pool(x, **self._kwargs())
+    return jaxpool.max_pool(self._check(x), **self._kwargs())
 
 
 class _AvgPool(_Pool):
@@ -118,12 +120,12 @@ class _AvgPool(_Pool):
                implementation: str | None = None):
     super().__init__(num_spatial_dims, kernel_size, stride, padding, use_ceil,
                      dilation=dilation, implementation=implementation)
-    self.count_include_pad = count_include_pad
-    self.divisor_override = divisor_override
+    self.count_include_pad = check_bool("count_include_pad", count_include_pad)
+    self.divisor_override = check_divisor("divisor_override", divisor_override)
 
   def __call__(self, x: jax.Array, *, key: Any = None) -> jax.Array:
     """``(channels, *spatial)`` -> ``(channels, *out_spatial)``; ``key`` is ignored."""
-    return jaxpool.avg_pool(x, count_include_pad=self.count_include_pad,
+    return jaxpool.avg_pool(self._check(x), count_include_pad=self.count_include_pad,
                             divisor_override=self.divisor_override, **self._kwargs())
 
 
@@ -133,13 +135,14 @@ class _LPPool(_Pool):
   def __init__(self, num_spatial_dims: int, norm_type: float, kernel_size: IntOrSeq,
                stride: IntOrSeq = 1, padding: PaddingArg = 0, use_ceil: bool = False, *,
                dilation: IntOrSeq = 1, implementation: str | None = None):
+    p = check_norm("norm_type", norm_type)
     super().__init__(num_spatial_dims, kernel_size, stride, padding, use_ceil,
                      dilation=dilation, implementation=implementation)
-    self.norm_type = norm_type
+    self.norm_type = p
 
   def __call__(self, x: jax.Array, *, key: Any = None) -> jax.Array:
     """``(channels, *spatial)`` -> ``(channels, *out_spatial)``; ``key`` is ignored."""
-    return jaxpool.lp_pool(x, self.norm_type, **self._kwargs())
+    return jaxpool.lp_pool(self._check(x), self.norm_type, **self._kwargs())
 
 
 def _fixed(base: type, n: int, name: str, doc: str) -> type:

@@ -1,14 +1,20 @@
 """Flax linen pooling, backed by jaxpool: functions and ``nn.Module`` layers.
 
 ``max_pool`` and ``avg_pool`` take ``flax.linen.max_pool``/``avg_pool``'s arguments and return
-the same values on every configuration Flax supports (tested in tests/test_interop.py), with
-jaxpool's gradient (deterministic, the first maximum on ties) and extra keyword options. The
+the same values on every configuration Flax supports, but for a padding as large as the window,
+a negative padding and bools as sizes, which are refused (tests/test_interop.py and
+tests/test_reliability_layers.py), with jaxpool's gradient (deterministic, the first maximum on
+ties) and extra keyword options. The
 layers ``MaxPool``, ``AvgPool``, ``LPPool`` and ``L2Pool`` wrap them as modules without
 parameters, so that they can sit in an ``nn.Sequential``.
 
-Layout, as Flax: ``(*batch, *spatial, features)``, channels last; strides default to 1 (PyTorch's
-default is the window); padding ``"VALID"``, ``"SAME"`` or ``(lo, hi)`` pairs (plus jaxpool's
-``"SAME_LOWER"`` and ints).
+Arguments, as Flax: ``window_shape`` a sequence of ints (its length is the number of spatial
+dims; an int is refused, as in Flax); ``strides`` ``None`` (all ones; PyTorch's default is the
+window) or one int per spatial dim; ``padding`` ``"VALID"``, ``"SAME"`` (any case) or one
+``(lo, hi)`` pair per spatial dim, plus jaxpool's ``"SAME_LOWER"`` and an int (both sides of every
+dim). NumPy ints are ints. Layout ``(*batch, *spatial, features)`` (Flax's, channels last), or
+``data_format="channels_first"`` for ``(*batch, features, *spatial)``. docs/interop.md lists what
+is accepted and refused, with the reasons.
 
 Example:
   >>> import jax, jax.numpy as jnp
@@ -27,99 +33,117 @@ from typing import Any
 
 import flax.linen as nn
 import jax
+import numpy as np
 
 import jaxpool
+from jaxpool._src.windows import check_rank
+from jaxpool.interop._args import check_bool, check_divisor, check_norm, flax_config
 
 __all__ = ["max_pool", "avg_pool", "lp_pool", "MaxPool", "AvgPool", "LPPool", "L2Pool"]
 
-
-def _tuple(v: Sequence[int] | None) -> tuple[int, ...] | None:
-  return None if v is None else tuple(v)
+Padding = str | int | Sequence[tuple[int, int]]
 
 
-def _padding(padding: Any) -> Any:
-  if isinstance(padding, (str, int)):
-    return padding
-  return tuple(tuple(p) for p in padding)
+def _checked(inputs: Any, cfg: dict[str, Any]) -> Any:
+  check_rank("inputs", np.shape(inputs), len(cfg["window_shape"]), cfg["data_format"])
+  return inputs
 
 
 def max_pool(inputs: jax.typing.ArrayLike, window_shape: Sequence[int],
-             strides: Sequence[int] | None = None, padding: Any = "VALID", *,
+             strides: Sequence[int] | None = None, padding: Padding = "VALID", *,
              dilation: Sequence[int] | None = None, ceil_mode: bool = False,
-             implementation: str | None = None) -> jax.Array:
+             data_format: str = "channels_last", implementation: str | None = None) -> jax.Array:
   """``flax.linen.max_pool`` with jaxpool's gradient.
 
   Args:
-    inputs: ``(*batch, *spatial, features)``.
-    window_shape: taps per spatial dim.
-    strides: per spatial dim; ``None`` means all ones (Flax's default).
-    padding: ``"VALID"``, ``"SAME"`` or ``(lo, hi)`` pairs (and jaxpool's other forms).
+    inputs: ``(*batch, *spatial, features)`` (``data_format="channels_last"``, Flax's layout)
+      or ``(*batch, features, *spatial)`` (``"channels_first"``).
+    window_shape: taps per spatial dim, a sequence of ints.
+    strides: ``None`` (all ones, Flax's default) or one int per spatial dim.
+    padding: ``"VALID"``, ``"SAME"``, ``"SAME_LOWER"``, an int or ``(lo, hi)`` pairs.
     dilation, ceil_mode, implementation: as :func:`jaxpool.max_pool` (not in Flax).
+    data_format: ``"channels_last"`` (default) or ``"channels_first"`` (not in Flax).
 
   Returns:
-    ``(*batch, *out_spatial, features)``.
+    ``(*batch, *out_spatial, features)`` (or channels first).
+
+  Raises:
+    TypeError, ValueError: for a bad argument, naming it as written here.
   """
-  return jaxpool.max_pool(inputs, tuple(window_shape), _tuple(strides), _padding(padding),
-                          dilation=_tuple(dilation), ceil_mode=ceil_mode,
-                          implementation=implementation)  # type: ignore[arg-type]
+  cfg = flax_config(window_shape, strides, padding, dilation=dilation, ceil_mode=ceil_mode,
+                    data_format=data_format, implementation=implementation)
+  return jaxpool.max_pool(_checked(inputs, cfg), **cfg)
 
 
 def avg_pool(inputs: jax.typing.ArrayLike, window_shape: Sequence[int],
-             strides: Sequence[int] | None = None, padding: Any = "VALID",
+             strides: Sequence[int] | None = None, padding: Padding = "VALID",
              count_include_pad: bool = True, *, dilation: Sequence[int] | None = None,
              ceil_mode: bool = False, divisor_override: int | None = None,
-             implementation: str | None = None) -> jax.Array:
+             data_format: str = "channels_last", implementation: str | None = None) -> jax.Array:
   """``flax.linen.avg_pool``: ``count_include_pad=True`` (Flax's and PyTorch's default) divides
   by the window size, ``False`` by the number of real elements.
 
   Args:
-    inputs: ``(*batch, *spatial, features)``.
-    window_shape, strides, padding: as :func:`max_pool`.
+    inputs: ``(*batch, *spatial, features)`` (or channels first, as :func:`max_pool`).
+    window_shape, strides, padding, data_format: as :func:`max_pool`.
     count_include_pad: whether padded taps count in the divisor.
     dilation, ceil_mode, divisor_override, implementation: as :func:`jaxpool.avg_pool`.
 
   Returns:
-    ``(*batch, *out_spatial, features)``.
+    ``(*batch, *out_spatial, features)`` (or channels first), in the input's dtype.
   """
-  return jaxpool.avg_pool(inputs, tuple(window_shape), _tuple(strides), _padding(padding),
-                          dilation=_tuple(dilation), ceil_mode=ceil_mode,
-                          count_include_pad=count_include_pad,
-                          divisor_override=divisor_override,
-                          implementation=implementation)  # type: ignore[arg-type]
+  cfg = flax_config(window_shape, strides, padding, dilation=dilation, ceil_mode=ceil_mode,
+                    data_format=data_format, implementation=implementation)
+  return jaxpool.avg_pool(_checked(inputs, cfg), **cfg,
+                          count_include_pad=check_bool("count_include_pad", count_include_pad),
+                          divisor_override=check_divisor("divisor_override", divisor_override))
 
 
 def lp_pool(inputs: jax.typing.ArrayLike, p: float, window_shape: Sequence[int],
-            strides: Sequence[int] | None = None, padding: Any = "VALID", *,
+            strides: Sequence[int] | None = None, padding: Padding = "VALID", *,
             dilation: Sequence[int] | None = None, ceil_mode: bool = False,
-            implementation: str | None = None) -> jax.Array:
+            data_format: str = "channels_last", implementation: str | None = None) -> jax.Array:
   """Lp-norm pooling (not in Flax): ``(sum |x|^p)^(1/p)`` per window, as :func:`jaxpool.lp_pool`.
 
+  Args:
+    p: the norm's order, finite and ``>= 1``.
+    Others: as :func:`max_pool`.
+
   Returns:
-    ``(*batch, *out_spatial, features)``.
+    ``(*batch, *out_spatial, features)`` (or channels first).
   """
-  return jaxpool.lp_pool(inputs, p, tuple(window_shape), _tuple(strides), _padding(padding),
-                         dilation=_tuple(dilation), ceil_mode=ceil_mode,
-                         implementation=implementation)  # type: ignore[arg-type]
+  p = check_norm("p", p)
+  cfg = flax_config(window_shape, strides, padding, dilation=dilation, ceil_mode=ceil_mode,
+                    data_format=data_format, implementation=implementation)
+  return jaxpool.lp_pool(_checked(inputs, cfg), p, **cfg)
 
 
 class MaxPool(nn.Module):
   """Max pooling as a linen module (no parameters): :func:`max_pool` with its attributes.
 
   Attributes:
-    window_shape, strides, padding, dilation, ceil_mode, implementation: as :func:`max_pool`.
+    window_shape, strides, padding, dilation, ceil_mode, implementation, data_format: as
+      :func:`max_pool`; checked when the module is constructed.
   """
 
   window_shape: Sequence[int]
   strides: Sequence[int] | None = None
-  padding: Any = "VALID"
+  padding: Padding = "VALID"
   dilation: Sequence[int] | None = None
   ceil_mode: bool = False
   implementation: str | None = None
+  data_format: str = "channels_last"
+
+  def __post_init__(self) -> None:
+    flax_config(self.window_shape, self.strides, self.padding, dilation=self.dilation,
+                ceil_mode=self.ceil_mode, data_format=self.data_format,
+                implementation=self.implementation)
+    super().__post_init__()
 
   def __call__(self, inputs: jax.typing.ArrayLike) -> jax.Array:
     return max_pool(inputs, self.window_shape, self.strides, self.padding,
                     dilation=self.dilation, ceil_mode=self.ceil_mode,
-                    implementation=self.implementation)
+                    data_format=self.data_format, implementation=self.implementation)
 
 
 class AvgPool(nn.Module):
@@ -127,23 +151,33 @@ class AvgPool(nn.Module):
 
   Attributes:
     window_shape: taps per spatial dim.
-    strides, padding, count_include_pad: as :func:`avg_pool` (Flax's defaults).
+    strides, padding, count_include_pad, data_format: as :func:`avg_pool` (Flax's defaults).
     dilation, ceil_mode, divisor_override, implementation: as :func:`jaxpool.avg_pool`.
   """
 
   window_shape: Sequence[int]
   strides: Sequence[int] | None = None
-  padding: Any = "VALID"
+  padding: Padding = "VALID"
   count_include_pad: bool = True
   dilation: Sequence[int] | None = None
   ceil_mode: bool = False
   divisor_override: int | None = None
   implementation: str | None = None
+  data_format: str = "channels_last"
+
+  def __post_init__(self) -> None:
+    flax_config(self.window_shape, self.strides, self.padding, dilation=self.dilation,
+                ceil_mode=self.ceil_mode, data_format=self.data_format,
+                implementation=self.implementation)
+    check_bool("count_include_pad", self.count_include_pad)
+    check_divisor("divisor_override", self.divisor_override)
+    super().__post_init__()
 
   def __call__(self, inputs: jax.typing.ArrayLike) -> jax.Array:
     return avg_pool(inputs, self.window_shape, self.strides, self.padding,
                     self.count_include_pad, dilation=self.dilation, ceil_mode=self.ceil_mode,
-                    divisor_override=self.divisor_override, implementation=self.implementation)
+                    divisor_override=self.divisor_override, data_format=self.data_format,
+                    implementation=self.implementation)
 
 
 class LPPool(nn.Module):
@@ -151,38 +185,55 @@ class LPPool(nn.Module):
 
   Attributes:
     p: the norm's order, finite and ``>= 1``.
-    window_shape, strides, padding, dilation, ceil_mode, implementation: as :func:`max_pool`.
+    window_shape, strides, padding, dilation, ceil_mode, implementation, data_format: as
+      :func:`max_pool`.
   """
 
   p: float
   window_shape: Sequence[int]
   strides: Sequence[int] | None = None
-  padding: Any = "VALID"
+  padding: Padding = "VALID"
   dilation: Sequence[int] | None = None
   ceil_mode: bool = False
   implementation: str | None = None
+  data_format: str = "channels_last"
+
+  def __post_init__(self) -> None:
+    check_norm("p", self.p)
+    flax_config(self.window_shape, self.strides, self.padding, dilation=self.dilation,
+                ceil_mode=self.ceil_mode, data_format=self.data_format,
+                implementation=self.implementation)
+    super().__post_init__()
 
   def __call__(self, inputs: jax.typing.ArrayLike) -> jax.Array:
     return lp_pool(inputs, self.p, self.window_shape, self.strides, self.padding,
                    dilation=self.dilation, ceil_mode=self.ceil_mode,
-                   implementation=self.implementation)
+                   data_format=self.data_format, implementation=self.implementation)
 
 
 class L2Pool(nn.Module):
   """L2-norm pooling (MPS's ``MPSCNNPoolingL2Norm``): :class:`LPPool` with ``p=2``.
 
   Attributes:
-    window_shape, strides, padding, dilation, ceil_mode, implementation: as :func:`max_pool`.
+    window_shape, strides, padding, dilation, ceil_mode, implementation, data_format: as
+      :func:`max_pool`.
   """
 
   window_shape: Sequence[int]
   strides: Sequence[int] | None = None
-  padding: Any = "VALID"
+  padding: Padding = "VALID"
   dilation: Sequence[int] | None = None
   ceil_mode: bool = False
   implementation: str | None = None
+  data_format: str = "channels_last"
+
+  def __post_init__(self) -> None:
+    flax_config(self.window_shape, self.strides, self.padding, dilation=self.dilation,
+                ceil_mode=self.ceil_mode, data_format=self.data_format,
+                implementation=self.implementation)
+    super().__post_init__()
 
   def __call__(self, inputs: jax.typing.ArrayLike) -> jax.Array:
     return lp_pool(inputs, 2, self.window_shape, self.strides, self.padding,
                    dilation=self.dilation, ceil_mode=self.ceil_mode,
-                   implementation=self.implementation)
+                   data_format=self.data_format, implementation=self.implementation)

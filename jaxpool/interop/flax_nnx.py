@@ -3,8 +3,10 @@
 ``nnx.max_pool``/``nnx.avg_pool`` are Flax's functions (the same as linen's); this module
 gives them as ``nnx.Module`` layers without parameters (``MaxPool``, ``AvgPool``, ``LPPool``,
 ``L2Pool``), with Flax's argument names, layout ``(*batch, *spatial, features)`` and defaults
-(strides all ones, ``count_include_pad=True``), plus jaxpool's keyword options. The functions
-are re-exported from :mod:`jaxpool.interop.flax_linen`.
+(strides all ones, ``count_include_pad=True``), plus jaxpool's keyword options (``data_format``
+among them). The arguments are checked when a layer is constructed, with the rules of
+:mod:`jaxpool.interop.flax_linen`, and kept as tuples of ints (static, hashable config). The
+functions are re-exported from :mod:`jaxpool.interop.flax_linen`.
 
 Example:
   >>> import jax.numpy as jnp
@@ -24,107 +26,111 @@ from typing import Any
 import jax
 from flax import nnx
 
-from jaxpool.interop.flax_linen import avg_pool, lp_pool, max_pool
+from jaxpool.interop._args import check_bool, check_divisor, check_norm, flax_config
+from jaxpool.interop.flax_linen import Padding, avg_pool, lp_pool, max_pool
 
 __all__ = ["max_pool", "avg_pool", "lp_pool", "MaxPool", "AvgPool", "LPPool", "L2Pool"]
 
 
-def _static(v: Any) -> Any:
-  """Lists to tuples, so that the module's config is hashable, static pytree metadata."""
-  if isinstance(v, (list, tuple)):
-    return tuple(_static(i) for i in v)
-  return v
+class _Pool(nnx.Module):
+  """The checked configuration, kept as static attributes (tuples, strings, bools)."""
+
+  def __init__(self, window_shape: Sequence[int], strides: Sequence[int] | None,
+               padding: Padding, dilation: Sequence[int] | None, ceil_mode: bool,
+               data_format: str, implementation: str | None):
+    cfg = flax_config(window_shape, strides, padding, dilation=dilation, ceil_mode=ceil_mode,
+                      data_format=data_format, implementation=implementation)
+    self.window_shape: tuple[int, ...] = cfg["window_shape"]
+    self.strides: tuple[int, ...] | None = cfg["strides"]
+    self.padding: Any = cfg["padding"]
+    self.dilation: tuple[int, ...] | None = cfg["dilation"]
+    self.ceil_mode: bool = cfg["ceil_mode"]
+    self.data_format: str = cfg["data_format"]
+    self.implementation: str | None = cfg["implementation"]
+
+  def _kw(self) -> dict[str, Any]:
+    return dict(dilation=self.dilation, ceil_mode=self.ceil_mode, data_format=self.data_format,
+                implementation=self.implementation)
 
 
-class MaxPool(nnx.Module):
+class MaxPool(_Pool):
   """Max pooling layer: :func:`jaxpool.interop.flax_linen.max_pool` with fixed arguments.
 
   Args:
-    window_shape: taps per spatial dim.
-    strides: per spatial dim; ``None`` means all ones (Flax's default).
-    padding: ``"VALID"``, ``"SAME"``, ``(lo, hi)`` pairs (and jaxpool's other forms).
+    window_shape: taps per spatial dim, a sequence of ints.
+    strides: ``None`` (all ones, Flax's default) or one int per spatial dim.
+    padding: ``"VALID"``, ``"SAME"``, ``"SAME_LOWER"``, an int or ``(lo, hi)`` pairs.
     dilation, ceil_mode, implementation: as :func:`jaxpool.max_pool`.
+    data_format: ``"channels_last"`` (default, Flax's layout) or ``"channels_first"``.
   """
 
   def __init__(self, window_shape: Sequence[int], strides: Sequence[int] | None = None,
-               padding: Any = "VALID", *, dilation: Sequence[int] | None = None,
-               ceil_mode: bool = False, implementation: str | None = None):
-    self.window_shape = _static(window_shape)
-    self.strides = _static(strides)
-    self.padding = _static(padding)
-    self.dilation = _static(dilation)
-    self.ceil_mode = ceil_mode
-    self.implementation = implementation
+               padding: Padding = "VALID", *, dilation: Sequence[int] | None = None,
+               ceil_mode: bool = False, data_format: str = "channels_last",
+               implementation: str | None = None):
+    super().__init__(window_shape, strides, padding, dilation, ceil_mode, data_format,
+                     implementation)
 
   def __call__(self, inputs: jax.typing.ArrayLike) -> jax.Array:
     """``(*batch, *spatial, features)`` -> ``(*batch, *out_spatial, features)``."""
-    return max_pool(inputs, self.window_shape, self.strides, self.padding,
-                    dilation=self.dilation, ceil_mode=self.ceil_mode,
-                    implementation=self.implementation)
+    return max_pool(inputs, self.window_shape, self.strides, self.padding, **self._kw())
 
 
-class AvgPool(nnx.Module):
+class AvgPool(_Pool):
   """Average pooling layer: :func:`jaxpool.interop.flax_linen.avg_pool` with fixed arguments.
 
   Args:
-    window_shape, strides, padding: as :class:`MaxPool`.
+    window_shape, strides, padding, data_format: as :class:`MaxPool`.
     count_include_pad: divide by the window size (``True``, Flax's and PyTorch's default) or
       by the number of real elements.
     dilation, ceil_mode, divisor_override, implementation: as :func:`jaxpool.avg_pool`.
   """
 
   def __init__(self, window_shape: Sequence[int], strides: Sequence[int] | None = None,
-               padding: Any = "VALID", count_include_pad: bool = True, *,
+               padding: Padding = "VALID", count_include_pad: bool = True, *,
                dilation: Sequence[int] | None = None, ceil_mode: bool = False,
-               divisor_override: int | None = None, implementation: str | None = None):
-    self.window_shape = _static(window_shape)
-    self.strides = _static(strides)
-    self.padding = _static(padding)
-    self.count_include_pad = count_include_pad
-    self.dilation = _static(dilation)
-    self.ceil_mode = ceil_mode
-    self.divisor_override = divisor_override
-    self.implementation = implementation
+               divisor_override: int | None = None, data_format: str = "channels_last",
+               implementation: str | None = None):
+    super().__init__(window_shape, strides, padding, dilation, ceil_mode, data_format,
+                     implementation)
+    self.count_include_pad = check_bool("count_include_pad", count_include_pad)
+    self.divisor_override = check_divisor("divisor_override", divisor_override)
 
   def __call__(self, inputs: jax.typing.ArrayLike) -> jax.Array:
     """``(*batch, *spatial, features)`` -> ``(*batch, *out_spatial, features)``."""
     return avg_pool(inputs, self.window_shape, self.strides, self.padding,
-                    self.count_include_pad, dilation=self.dilation, ceil_mode=self.ceil_mode,
-                    divisor_override=self.divisor_override, implementation=self.implementation)
+                    self.count_include_pad, divisor_override=self.divisor_override, **self._kw())
 
 
-class LPPool(nnx.Module):
+class LPPool(_Pool):
   """Lp-norm pooling layer (PyTorch's ``LPPool`` with Flax's layout).
 
   Args:
     p: the norm's order, finite and ``>= 1``.
-    window_shape, strides, padding, dilation, ceil_mode, implementation: as :class:`MaxPool`.
+    window_shape, strides, padding, dilation, ceil_mode, data_format, implementation: as
+      :class:`MaxPool`.
   """
 
   def __init__(self, p: float, window_shape: Sequence[int],
-               strides: Sequence[int] | None = None, padding: Any = "VALID", *,
+               strides: Sequence[int] | None = None, padding: Padding = "VALID", *,
                dilation: Sequence[int] | None = None, ceil_mode: bool = False,
-               implementation: str | None = None):
-    self.p = p
-    self.window_shape = _static(window_shape)
-    self.strides = _static(strides)
-    self.padding = _static(padding)
-    self.dilation = _static(dilation)
-    self.ceil_mode = ceil_mode
-    self.implementation = implementation
+               data_format: str = "channels_last", implementation: str | None = None):
+    self.p = check_norm("p", p)
+    super().__init__(window_shape, strides, padding, dilation, ceil_mode, data_format,
+                     implementation)
 
   def __call__(self, inputs: jax.typing.ArrayLike) -> jax.Array:
     """``(*batch, *spatial, features)`` -> ``(*batch, *out_spatial, features)``."""
-    return lp_pool(inputs, self.p, self.window_shape, self.strides, self.padding,
-                   dilation=self.dilation, ceil_mode=self.ceil_mode,
-                   implementation=self.implementation)
+    return lp_pool(inputs, self.p, self.window_shape, self.strides, self.padding, **self._kw())
 
 
 class L2Pool(LPPool):
   """L2-norm pooling layer (MPS's ``MPSCNNPoolingL2Norm``): :class:`LPPool` with ``p=2``."""
 
   def __init__(self, window_shape: Sequence[int], strides: Sequence[int] | None = None,
-               padding: Any = "VALID", *, dilation: Sequence[int] | None = None,
-               ceil_mode: bool = False, implementation: str | None = None):
+               padding: Padding = "VALID", *, dilation: Sequence[int] | None = None,
+               ceil_mode: bool = False, data_format: str = "channels_last",
+               implementation: str | None = None):
     super().__init__(2, window_shape, strides, padding, dilation=dilation,
-                     ceil_mode=ceil_mode, implementation=implementation)
+                     ceil_mode=ceil_mode, data_format=data_format,
+                     implementation=implementation)

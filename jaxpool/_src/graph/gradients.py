@@ -21,7 +21,8 @@ from typing import Any, ClassVar, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxpool._src.graph.nodes import (Conv, Dense, Input, Node, Spec, _input, _Pool)
+from jaxpool._src.graph.nodes import (Conv, Dense, Input, Node, Spec, _input, _Pool,
+                                      check_bools)
 
 
 class Cotangents(NamedTuple):
@@ -124,7 +125,7 @@ class GradientNode(Node):
       raise self._fail(f"gradient_state {st.name!r} belongs to forward node "
                        f"{st.forward.name!r}, not to {fwd.name!r}.")
     if self.wrt is not None:
-      self._set("wrt", tuple(bool(w) for w in self.wrt))
+      self._set("wrt", check_bools(self, "wrt", self.wrt))
       if len(self.wrt) != len(fwd.inputs):
         raise self._fail(f"wrt must have one bool per input of {fwd.name!r} "
                          f"({len(fwd.inputs)}); got {self.wrt!r}.")

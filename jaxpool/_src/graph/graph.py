@@ -172,8 +172,65 @@ class Graph:
       out[name] = x.astype(node.dtype)
     return out
 
+  def _check_params(self, params: Any) -> None:
+    """Checks ``params`` against :meth:`param_specs`: one entry per node with parameters,
+    holding exactly that node's parameters, arrays of the expected shapes and a float dtype.
+    Entries for nodes this graph does not have are ignored (a sub-graph can take the whole
+    model's parameters).
+
+    Raises:
+      TypeError: ``params`` (or a node's entry) is not a dict, a parameter is not a float array.
+      ValueError: a node's entry or parameter is missing, unexpected or of the wrong shape; the
+        message names the node, the parameter and the expected and received shapes.
+    """
+    specs = self.param_specs()
+    if not isinstance(params, Mapping):
+      raise TypeError(f"params must be a dict {{node name: {{parameter name: array}}}} as "
+                      f"init() returns ({{}} for a graph without parameters); got "
+                      f"{type(params).__name__}.")
+    for name, pspecs in specs.items():
+      node = self._by_name[name]
+      where = f"node {name!r} ({type(node).__name__})"
+      want = ", ".join(f"{k}: {tuple(v.shape)}" for k, v in pspecs.items())
+      if name not in params:
+        raise ValueError(f"{where}: params has no entry {name!r} (expected {{{want}}}); it has "
+                         f"entries for {sorted(map(str, params))}. Parameters from init() of "
+                         "another graph?")
+      p = params[name]
+      if not isinstance(p, Mapping):
+        raise TypeError(f"{where}: params[{name!r}] must be a dict {{{want}}}; got "
+                        f"{type(p).__name__}.")
+      for k in pspecs:
+        if k not in p:
+          raise ValueError(f"{where}: params[{name!r}] has no parameter {k!r} (expected "
+                           f"{{{want}}}); got {sorted(map(str, p))}.")
+      extra = sorted(str(k) for k in p if k not in pspecs)
+      if extra:
+        raise ValueError(f"{where}: params[{name!r}] has unexpected parameter(s) {extra} "
+                         f"(expected {{{want}}}; use_bias={getattr(node, 'use_bias', None)}).")
+      for k, spec in pspecs.items():
+        v = p[k]
+        shape, dtype = getattr(v, "shape", None), getattr(v, "dtype", None)
+        if shape is None or dtype is None:
+          raise TypeError(f"{where}: parameter {k!r} must be an array of shape "
+                          f"{tuple(spec.shape)}; got {type(v).__name__}.")
+        if tuple(shape) != tuple(spec.shape):
+          hint = (" (transposed?)" if sorted(shape) == sorted(spec.shape) and len(shape) > 1
+                  else "")
+          raise ValueError(f"{where}: parameter {k!r} must have shape {tuple(spec.shape)}; got "
+                           f"{tuple(shape)}{hint}.")
+        if not jnp.issubdtype(dtype, jnp.floating):
+          raise TypeError(f"{where}: parameter {k!r} must have a float dtype (init() makes "
+                          f"{spec.dtype}); got {dtype}.")
+
   def evaluate(self, params: Params, **inputs: jax.typing.ArrayLike) -> dict[str, Any]:
-    """Runs every node; returns the value of every node by name (states and gradients too)."""
+    """Runs every node; returns the value of every node by name (states and gradients too).
+
+    Raises:
+      TypeError, ValueError: for inputs or parameters that do not fit the graph (see
+        :meth:`apply`).
+    """
+    self._check_params(params)
     values: dict[str, Any] = dict(self._check_inputs(inputs))
     for n in self.nodes:
       with jax.named_scope(n.name):
@@ -200,6 +257,12 @@ class Graph:
 
     Returns:
       The output's value, or a tuple of them if the graph was built from a sequence.
+
+    Raises:
+      TypeError, ValueError: an input of the wrong name, shape or dtype kind; ``params`` not a
+        dict, a node's entry or parameter missing (or unexpected), a parameter of the wrong shape
+        or not a float array: the message names the node, the parameter, the expected and the
+        received shape. Entries for nodes this graph lacks are ignored.
     """
     values = self.evaluate(params, **inputs)
     outs = tuple(values[o] for o in self.outputs)

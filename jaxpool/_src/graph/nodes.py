@@ -169,7 +169,7 @@ class Node:
       state = self.gradient_state()
     cls = gradient_class(self)
     return cls(name or f"{self.name}.grad", self, source_gradient, self.refs_or_names(), state,
-               wrt=None if wrt is None else tuple(bool(w) for w in wrt))
+               wrt=None if wrt is None else check_bools(self, "wrt", wrt))
 
   def refs_or_names(self) -> tuple[Ref, ...]:
     """The inputs as node objects where known, else as names."""
@@ -216,6 +216,68 @@ def _int_tuple(node: Node, name: str, value: Any, n: int | None, minimum: int = 
   if any(v < minimum for v in t):
     raise node._fail(f"{name} entries must be >= {minimum}; got {value!r}.")
   return tuple(int(v) for v in t)
+
+
+def _is_int(v: Any) -> bool:
+  return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+
+def _check_bool(node: Node, name: str, value: Any) -> bool:
+  if not isinstance(value, (bool, np.bool_)):
+    raise node._fail(f"{name} must be a bool (True or False); got {value!r}.", TypeError)
+  return bool(value)
+
+
+def check_bools(node: Node, name: str, value: Any) -> tuple[bool, ...]:
+  """A sequence of bools (``wrt``), as a tuple; anything else is a TypeError naming ``node``."""
+  try:
+    items = tuple(value)
+  except TypeError:
+    raise node._fail(f"{name} must be a sequence of bools; got {value!r}.", TypeError) from None
+  if not all(isinstance(w, (bool, np.bool_)) for w in items):
+    raise node._fail(f"{name} must be a sequence of bools; got {value!r}.", TypeError)
+  return tuple(bool(w) for w in items)
+
+
+def _check_layer_config(node: Any) -> None:
+  """``features``, ``use_bias``, ``accumulator_precision``, the initializers and ``param_dtype``
+  of a :class:`Conv` or :class:`Dense`; canonicalises them in place."""
+  if not _is_int(node.features):
+    raise node._fail(f"features must be a positive int; got {node.features!r}"
+                     + (" (a bool is not an int)." if isinstance(node.features, (bool, np.bool_))
+                        else "."), TypeError)
+  if node.features < 1:
+    raise node._fail(f"features must be a positive int; got {node.features!r}.")
+  node._set("features", int(node.features))
+  node._set("use_bias", _check_bool(node, "use_bias", node.use_bias))
+  if not isinstance(node.accumulator_precision, str):
+    raise node._fail(f"accumulator_precision must be one of {ACCUMULATOR_PRECISIONS}; got "
+                     f"{node.accumulator_precision!r}.", TypeError)
+  if node.accumulator_precision not in ACCUMULATOR_PRECISIONS:
+    raise node._fail(f"accumulator_precision must be one of {ACCUMULATOR_PRECISIONS}; got "
+                     f"{node.accumulator_precision!r}.")
+  for name in ("weights_init", "bias_init"):
+    if not callable(getattr(node, name)):
+      raise node._fail(f"{name} must be an initializer, a function (key, shape, dtype) -> array "
+                       f"such as jax.nn.initializers.zeros; got {getattr(node, name)!r}.",
+                       TypeError)
+  node._set("param_dtype", _float_dtype(node, "param_dtype", node.param_dtype))
+
+
+def _float_dtype(node: Node, name: str, value: Any) -> np.dtype:
+  dt = _dtype(node, name, value)
+  if not jnp.issubdtype(dt, jnp.floating):
+    raise node._fail(f"{name} must be a float dtype; got {value!r}.", TypeError)
+  return dt
+
+
+def _dtype(node: Node, name: str, value: Any) -> np.dtype:
+  if value is None:  # np.dtype(None) is float64: never what was meant
+    raise node._fail(f"{name} must be a dtype; got None.", TypeError)
+  try:
+    return np.dtype(value)
+  except TypeError:
+    raise node._fail(f"{name} must be a dtype; got {value!r}.", TypeError) from None
 
 
 def _padding_policy(node: Node, padding: Any, n: int) -> str | tuple[tuple[int, int], ...]:
@@ -281,10 +343,7 @@ class Input(Node):
 
   def _normalize(self):
     self._set("shape", _int_tuple(self, "shape", self.shape, None, minimum=0))
-    try:
-      self._set("dtype", np.dtype(self.dtype))
-    except TypeError:
-      raise self._fail(f"dtype must be a dtype; got {self.dtype!r}.", TypeError) from None
+    self._set("dtype", _dtype(self, "dtype", self.dtype))
 
   def infer(self, in_specs):
     return Spec(self.shape, self.dtype)
@@ -354,15 +413,13 @@ class Conv(Node):
     if n == 0:
       raise self._fail("window must have at least one spatial dim; got ().")
     self._set("window", _int_tuple(self, "window", self.window, n))
-    self._set("strides", _int_tuple(self, "strides", self.strides or (1,) * n, n))
-    self._set("dilation", _int_tuple(self, "dilation", self.dilation or (1,) * n, n))
+    ones = (1,) * n  # only None means the default: a 0 is an error, not "ones"
+    self._set("strides", _int_tuple(self, "strides",
+                                    ones if self.strides is None else self.strides, n))
+    self._set("dilation", _int_tuple(self, "dilation",
+                                     ones if self.dilation is None else self.dilation, n))
     self._set("padding", _padding_policy(self, self.padding, n))
-    if not isinstance(self.features, (int, np.integer)) or self.features < 1:
-      raise self._fail(f"features must be a positive int; got {self.features!r}.")
-    if self.accumulator_precision not in ACCUMULATOR_PRECISIONS:
-      raise self._fail(f"accumulator_precision must be one of {ACCUMULATOR_PRECISIONS}; got "
-                       f"{self.accumulator_precision!r}.")
-    self._set("param_dtype", np.dtype(self.param_dtype))
+    _check_layer_config(self)
 
   @property
   def nspatial(self) -> int:
@@ -446,12 +503,7 @@ class Dense(Node):
   state_doc: ClassVar[str] = "weights, bias"
 
   def _normalize(self):
-    if not isinstance(self.features, (int, np.integer)) or self.features < 1:
-      raise self._fail(f"features must be a positive int; got {self.features!r}.")
-    if self.accumulator_precision not in ACCUMULATOR_PRECISIONS:
-      raise self._fail(f"accumulator_precision must be one of {ACCUMULATOR_PRECISIONS}; got "
-                       f"{self.accumulator_precision!r}.")
-    self._set("param_dtype", np.dtype(self.param_dtype))
+    _check_layer_config(self)
 
   def param_specs(self, in_specs):
     specs = {"w": Spec((math.prod(in_specs[0].shape), self.features), self.param_dtype)}
@@ -501,7 +553,8 @@ class _Pool(Node):
     off = (0,) * n if self.offset is None else self.offset
     self._set("offset", _int_tuple(self, "offset", off, n, minimum=-(2 ** 31)))
     if hasattr(self, "dilation"):
-      self._set("dilation", _int_tuple(self, "dilation", self.dilation or (1,) * n, n))
+      dilation = (1,) * n if self.dilation is None else self.dilation
+      self._set("dilation", _int_tuple(self, "dilation", dilation, n))
 
   @property
   def nspatial(self) -> int:
@@ -679,6 +732,11 @@ class AvgPool(_Pool):
 
   count_include_pad: bool = field(default=False, kw_only=True)
 
+  def _normalize(self):
+    super()._normalize()
+    self._set("count_include_pad", _check_bool(self, "count_include_pad",
+                                               self.count_include_pad))
+
   def forward(self, params, xs, in_specs):
     x, pads = self._crop(xs[0], in_specs[0])
     return jaxpool.avg_pool(x, **self._kw(pads), count_include_pad=self.count_include_pad)
@@ -754,6 +812,8 @@ class Activation(Node):
   fn: str = "relu"
 
   def _normalize(self):
+    if not isinstance(self.fn, str):
+      raise self._fail(f"fn must be one of {tuple(ACTIVATIONS)}; got {self.fn!r}.", TypeError)
     if self.fn not in ACTIVATIONS:
       raise self._fail(f"fn must be one of {tuple(ACTIVATIONS)}; got {self.fn!r}.")
 
@@ -802,8 +862,15 @@ class Add(Node):
 class SoftmaxCrossEntropy(Node):
   """Softmax cross-entropy loss against integer labels, averaged over the batch dims.
 
-  ``logits``: ``(K,)`` per example; ``labels``: an integer input of shape ``()`` per example.
-  The output is a scalar for any batch: ``mean(logsumexp(logits) - logits[label])``.
+  ``logits``: ``(K,)`` per example; ``labels``: an integer input of shape ``()`` per example,
+  each a class index in ``[0, K)``. The output is a scalar for any batch:
+  ``mean(logsumexp(logits) - logits[label])``.
+
+  A label outside ``[0, K)`` (``-1`` included: it never means the last class) is a
+  ``ValueError`` naming the node when the labels are concrete (eager ``apply``/``run``, or
+  labels closed over by ``jit``). Traced labels (arguments of ``jit``, ``vmap``) cannot raise:
+  there the example's loss is NaN, so the mean loss and the gradients are NaN;
+  ``jax.experimental.checkify`` with ``checkify.nan_checks`` or ``jax_debug_nans`` locate it.
   """
 
   logits: Ref = _input()
@@ -818,10 +885,37 @@ class SoftmaxCrossEntropy(Node):
       raise self._fail(f"labels {self.inputs[1]!r} must be integers of shape () per example; "
                        f"got {lb.shape} {lb.dtype}.")
 
+  def check_labels(self, labels: Any, num_classes: int) -> None:
+    """Raises ValueError if concrete ``labels`` hold a class outside ``[0, num_classes)``.
+
+    Traced labels (under ``jit``, ``vmap``, ``eval_shape``) cannot be checked here; for them the
+    forward makes the loss NaN instead (see :meth:`forward`).
+    """
+    try:
+      values = np.asarray(labels)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+      return
+    bad = (values < 0) | (values >= num_classes)
+    if bad.any():
+      where = tuple(int(i) for i in np.argwhere(bad)[0])
+      at = f" at batch index {where}" if where else ""
+      raise self._fail(
+          f"labels {self.inputs[1]!r} must be class indices in [0, {num_classes}) (logits "
+          f"{self.inputs[0]!r} has {num_classes} classes); got {int(values[where])}{at}, "
+          f"{int(bad.sum())} out of range in all.")
+
   def forward(self, params, xs, in_specs):
     logits, labels = xs
+    num_classes = in_specs[0].shape[-1]
+    self.check_labels(labels, num_classes)
     logp = jax.nn.log_softmax(logits.astype(jnp.promote_types(logits.dtype, jnp.float32)))
-    nll = -jnp.take_along_axis(logp, labels[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    valid = (labels >= 0) & (labels < num_classes)
+    safe = jnp.where(valid, labels, 0).astype(jnp.int32)
+    nll = -jnp.take_along_axis(logp, safe[..., None], axis=-1)[..., 0]
+    # A traced label out of range (no error is possible under jit): that example's loss is NaN,
+    # so the mean is NaN, and so are the gradients (a product, where jnp.where would pass a zero
+    # gradient and hide it). -1 never wraps to the last class.
+    nll = nll * jnp.where(valid, 1, jnp.nan).astype(nll.dtype)
     return jnp.mean(nll)
 
   def describe(self):
