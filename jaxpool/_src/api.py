@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import math
 import operator
-import os
 from collections.abc import Sequence
 from typing import Any, Literal, Union
 
@@ -16,10 +15,10 @@ from jax import lax
 
 from jaxtyping import Array, ArrayLike, Float, Int, Real
 
-from jaxpool._src import xla
+from jaxpool._src import dispatch, xla
+from jaxpool._src.autodiff import ACTIVATIONS
 from jaxpool._src.dtypes import check_dtype
-from jaxpool._src.windows import (IMPLEMENTATIONS, Geometry, check_choice, check_rank,
-                                  int_tuple, make_geometry, spatial_rank)
+from jaxpool._src.windows import check_choice, check_rank, int_tuple, make_geometry, spatial_rank
 
 Padding = Union[str, int, Sequence[tuple[int, int]]]
 
@@ -37,84 +36,14 @@ IndicesIn = Int[ArrayLike, "*batch_out_c"]
 PooledIn = Real[ArrayLike, "*batch_out_c"]
 UnpooledOut = Real[Array, "*batch_spatial_c"]
 Implementation = Literal["xla", "pallas"] | None
+Activation = Literal["relu"] | None
 DataFormat = Literal["channels_last", "channels_first"]
 
-# Each op is jitted once per (static config): calling it again with the same shapes and
-# config does not retrace.
-_max_pool = jax.jit(xla.max_pool, static_argnums=(1,))
-_max_pool_with_argmax = jax.jit(xla.max_pool_with_argmax, static_argnums=(1,))
+# Each backend jits its ops once per static config: calling an op again with the same shapes
+# and config does not retrace.
 _flat_indices = jax.jit(xla.flat_indices, static_argnums=(1,))
-_avg_pool = jax.jit(xla.avg_pool, static_argnums=(1, 2, 3))
-_lp_pool = jax.jit(xla.lp_pool, static_argnums=(1, 2))
 
-
-def _pallas():
-  from jaxpool._src.pallas import ops as pallas_ops  # imported lazily: the core needs no Pallas
-  return pallas_ops
-
-
-DEFAULT_ENV = "JAXPOOL_IMPLEMENTATION"
-
-
-def _default_implementation() -> str | None:
-  """What ``implementation=None`` means: ``JAXPOOL_IMPLEMENTATION=xla`` makes it XLA
-  everywhere (a switch for a whole program, its layers included); unset, the kernels where
-  they run compiled (GPU, TPU) and XLA elsewhere."""
-  name = os.environ.get(DEFAULT_ENV, "").strip().lower()
-  if name in ("", "auto"):
-    return None
-  if name != "xla":
-    raise ValueError(f"{DEFAULT_ENV} must be 'xla', 'auto' or unset; got {name!r}.")
-  return name
-
-
-def _use_pallas(implementation: Any, op: str, x: jax.Array, geom: Geometry, **config) -> bool:
-  """Resolves ``implementation``: True to run the Pallas kernels, False for XLA."""
-  check_choice("implementation", implementation, IMPLEMENTATIONS)
-  if implementation is None:
-    implementation = _default_implementation()
-  if implementation == "xla":
-    return False
-  try:
-    pallas_ops = _pallas()
-  except ImportError:
-    if implementation == "pallas":
-      raise
-    return False
-  supported = pallas_ops.supports(op, x.shape, x.dtype, geom, **config)
-  explicit = xla.explicit_sharding(x)
-  if explicit is not None:
-    spec = explicit[1]
-    supported = supported and all(
-        ax >= len(spec) or spec[ax] is None for ax in geom.spatial_axes(x.ndim))
-  if implementation == "pallas":
-    if not supported:
-      raise ValueError(
-          f"implementation='pallas' does not cover {op} for this call (shape {x.shape}, dtype "
-          f"{x.dtype}, {geom}); use implementation=None or 'xla'.")
-    return True
-  # By default the kernels serve GPUs and TPUs, where they run compiled. (No TPU was
-  # reachable: the TPU kernels are tested in interpret mode and lowered to Mosaic, never
-  # compiled; see docs/pallas.md, and JAXPOOL_IMPLEMENTATION=xla to opt out.)
-  return supported and jax.default_backend() in ("gpu", "cuda", "rocm", "tpu")
-
-
-def _run_pallas(op: str, x: jax.Array, geom: Geometry, **config):
-  """Calls a Pallas op; with Explicit sharding, once per shard inside ``shard_map``.
-
-  Pooling never mixes batch or channel elements, so a block of them is pooled on its own device
-  (``_use_pallas`` keeps XLA where a spatial dim is sharded: that needs halos).
-  """
-  fn = functools.partial(getattr(_pallas(), op), geom=geom,
-                         interpret=jax.default_backend() == "cpu", **config)
-  explicit = xla.explicit_sharding(x)
-  if explicit is None:
-    return fn(x)
-  mesh, spec = explicit
-  spec = jax.sharding.PartitionSpec(*spec, *([None] * (x.ndim - len(spec))))
-  out_specs = (spec, spec) if op == "max_pool_with_argmax" else spec
-  return jax.shard_map(fn, mesh=mesh, in_specs=(spec,), out_specs=out_specs,
-                       check_vma=False)(x)
+DEFAULT_ENV = dispatch.ENV
 
 
 def _as_array(name: str, x: Any) -> jax.Array:
@@ -160,6 +89,7 @@ def max_pool(x: PoolIn, window_shape: Sequence[int],
              strides: Sequence[int] | None = None, padding: Padding = "VALID", *,
              dilation: Sequence[int] | None = None, ceil_mode: bool = False,
              data_format: DataFormat = "channels_last",
+             activation: Activation = None,
              implementation: Implementation = None) -> PoolOut:
   """Max pooling over the spatial dims, with the DirectML gradient.
 
@@ -174,8 +104,13 @@ def max_pool(x: PoolIn, window_shape: Sequence[int],
     ceil_mode: round the output size up (PyTorch's rule: the last window starts inside the input
       or the left padding).
     data_format: ``"channels_last"`` or ``"channels_first"``.
-    implementation: ``None`` (the Pallas kernels on a GPU or TPU where they cover the call,
-      else XLA; ``JAXPOOL_IMPLEMENTATION=xla`` makes it XLA), ``"xla"`` or ``"pallas"``.
+    activation: ``None`` or ``"relu"``: ``relu(max_pool(x))`` in one pass, the same values and
+      gradients as ``jax.nn.relu`` applied to the pooled output (a window whose maximum is not
+      positive gets no gradient), with no separate pass over memory in either direction.
+    implementation: ``None`` (the Pallas kernels on an NVIDIA GPU where they cover the call,
+      else XLA; ``JAXPOOL_IMPLEMENTATION=xla`` makes it XLA), ``"xla"`` or ``"pallas"`` (also
+      on TPUs and AMD GPUs, where the kernels are not the default). A backend that cannot serve
+      the call raises a ValueError saying why.
 
   Returns:
     ``y``: ``(*batch, *out_spatial, C)`` (or channels first), with
@@ -196,10 +131,9 @@ def max_pool(x: PoolIn, window_shape: Sequence[int],
   """
   x = _as_array("x", x)
   check_dtype("x", x, allow_int=True)
+  check_choice("activation", activation, ACTIVATIONS)
   geom = make_geometry(x.shape, window_shape, strides, padding, dilation, ceil_mode, data_format)
-  if _use_pallas(implementation, "max_pool", x, geom):
-    return _run_pallas("max_pool", x, geom)
-  return _max_pool(x, geom)
+  return dispatch.run("max_pool", implementation, x, geom, activation=activation)
 
 
 def max_pool_with_indices(x: PoolIn, window_shape: Sequence[int],
@@ -226,11 +160,8 @@ def max_pool_with_indices(x: PoolIn, window_shape: Sequence[int],
   x = _as_array("x", x)
   check_dtype("x", x, allow_int=True)
   geom = make_geometry(x.shape, window_shape, strides, padding, dilation, ceil_mode, data_format)
-  if _use_pallas(implementation, "max_pool", x, geom):
-    y, tap = _run_pallas("max_pool_with_argmax", x, geom)
-  else:
-    y, tap = _max_pool_with_argmax(x, geom)
-  return y, _flat_indices(tap, geom)
+  y, taps = dispatch.run("max_pool_with_taps", implementation, x, geom)
+  return y, _flat_indices(taps, geom)
 
 
 def max_pool_grad(x: FloatIn, dy: FloatOutIn,
@@ -406,11 +337,9 @@ def avg_pool(x: FloatIn, window_shape: Sequence[int],
     raise TypeError(f"count_include_pad must be a bool; got {count_include_pad!r}.")
   _check_divisor(divisor_override)
   geom = make_geometry(x.shape, window_shape, strides, padding, dilation, ceil_mode, data_format)
-  config = dict(count_include_pad=bool(count_include_pad), divisor_override=divisor_override)
-  if _use_pallas(implementation, "avg_pool", x, geom, **config):
-    return _run_pallas("avg_pool", x, geom, **config)
-  return _avg_pool(x, geom, bool(count_include_pad),
-                   None if divisor_override is None else int(divisor_override))
+  return dispatch.run("avg_pool", implementation, x, geom,
+                      count_include_pad=bool(count_include_pad),
+                      divisor_override=None if divisor_override is None else int(divisor_override))
 
 
 def avg_pool_grad(dy: FloatOutIn, input_shape: Sequence[int],
@@ -483,11 +412,9 @@ def lp_pool(x: FloatIn, p: float, window_shape: Sequence[int],
   x = _as_array("x", x)
   check_dtype("x", x, allow_int=False)
   geom = make_geometry(x.shape, window_shape, strides, padding, dilation, ceil_mode, data_format)
-  if implementation is not None:
-    check_choice("implementation", implementation, IMPLEMENTATIONS)
-  # Lp pooling is a window sum between two elementwise maps: the XLA path is the fast path on
-  # every backend (see docs/pallas.md).
-  return _lp_pool(x, geom, p)
+  # Lp pooling is a window sum between two elementwise maps: XLA serves it on every backend
+  # (see docs/pallas.md); implementation="pallas" raises, saying so.
+  return dispatch.run("lp_pool", implementation, x, geom, p=p)
 
 
 def l2_pool(x: FloatIn, window_shape: Sequence[int],

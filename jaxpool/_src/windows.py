@@ -273,7 +273,7 @@ def window_counts_1d(geom: Geometry, dim: int, include_pad: bool) -> np.ndarray:
   return np.maximum(last - first + 1, 0)
 
 
-def argmax_dtype(num_taps: int) -> np.dtype:
+def taps_dtype(num_taps: int) -> np.dtype:
   """The narrowest signed int holding a tap index and the "no real element" sentinel."""
   if num_taps <= np.iinfo(np.int8).max:
     return np.dtype(np.int8)

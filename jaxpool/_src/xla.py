@@ -1,13 +1,13 @@
-"""The XLA path: forward ops on ``lax.reduce_window`` and their differentiation rules.
+"""The XLA backend: pooling on ``lax.reduce_window`` and tap loops, and its derivatives.
 
-Max pooling is a ``custom_jvp``. Its primal is ``lax.reduce_window`` (the inference path, no
-argmax kept); its JVP rule runs a tap loop that finds the argmax (int8 tap offset where the
-window has at most 127 taps) and gathers the tangent there with ``lax.select_n``. That gather is
-linear in the tangent, so JAX transposes it by itself into a scatter-add that XLA fuses into one
-pass: each input element sums, in a fixed tap order, the cotangents of the windows that chose it.
-No atomics, so the bits are the same on every run. The residual that reverse mode keeps is the
-argmax, not the input, and forward mode (``jvp``, ``jacfwd``) and second order work because
-nothing here is a ``custom_vjp``.
+Max pooling plugs three functions into the shared rule (:mod:`jaxpool._src.autodiff`): the
+forward is ``lax.reduce_window`` (the inference path, nothing kept); the forward with taps runs a
+tap loop that finds each window's winner (an int8 tap offset where the window has at most 127
+taps); the gather picks the tangent at the winner with ``lax.select_n``. That gather is linear in
+the tangent, so JAX transposes it by itself into a scatter-add that XLA fuses into one pass: each
+input element sums, in a fixed tap order, the cotangents of the windows that chose it. No
+atomics, so the bits are the same on every run. The residual that reverse mode keeps is the
+taps, not the input. Average and Lp pooling are ``custom_jvp``s of their own here.
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxpool._src.autodiff import MaxPoolOps, apply_activation
 from jaxpool._src.dtypes import accumulator_dtype, beats, lowest
-from jaxpool._src.windows import (Geometry, argmax_dtype, tap_valid_1d, window_counts_1d)
+from jaxpool._src.windows import Geometry, tap_valid_1d, taps_dtype, window_counts_1d
 
 __all__ = ["accumulator_dtype", "lowest"]  # (re-exported: the kernels' reference values)
 
@@ -206,68 +207,73 @@ def has_empty_windows(geom: Geometry) -> bool:
 
 
 def max_pool_forward(x: jax.Array, geom: Geometry) -> jax.Array:
-  """Max pooling without the argmax: one ``lax.reduce_window``."""
+  """Max pooling without the taps: one ``lax.reduce_window``."""
   return lax.reduce_window(x, lowest(x.dtype), lax.max, **_window_args(geom, x.ndim))
 
 
-def max_pool_argmax(x: jax.Array, geom: Geometry) -> tuple[jax.Array, jax.Array]:
+def max_pool_taps(x: jax.Array, geom: Geometry) -> tuple[jax.Array, jax.Array]:
   """Max pooling that also returns the winning tap of each window.
 
-  Returns ``(y, tap)``: ``tap`` is the row-major offset of the argmax within the window
-  (``argmax_dtype``), chosen by :func:`jaxpool._src.dtypes.beats` (the first maximum; NaN beats
+  Returns ``(y, taps)``: ``taps`` is the row-major offset of the winner within the window
+  (``taps_dtype``), chosen by :func:`jaxpool._src.dtypes.beats` (the first maximum; NaN beats
   every number; ``+0.0`` beats ``-0.0``); padding never wins. A window with no real element gives
-  ``y = lowest`` and ``tap = -1``.
+  ``y = lowest`` and ``taps = -1``.
   """
   ndim = x.ndim
   xp = _pad(x, geom, lowest(x.dtype))
-  adt = argmax_dtype(geom.num_taps)
+  adt = taps_dtype(geom.num_taps)
   first = _tap_slice(xp, geom, (0,) * geom.nspatial)
 
   def step(j, tap, carry):
-    best, idx = carry
+    best, winner = carry
     xt = first if _is_static(tap) and j == 0 else _tap_slice(xp, geom, tap)
-    better = (idx < 0) | beats(xt, best)
+    better = (winner < 0) | beats(xt, best)
     mask = _tap_mask(geom, tap, ndim)
     if mask is not None:
       better = better & mask
-    return jnp.where(better, xt, best), jnp.where(better, jnp.asarray(j).astype(adt), idx)
+    return jnp.where(better, xt, best), jnp.where(better, jnp.asarray(j).astype(adt), winner)
 
   # full_like, not full: the running values inherit the input's sharding (Explicit meshes).
   init = lambda: (lax.full_like(first, lowest(x.dtype)), lax.full_like(first, -1, adt))
   return _fold_taps(geom, step, init)
 
 
-def gather_at_argmax(t: jax.Array, idx: jax.Array, geom: Geometry) -> jax.Array:
-  """``y_t[o] = t[argmax(o)]``; zero for a window with no real element.
+def gather_at_taps(t: jax.Array, taps: jax.Array, geom: Geometry,
+                   activation: str | None = None) -> jax.Array:
+  """``y_t[o] = t[winner(o)]``; zero where ``taps < 0`` (a window with no real element, or with
+  an activation, no positive maximum).
 
   Linear in ``t``; JAX's transpose of it is the max-pool gradient (a deterministic,
-  fused scatter-add of each window's cotangent into its argmax).
+  fused scatter-add of each window's cotangent into its winner).
   """
-  # (``idx`` is checked too: under ``linearize`` a tangent's type may not carry the sharding
+  # (``taps`` is checked too: under ``linearize`` a tangent's type may not carry the sharding
   # that its cotangent has when the transpose runs, as in JAX 0.11.)
-  read = _reader(t, geom, phase=explicit_sharding(idx) is None)
+  read = _reader(t, geom, phase=explicit_sharding(taps) is None)
   if geom.num_taps > UNROLL_TAPS:
-    # An empty window has idx == -1, which no tap matches: it stays zero.
-    return _fold_taps(geom, lambda j, tap, acc: jnp.where(idx == j, read(tap), acc),
-                      lambda: lax.full_like(idx, 0, t.dtype))
+    # -1 matches no tap: such a window stays zero.
+    return _fold_taps(geom, lambda j, tap, acc: jnp.where(taps == j, read(tap), acc),
+                      lambda: lax.full_like(taps, 0, t.dtype))
   cases = [read(tap) for tap in geom.taps()]
-  # An empty window has idx == -1 and its taps all read padding, which is zero in the padded
+  if activation is not None:
+    out = cases[0] if len(cases) == 1 else lax.select_n(jnp.maximum(taps, 0), *cases)
+    return jnp.where(taps >= 0, out, jnp.zeros_like(out))
+  # An empty window has taps == -1 and its taps all read padding, which is zero in the padded
   # ``t`` and dropped by the transpose of the pad: tap 0 serves it with no extra case.
-  which = jnp.maximum(idx, 0) if has_empty_windows(geom) else idx
+  which = jnp.maximum(taps, 0) if has_empty_windows(geom) else taps
   if len(cases) == 1:
     return cases[0]
   return lax.select_n(which, *cases)
 
 
-def _cpu_barrier(y: jax.Array, idx: jax.Array) -> tuple[jax.Array, jax.Array]:
+def _cpu_barrier(y: jax.Array, taps: jax.Array) -> tuple[jax.Array, jax.Array]:
   # XLA:CPU drops optimization barriers before fusion, and then fuses the whole tap loop into
-  # every tap of the scatter that reads the argmax: k-fold recomputation and a 10x slower
+  # every tap of the scatter that reads the taps: k-fold recomputation and a 10x slower
   # backward. A conditional is a real fusion boundary; its predicate is always true (a tap
-  # index is below its dtype's max), but XLA cannot prove it, so it writes (y, idx) once.
+  # offset is below its dtype's max), but XLA cannot prove it, so it writes (y, taps) once.
   # One element, indexed without a reshape (a reshape would merge sharded dims).
-  pred = idx[(0,) * idx.ndim] < jnp.iinfo(idx.dtype).max
+  pred = taps[(0,) * taps.ndim] < jnp.iinfo(taps.dtype).max
   # (The branches must differ, or XLA folds the conditional away.)
-  return lax.cond(pred, lambda a: a, lambda a: jax.tree.map(jnp.zeros_like, a), (y, idx))
+  return lax.cond(pred, lambda a: a, lambda a: jax.tree.map(jnp.zeros_like, a), (y, taps))
 
 
 def explicit_sharding(a: jax.Array):
@@ -279,58 +285,46 @@ def explicit_sharding(a: jax.Array):
   return sharding.mesh, spec
 
 
-def _argmax_materialized(x: jax.Array, geom: Geometry) -> tuple[jax.Array, jax.Array]:
-  """``max_pool_argmax`` whose outputs XLA writes once, rather than fusing into each reader."""
-  y, idx = max_pool_argmax(x, geom)
-  if idx.size == 0:
-    return y, idx
-  if explicit_sharding(idx) is not None:
+def _taps_materialized(x: jax.Array, geom: Geometry) -> tuple[jax.Array, jax.Array]:
+  """``max_pool_taps`` whose outputs XLA writes once, rather than fusing into each reader."""
+  y, taps = max_pool_taps(x, geom)
+  if taps.size == 0:
+    return y, taps
+  if explicit_sharding(taps) is not None:
     # Explicit sharding: the predicate's element lives on one device; keep the plain barrier.
-    return lax.optimization_barrier((y, idx))
-  return lax.platform_dependent(y, idx, cpu=_cpu_barrier,
-                                default=lambda y, idx: lax.optimization_barrier((y, idx)))
+    return lax.optimization_barrier((y, taps))
+  return lax.platform_dependent(y, taps, cpu=_cpu_barrier,
+                                default=lambda y, taps: lax.optimization_barrier((y, taps)))
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
-def max_pool(x: jax.Array, geom: Geometry) -> jax.Array:
-  return max_pool_forward(x, geom)
+def _forward(x: jax.Array, geom: Geometry, activation: str | None) -> jax.Array:
+  return apply_activation(max_pool_forward(x, geom), None, activation)[0]
 
 
-@max_pool.defjvp
-def _max_pool_jvp(geom, primals, tangents):
-  (x,), (t,) = primals, tangents
-  y, idx = _argmax_materialized(x, geom)
-  return y, gather_at_argmax(t, idx, geom)
+def _forward_with_taps(x: jax.Array, geom: Geometry, activation: str | None):
+  return apply_activation(*_taps_materialized(x, geom), activation)
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
-def max_pool_with_argmax(x: jax.Array, geom: Geometry) -> tuple[jax.Array, jax.Array]:
-  return max_pool_argmax(x, geom)
+MAX_POOL_OPS = MaxPoolOps(forward=_forward, forward_with_taps=_forward_with_taps,
+                          gather=gather_at_taps)
 
 
-@max_pool_with_argmax.defjvp
-def _max_pool_with_argmax_jvp(geom, primals, tangents):
-  (x,), (t,) = primals, tangents
-  y, idx = _argmax_materialized(x, geom)
-  return (y, idx), (gather_at_argmax(t, idx, geom), np.zeros(idx.shape, jax.dtypes.float0))
-
-
-def flat_indices(idx: jax.Array, geom: Geometry) -> jax.Array:
+def flat_indices(taps: jax.Array, geom: Geometry) -> jax.Array:
   """Tap offsets -> flat row-major index in the input's spatial plane (int32; -1: none)."""
-  ndim = idx.ndim
-  idx32 = idx.astype(jnp.int32)
-  flat = lax.full_like(idx32, 0)
+  ndim = taps.ndim
+  taps32 = taps.astype(jnp.int32)
+  flat = lax.full_like(taps32, 0)
   row = 1
   for dim in reversed(range(geom.nspatial)):
     inner = int(np.prod(geom.window[dim + 1:], dtype=np.int64))
-    tap_d = (idx32 // inner) % geom.window[dim]
+    tap_d = (taps32 // inner) % geom.window[dim]
     shape = geom.full_dims(ndim, [geom.out_spatial[dim] if i == dim else 1
                                   for i in range(geom.nspatial)], 1)
     start = (np.arange(geom.out_spatial[dim], dtype=np.int32) * geom.strides[dim]
              - geom.padding[dim][0]).reshape(shape)
     flat = flat + (start + tap_d * geom.dilation[dim]) * row
     row *= geom.in_spatial[dim]
-  return jnp.where(idx < 0, -1, flat)
+  return jnp.where(taps < 0, -1, flat)
 
 
 # ----------------------------------------------------------------------------- average

@@ -25,7 +25,7 @@ from jax import lax
 
 import jaxpool
 from jaxpool._src import xla
-from jaxpool._src.windows import argmax_dtype
+from jaxpool._src.windows import taps_dtype
 
 Ref = Union["Node", str]
 Spec = jax.ShapeDtypeStruct
@@ -660,7 +660,7 @@ def taps_from_indices(indices: jax.Array, geom) -> jax.Array:
     t = (pos - start) // geom.dilation[dim]
     tap = tap + t * int(np.prod(geom.window[dim + 1:], dtype=np.int64))
     inner_plane *= geom.in_spatial[dim]
-  return jnp.where(indices < 0, -1, tap).astype(argmax_dtype(geom.num_taps))
+  return jnp.where(indices < 0, -1, tap).astype(taps_dtype(geom.num_taps))
 
 
 @dataclass(frozen=True)
@@ -703,7 +703,7 @@ class MaxPool(_Pool):
       raise self._fail(f"gradient state of shape {state.shape} does not match the source "
                        f"gradient {dy.shape}.")
     tap = taps_from_indices(state, geom)
-    _, vjp = jax.vjp(lambda t: xla.gather_at_argmax(t, tap, geom), jnp.zeros_like(x))
+    _, vjp = jax.vjp(lambda t: xla.gather_at_taps(t, tap, geom), jnp.zeros_like(x))
     return (self._uncrop(vjp(dy)[0], in_specs[0]),), None
 
 

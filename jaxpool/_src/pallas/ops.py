@@ -1,18 +1,16 @@
-"""The Pallas path: which calls it covers, and the differentiation rules around its kernels.
+"""The Pallas backend: which calls its kernels serve, and their place in the shared rules.
 
-The dispatcher (``jaxpool._src.api``) calls :func:`supports` and then one of :func:`max_pool`,
-:func:`max_pool_with_argmax` or :func:`avg_pool`.
+:func:`unsupported` says why the kernels cannot serve a call (or None when they can); the
+dispatcher (``jaxpool._src.dispatch``) asks it first, then calls :func:`max_pool`,
+:func:`max_pool_with_taps` or :func:`avg_pool`.
 
-Differentiation keeps the design of the XLA path (``xla.py``): max pooling is a ``custom_jvp``
-whose primal is the fast forward kernel (no argmax) and whose JVP rule runs the forward kernel
-that also writes the argmax, then maps the tangent through ``gather_at_argmax`` (linear in the
-tangent). That linear map is a ``linear_call`` whose transpose is the backward kernel, so reverse
-mode (``grad``, ``vjp``) runs the Pallas gather kernel, not XLA's scatter. Average pooling is
-linear in its input, so it is one ``linear_call`` of the forward kernel with the backward kernel
-as its transpose. ``jvp``/``jacfwd`` evaluate the linear map forward; second order works because
-``linear_call`` has JVP and transpose rules; ``vmap`` works through the kernels'
-``custom_vmap`` rules (a mapped axis is one more batch dim) and a batching rule for
-``linear_call`` registered here when JAX has none.
+Max pooling is the shared rule of ``jaxpool._src.autodiff`` with the kernels plugged in: the
+forward kernel (no taps) as the primal, the forward kernel that also writes the winning taps in
+the JVP, and a gather primitive whose transpose is the backward kernel, so reverse mode runs the
+Pallas gather kernel, not XLA's scatter. Average pooling is linear in its input: one primitive
+pair, the forward kernel and the backward kernel, each the other's transpose. ``vmap`` works
+through the kernels' ``custom_vmap`` rules and the primitives' batching rules (a mapped axis is
+one more batch dim).
 """
 
 from __future__ import annotations
@@ -25,45 +23,47 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.custom_batching import custom_vmap
-from jax.custom_derivatives import linear_call
 
-from jaxpool._src import xla
+from jaxpool._src import autodiff, xla
 from jaxpool._src.pallas import triton as _triton
+from jaxpool._src.pallas.linear import LinearPair
 from jaxpool._src.windows import Geometry
 
-OPS = ("max_pool", "avg_pool")
+OPS = ("max_pool", "max_pool_with_taps", "avg_pool")
 _FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(np.float16))
-MAX_TAPS = 64  # the tap loops are unrolled; larger windows stay on XLA
+MAX_TAPS = 64  # the kernels' tap loops are unrolled; larger windows go to XLA's tap loop
 MAX_ELEMENTS = 2**31 - 1  # the kernels index in int32; larger arrays stay on XLA
 
 
-def supports(op: str, shape, dtype, geom: Geometry, **config) -> bool:
-  """Whether the Pallas kernels cover this call (else the dispatcher uses XLA).
+def unsupported(op: str, shape, dtype, geom: Geometry) -> str | None:
+  """Why the kernels cannot serve this call, or None when they can.
 
-  Covered (GPU, or interpret mode on a CPU): 1-D, 2-D and 3-D pooling in either layout,
-  float32, bfloat16 and float16, at most ``MAX_TAPS`` taps, no empty dims; every padding,
-  stride, dilation, ceil mode, and for average pooling every ``count_include_pad`` and
-  ``divisor_override``; arrays of at most ``MAX_ELEMENTS`` elements (int32 indexing). The TPU
-  kernels (:func:`backend` ``"tpu"``) cover 1-D and 2-D ``channels_last`` only, and need one
-  image's channel block to fit their VMEM budget.
+  Served (GPU, or interpret mode on a CPU): max pooling (with or without taps and the fused
+  activation) and average pooling, 1-D, 2-D and 3-D, either layout, float32, bfloat16 and
+  float16, at most ``MAX_TAPS`` taps, no empty dims, every padding, stride, dilation, ceil mode,
+  ``count_include_pad`` and ``divisor_override``, arrays of at most ``MAX_ELEMENTS`` elements
+  (int32 indexing). The TPU kernels (:func:`backend` ``"tpu"``) serve 1-D and 2-D
+  ``channels_last`` only, and need one image's channel block to fit their VMEM budget.
   """
   if op not in OPS:
-    return False
-  del config  # every avg config is covered
+    return f"there is no Pallas kernel for {op}"
   if geom.nspatial not in (1, 2, 3):
-    return False
+    return f"the kernels pool 1 to 3 spatial dims, not {geom.nspatial}"
   if np.dtype(dtype) not in _FLOAT_DTYPES:
-    return False
-  if geom.num_taps > MAX_TAPS or any(int(s) == 0 for s in shape):
-    return False
+    return f"the kernels take float32, bfloat16 and float16, not {np.dtype(dtype)}"
+  if geom.num_taps > MAX_TAPS:
+    return f"the window has {geom.num_taps} taps; the kernels take at most {MAX_TAPS}"
+  if any(int(s) == 0 for s in shape):
+    return f"the input shape {tuple(shape)} has an empty dim"
   if math.prod(int(s) for s in shape) > MAX_ELEMENTS:
-    return False
-  if len(shape) < geom.nspatial + 1:
-    return False
+    return f"the input has over {MAX_ELEMENTS} elements (the kernels index in int32)"
   if backend() == "tpu":
     from jaxpool._src.pallas import tpu as _tpu
-    return geom.channels_last and geom.nspatial <= 2 and _tpu.fits(geom, shape, dtype)
-  return True
+    if not geom.channels_last or geom.nspatial > 2:
+      return "the TPU kernels pool 1-D and 2-D channels_last inputs only"
+    if not _tpu.fits(geom, shape, dtype):
+      return "one image's channel block does not fit the TPU kernels' VMEM budget"
+  return None
 
 
 BACKEND_ENV = "JAXPOOL_PALLAS_BACKEND"
@@ -92,23 +92,18 @@ def _kernels(name: str):
   return _triton
 
 
-# ----------------------------------------------------------------------------- vmap
-
-
-def _batched_call(fn, n_args: int):
-  """``fn(*arrays)`` whose arrays are ``(*batch, ...)``: under ``vmap`` the mapped axis (moved to
-  the front by ``custom_vmap``) is one more batch dim, so the kernel runs once on the whole batch
-  instead of gaining a grid dim. Unmapped operands are broadcast."""
+def _batched(fn):
+  """``fn(x)`` for ``x: (*batch, ...)``: under ``vmap`` the mapped axis (moved to the front by
+  ``custom_vmap``) is one more batch dim, so the kernel runs once on the whole batch instead of
+  gaining a grid dim."""
   f = custom_vmap(fn)
 
   @f.def_vmap
-  def _rule(axis_size, in_batched, *args):
-    args = [a if b else jnp.broadcast_to(a, (axis_size, *a.shape))
-            for a, b in zip(args, in_batched)]
-    out = f(*args)
+  def _rule(axis_size, in_batched, x):
+    del axis_size, in_batched
+    out = f(x)
     return out, jax.tree_util.tree_map(lambda _: True, out)
 
-  del n_args
   return f
 
 
@@ -120,149 +115,92 @@ def _input_shape(geom: Geometry, out_shape) -> tuple[int, ...]:
   return tuple(shape)
 
 
-@functools.cache
-def _fwd_fns(geom: Geometry, interpret: bool, kernels: str):
-  k = _kernels(kernels)
-  fwd = _batched_call(functools.partial(k.max_forward, geom=geom, interpret=interpret), 1)
-  fwd_arg = _batched_call(functools.partial(k.max_forward_argmax, geom=geom,
-                                            interpret=interpret), 1)
-  return fwd, fwd_arg
-
-
-@functools.cache
-def _max_bwd_fn(geom: Geometry, interpret: bool, kernels: str):
-  k = _kernels(kernels)
-
-  def bwd(idx, dy):
-    return k.max_backward(idx, dy, _input_shape(geom, idx.shape), geom, interpret=interpret)
-
-  return _batched_call(bwd, 2)
-
-
-@functools.cache
-def _avg_fns(geom: Geometry, interpret: bool, kernels: str, count_include_pad: bool,
-             divisor_override: int | None):
-  k = _kernels(kernels)
-  cfg = dict(interpret=interpret, count_include_pad=count_include_pad,
-             divisor_override=divisor_override)
-  fwd = _batched_call(functools.partial(k.avg_forward, geom=geom, **cfg), 1)
-
-  def bwd(dy):
-    return k.avg_backward(dy, _input_shape(geom, dy.shape), geom, **cfg)
-
-  return fwd, _batched_call(bwd, 1)
-
-
-# ----------------------------------------------------------------------------- linear_call vmap
-
-
-def _linear_call_batch_rule(args, dims, *, callee, transpose_thunk, num_callee_consts, num_res,
-                            **unused):
-  """Batching for ``linear_call``: a ``linear_call`` of the vmapped callee and transpose.
-
-  Residuals (and the callee's constants) keep their batch dims; linear operands are moved to (or
-  broadcast along) axis 0, so the transpose's outputs, mapped at 0, line up with them.
-  """
-  del unused
-  from jax._src import core
-
-  size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
-  n_cr = num_callee_consts + num_res
-  cr, lin = list(args[:n_cr]), list(args[n_cr:])
-  cr_dims = list(dims[:n_cr])
-  lin = [jnp.moveaxis(a, d, 0) if d is not None else jnp.broadcast_to(a, (size, *a.shape))
-         for a, d in zip(lin, dims[n_cr:])]
-  res_dims = cr_dims[num_callee_consts:]
-
-  def fun(cr_, lin_):
-    return jax.vmap(lambda c, x: core.eval_jaxpr(callee.jaxpr, callee.consts, *c, *x),
-                    in_axes=(cr_dims, 0))(cr_, lin_)
-
-  def fun_t(cr_, cts):
-    t_jaxpr, t_consts = transpose_thunk()
-    res = cr_[num_callee_consts:]
-    return jax.vmap(
-        lambda r, ct: core.eval_jaxpr(t_jaxpr.jaxpr, t_jaxpr.consts, *t_consts, *r, *ct),
-        in_axes=(res_dims, 0))(res, cts)
-
-  out = linear_call(fun, fun_t, cr, lin)
-  return out, [0] * len(out)
-
-
-def _register_linear_call_batching():
-  from jax._src import custom_derivatives
-  from jax._src.interpreters import batching
-
-  p = custom_derivatives.linear_call_p
-  fancy = getattr(batching, "fancy_primitive_batchers", None)
-  if fancy is not None and p in fancy:  # (primitive_batchers writes into this table too)
-    return  # JAX has its own rule
-  batching.primitive_batchers[p] = _linear_call_batch_rule
-
-
-_register_linear_call_batching()
-
-
 # ----------------------------------------------------------------------------- max
 
 
-def _gather_lin(idx: jax.Array, t: jax.Array, geom: Geometry, interpret: bool,
-                kernels: str) -> jax.Array:
-  """``t`` at each window's argmax (linear in ``t``); its transpose is the backward kernel."""
-  bwd = _max_bwd_fn(geom, interpret, kernels)
-  return linear_call(lambda i, x: xla.gather_at_argmax(x, i, geom),
-                     lambda i, ct: bwd(i, ct), idx, t)
+def _gather(taps, t, *, geom, interpret, kernels, activation):
+  del interpret, kernels  # forward mode evaluates the gather with XLA ops
+  return xla.gather_at_taps(t, taps, geom, activation)
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2, 3))
-def _max_pool(x, geom, interpret, kernels):
-  return _fwd_fns(geom, interpret, kernels)[0](x)
+def _scatter(taps, ct, *, geom, interpret, kernels, activation):
+  del activation  # a tap of -1 (no winner, or a non-positive maximum) sends nothing
+  return _kernels(kernels).max_backward(taps, ct, _input_shape(geom, taps.shape), geom,
+                                        interpret=interpret)
 
 
-@_max_pool.defjvp
-def _max_pool_jvp(geom, interpret, kernels, primals, tangents):
-  (x,), (t,) = primals, tangents
-  y, idx = _max_pool_with_argmax(x, geom, interpret, kernels)
-  return y, _gather_lin(idx, t, geom, interpret, kernels)
+# ``gather(taps, t)`` is t at each window's winner; its transpose is the backward kernel.
+GATHER = LinearPair("max_pool_gather", _gather, _scatter,
+                    forward_shape=lambda taps, t, **p: taps,
+                    transpose_shape=lambda taps, ct, **p: _input_shape(p["geom"], taps))
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2, 3))
-def _max_pool_with_argmax(x, geom, interpret, kernels):
-  return _fwd_fns(geom, interpret, kernels)[1](x)
+@functools.cache
+def _forward_fns(geom: Geometry, activation: str | None, interpret: bool, kernels: str):
+  k = _kernels(kernels)
+  cfg = dict(geom=geom, interpret=interpret, activation=activation)
+  return (_batched(functools.partial(k.max_forward, **cfg)),
+          _batched(functools.partial(k.max_forward_taps, **cfg)))
 
 
-@_max_pool_with_argmax.defjvp
-def _max_pool_with_argmax_jvp(geom, interpret, kernels, primals, tangents):
-  (x,), (t,) = primals, tangents
-  y, idx = _max_pool_with_argmax(x, geom, interpret, kernels)
-  return (y, idx), (_gather_lin(idx, t, geom, interpret, kernels),
-                    np.zeros(idx.shape, jax.dtypes.float0))
+@functools.cache
+def max_pool_ops(interpret: bool, kernels: str) -> autodiff.MaxPoolOps:
+  """The kernels as the shared max-pool rule's three functions (one object per setting)."""
+
+  def forward(x, geom, activation):
+    return _forward_fns(geom, activation, interpret, kernels)[0](x)
+
+  def forward_with_taps(x, geom, activation):
+    return _forward_fns(geom, activation, interpret, kernels)[1](x)
+
+  def gather(t, taps, geom, activation):
+    return GATHER.forward(taps, t, geom=geom, interpret=interpret, kernels=kernels,
+                          activation=activation)
+
+  return autodiff.MaxPoolOps(forward, forward_with_taps, gather)
 
 
-_max_pool_jit = jax.jit(_max_pool, static_argnums=(1, 2, 3))
-_max_pool_with_argmax_jit = jax.jit(_max_pool_with_argmax, static_argnums=(1, 2, 3))
+_max_pool_jit = jax.jit(autodiff.max_pool, static_argnums=(1, 2, 3))
+_max_pool_with_taps_jit = jax.jit(autodiff.max_pool_with_taps, static_argnums=(1, 2, 3))
 
 
-def max_pool(x: jax.Array, geom: Geometry, *, interpret: bool = False) -> jax.Array:
-  """Max pooling through the Pallas kernels (``x: (*batch, *spatial, C)``)."""
-  return _max_pool_jit(x, geom, bool(interpret), backend())
+def max_pool(x: jax.Array, geom: Geometry, *, interpret: bool = False,
+             activation: str | None = None) -> jax.Array:
+  """Max pooling (then ``activation``) through the Pallas kernels."""
+  return _max_pool_jit(x, geom, activation, max_pool_ops(bool(interpret), backend()))
 
 
-def max_pool_with_argmax(x: jax.Array, geom: Geometry, *,
-                         interpret: bool = False) -> tuple[jax.Array, jax.Array]:
-  """``(y, tap)``: as ``xla.max_pool_argmax`` (``tap`` in ``argmax_dtype``, -1: no element)."""
-  return _max_pool_with_argmax_jit(x, geom, bool(interpret), backend())
+def max_pool_with_taps(x: jax.Array, geom: Geometry, *,
+                       interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+  """``(y, taps)``: as ``xla.max_pool_taps`` (``taps_dtype``, -1: no element)."""
+  return _max_pool_with_taps_jit(x, geom, None, max_pool_ops(bool(interpret), backend()))
 
 
 # ----------------------------------------------------------------------------- average
 
 
-def _avg_pool(x, geom, interpret, kernels, count_include_pad, divisor_override):
-  fwd, bwd = _avg_fns(geom, interpret, kernels, count_include_pad, divisor_override)
-  return linear_call(lambda _, v: fwd(v), lambda _, ct: bwd(ct), (), x)
+def _avg_forward(x, *, geom, interpret, kernels, count_include_pad, divisor_override):
+  return _kernels(kernels).avg_forward(x, geom, interpret=interpret,
+                                       count_include_pad=count_include_pad,
+                                       divisor_override=divisor_override)
 
 
-_avg_pool_jit = jax.jit(_avg_pool, static_argnums=(1, 2, 3, 4, 5))
+def _avg_backward(ct, *, geom, interpret, kernels, count_include_pad, divisor_override):
+  return _kernels(kernels).avg_backward(ct, _input_shape(geom, ct.shape), geom,
+                                        interpret=interpret, count_include_pad=count_include_pad,
+                                        divisor_override=divisor_override)
+
+
+# Average pooling is linear in x: the forward kernel, with the backward kernel as its transpose.
+AVG = LinearPair("avg_pool", _avg_forward, _avg_backward,
+                 forward_shape=lambda x, **p: p["geom"].output_shape(x),
+                 transpose_shape=lambda ct, **p: _input_shape(p["geom"], ct))
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5))
+def _avg_pool_jit(x, geom, interpret, kernels, count_include_pad, divisor_override):
+  return AVG.forward(x, geom=geom, interpret=interpret, kernels=kernels,
+                     count_include_pad=count_include_pad, divisor_override=divisor_override)
 
 
 def avg_pool(x: jax.Array, geom: Geometry, *, interpret: bool = False,

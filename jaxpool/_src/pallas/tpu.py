@@ -40,7 +40,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from jaxpool._src.windows import Geometry, argmax_dtype
+from jaxpool._src.windows import Geometry, taps_dtype
+from jaxpool._src.autodiff import apply_activation
 from jaxpool._src.dtypes import accumulator_dtype, beats, lowest
 
 @dataclasses.dataclass(frozen=True)
@@ -216,7 +217,7 @@ def _row_taps(pad_ref, ho, i: int, j: int, g: Geom2):
   return pad_ref[ho * g.sh + i * g.dh, cols, :]
 
 
-def _max_kernel(x_ref, *refs, g: Geom2, argmax: bool):
+def _max_kernel(x_ref, *refs, g: Geom2, argmax: bool, activation: str | None = None):
   if argmax:
     y_ref, idx_ref, pad_ref = refs
   else:
@@ -239,6 +240,7 @@ def _max_kernel(x_ref, *refs, g: Geom2, argmax: bool):
         best = jnp.where(better, xt, best)
         if argmax:
           idx = jnp.where(better, i * g.kw + j, idx)
+    best, idx = apply_activation(best, idx if argmax else None, activation)
     y_ref[ho] = best.astype(y_ref.dtype)
     if argmax:
       idx_ref[ho] = idx.astype(idx_ref.dtype)
@@ -286,7 +288,8 @@ def _specs(nb: int, c: int, rows: int, cols: int):
 
 
 def _forward_call(x: jax.Array, geom: Geometry, mode: str, interpret: bool | str,
-                  include_pad: bool = False, divisor: int | None = None):
+                  include_pad: bool = False, divisor: int | None = None,
+                  activation: str | None = None):
   g = Geom2.from_geometry(geom)
   out_shape = geom.output_shape(x.shape)
   c = x.shape[-1]
@@ -297,11 +300,11 @@ def _forward_call(x: jax.Array, geom: Geometry, mode: str, interpret: bool | str
   shape4 = (nb, g.Ho, g.Wo, c)
   outs = [jax.ShapeDtypeStruct(shape4, x.dtype)]
   if mode == "argmax":
-    outs.append(jax.ShapeDtypeStruct(shape4, argmax_dtype(g.taps)))
+    outs.append(jax.ShapeDtypeStruct(shape4, taps_dtype(g.taps)))
   if mode == "avg":
     kernel = functools.partial(_avg_kernel, g=g, include_pad=include_pad, divisor=divisor)
   else:
-    kernel = functools.partial(_max_kernel, g=g, argmax=mode == "argmax")
+    kernel = functools.partial(_max_kernel, g=g, argmax=mode == "argmax", activation=activation)
   hp, wp = _pad_dims(g)
   n_bytes = x.size * x.dtype.itemsize + sum(
       int(np.prod(o.shape)) * np.dtype(o.dtype).itemsize for o in outs)
@@ -316,14 +319,17 @@ def _forward_call(x: jax.Array, geom: Geometry, mode: str, interpret: bool | str
   return tuple(r.reshape(out_shape) for r in res)
 
 
-def max_forward(x: jax.Array, geom: Geometry, *, interpret: bool | str) -> jax.Array:
-  """Max pooling without the argmax. ``x: (*batch, *spatial, C)`` -> ``(*batch, *out, C)``."""
-  return _forward_call(x, geom, "max", interpret)[0]
+def max_forward(x: jax.Array, geom: Geometry, *, interpret: bool | str,
+                activation: str | None = None) -> jax.Array:
+  """Max pooling without the taps (then the activation). ``x: (*batch, *spatial, C)`` ->
+  ``(*batch, *out, C)``."""
+  return _forward_call(x, geom, "max", interpret, activation=activation)[0]
 
 
-def max_forward_argmax(x: jax.Array, geom: Geometry, *, interpret: bool | str):
-  """Max pooling and the argmax as a row-major tap offset (``argmax_dtype``; -1: no element)."""
-  return _forward_call(x, geom, "argmax", interpret)
+def max_forward_taps(x: jax.Array, geom: Geometry, *, interpret: bool | str,
+                     activation: str | None = None):
+  """Max pooling and each window's winning tap, row-major (``taps_dtype``; -1: none)."""
+  return _forward_call(x, geom, "argmax", interpret, activation=activation)
 
 
 def avg_forward(x: jax.Array, geom: Geometry, *, interpret: bool | str, count_include_pad: bool,
@@ -453,16 +459,17 @@ def _backward_call(operands, in_shape, geom: Geometry, mode: str, interpret: boo
   return dx.reshape(in_shape)
 
 
-def max_backward(idx: jax.Array, dy: jax.Array, in_shape, geom: Geometry, *,
+def max_backward(taps: jax.Array, dy: jax.Array, in_shape, geom: Geometry, *,
                  interpret: bool | str) -> jax.Array:
   """``dx``: each input element sums, in descending tap order, the ``dy`` of windows choosing it.
 
   Args:
-    idx: ``(*batch, *out, C)`` argmax tap offsets from :func:`max_forward_argmax`.
+    taps: ``(*batch, *out, C)`` winning tap offsets from :func:`max_forward_taps`; ``-1``
+      sends nothing.
     dy: ``(*batch, *out, C)`` cotangent.
     in_shape: the forward input's shape ``(*batch, *spatial, C)``.
   """
-  return _backward_call((idx, dy), in_shape, geom, "max", interpret)
+  return _backward_call((taps, dy), in_shape, geom, "max", interpret)
 
 
 def avg_backward(dy: jax.Array, in_shape, geom: Geometry, *, interpret: bool | str,

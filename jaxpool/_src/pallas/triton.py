@@ -41,7 +41,8 @@ try:
 except ImportError:  # pragma: no cover - jaxlib without the Triton backend
   plgpu = None
 
-from jaxpool._src.windows import Geometry, argmax_dtype
+from jaxpool._src.windows import Geometry, taps_dtype
+from jaxpool._src.autodiff import apply_activation
 from jaxpool._src.dtypes import accumulator_dtype, beats, lowest
 
 # Older Pallas had ``load``/``store`` at the top level; newer jax (and its type hints) has not.
@@ -254,7 +255,8 @@ def _window_count(g: Geom3, wins, include_pad: bool, bw: int):
 
 
 def _window_kernel(x_ref, *out_refs, g: Geom3, bw: int, bl: int, lanes: int, mode: str,
-                   include_pad: bool, divisor: int | None, interpret: bool):
+                   include_pad: bool, divisor: int | None, interpret: bool,
+                   activation: str | None = None):
   """One output row: max (``mode='max'``), max with argmax (``'argmax'``) or average (``'avg'``)."""
   (D, H, W), (Do, Ho, Wo) = g.inp, g.out
   b, do, ho = _split(pl.program_id(0), (Do, Ho))
@@ -317,6 +319,7 @@ def _window_kernel(x_ref, *out_refs, g: Geom3, bw: int, bl: int, lanes: int, mod
         div = tile.cols_of(jnp.where(cnt == 0, 1, cnt).astype(acc_t))
       tile.store(out_refs[0], out_at, (acc / div).astype(dtype), col_mask)
       return
+    best, idx = apply_activation(best, idx, activation)  # (fused: no pass of its own)
     tile.store(out_refs[0], out_at, best, col_mask)
     if mode == "argmax":
       tile.store(out_refs[1], out_at, idx, col_mask)
@@ -326,7 +329,7 @@ def _window_kernel(x_ref, *out_refs, g: Geom3, bw: int, bl: int, lanes: int, mod
 
 def _window_call(x: jax.Array, geom: Geometry, mode: str, interpret: bool,
                  include_pad: bool = False, divisor: int | None = None,
-                 launch: Launch | None = None):
+                 launch: Launch | None = None, activation: str | None = None):
   g = Geom3.from_geometry(geom)
   out_shape = geom.output_shape(x.shape)
   x4 = _view(x, g.inp, g.channels_last)
@@ -336,9 +339,10 @@ def _window_call(x: jax.Array, geom: Geometry, mode: str, interpret: bool,
   shape4 = _view_shape(out_shape, g.out, g.channels_last)
   outs = [jax.ShapeDtypeStruct(shape4, x.dtype)]
   if mode == "argmax":
-    outs.append(jax.ShapeDtypeStruct(shape4, argmax_dtype(g.taps)))
+    outs.append(jax.ShapeDtypeStruct(shape4, taps_dtype(g.taps)))
   kernel = functools.partial(_window_kernel, g=g, bw=bw, bl=bl, lanes=lanes, mode=mode,
-                             include_pad=include_pad, divisor=divisor, interpret=interpret)
+                             include_pad=include_pad, divisor=divisor, interpret=interpret,
+                             activation=activation)
   n_in, n_out = x.size * x.dtype.itemsize, sum(
       math.prod(o.shape) * np.dtype(o.dtype).itemsize for o in outs)
   res = pl.pallas_call(
@@ -350,14 +354,17 @@ def _window_call(x: jax.Array, geom: Geometry, mode: str, interpret: bool,
   return tuple(r.reshape(out_shape) for r in res)
 
 
-def max_forward(x: jax.Array, geom: Geometry, *, interpret: bool) -> jax.Array:
-  """Max pooling without the argmax: ``x`` in either layout, 1-3 spatial dims."""
-  return _window_call(x, geom, "max", interpret)[0]
+def max_forward(x: jax.Array, geom: Geometry, *, interpret: bool,
+                activation: str | None = None) -> jax.Array:
+  """Max pooling without the taps (then the activation): ``x`` in either layout, 1-3 spatial
+  dims."""
+  return _window_call(x, geom, "max", interpret, activation=activation)[0]
 
 
-def max_forward_argmax(x: jax.Array, geom: Geometry, *, interpret: bool):
-  """Max pooling and the argmax as a row-major tap offset (``argmax_dtype``; -1: no element)."""
-  return _window_call(x, geom, "argmax", interpret)
+def max_forward_taps(x: jax.Array, geom: Geometry, *, interpret: bool,
+                     activation: str | None = None):
+  """Max pooling and each window's winning tap, row-major (``taps_dtype``; -1: none)."""
+  return _window_call(x, geom, "argmax", interpret, activation=activation)
 
 
 def avg_forward(x: jax.Array, geom: Geometry, *, interpret: bool, count_include_pad: bool,
@@ -537,16 +544,17 @@ def _backward_call(operands, in_shape, geom: Geometry, mode: str, interpret: boo
   return dx.reshape(in_shape)
 
 
-def max_backward(idx: jax.Array, dy: jax.Array, in_shape, geom: Geometry, *,
+def max_backward(taps: jax.Array, dy: jax.Array, in_shape, geom: Geometry, *,
                  interpret: bool) -> jax.Array:
   """``dx``: each input element sums, in descending tap order, the ``dy`` of windows choosing it.
 
   Args:
-    idx: argmax tap offsets from :func:`max_forward_argmax` (the forward output's shape).
+    taps: winning tap offsets from :func:`max_forward_taps` (the forward output's shape);
+      ``-1`` sends nothing.
     dy: cotangent, the forward output's shape.
     in_shape: the forward input's shape.
   """
-  return _backward_call((idx, dy), in_shape, geom, "max", interpret)
+  return _backward_call((taps, dy), in_shape, geom, "max", interpret)
 
 
 def avg_backward(dy: jax.Array, in_shape, geom: Geometry, *, interpret: bool,

@@ -1,0 +1,89 @@
+"""Max pooling's differentiation rule, written once and specialised per backend.
+
+A backend gives three functions (:class:`MaxPoolOps`): the forward without taps, the forward
+that also returns each window's winning tap, and the gather ``t -> t[taps]`` that maps a
+tangent through the winners (linear in ``t``). Max pooling is then one ``custom_jvp``: its
+primal is the plain forward (the inference path keeps nothing), and its JVP runs the forward
+with taps and the gather. Reverse mode transposes the gather: the XLA backend's gather is made
+of slices and selects, which JAX transposes into a deterministic scatter-add; the Pallas
+backend's gather is a primitive whose transpose is its backward kernel. Nothing here is a
+``custom_vjp``, so forward mode (``jvp``, ``jacfwd``) and second order work on every backend.
+
+With ``activation="relu"`` the op is ``relu(max_pool(x))``, fused: a window whose maximum is not
+positive (or is NaN) outputs ``max(y, 0)`` and gets tap ``-1``, so its gradient is zero with no
+separate pass, the same values and gradients as ``jax.nn.relu`` after the pool.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxpool._src.windows import Geometry
+
+ACTIVATIONS = (None, "relu")
+
+
+@dataclasses.dataclass(frozen=True)
+class MaxPoolOps:
+  """One backend's max pooling (hashable: a static argument of the rule).
+
+  Attributes:
+    forward: ``(x, geom, activation) -> y``.
+    forward_with_taps: ``(x, geom, activation) -> (y, taps)``; ``taps`` is the row-major
+      offset of each window's winner within the window (``windows.taps_dtype``), ``-1`` for a
+      window with no real element (or, with an activation, no positive maximum).
+    gather: ``(t, taps, geom, activation) -> t at each window's winner``, zero where
+      ``taps < 0``; linear in ``t``.
+  """
+
+  forward: Callable
+  forward_with_taps: Callable
+  gather: Callable
+
+
+def apply_activation(y: jax.Array, taps: jax.Array | None, activation: str | None):
+  """``(relu(y), taps or -1 where y is not positive)`` for ``"relu"``; unchanged for None."""
+  if activation is None:
+    return y, taps
+  # jnp.maximum(y, 0) is jax.nn.relu's value: NaN stays NaN, -0.0 becomes 0.0.
+  out = jnp.maximum(y, np.array(0, y.dtype))
+  if taps is None:
+    return out, None
+  return out, jnp.where(y > 0, taps, jnp.asarray(-1, taps.dtype))
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2, 3))
+def max_pool(x: jax.Array, geom: Geometry, activation: str | None,
+             ops: MaxPoolOps) -> jax.Array:
+  """Max pooling (then the activation) through ``ops``."""
+  return ops.forward(x, geom, activation)
+
+
+@max_pool.defjvp
+def _max_pool_jvp(geom, activation, ops, primals, tangents):
+  (x,), (t,) = primals, tangents
+  # The differentiable op, not ops.forward_with_taps: a JVP of this rule (second order)
+  # differentiates it again through the same rule.
+  y, taps = max_pool_with_taps(x, geom, activation, ops)
+  return y, ops.gather(t, taps, geom, activation)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2, 3))
+def max_pool_with_taps(x: jax.Array, geom: Geometry, activation: str | None,
+                       ops: MaxPoolOps) -> tuple[jax.Array, jax.Array]:
+  """``(y, taps)`` through ``ops``; ``y`` is differentiable, ``taps`` is not."""
+  return ops.forward_with_taps(x, geom, activation)
+
+
+@max_pool_with_taps.defjvp
+def _max_pool_with_taps_jvp(geom, activation, ops, primals, tangents):
+  (x,), (t,) = primals, tangents
+  y, taps = max_pool_with_taps(x, geom, activation, ops)
+  return (y, taps), (ops.gather(t, taps, geom, activation),
+                     np.zeros(taps.shape, jax.dtypes.float0))

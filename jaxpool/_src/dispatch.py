@@ -1,0 +1,180 @@
+"""Which implementation serves a call: a registry of backends, in order of preference.
+
+Every op asks :func:`run`. Each backend says whether it serves a call and, when it does not, why
+(:meth:`Backend.unsupported`); ``implementation="pallas"`` (or ``"xla"``) that cannot be served
+raises a ValueError with that reason, for every op alike, and ``implementation=None`` takes the
+first backend that serves the call and runs by default on this platform.
+
+The Pallas kernels run by default only on NVIDIA GPUs, where they were compiled and tested.
+TPUs and AMD (ROCm) GPUs get them with ``implementation="pallas"``: the TPU kernels pass in the
+TPU interpreter and lower to Mosaic, but no TPU compiled them yet, and the Triton kernels were
+never compiled for ROCm.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from jaxpool._src import autodiff, xla
+from jaxpool._src.windows import IMPLEMENTATIONS, Geometry, check_choice
+
+ENV = "JAXPOOL_IMPLEMENTATION"
+
+
+def platform() -> str:
+  """``"cuda"``, ``"rocm"``, ``"tpu"``, ``"cpu"`` (or another JAX backend name)."""
+  name = jax.default_backend()
+  if name in ("cuda", "rocm"):
+    return name
+  if name == "gpu":
+    from jax.extend import backend as jex_backend
+    version = str(getattr(jex_backend.get_backend(), "platform_version", "")).lower()
+    return "rocm" if ("rocm" in version or "hip" in version) else "cuda"
+  return name
+
+
+def default_implementation() -> str | None:
+  """What ``implementation=None`` means: ``JAXPOOL_IMPLEMENTATION=xla`` makes it XLA everywhere
+  (a switch for a whole program, its layers included); unset (or ``auto``), the first backend
+  that serves the call."""
+  name = os.environ.get(ENV, "").strip().lower()
+  if name in ("", "auto"):
+    return None
+  if name != "xla":
+    raise ValueError(f"{ENV} must be 'xla', 'auto' or unset; got {name!r}.")
+  return name
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+  """One implementation of the ops.
+
+  Attributes:
+    name: what ``implementation=`` calls it.
+    unsupported: ``(op, x, geom) -> reason or None``.
+    not_default: ``() -> reason or None``: why ``implementation=None`` skips it on this
+      platform.
+    run: ``(op, x, geom, **config) -> output``.
+  """
+
+  name: str
+  unsupported: Callable[[str, jax.Array, Geometry], str | None]
+  not_default: Callable[[], str | None]
+  run: Callable[..., Any]
+
+
+# ----------------------------------------------------------------------------- XLA
+
+_xla_max_pool = jax.jit(autodiff.max_pool, static_argnums=(1, 2, 3))
+_xla_max_pool_with_taps = jax.jit(autodiff.max_pool_with_taps, static_argnums=(1, 2, 3))
+_xla_avg_pool = jax.jit(xla.avg_pool, static_argnums=(1, 2, 3))
+_xla_lp_pool = jax.jit(xla.lp_pool, static_argnums=(1, 2))
+
+
+def _xla_run(op: str, x: jax.Array, geom: Geometry, **config):
+  if op == "max_pool":
+    return _xla_max_pool(x, geom, config["activation"], xla.MAX_POOL_OPS)
+  if op == "max_pool_with_taps":
+    return _xla_max_pool_with_taps(x, geom, None, xla.MAX_POOL_OPS)
+  if op == "avg_pool":
+    return _xla_avg_pool(x, geom, config["count_include_pad"], config["divisor_override"])
+  if op == "lp_pool":
+    return _xla_lp_pool(x, geom, config["p"])
+  raise AssertionError(op)
+
+
+XLA = Backend("xla", unsupported=lambda op, x, geom: None, not_default=lambda: None,
+              run=_xla_run)
+
+
+# ----------------------------------------------------------------------------- Pallas
+
+
+@functools.cache
+def _pallas():
+  """The Pallas backend module (imported on first use: the core needs no Pallas)."""
+  from jaxpool._src.pallas import ops
+  return ops
+
+
+def _pallas_unsupported(op: str, x: jax.Array, geom: Geometry) -> str | None:
+  try:
+    ops = _pallas()
+  except ImportError as e:  # pragma: no cover - a jaxlib without Pallas
+    return f"Pallas cannot be imported ({e})"
+  reason = ops.unsupported(op, x.shape, x.dtype, geom)
+  if reason is None:
+    explicit = xla.explicit_sharding(x)
+    if explicit is not None:
+      spec = explicit[1]
+      if any(ax < len(spec) and spec[ax] is not None for ax in geom.spatial_axes(x.ndim)):
+        reason = "a spatial dim is sharded over an Explicit mesh axis (that needs halos)"
+  return reason
+
+
+def _pallas_not_default() -> str | None:
+  where = platform()
+  if where == "cuda":
+    return None
+  return (f"the kernels run by default on NVIDIA GPUs only (they were never compiled on "
+          f"{where}); ask for them with implementation='pallas'")
+
+
+def _pallas_run(op: str, x: jax.Array, geom: Geometry, **config):
+  """Calls a Pallas op; with Explicit sharding, once per shard inside ``shard_map``.
+
+  Pooling never mixes batch or channel elements, so a block of them is pooled on its own device
+  (a sharded spatial dim is refused above: that needs halos).
+  """
+  fn = functools.partial(getattr(_pallas(), op), geom=geom,
+                         interpret=jax.default_backend() == "cpu", **config)
+  explicit = xla.explicit_sharding(x)
+  if explicit is None:
+    return fn(x)
+  mesh, spec = explicit
+  spec = jax.sharding.PartitionSpec(*spec, *([None] * (x.ndim - len(spec))))
+  out_specs = (spec, spec) if op == "max_pool_with_taps" else spec
+  return jax.shard_map(fn, mesh=mesh, in_specs=(spec,), out_specs=out_specs,
+                       check_vma=False)(x)
+
+
+PALLAS = Backend("pallas", unsupported=_pallas_unsupported, not_default=_pallas_not_default,
+                 run=_pallas_run)
+
+# In order of preference for implementation=None.
+REGISTRY: dict[str, Backend] = {"pallas": PALLAS, "xla": XLA}
+
+
+def choose(op: str, implementation: Any, x: jax.Array, geom: Geometry) -> Backend:
+  """The backend that serves ``op`` for this call.
+
+  Raises:
+    ValueError: ``implementation`` is not one of ``None``, ``"xla"``, ``"pallas"``, or names a
+      backend that cannot serve this call (the message says why).
+  """
+  check_choice("implementation", implementation, IMPLEMENTATIONS)
+  if implementation is None:
+    implementation = default_implementation()
+  if implementation is not None:
+    backend = REGISTRY[implementation]
+    reason = backend.unsupported(op, x, geom)
+    if reason is not None:
+      raise ValueError(
+          f"implementation={implementation!r} cannot serve {op} for this call (shape "
+          f"{tuple(x.shape)}, dtype {x.dtype}): {reason}. Use implementation=None or 'xla'.")
+    return backend
+  for backend in REGISTRY.values():
+    if backend.not_default() is None and backend.unsupported(op, x, geom) is None:
+      return backend
+  raise AssertionError("the XLA backend serves every call")
+
+
+def run(op: str, implementation: Any, x: jax.Array, geom: Geometry, **config):
+  """Runs ``op`` on the backend :func:`choose` picks."""
+  return choose(op, implementation, x, geom).run(op, x, geom, **config)

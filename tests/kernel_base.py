@@ -1,0 +1,156 @@
+"""The kernel tests' shared base: configurations, data and the comparisons against XLA.
+
+Every Pallas backend (Triton on a GPU or in interpret mode; the TPU kernels in interpret mode)
+runs these same checks: bit for bit with the XLA path for max pooling (forward, taps, gradient),
+to float32 rounding for average pooling. ``test_pallas.py`` and ``test_pallas_tpu.py`` choose
+the kernels and call them.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxpool
+from jaxpool._src import windows, xla
+from jaxpool._src.pallas import ops
+
+ON_GPU = jax.default_backend() in ("gpu", "cuda", "rocm")
+
+# (shape (N, H, W, C) or (N, W, C), window, strides, padding, dilation, ceil_mode)
+CONFIGS = [
+    ((2, 9, 11, 5), (3, 3), (2, 2), ((1, 2), (2, 1)), None, False),  # overlap, odd pads
+    ((1, 7, 6, 3), (2, 3), (2, 1), "SAME", (2, 1), True),  # dilation, ceil mode
+    ((3, 10, 4), (4,), (3,), ((3, 2),), None, True),  # 1-D, windows past the edge
+]
+# 3-D and channels_first (the TPU kernels cover neither), with the layout last.
+CONFIGS_ND = [
+    ((2, 3, 9, 11), (3, 3), (2, 2), ((1, 2), (2, 1)), None, False, "channels_first"),
+    ((2, 5, 6, 7, 3), (3, 2, 3), (2, 1, 2), ((1, 1), (0, 1), (1, 0)), (1, 2, 1), True),
+    ((1, 2, 5, 6, 7), (2, 3, 2), (2, 2, 1), 1, None, False, "channels_first"),
+    ((2, 3, 10), (4,), (3,), ((3, 2),), None, True, "channels_first"),
+    # wide rows: channels_first blocks of 64 columns, so some take the interior path
+    ((1, 2, 5, 150), (3, 3), (2, 2), 1, None, False, "channels_first"),
+]
+ND_IDS = ["2d_first", "3d_last_dilated_ceil", "3d_first", "1d_first", "2d_first_wide"]
+GPU_CONFIGS = [
+    ((4, 57, 45, 64), (3, 3), (2, 2), 1, None, False),
+    ((2, 33, 70, 40), (2, 2), (2, 2), 0, None, True),
+    ((3, 31, 29, 96), (5, 3), (2, 3), ((2, 1), (0, 2)), (1, 2), False),
+    ((5, 100, 24), (3,), (2,), ((1, 1),), None, False),
+    ((4, 64, 56, 57), (3, 3), (2, 2), 1, None, False, "channels_first"),
+    ((2, 9, 30, 33, 32), (3, 3, 3), (2, 2, 2), 1, None, False),
+    ((2, 8, 9, 20, 22), (2, 2, 2), (2, 2, 2), 0, (1, 1, 2), True, "channels_first"),
+    ((2, 16, 20, 300), (3, 3), (2, 2), 1, None, False, "channels_first"),
+    ((3, 16, 31, 29), (5, 3), (2, 3), ((2, 1), (0, 2)), (1, 2), False, "channels_first"),
+]
+
+
+def kw_of(window, strides, padding, dilation, ceil_mode, data_format="channels_last"):
+  return dict(window_shape=window, strides=strides, padding=padding, dilation=dilation,
+              ceil_mode=ceil_mode, data_format=data_format)
+
+
+def data(rng, shape, dtype, *, special=True):
+  x = rng.standard_normal(shape).astype(np.float32)
+  if special:
+    flat = x.reshape(-1)
+    n = flat.size
+    flat[rng.choice(n, max(n // 7, 2), replace=False)] = 0.5  # ties
+    flat[rng.choice(n, max(n // 50, 1), replace=False)] = -np.inf
+    flat[rng.choice(n, max(n // 97, 1), replace=False)] = np.nan
+  return jnp.asarray(x).astype(dtype)
+
+
+def bits_equal(a, b):
+  a, b = np.asarray(a), np.asarray(b)
+  assert a.shape == b.shape and a.dtype == b.dtype
+  both_nan = np.isnan(a.astype(np.float32)) & np.isnan(b.astype(np.float32))
+  assert np.array_equal(np.where(both_nan, 0, a), np.where(both_nan, 0, b)), (
+      f"{np.sum(a != b)} of {a.size} differ")
+
+
+def check_max(rng, cfg, dtype):
+  shape, *geo = cfg
+  kw = kw_of(*geo)
+  x = data(rng, shape, dtype)
+  # forward, and the argmax as flat indices
+  bits_equal(jaxpool.max_pool(x, **kw, implementation="pallas"),
+              jaxpool.max_pool(x, **kw, implementation="xla"))
+  ya, ia = jaxpool.max_pool_with_indices(x, **kw, implementation="pallas")
+  yb, ib = jaxpool.max_pool_with_indices(x, **kw, implementation="xla")
+  bits_equal(ya, yb)
+  bits_equal(ia, ib)
+  # gradient: NaN-free input so the cotangents are finite; dy has ties too
+  xf = data(rng, shape, dtype, special=False)
+  xf = jnp.where(jnp.abs(xf) < 0.3, jnp.asarray(0.25, dtype), xf)  # ties
+  dy = data(rng, jaxpool.max_pool(xf, **kw).shape, dtype, special=False)
+  grads = [jax.jit(lambda a, g, impl=impl: jax.vjp(
+      lambda v: jaxpool.max_pool(v, **kw, implementation=impl), a)[1](g)[0])(xf, dy)
+      for impl in ("pallas", "xla")]
+  bits_equal(*grads)
+  return x, xf, dy, kw
+
+
+def tol(dtype, taps):
+  return (2e-6 if dtype == jnp.float32 else 1e-2) * max(taps, 1)
+
+
+def check_avg(rng, cfg, dtype, count_include_pad, divisor_override):
+  shape, *geo = cfg
+  kw = kw_of(*geo)
+  kw.update(count_include_pad=count_include_pad, divisor_override=divisor_override)
+  taps = int(np.prod(geo[0]))
+  x = data(rng, shape, dtype, special=False)
+  a = jaxpool.avg_pool(x, **kw, implementation="pallas")
+  b = jaxpool.avg_pool(x, **kw, implementation="xla")
+  assert a.dtype == b.dtype and a.shape == b.shape
+  np.testing.assert_allclose(np.float32(a), np.float32(b), rtol=tol(dtype, 1),
+                             atol=tol(dtype, taps))
+  dy = data(rng, a.shape, dtype, special=False)
+  ga, gb = [jax.vjp(lambda v, impl=impl: jaxpool.avg_pool(v, **kw, implementation=impl),
+                    x)[1](dy)[0] for impl in ("pallas", "xla")]
+  assert ga.dtype == gb.dtype == x.dtype
+  np.testing.assert_allclose(np.float32(ga), np.float32(gb), rtol=tol(dtype, 1),
+                             atol=tol(dtype, taps))
+
+
+def check_vmap_grad_and_jvp(rng, x, kw):
+  """Per-example gradients (vmap of grad) and jvp of a max + avg loss, Pallas against XLA;
+  returns the two losses."""
+  def loss(impl):
+    def f(v):
+      y = jaxpool.max_pool(v, **kw, implementation=impl)
+      z = jaxpool.avg_pool(v, **kw, implementation=impl)
+      return jnp.sum(y * y) + jnp.sum(jnp.sin(z))
+    return f
+
+  p, q = loss("pallas"), loss("xla")
+  ga = jax.jit(jax.vmap(jax.grad(p)))(x[:, None])
+  gb = jax.jit(jax.vmap(jax.grad(q)))(x[:, None])
+  np.testing.assert_allclose(ga, gb, rtol=1e-6, atol=1e-6)
+  t = data(rng, x.shape, jnp.float32, special=False)
+  (pa, ta), (pb, tb) = jax.jvp(p, (x,), (t,)), jax.jvp(q, (x,), (t,))
+  np.testing.assert_allclose(pa, pb, rtol=1e-6)
+  np.testing.assert_allclose(ta, tb, rtol=1e-5)
+  return p, q
+
+
+def check_empty_windows_and_all_neg_inf():
+  """Windows of only padding and of only -inf, every op, Pallas against XLA."""
+  # Windows that hold only padding (ceil mode + large padding) and windows of only -inf.
+  x = jnp.full((1, 3, 3, 2), -jnp.inf).at[0, 2, 2, 0].set(1.0)
+  kw = dict(window_shape=(2, 2), strides=(2, 2), padding=1, ceil_mode=True)
+  for fn in (jaxpool.max_pool, lambda *a, **k: jaxpool.max_pool_with_indices(*a, **k)[1]):
+    bits_equal(fn(x, **kw, implementation="pallas"), fn(x, **kw, implementation="xla"))
+  kw1 = dict(window_shape=(3,), strides=(3,), padding=((2, 2),), ceil_mode=True)
+  x1 = jnp.arange(8.0).reshape(1, 4, 2)
+  geom = windows.make_geometry(x1.shape, (3,), (3,), ((2, 2),), None, True)
+  ya, ta = ops.max_pool_with_taps(x1, geom, interpret=not ON_GPU)
+  yb, tb = xla.max_pool_taps(x1, geom)
+  bits_equal(ya, yb)
+  bits_equal(ta, tb)
+  assert ta.dtype == windows.taps_dtype(3)
+  bits_equal(jaxpool.avg_pool(x1, **kw1, implementation="pallas"),
+              jaxpool.avg_pool(x1, **kw1, implementation="xla"))

@@ -1,0 +1,131 @@
+"""How the library sits in JAX: no global changes to JAX's state, and the fused activation.
+
+Importing jaxpool and running every op under every transformation must leave JAX's rule tables
+as they were: the only entries it may add are the rules of jaxpool's own primitives (named
+``jaxpool_*``). The test runs in a fresh interpreter so that nothing else has imported jaxpool.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import reference as ref
+from core_strategies import assert_bitwise
+
+import jaxpool
+
+_TABLES_SCRIPT = textwrap.dedent('''
+    import jax, jax.numpy as jnp
+    # JAX's own modules that jaxpool uses, imported first: their rules are JAX's, not ours.
+    import jax.experimental.pallas, jax.experimental.pallas.triton, jax.experimental.pallas.tpu
+    import jax.custom_batching, jax.extend.core
+    try:  # (Pallas loads it lazily on some paths; it registers JAX's Mosaic GPU rules)
+      import jax.experimental.mosaic.gpu
+    except ImportError:
+      pass
+    from jax._src.interpreters import ad, batching, mlir
+
+    def snapshot():
+      tables = dict(jvp=ad.primitive_jvps, transpose=ad.primitive_transposes,
+                    lower=mlir._lowerings)
+      # (Some of the batching tables are write-only proxies in front of a dict.)
+      tables.update({n: getattr(batching, n) for n in dir(batching)
+                     if n.endswith("batchers") and isinstance(getattr(batching, n), dict)})
+      out = {name: dict(t) for name, t in tables.items()}
+      out["platform_lower"] = {k: dict(v) for k, v in mlir._platform_specific_lowerings.items()}
+      return out
+
+    before = snapshot()
+    import jaxpool
+    x = jnp.asarray(jax.random.normal(jax.random.key(0), (2, 6, 6, 3)))
+    for impl in ("xla", "pallas"):
+      def loss(v, impl=impl):
+        y = jaxpool.max_pool(v, (3, 3), (2, 2), 1, implementation=impl, activation="relu")
+        y2, i = jaxpool.max_pool_with_indices(v, (2, 2), implementation=impl)
+        z = jaxpool.avg_pool(v, (2, 2), (2, 2), implementation=impl)
+        return (y ** 2).sum() + y2.sum() + jnp.sin(z).sum() + i.sum()
+      jax.jit(jax.grad(loss))(x)
+      jax.vmap(jax.grad(loss))(x[:, None])
+      jax.jvp(loss, (x,), (x,))
+      jax.hessian(loss)(x[:1, :3, :3, :1])
+    jax.grad(lambda v: jaxpool.lp_pool(v, 3, (2, 2)).sum())(x)
+    jaxpool.max_unpool(*jaxpool.max_pool_with_indices(x, (2, 2), (2, 2)), (6, 6))
+    after = snapshot()
+
+    problems = []
+    for table, entries in after.items():
+      old = before[table]
+      for key, value in entries.items():
+        if table == "platform_lower":
+          continue
+        if key in old:
+          if old[key] is not value:
+            problems.append(f"{table}: {key} replaced")
+        elif not str(getattr(key, "name", key)).startswith("jaxpool_"):
+          problems.append(f"{table}: {key} added")
+    for platform, entries in after["platform_lower"].items():
+      for key, value in entries.items():
+        old = before["platform_lower"].get(platform, {})
+        if key in old and old[key] is not value:
+          problems.append(f"platform_lower[{platform}]: {key} replaced")
+        elif key not in old and not str(getattr(key, "name", key)).startswith("jaxpool_"):
+          problems.append(f"platform_lower[{platform}]: {key} added")
+    print("PROBLEMS", problems)
+''')
+
+
+def test_jax_rule_tables_are_left_as_they_were():
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  out = subprocess.run([sys.executable, "-c", _TABLES_SCRIPT], capture_output=True, text=True,
+                       env=env, timeout=600)
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert "PROBLEMS []" in out.stdout, out.stdout[-3000:]
+
+
+# ----------------------------------------------------------------------------- fused ReLU
+
+
+def _tie_rich(rng, shape):
+  x = rng.integers(-2, 3, shape).astype(np.float32)  # zeros, negatives, ties
+  flat = x.reshape(-1)
+  flat[rng.choice(flat.size, 3, replace=False)] = np.nan
+  flat[rng.choice(flat.size, 3, replace=False)] = -np.inf
+  flat[rng.choice(flat.size, 3, replace=False)] = -0.0
+  return x
+
+
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+@pytest.mark.parametrize("kw", [
+    dict(window_shape=(3, 3), strides=(2, 2), padding=1),
+    dict(window_shape=(2, 3), strides=(1, 2), padding="SAME", dilation=(2, 1), ceil_mode=True),
+    dict(window_shape=(9, 9), strides=(2, 2), padding=2),  # above the unroll threshold
+])
+def test_fused_relu_is_relu_after_the_pool(rng, kw, implementation):
+  if implementation == "pallas" and np.prod(kw["window_shape"]) > 64:
+    pytest.skip("the kernels take at most 64 taps")
+  x = _tie_rich(rng, (2, 11, 10, 3))
+  fused = lambda v: jaxpool.max_pool(v, **kw, activation="relu", implementation=implementation)
+  unfused = lambda v: jax.nn.relu(jaxpool.max_pool(v, **kw, implementation=implementation))
+  assert_bitwise(fused(x), unfused(x))
+  assert_bitwise(fused(x), np.maximum(ref.max_pool(x, **kw), 0).astype(np.float32))
+  dy = rng.integers(-3, 4, fused(x).shape).astype(np.float32)
+  grad = lambda f: jax.vjp(f, jnp.asarray(x))[1](jnp.asarray(dy))[0]
+  assert_bitwise(grad(fused), grad(unfused))
+  # and against the reference: a window whose maximum is not positive sends nothing
+  y = ref.max_pool(x, **kw)
+  assert_bitwise(grad(fused),
+                 ref.max_pool_grad(x, np.where(y > 0, dy, 0), **kw).astype(np.float32))
+  t = jnp.asarray(rng.standard_normal(x.shape), jnp.float32)
+  assert_bitwise(jax.jvp(fused, (x,), (t,))[1], jax.jvp(unfused, (x,), (t,))[1])
+
+
+def test_fused_relu_bad_name():
+  with pytest.raises(ValueError, match="activation must be one of .*'gelu'"):
+    jaxpool.max_pool(jnp.ones((1, 4, 1)), (2,), activation="gelu")
