@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint docs types install clean
+.PHONY: demo test lint docs types package-check install clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,11 +22,12 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(PY) -m ruff check jaxpool tests examples benchmarks
 
-# `make test` = lint + the docstring examples + pytest + the docs site (warnings are errors) + mypy.
+# `make test` = lint + the docstring examples + pytest + the docs site (warnings are errors) + mypy
+# + the packaging check.
 test: $(STAMP) lint
 	$(PY) -m pytest -q -p no:cacheprovider --doctest-modules jaxpool
 	$(PY) -m pytest -q -n 2 tests
-	$(MAKE) docs types
+	$(MAKE) docs types package-check
 
 docs: $(STAMP)
 	$(PY) docs/make_figures.py
@@ -34,6 +35,12 @@ docs: $(STAMP)
 
 types: $(STAMP)
 	$(VENV)/bin/mypy
+
+# Builds the sdist and the wheel, installs the wheel without extras into a new venv (in a temporary
+# directory) and runs a max pool and its gradient there, then collects the sdist's tests and runs
+# tests/test_max.py and tests/test_errors.py from it (tests/packaging_check.py).
+package-check: $(STAMP)
+	$(PY) tests/packaging_check.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache site

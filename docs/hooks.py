@@ -2,12 +2,15 @@
 
 ``<!-- table:cpu -->`` becomes the table of benchmarks/results/cpu.json and ``<!-- table:gpu -->``
 that of benchmarks/results/gpu.json, so the page always shows the numbers in the repository.
+``<!-- include:NAME -->`` becomes the text of the file NAME at the repository root (the changelog
+page shows CHANGELOG.md).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -40,7 +43,9 @@ def cpu_table() -> str:
         f"{_fmt(r['xla_fwd'])} | {_fmt(r['jaxpool_fwd'])} | {_fmt(r['xla_bwd'])} | "
         f"{_fmt(r['jaxpool_bwd'])} | {_fmt(r['xla_fwd_bwd'])} | {_fmt(r['jaxpool_fwd_bwd'])} | "
         f"{r['xla_bwd'] / r['jaxpool_bwd']:.1f}x | {'yes' if r.get('same_result') else 'no'} |")
-  meta = (f"\n\nTimes in ms (benchmarks/cpu.py, {d.get('repeats')} repeats per timing); jax "
+  # benchmarks/cpu.py's timeit_all: 3 rounds of repeats // 3 timed calls per contender.
+  calls = 3 * max(1, int(d.get("repeats", 3)) // 3)
+  meta = (f"\n\nTimes in ms, each the median of {calls} timed calls (benchmarks/cpu.py); jax "
           f"{d.get('jax')}, {d.get('cores')} CPU cores. Max-pool residual: "
           f"{d.get('residual_bytes_per_output')} byte per output element "
           f"({', '.join(d.get('residuals', []))}).")
@@ -68,7 +73,16 @@ def gpu_table() -> str:
   return head + "\n".join(rows) + meta
 
 
+def include(markdown: str) -> str:
+  """Replaces each ``<!-- include:NAME -->`` with the file NAME of the repository root."""
+  for name in re.findall(r"<!-- include:([\w.-]+) -->", markdown):
+    with open(os.path.join(ROOT, name)) as f:
+      markdown = markdown.replace(f"<!-- include:{name} -->", f.read())
+  return markdown
+
+
 def on_page_markdown(markdown, page, config, files):  # noqa: ARG001  (mkdocs hook signature)
+  markdown = include(markdown)
   if "<!-- table:cpu -->" in markdown:
     markdown = markdown.replace("<!-- table:cpu -->", cpu_table())
   if "<!-- table:gpu -->" in markdown:

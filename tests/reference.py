@@ -1,11 +1,11 @@
-"""An independent NumPy reference for jaxpool's functional API (SPEC.md sections 1-2).
+"""An independent NumPy reference for jaxpool's functional API (the contract in docs/semantics.md).
 
 Plain loops over output positions and window taps, in float64 (int64 for integer max), vectorised
 only over the rows ``(*batch, C)`` that are never pooled. It shares no code with the library: the
 output-size formula, the padding resolution and the divisor rules are written here from the
 contract (and PyTorch's / ONNX's / DirectML's documented rules), not imported.
 
-Conventions, from SPEC.md:
+Conventions, as docs/semantics.md states them:
   * max: padding never wins; ties -> lowest row-major tap; NaN beats every number, the first NaN
     wins; +0.0 beats -0.0 (as ``lax.max``); a window whose real elements are all -inf picks its
     first real element; a window with no real element outputs -inf (``iinfo.min`` for ints),

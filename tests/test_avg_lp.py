@@ -1,4 +1,4 @@
-"""avg_pool, lp_pool, l2_pool and their gradients against the NumPy reference (SPEC.md 1-2)."""
+"""avg_pool, lp_pool, l2_pool and gradients against the NumPy reference (docs/semantics.md)."""
 
 import math
 

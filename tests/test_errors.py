@@ -1,4 +1,4 @@
-"""Bad input (SPEC.md section 3): ValueError/TypeError naming the argument and the value."""
+"""Bad input: ValueError/TypeError naming the argument and the value (docs/semantics.md)."""
 
 import re
 

@@ -3,6 +3,7 @@
 import pathlib
 import re
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -210,8 +211,10 @@ def test_training_graph_per_example_vmap(net, jitted, rng):
   x, y = unique_batch(rng, 4)
   per_example = jax.jit(jax.vmap(lambda xi, yi: tg.run(params, image=xi, label=yi)))
   losses, grads = per_example(x, y)
-  assert losses.shape == (4,)
-  assert grads["conv1"]["w"].shape == (4, 3, 3, 2, 4)
+  chex.assert_shape(losses, (4,))
+  # One gradient per example, each shaped like the parameters.
+  chex.assert_tree_shape_prefix(grads, (4,))
+  chex.assert_trees_all_equal_shapes_and_dtypes(jax.tree.map(lambda a: a[0], grads), params)
   want_losses, want_grads = jax.jit(jax.vmap(ref, in_axes=(None, 0, 0)))(params, x, y)
   np.testing.assert_allclose(losses, want_losses, rtol=1e-6)
   assert_trees_close(grads, want_grads)
@@ -265,8 +268,8 @@ def test_max_pool_gradient_state_is_the_argmax(rng):
   st = pool.gradient_state()
   values = jg.Graph(st).evaluate({}, x=x)
   y, idx = jaxpool.max_pool_with_indices(x, (3, 3), (2, 2), "SAME")
-  np.testing.assert_array_equal(values["pool.state"], idx)
-  np.testing.assert_array_equal(values["pool"], y)
+  # The node's output and its state: the values, shapes and dtypes of max_pool_with_indices.
+  chex.assert_trees_all_equal((values["pool"], values["pool.state"]), (y, idx), strict=True)
 
 
 # ----------------------------------------------------------------------------- hand-built

@@ -1,4 +1,4 @@
-"""max_pool, max_pool_grad: exact agreement with the NumPy reference (SPEC.md sections 1-2)."""
+"""max_pool, max_pool_grad: exact agreement with the NumPy reference (docs/semantics.md)."""
 
 import hypothesis
 import hypothesis.strategies as st

@@ -1,10 +1,11 @@
-"""jit, vmap, grad/vjp, jvp/jacfwd, second order, dtypes and residuals (SPEC.md section 2)."""
+"""jit, vmap, grad/vjp, jvp/jacfwd, second order, dtypes and residuals (docs/semantics.md)."""
 
 import functools
 import io
 import logging
 from contextlib import redirect_stdout
 
+import chex
 import jax
 import jax.ad_checkpoint
 import jax.numpy as jnp
@@ -283,13 +284,12 @@ def test_float64_under_x64(rng):
 @pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16, np.float16])
 def test_grad_dtypes(dtype, rng):
   x = tie_rich(rng, SHAPE, dtype)
-  for name, f in _ops(KW).items():
-    if name not in ("max", "avg", "lp3"):
-      continue
-    g = jax.grad(lambda v, f=f: jnp.sum(f(v).astype(np.float32)))(x)
-    assert g.dtype == dtype, name
-    assert g.shape == x.shape, name
-    assert np.all(np.isfinite(np.asarray(g, np.float32))), name
+  grads = {name: jax.grad(lambda v, f=f: jnp.sum(f(v).astype(np.float32)))(x)
+           for name, f in _ops(KW).items() if name in ("max", "avg", "lp3")}
+  # Each gradient has the input's shape and dtype (not float32), and is finite; a failure names
+  # the op (the tree path).
+  chex.assert_trees_all_equal_shapes_and_dtypes(grads, {name: x for name in grads})
+  chex.assert_tree_all_finite(grads)
 
 
 def test_integer_inputs():
@@ -319,7 +319,7 @@ def _residuals(f, x):
 
 @pytest.mark.parametrize("window,dtype", [((3, 3), "i8"), ((8, 15), "i8"), ((16, 16), "i16")])
 def test_max_pool_keeps_only_the_argmax(window, dtype):
-  """Reverse mode saves one narrow int per output element, not the input (SPEC: Residuals)."""
+  """Reverse mode saves one narrow int per output element, not the input (docs/semantics.md)."""
   x = np.zeros((2, 32, 32, 4), np.float32)
   kw = dict(window_shape=window, strides=window, padding="SAME")
   out = jp.max_pool(x, **kw).shape
