@@ -59,8 +59,9 @@ from jaxpool._src.xla import accumulator_dtype, lowest
 
 # Evenly dividing sizes whose bins hold at most this many elements go to the fixed-window ops
 # (tap loops, Pallas kernels); larger bins to the reshape-and-reduce stages, whose program does
-# not grow with the bin.
-FIXED_WINDOW_MAX_TAPS = 64
+# not grow with the bin. (On a CPU, 8x8 bins through max_pool's tap loop took 150 times as long
+# forward and backward as through the stages; benchmarks/global_adaptive.py times both.)
+FIXED_WINDOW_MAX_TAPS = 16
 
 
 # ----------------------------------------------------------------------------- arguments
@@ -230,29 +231,20 @@ def _split(a: jax.Array, ax: int, tab: _Table, fill) -> jax.Array:
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))
 def first_max(v: jax.Array, axis: int, index_dtype: np.dtype) -> tuple[jax.Array, jax.Array]:
-  """The maximum over ``axis`` and the index of its first occurrence, in one reduction.
+  """The maximum over ``axis`` and the index of its first occurrence.
 
-  NaN beats every number (the first NaN wins); ties go to the lowest index. The comparison is
-  a total order on (value, -index), so the result does not depend on the reduction's order.
+  NaN beats every number (the first NaN wins); ties go to the lowest index. Two plain
+  reductions: the max (NaN propagates), then the least index holding it. (One variadic
+  reduction of (value, index) reads ``v`` once, but XLA:CPU runs it 4-15x slower.)
   Differentiable (a ``custom_jvp``: the tangent at the index), so second order works.
   """
+  y = jnp.max(v, axis=axis, keepdims=True)
+  hit = v == y
+  if jnp.issubdtype(v.dtype, jnp.floating):
+    hit = hit | (jnp.isnan(v) & jnp.isnan(y))
   iota = lax.broadcasted_iota(index_dtype, v.shape, axis)
-  is_float = jnp.issubdtype(v.dtype, jnp.floating)
-
-  def pick(a, b):
-    (av, ai), (bv, bi) = a, b
-    if is_float:
-      a_nan, b_nan = av != av, bv != bv
-      b_wins = (bv > av) | (b_nan & ~a_nan)
-      tie = (bv == av) | (a_nan & b_nan)
-    else:
-      b_wins, tie = bv > av, bv == av
-    take_b = b_wins | (tie & (bi < ai))
-    return lax.select(take_b, bv, av), lax.select(take_b, bi, ai)
-
-  init = (lowest(v.dtype), np.array(np.iinfo(index_dtype).max, index_dtype))
-  y, idx = lax.reduce((v, iota), init, pick, (axis,))
-  return y, idx
+  none = np.array(np.iinfo(index_dtype).max, index_dtype)  # never taken: every max is hit
+  return jnp.squeeze(y, axis), jnp.min(jnp.where(hit, iota, none), axis=axis)
 
 
 @first_max.defjvp
