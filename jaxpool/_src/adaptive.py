@@ -139,14 +139,15 @@ class _Plan:
     return size.reshape(shape).astype(dtype)
 
 
-def _make_plan(x: jax.Array, sizes: tuple[int | None, ...], data_format: str) -> _Plan:
+def _make_plan(x: jax.Array, output_size: Any, data_format: str) -> _Plan:
+  sizes = _output_size(output_size)
   check_choice("data_format", data_format, DATA_FORMATS)
   n = len(sizes)
   if x.ndim < n + 1:
     layout = "(*batch, *spatial, C)" if data_format == "channels_last" else "(*batch, C, *spatial)"
     raise ValueError(
         f"x must have at least {n + 1} dims, {layout} with len(output_size) = {n} spatial dims "
-        f"(output_size={sizes!r}); got shape {tuple(x.shape)}.")
+        f"(output_size={output_size!r}); got shape {tuple(x.shape)}.")
   channels_last = data_format == "channels_last"
   axes = _spatial_axes(x.ndim, n, channels_last)
   _check_nonempty(x, axes)
@@ -514,7 +515,7 @@ def adaptive_max_pool(x: PoolIn, output_size: Sequence[int | None], *,
   """
   x = api._as_array("x", x)
   api._check_dtype("x", x, allow_int=True)
-  plan = _make_plan(x, _output_size(output_size), data_format)
+  plan = _make_plan(x, output_size, data_format)
   route = _route(plan)
   if route == "global":
     check_choice("implementation", implementation, (None, "xla", "pallas"))
@@ -550,7 +551,7 @@ def adaptive_max_pool_with_indices(
   """
   x = api._as_array("x", x)
   api._check_dtype("x", x, allow_int=True)
-  plan = _make_plan(x, _output_size(output_size), data_format)
+  plan = _make_plan(x, output_size, data_format)
   route = _route(plan)
   if route == "fixed":
     w = _fixed_window(plan)
@@ -589,7 +590,7 @@ def adaptive_avg_pool(x: FloatIn, output_size: Sequence[int | None], *,
   """
   x = api._as_array("x", x)
   api._check_dtype("x", x, allow_int=False)
-  plan = _make_plan(x, _output_size(output_size), data_format)
+  plan = _make_plan(x, output_size, data_format)
   route = _route(plan)
   if route == "global":
     check_choice("implementation", implementation, (None, "xla", "pallas"))
