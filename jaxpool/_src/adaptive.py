@@ -19,7 +19,8 @@ number of operations per spatial dim, whatever the sizes (no loop over positions
   column. An average is the box sum over the box size.
 
 Gradients. Max is a ``custom_jvp``: its JVP finds each stage's first maximum (``tap``, a slot in
-``[0, K)``, NaN beating every number) with a variadic reduction, and picks the tangent there.
+``[0, K)``, NaN beating every number; two reductions: the max, then the least slot holding it)
+and picks the tangent there.
 Average is a ``custom_jvp`` too, with a linear tangent. JAX transposes these tangents into the
 gradient, and each stage's tangent has one of two forms chosen so that the gradient's bits do
 not depend on the order of atomic additions (XLA's GPU scatter-add):
@@ -31,7 +32,8 @@ not depend on the order of atomic additions (XLA's GPU scatter-add):
 * scatter form (``O > L``): written input-major, each input element copied into ``M`` slots
   (one per bin that holds it), masked, and scatter-added into the outputs (at most two values
   per output: bins hold at most two elements when ``O > L``). Its transpose, the gradient, is a
-  gather from the cotangent and a sum over ``M`` in a fixed order: no scatter at all.
+  gather from the cotangent and a reduction over ``M`` (XLA's reductions use no atomics): no
+  scatter at all.
 
 Global max has the same JVP over the flattened spatial dims; its transpose is an elementwise
 select (each input element gets its output's cotangent or zero). Global average is a sum in the
