@@ -1,5 +1,10 @@
 """jaxpool: pooling for JAX with exact, deterministic gradients and Pallas kernels."""
 
+from jaxpool._src.adaptive import adaptive_avg_pool as adaptive_avg_pool
+from jaxpool._src.adaptive import adaptive_max_pool as adaptive_max_pool
+from jaxpool._src.adaptive import adaptive_max_pool_with_indices as adaptive_max_pool_with_indices
+from jaxpool._src.adaptive import global_avg_pool as global_avg_pool
+from jaxpool._src.adaptive import global_max_pool as global_max_pool
 from jaxpool._src.api import avg_pool as avg_pool
 from jaxpool._src.api import avg_pool_grad as avg_pool_grad
 from jaxpool._src.api import l2_pool as l2_pool
