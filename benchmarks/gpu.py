@@ -143,7 +143,7 @@ def run_case(name, shape, window, strides, padding, data_format, dtype, copy_gbs
                              pad_cfg)
 
   xla_vjp = jax.jit(lambda a: jax.vjp(xla_fwd, a)[1])(x)
-  idx = jax.jit(lambda a: pk.max_forward_argmax(a, geom, interpret=False)[1])(x)
+  idx = jax.jit(lambda a: pk.max_forward_taps(a, geom, interpret=False)[1])(x)
 
   def vjp_of(f):  # forward and backward: y and dx both returned, so neither pass is elided
     def run(a, g):
@@ -168,7 +168,7 @@ def run_case(name, shape, window, strides, padding, data_format, dtype, copy_gbs
   row("pallas_fwd", time_jax(jax.jit(lambda a: pk.max_forward(a, geom, interpret=False)), x),
       nx + ny)
   row("pallas_fwd_argmax",
-      time_jax(jax.jit(lambda a: pk.max_forward_argmax(a, geom, interpret=False)), x),
+      time_jax(jax.jit(lambda a: pk.max_forward_taps(a, geom, interpret=False)), x),
       nx + ny + ni)
   row("pallas_bwd",
       time_jax(jax.jit(lambda i, g: pk.max_backward(i, g, shape, geom, interpret=False)), idx, dy),

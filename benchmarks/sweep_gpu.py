@@ -58,7 +58,7 @@ def main() -> None:
     dt = jnp.dtype(dtype)
     x = jax.random.normal(jax.random.key(0), shape, jnp.float32).astype(dt)
     geom = windows.make_geometry(shape, window, strides, padding, data_format=data_format)
-    y, idx = pk.max_forward_argmax(x, geom, interpret=False)
+    y, idx = pk.max_forward_taps(x, geom, interpret=False)
     dy = jax.random.normal(jax.random.key(1), y.shape, jnp.float32).astype(dt)
     nx, ny, ni = x.size * dt.itemsize, y.size * dt.itemsize, idx.size
     if data_format == "channels_last":
