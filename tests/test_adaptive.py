@@ -626,3 +626,26 @@ def test_no_retrace_under_jit(rng):
 
 def test_torch_is_not_needed():
   assert "torch" not in sys.modules
+
+
+def test_pallas_is_refused_where_no_kernel_serves():
+  x = jnp.ones((1, 13, 13, 2))
+  for fn in (jaxpool.adaptive_max_pool, jaxpool.adaptive_avg_pool,
+             jaxpool.adaptive_max_pool_with_indices):
+    with pytest.raises(ValueError, match="implementation='pallas' cannot serve .*no Pallas"):
+      fn(x, (7, 7), implementation="pallas")
+    with pytest.raises(ValueError, match="implementation='pallas' cannot serve .*global"):
+      fn(x, (1, 1), implementation="pallas")
+  # evenly dividing sizes are fixed windows: the kernels serve them
+  jaxpool.adaptive_max_pool(jnp.ones((1, 8, 8, 2)), (4, 4), implementation="pallas")
+
+
+def test_signed_zero_follows_max_pool():
+  # +0.0 beats -0.0, as in max_pool: the value at the index is the output, bit for bit.
+  x = jnp.asarray([-0.0, 0.0, -0.0, -0.0, 1.0, -0.0, 0.0], jnp.float32).reshape(1, 7, 1)
+  y, i = jaxpool.adaptive_max_pool_with_indices(x, (3,))
+  at_index = np.asarray(x)[0, np.asarray(i)[0, :, 0], 0]
+  np.testing.assert_array_equal(np.signbit(np.asarray(y))[0, :, 0], np.signbit(at_index))
+  np.testing.assert_array_equal(np.asarray(y)[0, :, 0], at_index)
+  y2, _ = jaxpool.max_pool_with_indices(x[:, :2], (2,))
+  np.testing.assert_array_equal(np.signbit(np.asarray(y2)), [[[False]]])

@@ -56,8 +56,8 @@ from jax import lax
 from jaxpool._src import api
 from jaxpool._src.api import (DataFormat, FloatIn, FloatOut, Implementation, IndicesOut, PoolIn,
                               PoolOut)
-from jaxpool._src.windows import DATA_FORMATS, argmax_dtype, check_choice
-from jaxpool._src.xla import accumulator_dtype, lowest
+from jaxpool._src.dtypes import accumulator_dtype, check_dtype, lowest, same_value
+from jaxpool._src.windows import DATA_FORMATS, check_choice, taps_dtype
 
 # Evenly dividing sizes whose bins hold at most this many elements go to the fixed-window ops
 # (tap loops, Pallas kernels); larger bins to the reshape-and-reduce stages, whose program does
@@ -189,7 +189,7 @@ class _Table:
 
   @property
   def tap_dtype(self) -> np.dtype:
-    return argmax_dtype(self.k)
+    return taps_dtype(self.k)
 
 
 @functools.lru_cache(maxsize=512)
@@ -236,15 +236,14 @@ def _split(a: jax.Array, ax: int, tab: _Table, fill) -> jax.Array:
 def first_max(v: jax.Array, axis: int, index_dtype: np.dtype) -> tuple[jax.Array, jax.Array]:
   """The maximum over ``axis`` and the index of its first occurrence.
 
-  NaN beats every number (the first NaN wins); ties go to the lowest index. Two plain
+  NaN beats every number (the first NaN wins); ties go to the lowest index; ``+0.0`` beats
+  ``-0.0`` (as in :func:`jaxpool.max_pool`, where the value at the index is the output). Two plain
   reductions: the max (NaN propagates), then the least index holding it. (One variadic
   reduction of (value, index) reads ``v`` once, but XLA:CPU runs it 4-15x slower.)
   Differentiable (a ``custom_jvp``: the tangent at the index), so second order works.
   """
-  y = jnp.max(v, axis=axis, keepdims=True)
-  hit = v == y
-  if jnp.issubdtype(v.dtype, jnp.floating):
-    hit = hit | (jnp.isnan(v) & jnp.isnan(y))
+  y = jnp.max(v, axis=axis, keepdims=True)  # +0.0 beats -0.0 here, as in max_pool
+  hit = same_value(v, y)
   iota = lax.broadcasted_iota(index_dtype, v.shape, axis)
   none = np.array(np.iinfo(index_dtype).max, index_dtype)  # never taken: every max is hit
   return jnp.squeeze(y, axis), jnp.min(jnp.where(hit, iota, none), axis=axis)
@@ -474,6 +473,17 @@ def _route(plan: _Plan) -> str:
   return "stages"
 
 
+def _xla_only(implementation: Any, op: str, route: str) -> None:
+  """Routes other than "fixed" run XLA ops: ``implementation="pallas"`` is refused, as every
+  op refuses a backend that cannot serve it."""
+  check_choice("implementation", implementation, (None, "xla", "pallas"))
+  if implementation == "pallas":
+    what = "global pooling" if route == "global" else "bins that are not one fixed window"
+    raise ValueError(
+        f"implementation='pallas' cannot serve {op} for this call: there is no Pallas kernel "
+        f"for {what}. Use implementation=None or 'xla'.")
+
+
 def _fixed_window(plan: _Plan) -> tuple[int, ...]:
   return tuple(L // o for L, o in zip(plan.in_spatial, plan.out_spatial))
 
@@ -516,17 +526,17 @@ def adaptive_max_pool(x: PoolIn, output_size: Sequence[int | None], *,
     Array([5., 5., 7.], dtype=float32)
   """
   x = api._as_array("x", x)
-  api._check_dtype("x", x, allow_int=True)
+  check_dtype("x", x, allow_int=True)
   plan = _make_plan(x, output_size, data_format)
   route = _route(plan)
   if route == "global":
-    check_choice("implementation", implementation, (None, "xla", "pallas"))
+    _xla_only(implementation, "adaptive_max_pool", route)
     y = _global_max_jit(x, plan.nspatial, plan.channels_last)
     return _keepdims(y, plan.nspatial, plan.channels_last)
   if route == "fixed":
     w = _fixed_window(plan)
     return api.max_pool(x, w, w, data_format=data_format, implementation=implementation)
-  check_choice("implementation", implementation, (None, "xla", "pallas"))
+  _xla_only(implementation, "adaptive_max_pool", route)
   return _adaptive_max_jit(x, plan)
 
 
@@ -552,14 +562,14 @@ def adaptive_max_pool_with_indices(
            [7, 5]], dtype=int32)
   """
   x = api._as_array("x", x)
-  api._check_dtype("x", x, allow_int=True)
+  check_dtype("x", x, allow_int=True)
   plan = _make_plan(x, output_size, data_format)
   route = _route(plan)
   if route == "fixed":
     w = _fixed_window(plan)
     return api.max_pool_with_indices(x, w, w, data_format=data_format,
                                      implementation=implementation)
-  check_choice("implementation", implementation, (None, "xla", "pallas"))
+  _xla_only(implementation, "adaptive_max_pool_with_indices", route)
   if route == "global":
     y, idx = _global_max_indices_jit(x, plan.nspatial, plan.channels_last)
     return (_keepdims(y, plan.nspatial, plan.channels_last),
@@ -591,23 +601,23 @@ def adaptive_avg_pool(x: FloatIn, output_size: Sequence[int | None], *,
     Array([1.5, 3. , 4.5], dtype=float32)
   """
   x = api._as_array("x", x)
-  api._check_dtype("x", x, allow_int=False)
+  check_dtype("x", x, allow_int=False)
   plan = _make_plan(x, output_size, data_format)
   route = _route(plan)
   if route == "global":
-    check_choice("implementation", implementation, (None, "xla", "pallas"))
+    _xla_only(implementation, "adaptive_avg_pool", route)
     y = _global_avg_jit(x, plan.nspatial, plan.channels_last)
     return _keepdims(y, plan.nspatial, plan.channels_last)
   if route == "fixed":
     w = _fixed_window(plan)
     return api.avg_pool(x, w, w, data_format=data_format, implementation=implementation)
-  check_choice("implementation", implementation, (None, "xla", "pallas"))
+  _xla_only(implementation, "adaptive_avg_pool", route)
   return _adaptive_avg_jit(x, plan)
 
 
 def _global_args(x: Any, data_format: Any, keepdims: Any, *, allow_int: bool):
   x = api._as_array("x", x)
-  api._check_dtype("x", x, allow_int=allow_int)
+  check_dtype("x", x, allow_int=allow_int)
   check_choice("data_format", data_format, DATA_FORMATS)
   if not isinstance(keepdims, (bool, np.bool_)):
     raise TypeError(f"keepdims must be a bool; got {keepdims!r}.")

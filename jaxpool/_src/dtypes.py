@@ -58,6 +58,20 @@ def accumulator_dtype(dtype) -> np.dtype:
   return np.dtype(np.float32) if dtype.itemsize < 4 else dtype
 
 
+def signbit(a: Any) -> Any:
+  """``jnp.signbit`` for every float dtype (it takes 16 bits or more; float32 holds every
+  narrower float exactly)."""
+  return jnp.signbit(a) if bits(a.dtype) >= 16 else jnp.signbit(a.astype(jnp.float32))
+
+
+def same_value(a: Any, b: Any) -> Any:
+  """``a`` and ``b`` are the same value: equal with the same sign (so ``-0.0`` is not ``0.0``),
+  or both NaN."""
+  if not jnp.issubdtype(a.dtype, jnp.floating):
+    return a == b
+  return ((a == b) & (signbit(a) == signbit(b))) | (jnp.isnan(a) & jnp.isnan(b))
+
+
 def beats(x: Any, best: Any) -> Any:
   """Whether ``x`` replaces the running maximum ``best`` of a window scanned in tap order.
 
@@ -68,8 +82,5 @@ def beats(x: Any, best: Any) -> Any:
   """
   if not jnp.issubdtype(x.dtype, jnp.floating):
     return x > best
-  # (jnp.signbit takes 16 bits or more; float32 holds every narrower float exactly.)
-  sign = (lambda a: jnp.signbit(a)) if bits(x.dtype) >= 16 else (
-      lambda a: jnp.signbit(a.astype(jnp.float32)))
-  positive_zero_over_negative = (x == best) & sign(best) & jnp.logical_not(sign(x))
+  positive_zero_over_negative = (x == best) & signbit(best) & jnp.logical_not(signbit(x))
   return (jnp.logical_not(x <= best) & (best == best)) | positive_zero_over_negative
