@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -47,7 +48,7 @@ class MaxPoolOps:
   gather: Callable
 
 
-def apply_activation(y: jax.Array, taps: jax.Array | None, activation: str | None):
+def apply_activation(y: Any, taps: Any, activation: str | None):
   """``(relu(y), taps or -1 where y is not positive)`` for ``"relu"``; unchanged for None."""
   if activation is None:
     return y, taps

@@ -66,6 +66,27 @@ class Geometry:
   def num_taps(self) -> int:
     return math.prod(self.window)
 
+  @property
+  def pad_lo(self) -> tuple[int, ...]:
+    return tuple(lo for lo, _ in self.padding)
+
+  @property
+  def pad_hi(self) -> tuple[int, ...]:
+    """The user's high padding (counted by ``count_include_pad``; the ceil overhang is not)."""
+    return tuple(hi for _, hi in self.padding)
+
+  def lift(self, n: int) -> Geometry:
+    """The same pooling seen with ``n`` spatial dims: unit dims (window 1, stride 1, no
+    padding) prepended. The kernels see every pool as 2-D or 3-D this way."""
+    extra = n - self.nspatial
+    if extra < 0:
+      raise ValueError(f"cannot lift a {self.nspatial}-D geometry to {n}-D")
+    ones = (1,) * extra
+    return Geometry(in_spatial=ones + self.in_spatial, window=ones + self.window,
+                    strides=ones + self.strides, dilation=ones + self.dilation,
+                    padding=((0, 0),) * extra + self.padding, extra=(0,) * extra + self.extra,
+                    out_spatial=ones + self.out_spatial, channels_last=self.channels_last)
+
   def spatial_axes(self, ndim: int) -> tuple[int, ...]:
     n = self.nspatial
     if self.channels_last:
@@ -257,20 +278,37 @@ def tap_valid_1d(geom: Geometry, dim: int, tap: int) -> np.ndarray:
   return (pos >= 0) & (pos < geom.in_spatial[dim])
 
 
-def window_counts_1d(geom: Geometry, dim: int, include_pad: bool) -> np.ndarray:
-  """Taps per output position along ``dim`` inside the input (or the user-padded input).
+def window_count(geom: Geometry, dim: int, o: Any, include_pad: bool, xp: Any = np) -> Any:
+  """Taps of window ``o`` along ``dim`` inside the input (or the user-padded input).
 
-  Counted in closed form, so the cost is one entry per output position whatever the window.
+  Counted in closed form, so the cost is the same whatever the window. ``o`` is an int array of
+  output positions; ``xp`` is ``numpy`` (static divisors) or ``jax.numpy`` (inside kernels).
   """
-  o = np.arange(geom.out_spatial[dim], dtype=np.int64)
   s, d, k = geom.strides[dim], geom.dilation[dim], geom.window[dim]
   pad_lo, pad_hi = geom.padding[dim]
   lo = -pad_lo if include_pad else 0
   hi = geom.in_spatial[dim] + (pad_hi if include_pad else 0)
   # Tap t of window o reads o*s + t*d - pad_lo; count the t in [0, k) landing in [lo, hi).
-  first = np.maximum(-((o * s - pad_lo - lo) // d), 0)  # ceil((lo - o*s + pad_lo) / d)
-  last = np.minimum((hi - 1 - o * s + pad_lo) // d, k - 1)
-  return np.maximum(last - first + 1, 0)
+  first = xp.maximum(-((o * s - pad_lo - lo) // d), 0)  # ceil((lo - o*s + pad_lo) / d)
+  last = xp.minimum((hi - 1 - o * s + pad_lo) // d, k - 1)
+  return xp.maximum(last - first + 1, 0)
+
+
+def window_counts_1d(geom: Geometry, dim: int, include_pad: bool) -> np.ndarray:
+  """:func:`window_count` of every output position along ``dim``."""
+  return window_count(geom, dim, np.arange(geom.out_spatial[dim], dtype=np.int64), include_pad)
+
+
+def phase_taps(geom: Geometry, dim: int, r: int) -> list[tuple[int, int]]:
+  """The backward's plan along ``dim`` for input phase ``r``: ``(tap, q)`` for every tap that
+  can hold the element ``m * s + r``, which lies at tap ``a`` of window ``m + q`` exactly when
+  ``r + pad_lo - a * d = q * s``. Ascending taps."""
+  out = []
+  for a in range(geom.window[dim]):
+    q, rem = divmod(r + geom.padding[dim][0] - a * geom.dilation[dim], geom.strides[dim])
+    if not rem:
+      out.append((a, q))
+  return out
 
 
 def taps_dtype(num_taps: int) -> np.dtype:

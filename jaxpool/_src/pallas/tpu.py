@@ -40,13 +40,15 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from jaxpool._src.windows import Geometry, taps_dtype
+from jaxpool._src.windows import Geometry, phase_taps, taps_dtype
 from jaxpool._src.autodiff import apply_activation
 from jaxpool._src.dtypes import accumulator_dtype, beats, lowest
 
 @dataclasses.dataclass(frozen=True)
 class Geom2:
-  """A 2-D channels_last pooling geometry in the kernels' terms (1-D pools get ``H = 1``)."""
+  """The Geometry lifted to 2-D (``Geometry.lift``; 1-D pools get ``H = 1``), its numbers
+  under the short names the kernels' index arithmetic reads best with. No arithmetic of its
+  own."""
 
   H: int
   W: int
@@ -62,6 +64,7 @@ class Geom2:
   pw: int
   phh: int  # high user padding (counted by count_include_pad; the ceil overhang is not)
   pwh: int
+  geom: Geometry  # the lifted geometry itself
 
   @property
   def taps(self) -> int:
@@ -69,14 +72,10 @@ class Geom2:
 
   @staticmethod
   def from_geometry(geom: Geometry) -> Geom2:
-    if geom.nspatial == 1:
-      (w,), (k,), (s,), (d,) = geom.in_spatial, geom.window, geom.strides, geom.dilation
-      ((lo, hi),), (o,) = geom.padding, geom.out_spatial
-      return Geom2(1, w, 1, o, 1, k, 1, s, 1, d, 0, lo, 0, hi)
-    (h, w), (kh, kw), (sh, sw), (dh, dw) = (geom.in_spatial, geom.window, geom.strides,
-                                            geom.dilation)
-    ((ph, phh), (pw, pwh)), (ho, wo) = geom.padding, geom.out_spatial
-    return Geom2(h, w, ho, wo, kh, kw, sh, sw, dh, dw, ph, pw, phh, pwh)
+    g = geom.lift(2)
+    (h, w), (ho, wo), (kh, kw) = g.in_spatial, g.out_spatial, g.window
+    (sh, sw), (dh, dw), (ph, pw), (phh, pwh) = g.strides, g.dilation, g.pad_lo, g.pad_hi
+    return Geom2(h, w, ho, wo, kh, kw, sh, sw, dh, dw, ph, pw, phh, pwh, g)
 
 
 VMEM_BUDGET = 48 * 2**20  # bytes of VMEM one grid step may use (v5e/v6e have 128 MiB, v7x 64)
@@ -115,25 +114,35 @@ def _pad_dims(g: Geom2) -> tuple[int, int]:
   return hp, wp
 
 
+def _taps_inside(g: Geom2, dim: int, o, include_pad: bool):
+  """Taps of window ``o`` (traced) along ``dim`` inside the counted region, tap by tap: Mosaic
+  lowers the closed form of ``windows.window_count`` (integer division) only for a known TPU."""
+  k, s, d = g.geom.window[dim], g.geom.strides[dim], g.geom.dilation[dim]
+  (pad_lo, pad_hi), size = g.geom.padding[dim], g.geom.in_spatial[dim]
+  lo, hi = (-pad_lo, size + pad_hi) if include_pad else (0, size)
+  cnt = jnp.zeros(jnp.shape(o), jnp.int32)
+  for t in range(k):
+    pos = o * s + t * d - pad_lo
+    cnt = cnt + ((pos >= lo) & (pos < hi)).astype(jnp.int32)
+  return cnt
+
+
 def _bwd_plan(g: Geom2):
   """Static plan of the backward gather.
 
   Returns ``(wm, taps, mlo, width)``: ``wm[rw]`` columns in phase ``rw``; ``taps[(rh, rw)]`` the
-  ``(t, qh, qw)`` that can hold an element of that phase, in descending ``t``; and the ``dy``
-  scratch's column margin ``mlo`` and width so that every run ``mlo + qw + [0, wm[rw])`` is in it.
+  ``(t, qh, qw)`` that can hold an element of that phase (``windows.phase_taps`` per dim), in
+  descending ``t``; and the ``dy`` scratch's column margin ``mlo`` and width so that every run
+  ``mlo + qw + [0, wm[rw])`` is in it.
   """
   wm = [-(-(g.W - rw) // g.sw) for rw in range(g.sw)]
   taps, lo, hi = {}, 0, g.Wo
   for rh in range(g.sh):
     for rw in range(g.sw):
-      found = []
-      for t in reversed(range(g.taps)):
-        i, j = divmod(t, g.kw)
-        qh, remh = divmod(rh + g.ph - i * g.dh, g.sh)
-        qw, remw = divmod(rw + g.pw - j * g.dw, g.sw)
-        if remh or remw or wm[rw] == 0:
-          continue
-        found.append((t, qh, qw))
+      found = [] if wm[rw] == 0 else sorted(
+          ((i * g.kw + j, qh, qw) for i, qh in phase_taps(g.geom, 0, rh)
+           for j, qw in phase_taps(g.geom, 1, rw)), reverse=True)
+      for _, _, qw in found:
         lo, hi = min(lo, qw), max(hi, qw + wm[rw])
       taps[(rh, rw)] = found
   return wm, taps, -lo, hi - lo
@@ -252,26 +261,17 @@ def _avg_kernel(x_ref, y_ref, pad_ref, *, g: Geom2, include_pad: bool, divisor: 
   cb = pad_ref.shape[2]
   _fill_padded(x_ref, pad_ref, g, 0.0)
   if divisor is None:
-    lo_w, hi_w = (-g.pw, g.W + g.pwh) if include_pad else (0, g.W)
-    col = lax.broadcasted_iota(jnp.int32, (g.Wo, cb), 0)
-    cnt_w = jnp.zeros((g.Wo, cb), jnp.int32)
-    for j in range(g.kw):
-      w = col * g.sw + j * g.dw - g.pw
-      cnt_w = cnt_w + ((w >= lo_w) & (w < hi_w)).astype(jnp.int32)
-  lo_h, hi_h = (-g.ph, g.H + g.phh) if include_pad else (0, g.H)
+    cnt_w = _taps_inside(g, 1, lax.broadcasted_iota(jnp.int32, (g.Wo, cb), 0), include_pad)
 
   def row(ho):
     acc = jnp.zeros((g.Wo, cb), _F32)
-    cnt_h = jnp.int32(0)
     for i in range(g.kh):
-      h = ho * g.sh + i * g.dh - g.ph
-      cnt_h = cnt_h + ((h >= lo_h) & (h < hi_h)).astype(jnp.int32)
       for j in range(g.kw):
         acc = acc + _row_taps(pad_ref, ho, i, j, g)
     if divisor is not None:
       out = acc / jnp.float32(divisor)
     else:
-      cnt = cnt_h * cnt_w
+      cnt = _taps_inside(g, 0, ho, include_pad) * cnt_w
       out = acc / jnp.where(cnt == 0, 1, cnt).astype(_F32)
     y_ref[ho] = out.astype(y_ref.dtype)
 
@@ -367,20 +367,10 @@ def _backward_kernel(*refs, g: Geom2, mode: str, include_pad: bool, divisor: int
     dyp_ref[:, mlo:mlo + g.Wo, :] = dy_ref[...].astype(_F32) / jnp.float32(divisor)
   else:
     # Each window's share: dy over its divisor (the taps inside the counted region).
-    lo_h, hi_h = (-g.ph, g.H + g.phh) if include_pad else (0, g.H)
-    lo_w, hi_w = (-g.pw, g.W + g.pwh) if include_pad else (0, g.W)
-    col = lax.broadcasted_iota(jnp.int32, (g.Wo, cb), 0)
-    cnt_w = jnp.zeros((g.Wo, cb), jnp.int32)
-    for j in range(g.kw):
-      w = col * g.sw + j * g.dw - g.pw
-      cnt_w = cnt_w + ((w >= lo_w) & (w < hi_w)).astype(jnp.int32)
+    cnt_w = _taps_inside(g, 1, lax.broadcasted_iota(jnp.int32, (g.Wo, cb), 0), include_pad)
 
     def scale(ho):
-      cnt_h = jnp.int32(0)
-      for i in range(g.kh):
-        h = ho * g.sh + i * g.dh - g.ph
-        cnt_h = cnt_h + ((h >= lo_h) & (h < hi_h)).astype(jnp.int32)
-      cnt = cnt_h * cnt_w
+      cnt = _taps_inside(g, 0, ho, include_pad) * cnt_w
       div = jnp.where(cnt == 0, 1, cnt).astype(_F32)
       dyp_ref[ho, pl.ds(mlo, g.Wo), :] = dy_ref[ho].astype(_F32) / div
 

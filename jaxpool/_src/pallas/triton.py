@@ -22,7 +22,6 @@ their share (average): no atomics, the same bits on every run.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import itertools
 import math
@@ -41,7 +40,7 @@ try:
 except ImportError:  # pragma: no cover - jaxlib without the Triton backend
   plgpu = None
 
-from jaxpool._src.windows import Geometry, taps_dtype
+from jaxpool._src.windows import Geometry, phase_taps, taps_dtype, window_count
 from jaxpool._src.autodiff import apply_activation
 from jaxpool._src.dtypes import accumulator_dtype, beats, lowest
 
@@ -49,41 +48,6 @@ from jaxpool._src.dtypes import accumulator_dtype, beats, lowest
 _pl_legacy: ModuleType = pl
 
 Launch = tuple[int, int, int]  # (bw, bl, num_warps)
-
-
-@dataclasses.dataclass(frozen=True)
-class Geom3:
-  """A pooling geometry in the kernels' terms: three spatial dims ``(D, H, W)``, unit dims
-  prepended for 1-D and 2-D pools, and the layout."""
-
-  inp: tuple[int, int, int]
-  out: tuple[int, int, int]
-  k: tuple[int, int, int]
-  s: tuple[int, int, int]
-  d: tuple[int, int, int]
-  lo: tuple[int, int, int]  # low padding (the high side only shows through ``out``)
-  hi: tuple[int, int, int]  # high user padding (count_include_pad; the ceil overhang is not)
-  channels_last: bool
-
-  @property
-  def taps(self) -> int:
-    return math.prod(self.k)
-
-  def tap_offsets(self):
-    """``(t, (a, i, j))`` for every tap, row-major (the argmax's tie-break order)."""
-    return enumerate(itertools.product(*(range(k) for k in self.k)))
-
-  @staticmethod
-  def from_geometry(geom: Geometry) -> Geom3:
-    pad = 3 - geom.nspatial
-
-    def three(v, fill):
-      return (fill,) * pad + tuple(int(e) for e in v)
-
-    return Geom3(three(geom.in_spatial, 1), three(geom.out_spatial, 1), three(geom.window, 1),
-                 three(geom.strides, 1), three(geom.dilation, 1),
-                 three((lo for lo, _ in geom.padding), 0),
-                 three((hi for _, hi in geom.padding), 0), geom.channels_last)
 
 
 def _next_pow2(n: int) -> int:
@@ -236,29 +200,23 @@ def _lanes_and_batch(x4: jax.Array, channels_last: bool) -> tuple[int, int]:
   return (x4.shape[-1], x4.shape[0]) if channels_last else (x4.shape[0], 1)
 
 
-def _window_count(g: Geom3, wins, include_pad: bool, bw: int):
+def _window_count(g: Geometry, wins, include_pad: bool, bw: int):
   """Each window's taps inside the counted region (the input, or the input and its user
   padding with ``include_pad``), a product of one factor per dim: ``(bw,)`` int32."""
   cnt = jnp.ones((bw,), jnp.int32)
   for dim, o in enumerate(wins):
-    lo = -g.lo[dim] if include_pad else 0
-    hi = g.inp[dim] + (g.hi[dim] if include_pad else 0)
-    n = jnp.zeros(jnp.shape(o), jnp.int32)
-    for a in range(g.k[dim]):
-      e = o * g.s[dim] + a * g.d[dim] - g.lo[dim]
-      n = n + ((e >= lo) & (e < hi)).astype(jnp.int32)
-    cnt = cnt * n
+    cnt = cnt * window_count(g, dim, o, include_pad, jnp).astype(jnp.int32)
   return cnt
 
 
 # ----------------------------------------------------------------------------- forward
 
 
-def _window_kernel(x_ref, *out_refs, g: Geom3, bw: int, bl: int, lanes: int, mode: str,
+def _window_kernel(x_ref, *out_refs, g: Geometry, bw: int, bl: int, lanes: int, mode: str,
                    include_pad: bool, divisor: int | None, interpret: bool,
                    activation: str | None = None):
   """One output row: max (``mode='max'``), max with argmax (``'argmax'``) or average (``'avg'``)."""
-  (D, H, W), (Do, Ho, Wo) = g.inp, g.out
+  (D, H, W), (Do, Ho, Wo) = g.in_spatial, g.out_spatial
   b, do, ho = _split(pl.program_id(0), (Do, Ho))
   tile = _Tile(bw, lanes, bl, interpret, g.channels_last)
   w0 = pl.program_id(1) * bw
@@ -269,9 +227,9 @@ def _window_kernel(x_ref, *out_refs, g: Geom3, bw: int, bl: int, lanes: int, mod
   # Interior: every tap of every (real) window of the tile lies inside the input.
   interior = None
   for dim, first_win, last_win in ((0, do, do), (1, ho, ho), (2, w0, jnp.minimum(w0 + bw, Wo) - 1)):
-    first = first_win * g.s[dim] - g.lo[dim]
-    last = last_win * g.s[dim] + (g.k[dim] - 1) * g.d[dim] - g.lo[dim]
-    inside = (first >= 0) & (last < g.inp[dim])
+    first = first_win * g.strides[dim] - g.pad_lo[dim]
+    last = last_win * g.strides[dim] + (g.window[dim] - 1) * g.dilation[dim] - g.pad_lo[dim]
+    inside = (first >= 0) & (last < g.in_spatial[dim])
     interior = inside if interior is None else interior & inside
   dtype = x_ref.dtype
   acc_t = accumulator_dtype(dtype)
@@ -280,10 +238,10 @@ def _window_kernel(x_ref, *out_refs, g: Geom3, bw: int, bl: int, lanes: int, mod
 
   def body(edge: bool):
     best = acc = idx = None
-    for t, (a, i, j) in g.tap_offsets():
-      d = do * g.s[0] + a * g.d[0] - g.lo[0]
-      h = ho * g.s[1] + i * g.d[1] - g.lo[1]
-      w = wo * g.s[2] + j * g.d[2] - g.lo[2]
+    for t, (a, i, j) in enumerate(g.taps()):
+      d = do * g.strides[0] + a * g.dilation[0] - g.pad_lo[0]
+      h = ho * g.strides[1] + i * g.dilation[1] - g.pad_lo[1]
+      w = wo * g.strides[2] + j * g.dilation[2] - g.pad_lo[2]
       ok = None
       if edge:
         ok = tile.cols_of((d >= 0) & (d < D) & (h >= 0) & (h < H) & (w >= 0) & (w < W))
@@ -313,7 +271,7 @@ def _window_kernel(x_ref, *out_refs, g: Geom3, bw: int, bl: int, lanes: int, mod
     out_at = tile.index(b, do, ho, wo)
     if mode == "avg":
       if divisor is not None or not edge:  # an interior window counts all its taps
-        div = np.array(divisor if divisor is not None else g.taps, acc_t)
+        div = np.array(divisor if divisor is not None else g.num_taps, acc_t)
       else:
         cnt = _window_count(g, (do, ho, wo), include_pad, bw)
         div = tile.cols_of(jnp.where(cnt == 0, 1, cnt).astype(acc_t))
@@ -330,16 +288,17 @@ def _window_kernel(x_ref, *out_refs, g: Geom3, bw: int, bl: int, lanes: int, mod
 def _window_call(x: jax.Array, geom: Geometry, mode: str, interpret: bool,
                  include_pad: bool = False, divisor: int | None = None,
                  launch: Launch | None = None, activation: str | None = None):
-  g = Geom3.from_geometry(geom)
+  g = geom.lift(3)
   out_shape = geom.output_shape(x.shape)
-  x4 = _view(x, g.inp, g.channels_last)
+  x4 = _view(x, g.in_spatial, g.channels_last)
   lanes, nb = _lanes_and_batch(x4, g.channels_last)
-  bw, bl, warps = launch or launch_config(g.out[2], lanes, x.dtype.itemsize, g.channels_last)
-  grid = (nb * g.out[0] * g.out[1], pl.cdiv(g.out[2], bw), pl.cdiv(lanes, bl))
-  shape4 = _view_shape(out_shape, g.out, g.channels_last)
+  (Do, Ho, Wo) = g.out_spatial
+  bw, bl, warps = launch or launch_config(Wo, lanes, x.dtype.itemsize, g.channels_last)
+  grid = (nb * Do * Ho, pl.cdiv(Wo, bw), pl.cdiv(lanes, bl))
+  shape4 = _view_shape(out_shape, g.out_spatial, g.channels_last)
   outs = [jax.ShapeDtypeStruct(shape4, x.dtype)]
   if mode == "argmax":
-    outs.append(jax.ShapeDtypeStruct(shape4, taps_dtype(g.taps)))
+    outs.append(jax.ShapeDtypeStruct(shape4, taps_dtype(g.num_taps)))
   kernel = functools.partial(_window_kernel, g=g, bw=bw, bl=bl, lanes=lanes, mode=mode,
                              include_pad=include_pad, divisor=divisor, interpret=interpret,
                              activation=activation)
@@ -348,7 +307,7 @@ def _window_call(x: jax.Array, geom: Geometry, mode: str, interpret: bool,
   res = pl.pallas_call(
       kernel, out_shape=tuple(outs), grid=grid, interpret=interpret,
       name=f"jaxpool_{mode}_pool_fwd",
-      cost_estimate=pl.CostEstimate(flops=math.prod(shape4) * g.taps,
+      cost_estimate=pl.CostEstimate(flops=math.prod(shape4) * g.num_taps,
                                     transcendentals=0, bytes_accessed=n_in + n_out),
       **_call_kwargs(interpret, warps))(x4)
   return tuple(r.reshape(out_shape) for r in res)
@@ -376,18 +335,7 @@ def avg_forward(x: jax.Array, geom: Geometry, *, interpret: bool, count_include_
 # ----------------------------------------------------------------------------- backward
 
 
-def _phase_taps(g: Geom3, dim: int, r: int):
-  """``(tap, q)`` along ``dim`` for the input phase ``r``: the element ``m * s + r`` lies at tap
-  ``a`` of window ``m + q`` exactly when ``r + lo - a * d = q * s``."""
-  out = []
-  for a in range(g.k[dim]):
-    q, rem = divmod(r + g.lo[dim] - a * g.d[dim], g.s[dim])
-    if not rem:
-      out.append((a, q))
-  return out
-
-
-def _backward_kernel(*refs, g: Geom3, bw: int, bl: int, lanes: int, mode: str,
+def _backward_kernel(*refs, g: Geometry, bw: int, bl: int, lanes: int, mode: str,
                      include_pad: bool, divisor: int | None, interpret: bool):
   """``dx`` for a block of ``s_d x s_h`` input rows and ``s_w * bw`` (channels_last) or ``bw``
   (channels_first) columns, phase by phase.
@@ -406,13 +354,13 @@ def _backward_kernel(*refs, g: Geom3, bw: int, bl: int, lanes: int, mode: str,
     idx_ref, dy_ref, dx_ref = refs
   else:
     dy_ref, dx_ref = refs
-  (D, H, W), (Do, Ho, Wo) = g.inp, g.out
-  mcount = [-(-n // s) for n, s in zip(g.inp, g.s)]
+  (D, H, W), (Do, Ho, Wo) = g.in_spatial, g.out_spatial
+  mcount = [-(-n // s) for n, s in zip(g.in_spatial, g.strides)]
   b, md, mh = _split(pl.program_id(0), mcount[:2])
   tile = _Tile(bw, lanes, bl, interpret, g.channels_last)
   c0 = pl.program_id(1) * bw
   raw = c0 + jnp.arange(bw, dtype=jnp.int32)
-  sw = g.s[2]
+  sw = g.strides[2]
   interleave = not g.channels_last and _interleaves(sw)
   # (store columns, window-phase columns m, [(column tap j, offset q, lane mask or None)])
   groups: list[tuple[Any, Any, list[tuple[int, Any, Any]]]]
@@ -423,7 +371,7 @@ def _backward_kernel(*refs, g: Geom3, bw: int, bl: int, lanes: int, mode: str,
     m = jnp.minimum(raw, mcount[2] - 1)  # lanes past the end: clamped copies, stores masked
     col_mask = None if mcount[2] % bw == 0 else raw < mcount[2]
     m_span = (c0, jnp.minimum(c0 + bw, mcount[2]) - 1)
-    groups = [(m * sw + rw, m, [(j, q, None) for j, q in _phase_taps(g, 2, rw)])
+    groups = [(m * sw + rw, m, [(j, q, None) for j, q in phase_taps(g, 2, rw)])
               for rw in range(sw)]
   else:
     # channels_first, other strides: the block is ``bw`` contiguous input columns (whole-line
@@ -433,19 +381,19 @@ def _backward_kernel(*refs, g: Geom3, bw: int, bl: int, lanes: int, mode: str,
     m, rw = w // sw, w % sw
     m_span = (c0 // sw, (jnp.minimum(c0 + bw, W) - 1) // sw)
     jtaps = []
-    for j in range(g.k[2]):
-      shift = -(-(j * g.d[2]) // sw) + 1  # keeps the numerator >= 0 for C-style // and %
-      num = rw + g.lo[2] - j * g.d[2] + shift * sw
+    for j in range(g.window[2]):
+      shift = -(-(j * g.dilation[2]) // sw) + 1  # keeps the numerator >= 0 for C-style // and %
+      num = rw + g.pad_lo[2] - j * g.dilation[2] + shift * sw
       jtaps.append((j, num // sw - shift, num % sw == 0))
     groups = [(w, m, jtaps)]
   # Interior: every phase's rows exist and every window the (real) tile visits is real; the
   # columns past W are masked on both paths.
   interior = None
   for dim, first_m, last_m in ((0, md, md), (1, mh, mh), (2, *m_span)):
-    qs = [q for r in range(g.s[dim]) for _, q in _phase_taps(g, dim, r)]
-    inside = (first_m + min(qs) >= 0) & (last_m + max(qs) < g.out[dim])
+    qs = [q for r in range(g.strides[dim]) for _, q in phase_taps(g, dim, r)]
+    inside = (first_m + min(qs) >= 0) & (last_m + max(qs) < g.out_spatial[dim])
     if dim < 2:
-      inside &= (first_m + 1) * g.s[dim] <= g.inp[dim]
+      inside &= (first_m + 1) * g.strides[dim] <= g.in_spatial[dim]
     interior = inside if interior is None else interior & inside
   dtype = dy_ref.dtype
   acc_t = accumulator_dtype(dtype)
@@ -473,10 +421,10 @@ def _backward_kernel(*refs, g: Geom3, bw: int, bl: int, lanes: int, mode: str,
   def phase_sum(rd, rh, m, jtaps, edge):
     """One phase's ``dx`` tile: the sum, in descending tap order, of its taps' shares."""
     acc = None
-    taps = [(a, qd, i, qh, j, qw, lane_ok) for a, qd in _phase_taps(g, 0, rd)
-            for i, qh in _phase_taps(g, 1, rh) for j, qw, lane_ok in jtaps]
+    taps = [(a, qd, i, qh, j, qw, lane_ok) for a, qd in phase_taps(g, 0, rd)
+            for i, qh in phase_taps(g, 1, rh) for j, qw, lane_ok in jtaps]
     for a, qd, i, qh, j, qw, lane_ok in reversed(taps):
-      t = (a * g.k[1] + i) * g.k[2] + j
+      t = (a * g.window[1] + i) * g.window[2] + j
       od, oh, ow = md + qd, mh + qh, m + qw
       ok = lane_ok
       if edge:
@@ -492,7 +440,7 @@ def _backward_kernel(*refs, g: Geom3, bw: int, bl: int, lanes: int, mode: str,
         it = _load(idx_ref, where, ok, None if ok is None else np.array(-1, idx_ref.dtype))
         c = jnp.where(it == t, dyt, np.array(0, dtype)).astype(acc_t)
         if acc is None:
-          acc = c if t == g.taps - 1 else (zero + c).astype(dtype).astype(acc_t)
+          acc = c if t == g.num_taps - 1 else (zero + c).astype(dtype).astype(acc_t)
         else:
           # Round after every add, as the XLA path does when it adds 16-bit cotangents.
           acc = (acc + c).astype(dtype).astype(acc_t)
@@ -504,8 +452,8 @@ def _backward_kernel(*refs, g: Geom3, bw: int, bl: int, lanes: int, mode: str,
     return zero if acc is None else acc
 
   def body(edge: bool):
-    for rd, rh in itertools.product(range(g.s[0]), range(g.s[1])):
-      d, h = md * g.s[0] + rd, mh * g.s[1] + rh
+    for rd, rh in itertools.product(range(g.strides[0]), range(g.strides[1])):
+      d, h = md * g.strides[0] + rd, mh * g.strides[1] + rh
       accs = [phase_sum(rd, rh, m, jtaps, edge) for _, m, jtaps in groups]
       if interleave:
         # Whole lines of ``sw * bw`` columns: column ``m * sw + r`` from phase ``r``.
@@ -520,25 +468,25 @@ def _backward_kernel(*refs, g: Geom3, bw: int, bl: int, lanes: int, mode: str,
 def _backward_call(operands, in_shape, geom: Geometry, mode: str, interpret: bool,
                    include_pad: bool = False, divisor: int | None = None,
                    launch: Launch | None = None) -> jax.Array:
-  g = Geom3.from_geometry(geom)
+  g = geom.lift(3)
   dy = operands[-1]
-  ops4 = [_view(o, g.out, g.channels_last) for o in operands]
+  ops4 = [_view(o, g.out_spatial, g.channels_last) for o in operands]
   lanes, nb = _lanes_and_batch(ops4[0], g.channels_last)
-  mcount = [-(-n // s) for n, s in zip(g.inp, g.s)]
+  mcount = [-(-n // s) for n, s in zip(g.in_spatial, g.strides)]
   # The column block counts phase columns ``m`` (or, channels_first with a stride that does not
   # interleave, input columns).
-  cols = mcount[2] if g.channels_last or _interleaves(g.s[2]) else g.inp[2]
+  cols = mcount[2] if g.channels_last or _interleaves(g.strides[2]) else g.in_spatial[2]
   bw, bl, warps = launch or launch_config(cols, lanes, dy.dtype.itemsize, g.channels_last)
   grid = (nb * mcount[0] * mcount[1], pl.cdiv(cols, bw), pl.cdiv(lanes, bl))
   kernel = functools.partial(_backward_kernel, g=g, bw=bw, bl=bl, lanes=lanes, mode=mode,
                              include_pad=include_pad, divisor=divisor, interpret=interpret)
-  shape4 = _view_shape(in_shape, g.inp, g.channels_last)
+  shape4 = _view_shape(in_shape, g.in_spatial, g.channels_last)
   nbytes = sum(o.size * o.dtype.itemsize for o in operands) + math.prod(shape4) * \
       dy.dtype.itemsize
   dx = pl.pallas_call(
       kernel, out_shape=jax.ShapeDtypeStruct(shape4, dy.dtype), grid=grid, interpret=interpret,
       name=f"jaxpool_{mode}_pool_bwd",
-      cost_estimate=pl.CostEstimate(flops=math.prod(shape4) * g.taps, transcendentals=0,
+      cost_estimate=pl.CostEstimate(flops=math.prod(shape4) * g.num_taps, transcendentals=0,
                                     bytes_accessed=nbytes),
       **_call_kwargs(interpret, warps))(*ops4)
   return dx.reshape(in_shape)
