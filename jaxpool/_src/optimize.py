@@ -43,7 +43,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 from jax._src import core
 from jax._src import linear_util as lu
 from jax._src import source_info_util
@@ -151,7 +150,7 @@ class _Layout:
     if self.expand:
       a = a[0]
     if self.perm is not None:
-      a = jnp.transpose(a, np.argsort(self.perm))
+      a = jnp.transpose(a, tuple(int(i) for i in np.argsort(self.perm)))
     return a
 
   def describe(self) -> str:
@@ -397,6 +396,10 @@ def _lowest(dtype) -> Any:
   return None
 
 
+def _shape(atom) -> tuple[int, ...]:
+  return tuple(atom.aval.shape)
+
+
 def _summary(eqn) -> str:
   """The line of the user's own code that made ``eqn`` (not Flax's or Equinox's)."""
   try:
@@ -506,10 +509,14 @@ class _Planner:
       else:
         self._enter(g, i, rules, where)
     for i in unmatched_sums:
-      if i not in rules:
-        self.note(where, jaxpr.eqns[i], False,
-                  "a window sum that is not divided by a constant or by the window count of "
-                  "ones (not an average pool)")
+      if i in rules:
+        continue
+      if self._counts_ones(g, jaxpr.eqns[i]):
+        self.note(where, jaxpr.eqns[i], False, "the window counts of count_include_pad=False "
+                  "(a window sum of ones, a constant that other equations read)")
+      else:
+        self.note(where, jaxpr.eqns[i], False, "a window sum that is not divided by a constant "
+                  "or by the window count of ones (not an average pool)")
     return rules
 
   # -- max pooling
@@ -524,7 +531,7 @@ class _Planner:
         self.note(where, eqn, False, reason)
         return
     reason = self._common_checks(p, x, allow_int=True)
-    layout = reason or _layout(x.aval.shape, p["window_dimensions"], p["window_strides"],
+    layout = reason or _layout(_shape(x), p["window_dimensions"], p["window_strides"],
                                p["padding"], p["window_dilation"])
     if isinstance(layout, str):
       self.note(where, eqn, False, layout)
@@ -614,7 +621,7 @@ class _Planner:
       self.note(where, eqn, False, f"select_prim {p['select_prim']} (not a max pool's gradient)")
       return
     reason = self._common_checks(p, x, allow_int=False)
-    layout = reason or _layout(x.aval.shape, p["window_dimensions"], p["window_strides"],
+    layout = reason or _layout(_shape(x), p["window_dimensions"], p["window_strides"],
                                p["padding"], None)
     if isinstance(layout, str):
       self.note(where, eqn, False, layout)
@@ -637,7 +644,7 @@ class _Planner:
       self.note(where, eqn, False, f"select_prim {p['select_prim']} (not a max pool's JVP)")
       return
     reason = self._common_checks(p, x, allow_int=False)
-    layout = reason or _layout(x.aval.shape, p["window_dimensions"], p["window_strides"],
+    layout = reason or _layout(_shape(x), p["window_dimensions"], p["window_strides"],
                                p["padding"], p["window_dilation"])
     if isinstance(layout, str):
       self.note(where, eqn, False, layout)
@@ -678,7 +685,7 @@ class _Planner:
     den = div.invars[1]
     chained = cur is not eqn.outvars[0]
     reason = self._common_checks(p, x, allow_int=False)
-    layout = reason or _layout(x.aval.shape, p["window_dimensions"], p["window_strides"],
+    layout = reason or _layout(_shape(x), p["window_dimensions"], p["window_strides"],
                                p["padding"], p["window_dilation"])
     count_include_pad, divisor, drop = True, None, None
     c = _uniform(g.value(den))
@@ -690,8 +697,10 @@ class _Planner:
         divisor, how = int(c), f"divisor_override={int(c)}"
       else:
         layout, how = f"divided by {c!r}, not a positive int: not an average pool", ""
-    elif not chained and self._is_count(g, den, div_idx, eqn):
-      count_include_pad, drop = False, g.producer[den]
+    elif not chained and self._is_count(g, den, eqn):
+      count_include_pad = False
+      if g.only_reader(den, div_idx):
+        drop = g.producer[den]
       how = "count_include_pad=False: divided by the window count of ones"
     else:
       return False
@@ -713,20 +722,23 @@ class _Planner:
     self.note(where, eqn, True, f"jaxpool.avg_pool({layout.describe()}; {how})")
     return True
 
-  def _is_count(self, g: _Graph, den, div_idx: int, num_eqn) -> bool:
-    """Whether ``den`` is the same window sum over ones, read only by the division."""
+  def _is_count(self, g: _Graph, den, num_eqn) -> bool:
+    """Whether ``den`` is the same window sum over ones (the window counts)."""
     j = g.producer.get(den)
-    if j is None or not g.only_reader(den, div_idx):
+    if j is None:
       return False
     e = g.eqns[j]
-    if e.primitive.name != "reduce_window_sum" or e.params != num_eqn.params:
+    if not self._counts_ones(g, e) or e.params != num_eqn.params:
       return False
-    ones = g.value(e.invars[0])
-    if ones is None or not np.all(ones == 1):
-      return False
-    num_shape, den_shape = num_eqn.outvars[0].aval.shape, e.outvars[0].aval.shape
+    num_shape, den_shape = _shape(num_eqn.outvars[0]), _shape(e.outvars[0])
     return len(num_shape) == len(den_shape) and all(
         d == n or d == 1 for d, n in zip(den_shape, num_shape))
+
+  def _counts_ones(self, g: _Graph, eqn) -> bool:
+    if eqn.primitive.name != "reduce_window_sum":
+      return False
+    ones = g.value(eqn.invars[0])
+    return ones is not None and ones.size > 0 and bool(np.all(ones == 1))
 
   def _sum_transpose(self, g: _Graph, i: int, rules, where) -> bool:
     """JAX's transpose of a window sum: ``reduce_window_sum(pad(ct, interior=s-1))``."""
@@ -743,7 +755,7 @@ class _Planner:
     if fill is None or not np.all(fill == 0) or not any(any(c) for c in config):
       return False
     ct = pad.invars[0]
-    in_shape = eqn.outvars[0].aval.shape
+    in_shape = _shape(eqn.outvars[0])
     strides, padding = [], []
     reason = self._common_checks(p, ct, allow_int=False)
     for d in range(len(in_shape)):
@@ -751,7 +763,7 @@ class _Planner:
       k, dil, s = p["window_dimensions"][d], p["window_dilation"][d], interior + 1
       eff = dil * (k - 1) + 1
       lo, hi = eff - 1 - lo_p, max(eff - 1 - hi_p, 0)
-      n, size = ct.aval.shape[d], in_shape[d]
+      n, size = _shape(ct)[d], in_shape[d]
       if lo < 0 or size + lo + hi < eff or (size + lo + hi - eff) // s + 1 != n:
         reason = reason or "a padded window sum that is not the transpose of a window sum"
       strides.append(s)
@@ -822,8 +834,8 @@ class _Planner:
       if any(subs):
         rules[i] = _rebuild_cond(eqn, subs)
     else:
-      for sub in core.jaxprs_in_params(p):
-        if _holds_pooling(sub):
+      for inner in core.jaxprs_in_params(p):
+        if _holds_pooling(inner):
           self.note(where, eqn, False, f"optimize does not enter {name}; call optimize on the "
                     "function inside it")
           return
@@ -884,7 +896,7 @@ class Optimized:
     leaves, treedef = jax.tree.flatten((args, kwargs))
     dyn_idx = [i for i, leaf in enumerate(leaves) if _is_array(leaf)]
     dyn = [leaves[i] for i in dyn_idx]
-    key = (treedef, tuple(_static_key(leaf) for leaf in leaves if not _is_array(leaf)),
+    key: Any = (treedef, tuple(_static_key(leaf) for leaf in leaves if not _is_array(leaf)),
            tuple(jax.typeof(leaf) for leaf in dyn))
     try:
       entry = self._cache.get(key)
@@ -963,7 +975,8 @@ def optimize(fn: Callable, *, implementation: api.Implementation = None, report:
   Example:
     >>> def f(x):  # x: (batch, H, W, C)
     ...   y = jax.nn.relu(x)
-    ...   return lax.reduce_window(y, -jnp.inf, lax.max, (1, 2, 2, 1), (1, 2, 2, 1), "VALID")
+    ...   return jax.lax.reduce_window(y, -jnp.inf, jax.lax.max, (1, 2, 2, 1), (1, 2, 2, 1),
+    ...                                "VALID")
     >>> g = optimize(f)
     >>> x = jnp.arange(16.0).reshape(1, 4, 4, 1) - 8.0
     >>> g(x)[0, ..., 0]
