@@ -548,6 +548,49 @@ def test_custom_vjp_keeps_the_users_rule():
   bits(jax.grad(lambda x: g(x).sum())(x), jnp.full_like(x, 7.0))
 
 
+def test_rebuilt_control_flow_carries_new_constants():
+  """A rewrite that closes over an array: cond, scan, while and remat take it as an operand."""
+  from jaxpool._src import optimize as opt
+
+  k = np.linspace(0, 1, 6).astype(np.float32)
+
+  def f(x):
+    a = lax.cond(x[0] > 0, jnp.sin, jnp.cos, x)
+    b = lax.scan(lambda c, _: (jnp.sin(c), None), x, None, length=2)[0]
+    c = lax.while_loop(lambda c: c[1] < 2, lambda c: (jnp.sin(c[0]), c[1] + 1), (x, 0))[0]
+    return a, b, c, jax.checkpoint(jnp.sin)(x)
+
+  def want(x):  # f with sin(v) + k for every sin
+    s = lambda v: jnp.sin(v) + k
+    return lax.cond(x[0] > 0, s, jnp.cos, x), s(s(x)), s(s(x)), s(x)
+
+  def plan(jaxpr):
+    rules = {}
+    for i, e in enumerate(jaxpr.eqns):
+      name = e.primitive.name
+      if name == "sin":
+        rules[i] = opt._Rule(tuple(e.invars), lambda v: [jnp.sin(v) + k])
+      elif name == "cond":
+        rules[i] = opt._rebuild_cond(e, [plan(b.jaxpr) for b in e.params["branches"]])
+      elif name == "scan":
+        rules[i] = opt._rebuild_scan(e, plan(e.params["jaxpr"].jaxpr))
+      elif name == "while":
+        rules[i] = opt._rebuild_while(e, {}, plan(e.params["body_jaxpr"].jaxpr))
+      elif name in opt._REMAT:
+        rules[i] = opt._rebuild_remat(e, plan(e.params["jaxpr"]))
+    return rules
+  x = jnp.arange(1.0, 7.0)
+  closed = jax.make_jaxpr(f)(x)
+  rules = plan(closed.jaxpr)
+  run = lambda x: tuple(opt._eval(closed.jaxpr, closed.consts, [x], rules))
+  assert "cond" in prims(jax.make_jaxpr(run)(x))
+  for v in (x, -x):
+    close(jax.jit(run)(v), want(v))
+    close(run(v), want(v))
+    loss = lambda fn: jax.grad(lambda u: sum(o.sum() for i, o in enumerate(fn(u)) if i != 2))
+    close(jax.jit(loss(run))(v), loss(want)(v))
+
+
 # ----------------------------------------------------------------------------- the wrapper
 
 
