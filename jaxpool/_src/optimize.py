@@ -281,8 +281,13 @@ def _rebuild_call(eqn, key: str, closed: core.ClosedJaxpr, rules) -> _Rule:
   return _Rule(tuple(eqn.invars), lambda *a: _bind(eqn, dict(eqn.params, **{key: get()}), *a))
 
 
+def _as_closed(jaxpr) -> core.ClosedJaxpr:
+  """A sub-jaxpr as a closed one: JAX 0.10 keeps remat's open, JAX 0.11 merged the two types."""
+  return jaxpr if isinstance(jaxpr, core.ClosedJaxpr) else core.ClosedJaxpr(jaxpr, ())
+
+
 def _rebuild_remat(eqn, rules) -> _Rule:
-  closed = core.ClosedJaxpr(eqn.params["jaxpr"], ())
+  closed = _as_closed(eqn.params["jaxpr"])
   get = _memo(lambda: _hoisted(closed, rules))
 
   def run(*args):
@@ -292,14 +297,21 @@ def _rebuild_remat(eqn, rules) -> _Rule:
 
 
 def _rebuild_scan(eqn, rules) -> _Rule:
-  get = _memo(lambda: _hoisted(eqn.params["jaxpr"], rules))
+  get = _memo(lambda: _hoisted(_as_closed(eqn.params["jaxpr"]), rules))
 
   def run(*args):
     jaxpr, consts = get()
-    params = dict(eqn.params, jaxpr=core.ClosedJaxpr(jaxpr, ()),
-                  num_consts=eqn.params["num_consts"] + len(consts))
-    if "linear" in params:
-      params["linear"] = (False,) * len(consts) + tuple(params["linear"])
+    params = dict(eqn.params, jaxpr=core.ClosedJaxpr(jaxpr, ()))
+    if consts and "ft_in" in params:
+      # JAX 0.11 describes the operands (consts, carry, xs) as a flat tree; new constants join
+      # the consts, as JAX's own scan rules add residuals.
+      from jax._src import flattree  # type: ignore[attr-defined,unused-ignore]
+      old, carry, xs = params["ft_in"].unpack()
+      params["ft_in"] = flattree.pack(((flattree.nones(len(consts)), old), carry, xs))
+    elif consts:
+      params["num_consts"] += len(consts)
+      if "linear" in params:
+        params["linear"] = (False,) * len(consts) + tuple(params["linear"])
     return _bind(eqn, params, *consts, *args)
   return _Rule(tuple(eqn.invars), run)
 
@@ -814,7 +826,8 @@ class _Planner:
             where, name, False, f"its custom {rule} rule is the user's and runs unchanged; "
             "only its primal (no differentiation) uses what is replaced below", _summary(eqn)))
     elif name in _REMAT:
-      sub = self.plan(p["jaxpr"], (), f"{where}/remat")
+      closed = _as_closed(p["jaxpr"])
+      sub = self.plan(closed.jaxpr, closed.consts, f"{where}/remat")
       if sub:
         rules[i] = _rebuild_remat(eqn, sub)
     elif name == "scan":
