@@ -983,7 +983,8 @@ def optimize(fn: Callable, *, implementation: api.Implementation = None, report:
     order, the first NaN), where XLA's may differ on ties and NaN.
 
   Raises:
-    TypeError: ``fn`` is not callable. ValueError: a bad ``implementation``.
+    TypeError: ``fn`` is not callable, or ``report``/``fold_relu`` is not a bool.
+    ValueError: ``implementation`` is not ``None``, ``"xla"`` or ``"pallas"``.
 
   Example:
     >>> def f(x):  # x: (batch, H, W, C)
