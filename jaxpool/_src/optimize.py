@@ -875,7 +875,7 @@ class _Entry:
 
 
 def _is_array(leaf: Any) -> bool:
-  return isinstance(leaf, (jax.Array, np.ndarray, np.generic))
+  return isinstance(leaf, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct))
 
 
 def _static_key(leaf: Any) -> Any:
@@ -948,9 +948,6 @@ class Optimized:
 
     Arrays may be :class:`jax.ShapeDtypeStruct`; nothing runs but the trace.
     """
-    args, kwargs = jax.tree.map(
-        lambda a: jnp.zeros(a.shape, a.dtype) if isinstance(a, jax.ShapeDtypeStruct) else a,
-        (args, kwargs))
     entry, _ = self._entry(args, kwargs)
     return entry.report
 
