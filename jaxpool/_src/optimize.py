@@ -224,6 +224,19 @@ def _eval(jaxpr: core.Jaxpr, consts: Sequence[Any], args: Sequence[Any],
     env[v] = c
   for v, a in zip(jaxpr.invars, args):
     env[v] = a
+  # Each value is dropped after its last reader (a rule may read a var its equation did not),
+  # so an eager call holds no more intermediates than the original function would.
+  last: dict = {}
+  for i, eqn in enumerate(jaxpr.eqns):
+    for atom in (rules[i].inputs if i in rules else eqn.invars):
+      if isinstance(atom, core.Var):
+        last[atom] = i
+  for atom in jaxpr.outvars:
+    if isinstance(atom, core.Var):
+      last.pop(atom, None)
+  dead: dict[int, list] = collections.defaultdict(list)
+  for var, i in last.items():
+    dead[i].append(var)
   for i, eqn in enumerate(jaxpr.eqns):
     rule = rules.get(i)
     name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
@@ -237,6 +250,8 @@ def _eval(jaxpr: core.Jaxpr, consts: Sequence[Any], args: Sequence[Any],
         outs = rule.fn(*(_read(env, v) for v in rule.inputs))
     for v, o in zip(eqn.outvars, outs):
       env[v] = o
+    for v in dead.pop(i, ()):
+      env.pop(v, None)
   return [_read(env, v) for v in jaxpr.outvars]
 
 
