@@ -1,0 +1,158 @@
+"""jaxpool.optimize under sharding, compared with one device. Run by tests/test_optimize.py.
+
+Run it in its own process with 8 CPU devices::
+
+  XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/optimize_sharding_checks.py
+
+Each check prints one JSON line ``{"name": ..., "ok": bool, "detail": ...}``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import sys
+import traceback
+
+if "jax" not in sys.modules and "--xla_force_host_platform_device_count" not in os.environ.get(
+    "XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                             + " --xla_force_host_platform_device_count=8").strip()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax import lax  # noqa: E402
+from jax.sharding import AxisType, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import jaxpool  # noqa: E402
+
+COLLECTIVES = ("all-gather", "all-to-all", "all-reduce", "collective-permute", "reduce-scatter")
+
+
+def check(name):
+  def deco(fn):
+    try:
+      detail = fn()
+      out = dict(name=name, ok=True, detail=detail or "")
+    except Exception as e:  # noqa: BLE001  (reported; the test fails on it)
+      out = dict(name=name, ok=False,
+                 detail=f"{type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}")
+    print(json.dumps(out), flush=True)
+    return fn
+  return deco
+
+
+def moved_arrays(hlo: str) -> list[tuple[str, int]]:
+  """Collectives that move more than one element (XLA:CPU's fusion barrier in jaxpool's max
+  pool reads one argmax element as a predicate: a scalar may move, an array may not)."""
+  out = []
+  pattern = r"= \(?(\w+)\[([\d,]*)\][^ ]* (" + "|".join(COLLECTIVES) + r")(-start)?\("
+  for m in re.finditer(pattern, hlo):
+    size = math.prod(int(d) for d in m.group(2).split(",") if d)
+    if size > 1:
+      out.append((m.group(3), size))
+  return out
+
+
+def same(a, b):
+  for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    u, v = np.asarray(u), np.asarray(v)
+    assert u.shape == v.shape and u.dtype == v.dtype, (u.shape, v.shape, u.dtype, v.dtype)
+    assert u.tobytes() == v.tobytes(), f"differ by up to {np.abs(u - v).max()}"
+
+
+def block(x):
+  """A ReLU -> 3x3/s2 max pool -> 2x2 average pool, written in plain lax (NHWC)."""
+  y = lax.reduce_window(jax.nn.relu(x), -jnp.inf, lax.max, (1, 3, 3, 1), (1, 2, 2, 1),
+                        ((0, 0), (1, 1), (1, 1), (0, 0)))
+  return lax.reduce_window(y, 0.0, lax.add, (1, 2, 2, 1), (1, 2, 2, 1), "VALID") / 4.0
+
+
+def loss(x):
+  return (block(x) ** 2).sum()
+
+
+X = jnp.asarray(np.random.default_rng(0).standard_normal((8, 12, 12, 4)), jnp.float32)
+REF = jax.jit(jax.grad(loss))(X)
+REF_OPT = jax.jit(jax.grad(jaxpool.optimize(loss)))(X)
+
+for axis_type in (AxisType.Auto, AxisType.Explicit):
+  @check(f"named/{axis_type.name}")
+  def _named(axis_type=axis_type):
+    mesh = jax.make_mesh((4, 2), ("b", "c"), axis_types=(axis_type, axis_type))
+    spec = P("b", None, None, "c")
+    xs = jax.device_put(X, NamedSharding(mesh, spec))
+    fn = jax.jit(jax.grad(jaxpool.optimize(loss)))
+    with jax.set_mesh(mesh):
+      compiled = fn.lower(xs).compile()
+      out = compiled(xs)
+    same(out, REF_OPT)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(REF), rtol=1e-6, atol=1e-6)
+    assert out.sharding.is_equivalent_to(NamedSharding(mesh, spec), out.ndim), out.sharding
+    moved = moved_arrays(compiled.as_text())
+    assert not moved, f"the compiled program moves arrays between devices: {moved}"
+    return ""
+
+
+@check("shard_map/grad")
+def _shard_map_grad():
+  mesh = jax.make_mesh((8,), ("b",), axis_types=(AxisType.Explicit,))
+  opt = jaxpool.optimize(loss)
+
+  def sharded_loss(x):
+    return jax.shard_map(lambda x: lax.psum(opt(x), "b"), mesh=mesh, in_specs=P("b"),
+                         out_specs=P())(x)
+  xs = jax.device_put(X, NamedSharding(mesh, P("b")))
+  with jax.set_mesh(mesh):
+    out = jax.jit(jax.grad(sharded_loss))(xs)
+  same(out, REF_OPT)
+  return ""
+
+
+def on_mesh():
+  mesh = jax.make_mesh((8,), ("b",))
+  return mesh, jax.device_put(X, NamedSharding(mesh, P("b")))
+
+
+@check("shard_map/vmap_grad")
+def _shard_map_vmap_grad():
+  mesh, xs = on_mesh()
+  one = lambda x: loss(x[None])  # one example: (H, W, C)
+  fn = jax.shard_map(jax.vmap(jax.grad(jaxpool.optimize(one))), mesh=mesh, in_specs=P("b"),
+                     out_specs=P("b"))
+  with jax.set_mesh(mesh):
+    out = jax.jit(fn)(xs)
+  want = jax.jit(jax.vmap(jax.grad(one)))(X)
+  np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-6, atol=1e-6)
+  return ""
+
+
+@check("shard_map/optimize_of_grad")
+def _optimize_of_grad():
+  mesh, xs = on_mesh()
+  fn = jax.shard_map(jaxpool.optimize(jax.grad(loss)), mesh=mesh, in_specs=P("b"),
+                     out_specs=P("b"))
+  with jax.set_mesh(mesh):
+    out = jax.jit(fn)(xs)
+    text = str(jax.make_jaxpr(fn)(xs))
+  same(out, REF_OPT)
+  assert "select_and_scatter_add" not in text
+  return ""
+
+
+@check("shard_map/not_entered")
+def _not_entered():
+  mesh, xs = on_mesh()
+  fn = jax.shard_map(lambda x: lax.psum(loss(x), "b"), mesh=mesh, in_specs=P("b"),
+                     out_specs=P())
+  with jax.set_mesh(mesh):
+    rep = jaxpool.optimize(fn).report(xs)
+  assert [f.op for f in rep.left_alone] == ["shard_map"], str(rep)
+  return str(rep)
+
+
+print(json.dumps(dict(name="summary", ok=True, detail="")), flush=True)
