@@ -357,6 +357,11 @@ def test_jit_equals_eager_and_gradients_repeat_bit_for_bit(rng):
     assert_same_bits(g(x), g(x))
 
 
+def _jaxprs_in_params(params):
+  find = getattr(jax.extend.core, "jaxprs_in_params", None)  # JAX 0.11; older: jax.core
+  return (find or jax.core.jaxprs_in_params)(params)
+
+
 def _backward_ops(f, x):
   """The primitive names in the jaxpr of ``jax.grad`` of ``sum(f)``."""
   jaxpr = jax.make_jaxpr(jax.grad(lambda v: jnp.sum(f(v))))(x)
@@ -365,7 +370,7 @@ def _backward_ops(f, x):
   def visit(j):
     for eqn in j.eqns:
       names.add(eqn.primitive.name)
-      for sub in jax.core.jaxprs_in_params(eqn.params):
+      for sub in _jaxprs_in_params(eqn.params):
         visit(sub)
 
   visit(jaxpr.jaxpr)
@@ -457,8 +462,9 @@ def test_divisible_sizes_equal_fixed_window_pooling(shape, out, fmt, rng):
   w = tuple(shape[a] // o for a, o in zip(axes, out))
   plan = _adaptive._Plan(tuple(shape[a] for a in axes), out, fmt == "channels_last")
   y = jaxpool.max_pool(x, w, w, data_format=fmt)
-  assert_same_bits(jaxpool.adaptive_max_pool(x, out, data_format=fmt), y)
-  assert_same_bits(_adaptive._adaptive_max_jit(x, plan), y)
+  # (Values bit for bit, NaN as NaN: a GPU's XLA max may return another NaN payload.)
+  assert_bitwise(jaxpool.adaptive_max_pool(x, out, data_format=fmt), y)
+  assert_bitwise(_adaptive._adaptive_max_jit(x, plan), y)
   _, i = jaxpool.max_pool_with_indices(x, w, w, data_format=fmt)
   assert_same_bits(jaxpool.adaptive_max_pool_with_indices(x, out, data_format=fmt)[1], i)
   assert_same_bits(_adaptive._adaptive_max_indices_jit(x, plan)[1], i)

@@ -52,8 +52,9 @@ def apply_activation(y: Any, taps: Any, activation: str | None):
   """``(relu(y), taps or -1 where y is not positive)`` for ``"relu"``; unchanged for None."""
   if activation is None:
     return y, taps
-  # jnp.maximum(y, 0) is jax.nn.relu's value: NaN stays NaN, -0.0 becomes 0.0.
-  out = jnp.maximum(y, np.array(0, y.dtype))
+  # jax.nn.relu's value: NaN stays NaN, -0.0 becomes 0.0. (A select, not a max: Triton's max
+  # drops a NaN operand.)
+  out = jnp.where((y > 0) | (y != y), y, jnp.zeros_like(y))
   if taps is None:
     return out, None
   return out, jnp.where(y > 0, taps, jnp.asarray(-1, taps.dtype))
