@@ -1,0 +1,113 @@
+"""What the max kernels' comparison costs: the forward kernels with three forms of it.
+
+The kernels decide whether a tap replaces the running maximum with ``dtypes.beats``: strictly
+greater, or the first NaN, or ``+0.0`` over ``-0.0`` (the last keeps the kernels' values equal to
+``lax.reduce_window``'s). This script times the Triton forward kernels (with and without the
+taps) on the cases of ``benchmarks/gpu.py`` whose forward fell below 0.8 of copy bandwidth, with:
+
+- ``signbit``: the zero rule through ``jnp.signbit`` (bit casts and shifts);
+- ``bits``: the zero rule as an integer comparison of the bit patterns of equal values;
+- ``none``: no zero rule (the first of ``-0.0`` and ``+0.0`` wins), the cost floor.
+
+Rounds alternate the variants, so drifting clocks affect them alike. Prints a table and saves
+``benchmarks/results/comparator_gpu.json``. Needs a GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from jaxpool._src import dtypes, windows  # noqa: E402
+from jaxpool._src.pallas import triton as pk  # noqa: E402
+
+CASES = [
+    ("128x112x112x64 3x3/s2/p1 bf16", (128, 112, 112, 64), (3, 3), (2, 2), 1,
+     "channels_last", jnp.bfloat16),
+    ("128x112x112x64 3x3/s2/p1 f32", (128, 112, 112, 64), (3, 3), (2, 2), 1,
+     "channels_last", jnp.float32),
+    ("128x64x112x112 NCHW 3x3/s2/p1 f32", (128, 64, 112, 112), (3, 3), (2, 2), 1,
+     "channels_first", jnp.float32),
+    ("16x16x56x56x64 3x3x3/s2/p1 f32", (16, 16, 56, 56, 64), (3, 3, 3), (2, 2, 2), 1,
+     "channels_last", jnp.float32),
+]
+
+
+def _bits_rule(x, best):
+  if not jnp.issubdtype(x.dtype, jnp.floating):
+    return x > best
+  ints = {16: jnp.int16, 32: jnp.int32, 64: jnp.int64}[dtypes.bits(x.dtype)]
+  as_int = lambda a: jax.lax.bitcast_convert_type(a, ints)
+  # Equal values with larger signed bit patterns: only +0.0 (0) over -0.0 (the int minimum).
+  zero_up = (x == best) & (as_int(x) > as_int(best))
+  return (jnp.logical_not(x <= best) & (best == best)) | zero_up
+
+
+def _no_zero_rule(x, best):
+  if not jnp.issubdtype(x.dtype, jnp.floating):
+    return x > best
+  return jnp.logical_not(x <= best) & (best == best)
+
+
+VARIANTS = {"signbit": dtypes.beats, "bits": _bits_rule, "none": _no_zero_rule}
+
+
+def _time(fn, x, reps=20, inner=10):
+  jax.block_until_ready(fn(x))
+  samples = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    for _ in range(inner):
+      out = fn(x)
+    jax.block_until_ready(out)
+    samples.append((time.perf_counter() - t0) / inner)
+  return statistics.median(samples) * 1e3
+
+
+def main():
+  copy = jax.jit(lambda a: a + 1)
+  big = jnp.zeros((2**28,), jnp.float32)
+  copy_gbs = 2 * big.nbytes / _time(copy, big) / 1e6
+  print(f"copy bandwidth: {copy_gbs:.0f} GB/s")
+  rows = []
+  for name, shape, window, strides, padding, fmt, dtype in CASES:
+    x = jnp.asarray(np.random.default_rng(0).standard_normal(shape), dtype)
+    geom = windows.make_geometry(shape, window, strides, padding, data_format=fmt)
+    out = geom.output_shape(shape)
+    n_out = int(np.prod(out))
+    bytes_fwd = x.nbytes + n_out * x.dtype.itemsize
+    bytes_taps = bytes_fwd + n_out
+    times = {v: {"fwd": [], "fwd_taps": []} for v in VARIANTS}
+    for _ in range(3):  # rounds, alternating the variants
+      for v, rule in VARIANTS.items():
+        pk.beats = rule
+        fwd = jax.jit(lambda a, g=geom: pk.max_forward(a, g, interpret=False))
+        taps = jax.jit(lambda a, g=geom: pk.max_forward_taps(a, g, interpret=False))
+        times[v]["fwd"].append(_time(fwd, x))
+        times[v]["fwd_taps"].append(_time(taps, x))
+    pk.beats = dtypes.beats
+    for v in VARIANTS:
+      f, t = min(times[v]["fwd"]), min(times[v]["fwd_taps"])
+      row = dict(case=name, variant=v, fwd_ms=f, fwd_taps_ms=t,
+                 fwd_of_copy=bytes_fwd / f / 1e6 / copy_gbs,
+                 fwd_taps_of_copy=bytes_taps / t / 1e6 / copy_gbs)
+      rows.append(row)
+      print(f"{name:36s} {v:8s} fwd {f:.3f} ms ({row['fwd_of_copy']:.2f} of copy)  "
+            f"fwd+taps {t:.3f} ms ({row['fwd_taps_of_copy']:.2f})", flush=True)
+  path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                      "comparator_gpu.json")
+  with open(path, "w") as f:
+    json.dump(dict(jax=jax.__version__, device=str(jax.devices()[0]), copy_gbs=copy_gbs,
+                   rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+  main()
