@@ -7,6 +7,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 
 
@@ -82,5 +83,11 @@ def beats(x: Any, best: Any) -> Any:
   """
   if not jnp.issubdtype(x.dtype, jnp.floating):
     return x > best
-  positive_zero_over_negative = (x == best) & signbit(best) & jnp.logical_not(signbit(x))
-  return (jnp.logical_not(x <= best) & (best == best)) | positive_zero_over_negative
+  # Equal values have equal bits except +0.0 (bits 0) and -0.0 (the signed minimum): a signed
+  # comparison of the bits of equal values finds +0.0 over -0.0 (cheaper than two sign bits).
+  if bits(x.dtype) < 16:
+    x, best = x.astype(jnp.float32), best.astype(jnp.float32)
+  as_int = {16: jnp.int16, 32: jnp.int32, 64: jnp.int64}[bits(x.dtype)]
+  zero_up = (x == best) & (lax.bitcast_convert_type(x, as_int)
+                           > lax.bitcast_convert_type(best, as_int))
+  return (jnp.logical_not(x <= best) & (best == best)) | zero_up

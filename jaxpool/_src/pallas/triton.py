@@ -234,6 +234,9 @@ def _window_kernel(x_ref, *out_refs, g: Geometry, bw: int, bl: int, lanes: int, 
   dtype = x_ref.dtype
   acc_t = accumulator_dtype(dtype)
   idx_t = out_refs[1].dtype if mode == "argmax" else jnp.int8
+  # 16-bit floats are compared in float32 (exact): Triton would convert them for every op.
+  cmp_t = np.dtype(np.float32) if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4 \
+      else np.dtype(dtype)
   low = lowest(dtype)
 
   def body(edge: bool):
@@ -252,7 +255,7 @@ def _window_kernel(x_ref, *out_refs, g: Geometry, bw: int, bl: int, lanes: int, 
         acc = xt if acc is None else acc + xt
         continue
       # Masked taps read the lowest value: never greater than ``best``.
-      xt = _load(x_ref, where, ok, None if ok is None else low)
+      xt = _load(x_ref, where, ok, None if ok is None else low).astype(cmp_t)
       if mode == "max":
         best = xt if best is None else jnp.where(beats(xt, best), xt, best)
         continue
@@ -260,7 +263,7 @@ def _window_kernel(x_ref, *out_refs, g: Geometry, bw: int, bl: int, lanes: int, 
         best, idx = xt, jnp.zeros(tile.shape, idx_t)
         continue
       if best is None:
-        best, idx = jnp.full(tile.shape, low, dtype), jnp.full(tile.shape, -1, idx_t)
+        best, idx = jnp.full(tile.shape, low, cmp_t), jnp.full(tile.shape, -1, idx_t)
       assert idx is not None
       better = beats(xt, best)
       if ok is not None:
@@ -278,7 +281,7 @@ def _window_kernel(x_ref, *out_refs, g: Geometry, bw: int, bl: int, lanes: int, 
       tile.store(out_refs[0], out_at, (acc / div).astype(dtype), col_mask)
       return
     best, idx = apply_activation(best, idx, activation)  # (fused: no pass of its own)
-    tile.store(out_refs[0], out_at, best, col_mask)
+    tile.store(out_refs[0], out_at, best.astype(dtype), col_mask)
     if mode == "argmax":
       tile.store(out_refs[1], out_at, idx, col_mask)
 
