@@ -37,6 +37,7 @@ def measure(x, k: int, unrolled: bool, op: str):
   """(compile seconds, run seconds) of the gradient of a k x k, stride-2 pool of ``x``."""
   saved = xla.UNROLL_TAPS
   xla.UNROLL_TAPS = 10**9 if unrolled else 0
+  jax.clear_caches()  # the ops are jitted per configuration: retrace them with this setting
   try:
     pool = getattr(jaxpool, op)
     f = jax.jit(jax.grad(lambda v: pool(v, (k, k), strides=(2, 2), padding=k // 2,
