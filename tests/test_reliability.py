@@ -314,7 +314,7 @@ def extreme_configs(draw):
                                              dilation=dilation, ceil_mode=ceil_mode), dtype
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(cfg=extreme_configs(), seed=st.integers(0, 2**16))
 def test_extreme_configs_match_reference(cfg, seed):
   shape, window, kw, dtype = cfg
