@@ -82,6 +82,8 @@ LARGE = [
     ((2, 3, 30, 30), (6, 12), dict(strides=(4, 1), dilation=(3, 2), padding=2,
                                    data_format="channels_first")),
     ((2, 2, 9, 10, 11, 2), (5, 4, 4), dict(strides=(2, 3, 2), padding="SAME")),
+    # above the sums' threshold too: average and Lp loop as well
+    ((1, 40, 37, 2), (17, 17), dict(strides=(3, 4), padding=((4, 2), (0, 5)), ceil_mode=True)),
 ]
 
 

@@ -51,7 +51,11 @@ def _pad(x: jax.Array, geom: Geometry, fill) -> jax.Array:
 # is rematerialised in reverse mode, so the transpose keeps no per-tap residuals: it adds each
 # tap's cotangent into place (one output-sized update per tap).
 
-UNROLL_TAPS = 64  # compile time grows with the taps below it; benchmarks/NOTES.md measures it
+# Compile time grows with the taps below these (benchmarks/unroll_threshold.py measures both
+# forms): the max's winner search and gather loop from 64 taps on; the sums (average and Lp
+# tangents, Lp forward) run several times faster unrolled and compile fast, so they loop from 256.
+UNROLL_TAPS = 64
+UNROLL_SUM_TAPS = 256
 TAPS_PER_TRIP = 8  # taps per trip of the loop
 
 Tap = tuple  # one coordinate per spatial dim: Python ints (straight-line code) or int32 scalars
@@ -70,15 +74,16 @@ def _tap_coords(geom: Geometry, j: jax.Array) -> Tap:
   return tuple(reversed(coords))
 
 
-def _fold_taps(geom: Geometry, step, init, start: int = 0):
+def _fold_taps(geom: Geometry, step, init, start: int = 0, limit: int | None = None):
   """``carry = step(j, tap, carry)`` for the taps ``j = start, start + 1, ...`` in row-major
-  order, from ``carry = init()``: straight-line code up to ``UNROLL_TAPS`` taps, else a loop.
+  order, from ``carry = init()``: straight-line code up to ``limit`` (``UNROLL_TAPS``) taps,
+  else a loop.
 
   The loop is rematerialised as a whole in reverse mode: its residuals are the arrays it closes
   over (never an output-sized value it makes, such as a zero start), and its trips recompute
   their tap offsets instead of saving them.
   """
-  if geom.num_taps <= UNROLL_TAPS:
+  if geom.num_taps <= (UNROLL_TAPS if limit is None else limit):
     carry = init()
     for j, tap in enumerate(geom.taps()):
       if j >= start:
@@ -356,9 +361,9 @@ def window_sum_linear(t: jax.Array, geom: Geometry) -> jax.Array:
   XLA fuses into one gather-like pass: several times faster than the transpose of
   ``reduce_window`` (a padded reduce-window over the dilated cotangent), and deterministic.
   """
-  read = _reader(t, geom, phase=geom.num_taps > UNROLL_TAPS)
+  read = _reader(t, geom, phase=geom.num_taps > UNROLL_SUM_TAPS)
   return _fold_taps(geom, lambda j, tap, acc: acc + read(tap),
-                    lambda: read((0,) * geom.nspatial), start=1)
+                    lambda: read((0,) * geom.nspatial), start=1, limit=UNROLL_SUM_TAPS)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2, 3))
@@ -390,13 +395,13 @@ def _avg_pool_jvp(geom, count_include_pad, divisor_override, primals, tangents):
 
 def _lp_sum_scaled(x: jax.Array, m: jax.Array, geom: Geometry, p: float) -> jax.Array:
   """``sum (|x|/m)^p`` over each window's real elements (``m > 0``)."""
-  read = _reader(x, geom, phase=geom.num_taps > UNROLL_TAPS)
+  read = _reader(x, geom, phase=geom.num_taps > UNROLL_SUM_TAPS)
 
   def step(j, tap, acc):
     r = jnp.abs(read(tap)) / m
     return acc + (r * r if p == 2 else r ** p)
 
-  return _fold_taps(geom, step, lambda: jnp.zeros_like(m))
+  return _fold_taps(geom, step, lambda: jnp.zeros_like(m), limit=UNROLL_SUM_TAPS)
 
 
 def _lp_forward(xa: jax.Array, geom: Geometry, p: float) -> jax.Array:
@@ -420,8 +425,8 @@ def lp_pool(x: jax.Array, geom: Geometry, p: float) -> jax.Array:
 
 def _lp_tangent(xa: jax.Array, y: jax.Array, t: jax.Array, geom: Geometry, p: float):
   """``sum sign(x) (|x|/y)^(p-1) t`` over each window (linear in ``t``; ``y > 0``)."""
-  xread = _reader(xa, geom, phase=geom.num_taps > UNROLL_TAPS)
-  tread = _reader(t, geom, phase=geom.num_taps > UNROLL_TAPS)
+  xread = _reader(xa, geom, phase=geom.num_taps > UNROLL_SUM_TAPS)
+  tread = _reader(t, geom, phase=geom.num_taps > UNROLL_SUM_TAPS)
 
   def step(j, tap, acc):
     xt = xread(tap)
@@ -429,7 +434,7 @@ def _lp_tangent(xa: jax.Array, y: jax.Array, t: jax.Array, geom: Geometry, p: fl
     w = jnp.sign(xt) * (r if p == 2 else r ** (p - 1))
     return acc + w * tread(tap)
 
-  return _fold_taps(geom, step, lambda: jnp.zeros_like(y))
+  return _fold_taps(geom, step, lambda: jnp.zeros_like(y), limit=UNROLL_SUM_TAPS)
 
 
 @lp_pool.defjvp
