@@ -329,8 +329,8 @@ def _masked_forward(xm: tuple[jax.Array, jax.Array], geom: Geometry,
   # equals the value at the tap loop's winner (lowest where no unmasked element): one
   # reduce_window, with nothing kept, serves inference.
   x, mask = xm
-  xm_ = jnp.where(jnp.broadcast_to(mask, x.shape), x, lowest(x.dtype))
-  return apply_activation(max_pool_forward(xm_, geom), None, activation)[0]
+  kept = jnp.where(jnp.broadcast_to(mask, x.shape), x, lowest(x.dtype))
+  return apply_activation(max_pool_forward(kept, geom), None, activation)[0]
 
 
 def _masked_forward_with_taps(xm: tuple[jax.Array, jax.Array], geom: Geometry,
