@@ -14,6 +14,7 @@ from jaxpool._src.api import max_pool as max_pool
 from jaxpool._src.api import max_pool_grad as max_pool_grad
 from jaxpool._src.api import max_pool_with_indices as max_pool_with_indices
 from jaxpool._src.api import max_unpool as max_unpool
+from jaxpool._src.api import min_pool as min_pool
 from jaxpool._src.optimize import optimize as optimize
 from jaxpool._src.windows import Geometry as Geometry
 from jaxpool._src.windows import make_geometry as make_geometry

@@ -14,6 +14,12 @@ Conventions, as docs/semantics.md states them:
     ceil-mode overhang; otherwise real taps; divisor_override replaces both); empty window -> 0.
   * Lp: ``(sum |x|^p)^(1/p)`` over real taps; gradient ``dy sign(x) |x|^(p-1) / y^(p-1)``, 0 where
     ``y == 0``.
+  * min: max's rules mirrored, written out on their own (not as a negated max): ties -> lowest
+    tap; NaN is smaller than every number, the first NaN wins; -0.0 beats +0.0 (as ``lax.min``);
+    a window with no real element outputs +inf (``iinfo.max``, True for bool), index -1.
+  * mask (bool, broadcast to x's shape; True = real): a masked element is treated as absent from
+    every window: it never wins, takes no gradient, is not summed and not counted in a divisor
+    (with count_include_pad the divisor is the unmasked real taps plus the padding taps).
 """
 
 from __future__ import annotations
@@ -147,24 +153,43 @@ class Config:
 
 def _lowest(dtype):
   dtype = np.dtype(dtype)
+  if dtype == np.bool_:
+    return 0
   if np.issubdtype(dtype, np.integer):
     return np.iinfo(dtype).min
   return -np.inf
 
 
+def _highest(dtype):
+  dtype = np.dtype(dtype)
+  if dtype == np.bool_:
+    return 1
+  if np.issubdtype(dtype, np.integer):
+    return np.iinfo(dtype).max
+  return np.inf
+
+
 def _wide(x):
   x = np.asarray(x)
-  if np.issubdtype(x.dtype, np.integer):
+  if np.issubdtype(x.dtype, np.integer) or x.dtype == np.bool_:
     return x.astype(np.int64)
   return x.astype(np.float64)
 
 
+def _mask_rows(cfg, mask):
+  """The mask broadcast to x's shape, as rows (all True for None)."""
+  full = np.ones(cfg.x_shape, bool) if mask is None else np.broadcast_to(
+      np.asarray(mask, bool), cfg.x_shape)
+  return cfg.to_rows(full, cfg.in_spatial)[0]
+
+
 def max_pool_with_indices(x, window_shape, strides=None, padding="VALID", *, dilation=None,
-                          ceil_mode=False, data_format="channels_last"):
+                          ceil_mode=False, data_format="channels_last", mask=None):
   """Returns ``(y, indices)``: ``y`` in ``x.dtype``, ``indices`` int32 (PyTorch convention)."""
   x = np.asarray(x)
   cfg = Config(x.shape, window_shape, strides, padding, dilation, ceil_mode, data_format)
   rows, lead = cfg.to_rows(_wide(x), cfg.in_spatial)
+  live = _mask_rows(cfg, mask)
   is_float = np.issubdtype(rows.dtype, np.floating)
   nout = math.prod(cfg.out_spatial)
   y = np.full((rows.shape[0], nout), _lowest(x.dtype), rows.dtype)
@@ -184,6 +209,7 @@ def max_pool_with_indices(x, window_shape, strides=None, padding="VALID", *, dil
         take |= ~best_nan & (np.isnan(v) | (v > best) | zero_up)
       else:
         take |= v > best
+      take &= live[:, flat]
       best = np.where(take, v, best)
       arg = np.where(take, flat, arg)
     y[:, j] = best
@@ -193,17 +219,58 @@ def max_pool_with_indices(x, window_shape, strides=None, padding="VALID", *, dil
   return y, idx
 
 
+def min_pool_with_indices(x, window_shape, strides=None, padding="VALID", *, dilation=None,
+                          ceil_mode=False, data_format="channels_last", mask=None):
+  """Min pooling: ``(y, indices)``, the rules written for the minimum (not a negated max)."""
+  x = np.asarray(x)
+  cfg = Config(x.shape, window_shape, strides, padding, dilation, ceil_mode, data_format)
+  rows, lead = cfg.to_rows(_wide(x), cfg.in_spatial)
+  live = _mask_rows(cfg, mask)
+  is_float = np.issubdtype(rows.dtype, np.floating)
+  nout = math.prod(cfg.out_spatial)
+  y = np.full((rows.shape[0], nout), _highest(x.dtype), rows.dtype)
+  idx = np.full((rows.shape[0], nout), -1, np.int64)
+  for j, taps in enumerate(cfg.windows()):
+    best = np.full(rows.shape[0], _highest(x.dtype), rows.dtype)
+    arg = np.full(rows.shape[0], -1, np.int64)
+    for kind, flat in taps:
+      if kind != "real":
+        continue
+      v = rows[:, flat]
+      take = (arg < 0) & live[:, flat]
+      if is_float:
+        # A NaN is smaller than every number and the first one stays; -0.0 beats +0.0.
+        zero_down = (v == best) & np.signbit(v) & ~np.signbit(best)
+        smaller = ~np.isnan(best) & (np.isnan(v) | (v < best) | zero_down)
+      else:
+        smaller = v < best
+      take |= (arg >= 0) & live[:, flat] & smaller
+      best = np.where(take, v, best)
+      arg = np.where(take, flat, arg)
+    y[:, j] = best
+    idx[:, j] = arg
+  y = cfg.from_rows(y, lead, cfg.out_spatial).astype(x.dtype)
+  idx = cfg.from_rows(idx, lead, cfg.out_spatial).astype(np.int32)
+  return y, idx
+
+
+def min_pool(x, window_shape, strides=None, padding="VALID", **kw):
+  return min_pool_with_indices(x, window_shape, strides, padding, **kw)[0]
+
+
 def max_pool(x, window_shape, strides=None, padding="VALID", **kw):
   return max_pool_with_indices(x, window_shape, strides, padding, **kw)[0]
 
 
 def max_pool_grad(x, dy, window_shape, strides=None, padding="VALID", *, dilation=None,
-                  ceil_mode=False, data_format="channels_last"):
-  """DirectML's MaxPoolGrad: scatter-add each window's ``dy`` to its argmax (float64 sums)."""
+                  ceil_mode=False, data_format="channels_last", mask=None, minimum=False):
+  """DirectML's MaxPoolGrad: scatter-add each window's ``dy`` to its argmax (float64 sums);
+  with ``minimum``, to the min pool's winner."""
   x = np.asarray(x)
   cfg = Config(x.shape, window_shape, strides, padding, dilation, ceil_mode, data_format)
-  _, idx = max_pool_with_indices(x, window_shape, strides, padding, dilation=dilation,
-                                 ceil_mode=ceil_mode, data_format=data_format)
+  pool = min_pool_with_indices if minimum else max_pool_with_indices
+  _, idx = pool(x, window_shape, strides, padding, dilation=dilation, ceil_mode=ceil_mode,
+                data_format=data_format, mask=mask)
   irows, lead = cfg.to_rows(idx, cfg.out_spatial)
   dyrows, _ = cfg.to_rows(np.asarray(dy).astype(np.float64), cfg.out_spatial)
   dx = np.zeros((irows.shape[0], math.prod(cfg.in_spatial)), np.float64)
@@ -236,43 +303,58 @@ def max_unpool(y, indices, output_size, *, data_format="channels_last"):
 # ------------------------------------------------------------------------------ average
 
 
-def _divisors(cfg, count_include_pad, divisor_override):
+def _divisors(cfg, count_include_pad, divisor_override, live):
+  """One divisor per (row, window); ``live``: the mask rows (True = real element)."""
+  nrows = live.shape[0]
   divs = []
   for taps in cfg.windows():
     if divisor_override is not None:
-      divs.append(float(divisor_override))
+      divs.append(np.full(nrows, float(divisor_override)))
       continue
-    kinds = ("real", "pad") if count_include_pad else ("real",)
-    divs.append(float(sum(kind in kinds for kind, _ in taps)))
+    count = np.zeros(nrows)
+    for kind, flat in taps:
+      if kind == "real":
+        count += live[:, flat]
+      elif kind == "pad" and count_include_pad:
+        count += 1
+    divs.append(count)
   return divs
 
 
 def avg_pool(x, window_shape, strides=None, padding="VALID", *, dilation=None, ceil_mode=False,
-             count_include_pad=True, divisor_override=None, data_format="channels_last"):
-  """Average pooling in float64 (the caller casts)."""
+             count_include_pad=True, divisor_override=None, data_format="channels_last",
+             mask=None):
+  """Average pooling in float64 (complex128 for complex x; the caller casts)."""
   x = np.asarray(x)
   cfg = Config(x.shape, window_shape, strides, padding, dilation, ceil_mode, data_format)
-  rows, lead = cfg.to_rows(x.astype(np.float64), cfg.in_spatial)
-  divs = _divisors(cfg, count_include_pad, divisor_override)
-  y = np.zeros((rows.shape[0], len(divs)))
+  wide = np.complex128 if np.iscomplexobj(x) else np.float64
+  rows, lead = cfg.to_rows(x.astype(wide), cfg.in_spatial)
+  live = _mask_rows(cfg, mask)
+  divs = _divisors(cfg, count_include_pad, divisor_override, live)
+  y = np.zeros((rows.shape[0], len(divs)), wide)
   for j, taps in enumerate(cfg.windows()):
-    real = [flat for kind, flat in taps if kind == "real"]
-    if real:  # no real element: 0
-      y[:, j] = rows[:, real].sum(axis=1) / divs[j]
+    total = np.zeros(rows.shape[0], wide)
+    for kind, flat in taps:
+      if kind == "real":
+        total += np.where(live[:, flat], rows[:, flat], 0)
+    ok = divs[j] > 0  # no real (unmasked) element, no padding counted: 0
+    y[:, j] = np.where(ok, total / np.where(ok, divs[j], 1), 0)
   return cfg.from_rows(y, lead, cfg.out_spatial)
 
 
 def avg_pool_grad(dy, input_shape, window_shape, strides=None, padding="VALID", *, dilation=None,
                   ceil_mode=False, count_include_pad=True, divisor_override=None,
-                  data_format="channels_last"):
+                  data_format="channels_last", mask=None):
   cfg = Config(input_shape, window_shape, strides, padding, dilation, ceil_mode, data_format)
   dyrows, lead = cfg.to_rows(np.asarray(dy).astype(np.float64), cfg.out_spatial)
-  divs = _divisors(cfg, count_include_pad, divisor_override)
+  live = _mask_rows(cfg, mask)
+  divs = _divisors(cfg, count_include_pad, divisor_override, live)
   dx = np.zeros((dyrows.shape[0], math.prod(cfg.in_spatial)))
   for j, taps in enumerate(cfg.windows()):
     for kind, flat in taps:
       if kind == "real":
-        dx[:, flat] += dyrows[:, j] / divs[j]
+        dx[:, flat] += np.where(live[:, flat], dyrows[:, j] / np.where(divs[j] > 0, divs[j], 1),
+                                0)
   return cfg.from_rows(dx, lead, cfg.in_spatial)
 
 

@@ -14,6 +14,7 @@ DY = np.zeros((1, 5, 5, 2), np.float32)  # the output of a 2x2 window, stride 1
 OPS = {
     "max_pool": (lambda **kw: jp.max_pool(X, **kw), "x"),
     "max_pool_with_indices": (lambda **kw: jp.max_pool_with_indices(X, **kw), "x"),
+    "min_pool": (lambda **kw: jp.min_pool(X, **kw), "x"),
     "avg_pool": (lambda **kw: jp.avg_pool(X, **kw), "x"),
     "lp_pool": (lambda **kw: jp.lp_pool(X, 2, **kw), "x"),
     "l2_pool": (lambda **kw: jp.l2_pool(X, **kw), "x"),
@@ -131,20 +132,25 @@ def test_dy_shape_mismatch(op, dy_shape):
 
 def test_bad_dtypes():
   xi = X.astype(np.int32)
-  for fn in (lambda: jp.avg_pool(xi, (2, 2)), lambda: jp.lp_pool(xi, 2, (2, 2)),
-             lambda: jp.l2_pool(xi, (2, 2)), lambda: jp.max_pool_grad(xi, DY, (2, 2)),
+  # Integer inputs pool (avg, Lp in the default float dtype), but have no gradient.
+  for fn in (lambda: jp.max_pool_grad(xi, DY, (2, 2)),
              lambda: jp.lp_pool_grad(xi, DY, 2, (2, 2))):
     with pytest.raises(TypeError, match="x.*int32"):
       fn()
   with pytest.raises(TypeError, match="dy.*int32"):
     jp.avg_pool_grad(DY.astype(np.int32), X.shape, (2, 2))
-  for fn in (jp.max_pool, jp.avg_pool):
-    with pytest.raises(TypeError, match="x.*bool"):
-      fn(X.astype(bool), (2, 2))
+  for fn in (jp.max_pool, jp.min_pool, jp.avg_pool):
     with pytest.raises(TypeError, match="x"):
       fn("not an array", (2, 2))
-  with pytest.raises(TypeError, match="x.*complex"):
-    jp.max_pool(X.astype(np.complex64), (2, 2))
+  # Complex: no order for max/min, no |x|^p; averages take it.
+  for fn in (jp.max_pool, jp.min_pool, jp.max_pool_with_indices):
+    with pytest.raises(TypeError, match="x.*complex64.*no order"):
+      fn(X.astype(np.complex64), (2, 2))
+  with pytest.raises(TypeError, match="x.*complex64.*real"):
+    jp.lp_pool(X.astype(np.complex64), 2, (2, 2))
+  for fn in (jp.max_pool, jp.min_pool, jp.avg_pool):
+    with pytest.raises(TypeError, match="x.*uint4"):
+      fn(X.astype(np.uint8).astype("uint4"), (2, 2))
 
 
 def test_avg_pool_grad_bad_input_shape():

@@ -2,7 +2,8 @@
 
 Where a framework defines the op, the values must be equal (bit for bit for max; to float32
 rounding for averages) and the gradients too on inputs without ties. Where the framework and
-jaxpool differ on purpose (Equinox's ceil mode), the test pins the documented difference.
+jaxpool differ on purpose (Equinox's ceil-mode output size), the test pins the documented
+difference.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
+import jaxpool
 
 eqx = pytest.importorskip("equinox")
 nn = pytest.importorskip("flax.linen")
@@ -180,6 +183,8 @@ EQX_CASES = [
     (eqx.nn.AvgPool2d, jpe.AvgPool2d, (3, 9, 8), dict(kernel_size=(2, 3), stride=1,
                                                       padding=(1, 1))),
     (eqx.nn.AvgPool2d, jpe.AvgPool2d, (3, 8, 8), dict(kernel_size=2, stride=2, use_ceil=True)),
+    (eqx.nn.AvgPool2d, jpe.AvgPool2d, (3, 9, 8), dict(kernel_size=3, stride=2, padding=1,
+                                                      use_ceil=True)),  # overhang in dim 1
     (eqx.nn.AvgPool3d, jpe.AvgPool3d, (2, 5, 6, 7), dict(kernel_size=3, stride=2)),
 ]
 
@@ -203,14 +208,17 @@ def test_equinox_layers_equal_equinox(theirs, ours, shape, kw):
   check(jax.jit(b)(xb), jax.vmap(a)(xb))
 
 
-def test_equinox_ceil_mode_differs_as_documented():
+def test_equinox_ceil_mode_average_equals_equinox():
   # 5 elements, kernel 2, stride 2, ceil: the third window covers element 4 and one overhang
-  # tap. jaxpool (as PyTorch) divides by the one real tap; Equinox by the full kernel.
+  # tap. Equinox divides by the full kernel, and so does jaxpool's Equinox layer; the core's
+  # ceil_mode (PyTorch's rule) divides by the one real tap.
   x = jnp.arange(1.0, 6.0).reshape(1, 5)
   ours = jpe.AvgPool1d(2, 2, use_ceil=True)(x)
   theirs = eqx.nn.AvgPool1d(2, 2, use_ceil=True)(x)
-  assert_same(ours, [[1.5, 3.5, 5.0]])
-  assert_same(theirs, [[1.5, 3.5, 2.5]])
+  assert_same(ours, theirs)
+  assert_same(ours, [[1.5, 3.5, 2.5]])
+  assert_same(jaxpool.avg_pool(x, (2,), (2,), ceil_mode=True, data_format="channels_first"),
+              [[1.5, 3.5, 5.0]])
   # Equinox pads `stride` more at the end and then refuses padding above the kernel; PyTorch's
   # rule (ours) takes this configuration: windows [pad, 1], [2, 3], [4, 5].
   assert_same(jpe.MaxPool1d(2, 2, padding=1, use_ceil=True)(x), [[1.0, 3.0, 5.0]])

@@ -13,11 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxtyping import Array, ArrayLike, Float, Int, Real
+from jaxtyping import Array, ArrayLike, Bool, Float, Int, Num, Real, Shaped
 
 from jaxpool._src import dispatch, xla
 from jaxpool._src.autodiff import ACTIVATIONS
-from jaxpool._src.dtypes import check_dtype
+from jaxpool._src.dtypes import average_dtype, check_avg_dtype, check_dtype
 from jaxpool._src.windows import check_choice, check_rank, int_tuple, make_geometry, spatial_rank
 
 Padding = Union[str, int, Sequence[tuple[int, int]]]
@@ -25,10 +25,13 @@ Padding = Union[str, int, Sequence[tuple[int, int]]]
 # Shapes (jaxtyping): "*batch_spatial_c" is (*batch, *spatial, C) for channels_last and
 # (*batch, C, *spatial) for channels_first; "*batch_out_c" is the same with the pooled spatial
 # sizes. Only the layout tells which dims are spatial, so the annotations name them together.
-PoolIn = Real[ArrayLike, "*batch_spatial_c"]
+PoolIn = Shaped[ArrayLike, "*batch_spatial_c"]  # real (float, integer) or bool
+AvgIn = Num[ArrayLike, "*batch_spatial_c"]  # float, integer, bool or complex
+MaskIn = Bool[ArrayLike, "..."] | None  # broadcastable to x's shape
 FloatIn = Float[ArrayLike, "*batch_spatial_c"]
 FloatOutIn = Float[ArrayLike, "*batch_out_c"]
-PoolOut = Real[Array, "*batch_out_c"]
+PoolOut = Shaped[Array, "*batch_out_c"]
+AvgOut = Num[Array, "*batch_out_c"]
 FloatOut = Float[Array, "*batch_out_c"]
 FloatGrad = Float[Array, "*batch_spatial_c"]
 IndicesOut = Int[Array, "*batch_out_c"]
@@ -62,6 +65,28 @@ def _check_dy(dy: jax.Array, expected: tuple[int, ...]) -> None:
         f"dy must have the shape of the forward output, {tuple(expected)}; got {tuple(dy.shape)}.")
 
 
+# Why max and min pooling refuse complex inputs.
+_NO_ORDER = "complex numbers have no order, so a window of them has no maximum or minimum"
+
+
+def _check_mask(mask: Any, x: jax.Array) -> jax.Array | None:
+  """``mask`` as a bool array broadcastable to ``x`` (None stays None)."""
+  if mask is None:
+    return None
+  mask = _as_array("mask", mask)
+  if mask.dtype != np.dtype(np.bool_):
+    raise TypeError(f"mask must be a bool array (True marks a real element); got dtype "
+                    f"{mask.dtype}.")
+  try:
+    shape = tuple(np.broadcast_shapes(tuple(mask.shape), tuple(x.shape)))
+  except ValueError:
+    shape = None
+  if shape != tuple(x.shape):
+    raise ValueError(f"mask must have x's shape {tuple(x.shape)} or a shape that broadcasts "
+                     f"to it; got {tuple(mask.shape)}.")
+  return mask
+
+
 def _check_divisor(divisor_override: Any) -> None:
   if divisor_override is None:
     return
@@ -89,13 +114,13 @@ def max_pool(x: PoolIn, window_shape: Sequence[int],
              strides: Sequence[int] | None = None, padding: Padding = "VALID", *,
              dilation: Sequence[int] | None = None, ceil_mode: bool = False,
              data_format: DataFormat = "channels_last",
-             activation: Activation = None,
+             activation: Activation = None, mask: MaskIn = None,
              implementation: Implementation = None) -> PoolOut:
   """Max pooling over the spatial dims, with the DirectML gradient.
 
   Args:
     x: ``(*batch, *spatial, C)`` (``channels_last``) or ``(*batch, C, *spatial)``
-      (``channels_first``); float or integer dtype.
+      (``channels_first``); float, integer or bool dtype (complex has no order: TypeError).
     window_shape: taps per spatial dim, e.g. ``(3, 3)``; its length is the number of spatial dims.
     strides: step per spatial dim; ``None`` means all ones.
     padding: ``"VALID"``, ``"SAME"`` (extra padding at the end), ``"SAME_LOWER"``, an int (both
@@ -107,6 +132,9 @@ def max_pool(x: PoolIn, window_shape: Sequence[int],
     activation: ``None`` or ``"relu"``: ``relu(max_pool(x))`` in one pass, the same values and
       gradients as ``jax.nn.relu`` applied to the pooled output (a window whose maximum is not
       positive gets no gradient), with no separate pass over memory in either direction.
+    mask: ``None`` or a bool array of ``x``'s shape (or one that broadcasts to it), True at real
+      elements (variable-length sequences, ragged images): a masked element never wins and
+      takes no gradient. Served by the XLA backend only.
     implementation: ``None`` (the Pallas kernels on an NVIDIA GPU where they cover the call,
       else XLA; ``JAXPOOL_IMPLEMENTATION=xla`` makes it XLA), ``"xla"`` or ``"pallas"`` (also
       on TPUs and AMD GPUs, where the kernels are not the default). A backend that cannot serve
@@ -115,10 +143,12 @@ def max_pool(x: PoolIn, window_shape: Sequence[int],
   Returns:
     ``y``: ``(*batch, *out_spatial, C)`` (or channels first), with
     ``out = (L + lo + hi - d*(k-1) - 1) // s + 1`` in floor mode. NaN beats every number; a
-    window with no real element gives ``-inf`` (``iinfo.min`` for ints).
+    window with no real (unmasked) element gives ``-inf`` (``iinfo.min`` for ints, False for
+    bool).
 
   The gradient sends each window's cotangent to its argmax (the first in row-major window order
   on ties, the first NaN if any) and sums where windows overlap: deterministic, bit for bit.
+  Integer and bool inputs have none (``jax.grad`` raises a TypeError, as for any integer input).
 
   Raises:
     ValueError, TypeError: for a bad argument, naming it and the value received.
@@ -128,18 +158,66 @@ def max_pool(x: PoolIn, window_shape: Sequence[int],
     >>> max_pool(x, (2, 2), strides=(2, 2))[0, ..., 0]
     Array([[ 5.,  7.],
            [13., 15.]], dtype=float32)
+    >>> lengths = jnp.array([3, 2])                    # two sequences, padded to 4 steps
+    >>> seq = jnp.array([[1., 5., 2., 9.], [4., 3., 9., 9.]])[..., None]   # (2, 4, 1)
+    >>> mask = (jnp.arange(4) < lengths[:, None])[..., None]               # (2, 4, 1)
+    >>> max_pool(seq, (2,), strides=(2,), mask=mask)[..., 0]
+    Array([[  5.,   2.],
+           [  4., -inf]], dtype=float32)
   """
   x = _as_array("x", x)
-  check_dtype("x", x, allow_int=True)
+  check_dtype("x", x, allow_int=True, allow_bool=True, complex_reason=_NO_ORDER)
   check_choice("activation", activation, ACTIVATIONS)
+  mask = _check_mask(mask, x)
   geom = make_geometry(x.shape, window_shape, strides, padding, dilation, ceil_mode, data_format)
-  return dispatch.run("max_pool", implementation, x, geom, activation=activation)
+  return dispatch.run("max_pool", implementation, x, geom, activation=activation, mask=mask)
+
+
+def min_pool(x: PoolIn, window_shape: Sequence[int],
+             strides: Sequence[int] | None = None, padding: Padding = "VALID", *,
+             dilation: Sequence[int] | None = None, ceil_mode: bool = False,
+             data_format: DataFormat = "channels_last", mask: MaskIn = None,
+             implementation: Implementation = None) -> PoolOut:
+  """Min pooling (``flax.linen.pooling.min_pool``), with max pooling's rules mirrored.
+
+  Computed as max pooling of an exact order-reversing map of ``x`` (``-x`` for floats, ``~x``
+  for integers, ``not x`` for bool), so every rule of :func:`max_pool` holds with "smallest" for
+  "largest": the first minimum in row-major window order wins ties; NaN wins (it is smaller
+  than every number) and the first NaN wins; ``-0.0`` beats ``+0.0`` (as ``lax.min``); padding
+  and masked elements never win. The gradient sends each window's cotangent to its winner.
+
+  Args:
+    x: ``(*batch, *spatial, C)`` (or channels first); float, integer or bool dtype.
+    window_shape, strides, padding, dilation, ceil_mode, data_format, mask, implementation: as
+      :func:`max_pool` (``implementation="pallas"`` serves float32, bfloat16 and float16
+      through the max-pool kernels).
+
+  Returns:
+    ``(*batch, *out_spatial, C)`` (or channels first). A window with no real (unmasked)
+    element gives ``+inf`` (``iinfo.max`` for ints, True for bool; the largest finite value
+    for float types without an infinity).
+
+  Raises:
+    ValueError, TypeError: for a bad argument, naming it and the value received.
+
+  Example:
+    >>> x = jnp.array([3., 1., 1., jnp.nan, 0., -0.]).reshape(1, 6, 1)
+    >>> min_pool(x, (2,), strides=(2,))[0, :, 0]
+    Array([ 1., nan, -0.], dtype=float32)
+    >>> jax.grad(lambda v: min_pool(v, (2,), strides=(2,))[0, :2].sum())(x)[0, :, 0]
+    Array([0., 1., 0., 1., 0., 0.], dtype=float32)
+  """
+  x = _as_array("x", x)
+  check_dtype("x", x, allow_int=True, allow_bool=True, complex_reason=_NO_ORDER)
+  mask = _check_mask(mask, x)
+  geom = make_geometry(x.shape, window_shape, strides, padding, dilation, ceil_mode, data_format)
+  return dispatch.run("min_pool", implementation, x, geom, mask=mask)
 
 
 def max_pool_with_indices(x: PoolIn, window_shape: Sequence[int],
                           strides: Sequence[int] | None = None, padding: Padding = "VALID", *,
                           dilation: Sequence[int] | None = None, ceil_mode: bool = False,
-                          data_format: DataFormat = "channels_last",
+                          data_format: DataFormat = "channels_last", mask: MaskIn = None,
                           implementation: Implementation = None) -> tuple[PoolOut, IndicesOut]:
   """Max pooling that also returns where each maximum came from (PyTorch's ``return_indices``).
 
@@ -148,7 +226,8 @@ def max_pool_with_indices(x: PoolIn, window_shape: Sequence[int],
   Returns:
     ``(y, indices)``: ``y`` as :func:`max_pool`; ``indices`` int32 of ``y``'s shape, the flat
     row-major index of the argmax within the input's spatial plane (padding excluded), per
-    (batch..., channel). A window with no real element gives ``-1``. ``y`` is differentiable.
+    (batch..., channel). A window with no real (unmasked) element gives ``-1``. ``y`` is
+    differentiable.
 
   Example:
     >>> x = jnp.array([[1., 2., 3.], [2., 4., 2.], [5., 6., 7.]])[None, :, :, None]
@@ -158,9 +237,10 @@ def max_pool_with_indices(x: PoolIn, window_shape: Sequence[int],
            [7, 8]], dtype=int32)
   """
   x = _as_array("x", x)
-  check_dtype("x", x, allow_int=True)
+  check_dtype("x", x, allow_int=True, allow_bool=True, complex_reason=_NO_ORDER)
+  mask = _check_mask(mask, x)
   geom = make_geometry(x.shape, window_shape, strides, padding, dilation, ceil_mode, data_format)
-  y, taps = dispatch.run("max_pool_with_taps", implementation, x, geom)
+  y, taps = dispatch.run("max_pool_with_taps", implementation, x, geom, mask=mask)
   return y, _flat_indices(taps, geom)
 
 
@@ -305,25 +385,31 @@ _max_unpool = jax.jit(_max_unpool_core, static_argnums=(2, 3))
 # ----------------------------------------------------------------------------- average
 
 
-def avg_pool(x: FloatIn, window_shape: Sequence[int],
+def avg_pool(x: AvgIn, window_shape: Sequence[int],
              strides: Sequence[int] | None = None, padding: Padding = "VALID", *,
              dilation: Sequence[int] | None = None, ceil_mode: bool = False,
              count_include_pad: bool = True, divisor_override: int | None = None,
-             data_format: DataFormat = "channels_last",
-             implementation: Implementation = None) -> FloatOut:
+             data_format: DataFormat = "channels_last", mask: MaskIn = None,
+             implementation: Implementation = None) -> AvgOut:
   """Average pooling with PyTorch's divisors.
 
   Args:
-    x: ``(*batch, *spatial, C)`` (or channels first), float dtype; bfloat16 and float16
-      accumulate in float32.
+    x: ``(*batch, *spatial, C)`` (or channels first); float, complex, integer or bool dtype.
+      bfloat16 and float16 accumulate in float32; integers and bool are averaged in JAX's
+      default float dtype (float32; float64 with ``jax_enable_x64``), as Flax's ``avg_pool``.
     window_shape, strides, padding, dilation, ceil_mode, data_format, implementation: as
       :func:`max_pool`.
     count_include_pad: if true, divide by the taps inside the padded input (the ceil-mode
       overhang never counts); if false, by the taps on real elements.
     divisor_override: a positive int that replaces either divisor.
+    mask: ``None`` or a bool array broadcastable to ``x``, True at real elements: a masked
+      element is left out of the sum and of the divisor (with ``count_include_pad`` the
+      divisor is the unmasked elements plus the padding taps); ``divisor_override`` still
+      replaces it. Served by the XLA backend only.
 
   Returns:
-    ``(*batch, *out_spatial, C)`` (or channels first). A window with no real element gives 0.
+    ``(*batch, *out_spatial, C)`` (or channels first), of ``x``'s dtype (JAX's default float
+    for integers and bool). A window with no real (unmasked) element gives 0.
 
   Example:
     >>> x = jnp.ones((1, 3, 3, 1))
@@ -332,12 +418,14 @@ def avg_pool(x: FloatIn, window_shape: Sequence[int],
            [0.5 , 1.  ]], dtype=float32)
   """
   x = _as_array("x", x)
-  check_dtype("x", x, allow_int=False)
+  check_avg_dtype("x", x)
   if not isinstance(count_include_pad, (bool, np.bool_)):
     raise TypeError(f"count_include_pad must be a bool; got {count_include_pad!r}.")
   _check_divisor(divisor_override)
+  mask = _check_mask(mask, x)
   geom = make_geometry(x.shape, window_shape, strides, padding, dilation, ceil_mode, data_format)
-  return dispatch.run("avg_pool", implementation, x, geom,
+  x = x.astype(average_dtype(x.dtype))
+  return dispatch.run("avg_pool", implementation, x, geom, mask=mask,
                       count_include_pad=bool(count_include_pad),
                       divisor_override=None if divisor_override is None else int(divisor_override))
 
@@ -388,7 +476,7 @@ def avg_pool_grad(dy: FloatOutIn, input_shape: Sequence[int],
 # ----------------------------------------------------------------------------- Lp
 
 
-def lp_pool(x: FloatIn, p: float, window_shape: Sequence[int],
+def lp_pool(x: PoolIn, p: float, window_shape: Sequence[int],
             strides: Sequence[int] | None = None, padding: Padding = "VALID", *,
             dilation: Sequence[int] | None = None, ceil_mode: bool = False,
             data_format: DataFormat = "channels_last",
@@ -396,7 +484,8 @@ def lp_pool(x: FloatIn, p: float, window_shape: Sequence[int],
   """Lp-norm pooling: ``(sum |x|^p)^(1/p)`` over the real elements of each window.
 
   Args:
-    x: ``(*batch, *spatial, C)`` (or channels first), float dtype (sums in float32 at least).
+    x: ``(*batch, *spatial, C)`` (or channels first); float dtype (sums in float32 at least),
+      or integer or bool (pooled in JAX's default float dtype, as :func:`avg_pool`).
     p: a finite number ``>= 1`` (``p=inf`` is :func:`max_pool` of ``|x|``).
     Others: as :func:`max_pool`.
 
@@ -410,14 +499,16 @@ def lp_pool(x: FloatIn, p: float, window_shape: Sequence[int],
   """
   p = _check_p(p)
   x = _as_array("x", x)
-  check_dtype("x", x, allow_int=False)
+  check_dtype("x", x, allow_int=True, allow_bool=True,
+              complex_reason="lp_pool takes real inputs (for complex x, pool jnp.abs(x))")
   geom = make_geometry(x.shape, window_shape, strides, padding, dilation, ceil_mode, data_format)
+  x = x.astype(average_dtype(x.dtype))
   # Lp pooling is a window sum between two elementwise maps: XLA serves it on every backend
   # (see docs/pallas.md); implementation="pallas" raises, saying so.
   return dispatch.run("lp_pool", implementation, x, geom, p=p)
 
 
-def l2_pool(x: FloatIn, window_shape: Sequence[int],
+def l2_pool(x: PoolIn, window_shape: Sequence[int],
             strides: Sequence[int] | None = None, padding: Padding = "VALID", *,
             dilation: Sequence[int] | None = None, ceil_mode: bool = False,
             data_format: DataFormat = "channels_last",

@@ -12,6 +12,12 @@ backend's gather is a primitive whose transpose is its backward kernel. Nothing 
 With ``activation="relu"`` the op is ``relu(max_pool(x))``, fused: a window whose maximum is not
 positive (or is NaN) outputs ``max(y, 0)`` and gets tap ``-1``, so its gradient is zero with no
 separate pass, the same values and gradients as ``jax.nn.relu`` after the pool.
+
+Min pooling is the same rule on mirrored functions (:func:`mirrored`): the forwards run on
+``reverse_order(x)`` (an exact order-reversing map) and map their outputs back; the gather is
+unchanged, so the tangent path has no negation (no ``-0.0`` where no cotangent arrives).
+
+A backend's operand may be a pytree: the XLA backend's masked max pool takes ``(x, mask)``.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpool._src.dtypes import reverse_order
 from jaxpool._src.windows import Geometry
 
 ACTIVATIONS = (None, "relu")
@@ -58,6 +65,31 @@ def apply_activation(y: Any, taps: Any, activation: str | None):
   if taps is None:
     return out, None
   return out, jnp.where(y > 0, taps, jnp.asarray(-1, taps.dtype))
+
+
+def _reverse_operand(x: Any) -> Any:
+  """``reverse_order`` of ``x``, or of the ``x`` of an ``(x, mask)`` operand."""
+  if isinstance(x, tuple):
+    return (reverse_order(x[0]), *x[1:])
+  return reverse_order(x)
+
+
+@functools.cache
+def mirrored(ops: MaxPoolOps) -> MaxPoolOps:
+  """``ops`` as a min pool (no activation): the forwards on ``reverse_order(x)``, outputs
+  mapped back, the taps (the min's winners: first minimum on ties, first NaN, ``-0.0`` over
+  ``+0.0``) and the gather as they are. One object per ``ops`` (a static argument)."""
+
+  def forward(x, geom, activation):
+    assert activation is None, activation  # internal: min_pool has no activation
+    return reverse_order(ops.forward(_reverse_operand(x), geom, None))
+
+  def forward_with_taps(x, geom, activation):
+    assert activation is None, activation
+    y, taps = ops.forward_with_taps(_reverse_operand(x), geom, None)
+    return reverse_order(y), taps
+
+  return MaxPoolOps(forward=forward, forward_with_taps=forward_with_taps, gather=ops.gather)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2, 3))

@@ -9,6 +9,10 @@ The Pallas kernels run by default only on NVIDIA GPUs, where they were compiled 
 TPUs and AMD (ROCm) GPUs get them with ``implementation="pallas"``: the TPU kernels pass in the
 TPU interpreter and lower to Mosaic, but no TPU compiled them yet, and the Triton kernels were
 never compiled for ROCm.
+
+``min_pool`` is each backend's max pool mirrored (:func:`jaxpool._src.autodiff.mirrored`), so
+it is served wherever the max pool is. A ``mask`` (masked pooling) is served by XLA's tap loops
+only; the Pallas backend says so.
 """
 
 from __future__ import annotations
@@ -57,14 +61,15 @@ class Backend:
 
   Attributes:
     name: what ``implementation=`` calls it.
-    unsupported: ``(op, x, geom) -> reason or None``.
+    unsupported: ``(op, x, geom, mask) -> reason or None``; ``mask`` is None or the mask
+      array of a masked call.
     not_default: ``() -> reason or None``: why ``implementation=None`` skips it on this
       platform.
     run: ``(op, x, geom, **config) -> output``.
   """
 
   name: str
-  unsupported: Callable[[str, jax.Array, Geometry], str | None]
+  unsupported: Callable[[str, jax.Array, Geometry, jax.Array | None], str | None]
   not_default: Callable[[], str | None]
   run: Callable[..., Any]
 
@@ -74,22 +79,38 @@ class Backend:
 _xla_max_pool = jax.jit(autodiff.max_pool, static_argnums=(1, 2, 3))
 _xla_max_pool_with_taps = jax.jit(autodiff.max_pool_with_taps, static_argnums=(1, 2, 3))
 _xla_avg_pool = jax.jit(xla.avg_pool, static_argnums=(1, 2, 3))
+_xla_masked_avg_pool = jax.jit(xla.masked_avg_pool, static_argnums=(2, 3, 4))
 _xla_lp_pool = jax.jit(xla.lp_pool, static_argnums=(1, 2))
 
 
 def _xla_run(op: str, x: jax.Array, geom: Geometry, **config):
-  if op == "max_pool":
-    return _xla_max_pool(x, geom, config["activation"], xla.MAX_POOL_OPS)
-  if op == "max_pool_with_taps":
-    return _xla_max_pool_with_taps(x, geom, None, xla.MAX_POOL_OPS)
+  mask = config.get("mask")
+  if op in ("max_pool", "max_pool_with_taps", "min_pool"):
+    # A masked max pool is the same rule on the operand (x, mask) (xla.MASKED_MAX_POOL_OPS).
+    operand, ops = (x, xla.MAX_POOL_OPS) if mask is None else ((x, mask),
+                                                               xla.MASKED_MAX_POOL_OPS)
+    if op == "min_pool":
+      return _xla_max_pool(operand, geom, None, autodiff.mirrored(ops))
+    if op == "max_pool":
+      return _xla_max_pool(operand, geom, config["activation"], ops)
+    return _xla_max_pool_with_taps(operand, geom, None, ops)
   if op == "avg_pool":
+    if mask is not None:
+      return _xla_masked_avg_pool(x, mask, geom, config["count_include_pad"],
+                                  config["divisor_override"])
     return _xla_avg_pool(x, geom, config["count_include_pad"], config["divisor_override"])
   if op == "lp_pool":
     return _xla_lp_pool(x, geom, config["p"])
   raise AssertionError(op)
 
 
-XLA = Backend("xla", unsupported=lambda op, x, geom: None, not_default=lambda: None,
+def _xla_unsupported(op: str, x: jax.Array, geom: Geometry, mask: jax.Array | None) -> str | None:
+  if mask is not None and op == "lp_pool":
+    return "lp_pool takes no mask"  # (the public lp_pool has no mask argument)
+  return None
+
+
+XLA = Backend("xla", unsupported=_xla_unsupported, not_default=lambda: None,
               run=_xla_run)
 
 
@@ -103,7 +124,10 @@ def _pallas():
   return ops
 
 
-def _pallas_unsupported(op: str, x: jax.Array, geom: Geometry) -> str | None:
+def _pallas_unsupported(op: str, x: jax.Array, geom: Geometry,
+                        mask: jax.Array | None) -> str | None:
+  if mask is not None:
+    return "the Pallas kernels take no mask (masked pooling runs on XLA's tap loops)"
   try:
     ops = _pallas()
   except ImportError as e:  # pragma: no cover - a jaxlib without Pallas
@@ -151,8 +175,9 @@ PALLAS = Backend("pallas", unsupported=_pallas_unsupported, not_default=_pallas_
 REGISTRY: dict[str, Backend] = {"pallas": PALLAS, "xla": XLA}
 
 
-def choose(op: str, implementation: Any, x: jax.Array, geom: Geometry) -> Backend:
-  """The backend that serves ``op`` for this call.
+def choose(op: str, implementation: Any, x: jax.Array, geom: Geometry,
+           mask: jax.Array | None = None) -> Backend:
+  """The backend that serves ``op`` for this call (``mask``: None, or a masked call's mask).
 
   Raises:
     ValueError: ``implementation`` is not one of ``None``, ``"xla"``, ``"pallas"``, or names a
@@ -163,18 +188,22 @@ def choose(op: str, implementation: Any, x: jax.Array, geom: Geometry) -> Backen
     implementation = default_implementation()
   if implementation is not None:
     backend = REGISTRY[implementation]
-    reason = backend.unsupported(op, x, geom)
+    reason = backend.unsupported(op, x, geom, mask)
     if reason is not None:
       raise ValueError(
           f"implementation={implementation!r} cannot serve {op} for this call (shape "
           f"{tuple(x.shape)}, dtype {x.dtype}): {reason}. Use implementation=None or 'xla'.")
     return backend
   for backend in REGISTRY.values():
-    if backend.not_default() is None and backend.unsupported(op, x, geom) is None:
+    if backend.not_default() is None and backend.unsupported(op, x, geom, mask) is None:
       return backend
   raise AssertionError("the XLA backend serves every call")
 
 
-def run(op: str, implementation: Any, x: jax.Array, geom: Geometry, **config):
-  """Runs ``op`` on the backend :func:`choose` picks."""
-  return choose(op, implementation, x, geom).run(op, x, geom, **config)
+def run(op: str, implementation: Any, x: jax.Array, geom: Geometry, *,
+        mask: jax.Array | None = None, **config):
+  """Runs ``op`` on the backend :func:`choose` picks; ``mask`` (None: no mask) as the op's."""
+  backend = choose(op, implementation, x, geom, mask)
+  if mask is not None:
+    config["mask"] = mask
+  return backend.run(op, x, geom, **config)

@@ -21,23 +21,54 @@ def bits(dtype) -> int:
   return dtype.itemsize * 8
 
 
-def check_dtype(name: str, a: jax.Array, *, allow_int: bool) -> None:
-  """Raises a TypeError unless ``a`` has a float dtype (or an integer one with ``allow_int``) of
-  at least 8 bits. Sub-byte dtypes (``int4``, ``float4_e2m1fn``) have no XLA window reductions."""
+def check_dtype(name: str, a: jax.Array, *, allow_int: bool, allow_bool: bool = False,
+                complex_reason: str | None = None) -> None:
+  """Raises a TypeError unless ``a``'s dtype is one the op takes.
+
+  Floats of at least 8 bits always; integers with ``allow_int``; bool with ``allow_bool``; never
+  complex (:func:`check_avg_dtype` takes it): the error then says ``complex_reason``, why the
+  op has no complex form, where one is given. Sub-byte dtypes (``int4``, ``float4_e2m1fn``)
+  have no XLA window reductions.
+  """
   dt = a.dtype
   is_float = jnp.issubdtype(dt, jnp.floating)
   is_int = jnp.issubdtype(dt, jnp.integer)
-  allowed = "a float or integer" if allow_int else "a float"
+  kinds = ["float"] + (["integer"] if allow_int else []) + (["bool"] if allow_bool else [])
+  allowed = "a " + (" or ".join(kinds) if len(kinds) < 3 else ", ".join(kinds[:-1])
+                    + " or " + kinds[-1])
   if is_float or (allow_int and is_int):
     if bits(dt) < 8:
       raise TypeError(
           f"{name} must have {allowed} dtype of at least 8 bits; got {dt} ({bits(dt)} bits).")
     return
+  if allow_bool and dt == np.dtype(np.bool_):
+    return
+  if jnp.issubdtype(dt, jnp.complexfloating) and complex_reason is not None:
+    raise TypeError(f"{name} must have {allowed} dtype; got {dt}: {complex_reason}.")
   raise TypeError(f"{name} must have {allowed} dtype; got {dt}.")
 
 
+def check_avg_dtype(name: str, a: jax.Array) -> None:
+  """Average pooling's dtypes: floats, integers, bool and complex (a sum has no order to need).
+  Integers and bool are averaged in :func:`average_dtype`."""
+  if jnp.issubdtype(a.dtype, jnp.complexfloating):
+    return
+  check_dtype(name, a, allow_int=True, allow_bool=True)
+
+
+def average_dtype(dtype) -> np.dtype:
+  """The dtype of an average (or Lp norm) of ``dtype``: itself for floats and complex; for
+  integers and bool JAX's default float (float32, float64 under ``jax_enable_x64``), as
+  ``flax.linen.avg_pool`` and ``jnp.mean`` return."""
+  dtype = np.dtype(dtype)
+  if jnp.issubdtype(dtype, jnp.inexact):
+    return dtype
+  return np.dtype(jnp.result_type(float))
+
+
 def lowest(dtype) -> np.ndarray:
-  """The identity of max for ``dtype``: ``-inf`` for floats, ``iinfo.min`` for ints.
+  """The identity of max for ``dtype``: ``-inf`` for floats, ``iinfo.min`` for ints, False for
+  bool.
 
   Float dtypes with no infinity (``float8_e4m3fn`` and the other ``fn``/``fnuz`` formats) use
   their lowest finite value: casting ``-inf`` to them gives NaN, which would win every window.
@@ -49,7 +80,26 @@ def lowest(dtype) -> np.ndarray:
     if np.isneginf(neg_inf.astype(np.float32)):
       return neg_inf
     return np.array(jnp.finfo(dtype).min, dtype)
+  if dtype == np.dtype(np.bool_):
+    return np.array(False)
   return np.array(jnp.iinfo(dtype).min, dtype)
+
+
+def reverse_order(a: Any) -> Any:
+  """An exact map that reverses the order of ``a``'s dtype (its own inverse), so that
+  ``reverse_order(max_pool(reverse_order(x)))`` is the min pool with the mirrored rules.
+
+  Floats: ``-a`` (exact; NaN stays NaN, ties stay ties, and ``-0.0``/``+0.0`` swap, so the min
+  pool picks ``-0.0`` over ``+0.0`` as ``lax.min`` does). Integers, signed or unsigned: ``~a``
+  (``-a - 1`` resp. ``max - a``: no overflow, unlike ``-a`` at ``iinfo.min``). Bool: ``not a``.
+  Max pooling's identity (``lowest``) maps to the largest value: ``+inf``, ``iinfo.max``, True,
+  or the largest finite value of a float type without infinity.
+  """
+  if jnp.issubdtype(a.dtype, jnp.floating):
+    return -a
+  if a.dtype == np.dtype(np.bool_):
+    return jnp.logical_not(a)
+  return jnp.bitwise_not(a)
 
 
 def accumulator_dtype(dtype) -> np.dtype:

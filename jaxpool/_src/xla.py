@@ -8,6 +8,11 @@ the tangent, so JAX transposes it by itself into a scatter-add that XLA fuses in
 input element sums, in a fixed tap order, the cotangents of the windows that chose it. No
 atomics, so the bits are the same on every run. The residual that reverse mode keeps is the
 taps, not the input. Average and Lp pooling are ``custom_jvp``s of their own here.
+
+Masked pooling (a bool ``mask``, True at real elements) runs here only: the max pool is the same
+shared rule on the operand ``(x, mask)`` (:data:`MASKED_MAX_POOL_OPS`), whose tap loop reads the
+mask per tap as it reads ``x`` (padding reads False), so a masked element never wins; the
+average divides each window's sum of unmasked elements by their count.
 """
 
 from __future__ import annotations
@@ -216,16 +221,21 @@ def max_pool_forward(x: jax.Array, geom: Geometry) -> jax.Array:
   return lax.reduce_window(x, lowest(x.dtype), lax.max, **_window_args(geom, x.ndim))
 
 
-def max_pool_taps(x: jax.Array, geom: Geometry) -> tuple[jax.Array, jax.Array]:
+def max_pool_taps(x: jax.Array, geom: Geometry,
+                  mask: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
   """Max pooling that also returns the winning tap of each window.
 
   Returns ``(y, taps)``: ``taps`` is the row-major offset of the winner within the window
   (``taps_dtype``), chosen by :func:`jaxpool._src.dtypes.beats` (the first maximum; NaN beats
-  every number; ``+0.0`` beats ``-0.0``); padding never wins. A window with no real element gives
-  ``y = lowest`` and ``taps = -1``.
+  every number; ``+0.0`` beats ``-0.0``); padding never wins, nor does an element where
+  ``mask`` (bool, broadcastable to ``x``; None: every element) is False. A window with no real
+  (unmasked) element gives ``y = lowest`` and ``taps = -1``.
   """
   ndim = x.ndim
   xp = _pad(x, geom, lowest(x.dtype))
+  # The mask is read per tap like x; its padding (and ceil-mode overhang) reads False, so it
+  # also says where a tap reads padding.
+  mp = None if mask is None else _pad(jnp.broadcast_to(mask, x.shape), geom, False)
   adt = taps_dtype(geom.num_taps)
   first = _tap_slice(xp, geom, (0,) * geom.nspatial)
 
@@ -233,9 +243,9 @@ def max_pool_taps(x: jax.Array, geom: Geometry) -> tuple[jax.Array, jax.Array]:
     best, winner = carry
     xt = first if _is_static(tap) and j == 0 else _tap_slice(xp, geom, tap)
     better = (winner < 0) | beats(xt, best)
-    mask = _tap_mask(geom, tap, ndim)
-    if mask is not None:
-      better = better & mask
+    valid = _tap_mask(geom, tap, ndim) if mp is None else _tap_slice(mp, geom, tap)
+    if valid is not None:
+      better = better & valid
     return jnp.where(better, xt, best), jnp.where(better, jnp.asarray(j).astype(adt), winner)
 
   # full_like, not full: the running values inherit the input's sharding (Explicit meshes).
@@ -244,9 +254,9 @@ def max_pool_taps(x: jax.Array, geom: Geometry) -> tuple[jax.Array, jax.Array]:
 
 
 def gather_at_taps(t: jax.Array, taps: jax.Array, geom: Geometry,
-                   activation: str | None = None) -> jax.Array:
-  """``y_t[o] = t[winner(o)]``; zero where ``taps < 0`` (a window with no real element, or with
-  an activation, no positive maximum).
+                   activation: str | None = None, *, masked: bool = False) -> jax.Array:
+  """``y_t[o] = t[winner(o)]``; zero where ``taps < 0`` (a window with no real element, with
+  an activation no positive maximum, with ``masked`` no unmasked element).
 
   Linear in ``t``; JAX's transpose of it is the max-pool gradient (a deterministic,
   fused scatter-add of each window's cotangent into its winner).
@@ -259,7 +269,7 @@ def gather_at_taps(t: jax.Array, taps: jax.Array, geom: Geometry,
     return _fold_taps(geom, lambda j, tap, acc: jnp.where(taps == j, read(tap), acc),
                       lambda: lax.full_like(taps, 0, t.dtype))
   cases = [read(tap) for tap in geom.taps()]
-  if activation is not None:
+  if activation is not None or masked:  # a window with taps -1 may read real elements
     out = cases[0] if len(cases) == 1 else lax.select_n(jnp.maximum(taps, 0), *cases)
     return jnp.where(taps >= 0, out, jnp.zeros_like(out))
   # An empty window has taps == -1 and its taps all read padding, which is zero in the padded
@@ -290,9 +300,10 @@ def explicit_sharding(a: jax.Array):
   return sharding.mesh, spec
 
 
-def _taps_materialized(x: jax.Array, geom: Geometry) -> tuple[jax.Array, jax.Array]:
+def _taps_materialized(x: jax.Array, geom: Geometry,
+                       mask: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
   """``max_pool_taps`` whose outputs XLA writes once, rather than fusing into each reader."""
-  y, taps = max_pool_taps(x, geom)
+  y, taps = max_pool_taps(x, geom, mask)
   if taps.size == 0:
     return y, taps
   if explicit_sharding(taps) is not None:
@@ -312,6 +323,35 @@ def _forward_with_taps(x: jax.Array, geom: Geometry, activation: str | None):
 
 MAX_POOL_OPS = MaxPoolOps(forward=_forward, forward_with_taps=_forward_with_taps,
                           gather=gather_at_taps)
+
+
+# Masked max pooling: the operand is ``(x, mask)``, its tangent ``(t, float0 zeros)``.
+
+
+def _masked_forward(xm: tuple[jax.Array, jax.Array], geom: Geometry,
+                    activation: str | None) -> jax.Array:
+  # Masked elements replaced by the identity cannot change a window's maximum, so the value
+  # equals the value at the tap loop's winner (lowest where no unmasked element): one
+  # reduce_window, with nothing kept, serves inference.
+  x, mask = xm
+  kept = jnp.where(jnp.broadcast_to(mask, x.shape), x, lowest(x.dtype))
+  return apply_activation(max_pool_forward(kept, geom), None, activation)[0]
+
+
+def _masked_forward_with_taps(xm: tuple[jax.Array, jax.Array], geom: Geometry,
+                              activation: str | None):
+  x, mask = xm
+  return apply_activation(*_taps_materialized(x, geom, mask), activation)
+
+
+def _masked_gather(tm: tuple[jax.Array, Any], taps: jax.Array, geom: Geometry,
+                   activation: str | None) -> jax.Array:
+  return gather_at_taps(tm[0], taps, geom, activation, masked=True)
+
+
+MASKED_MAX_POOL_OPS = MaxPoolOps(forward=_masked_forward,
+                                 forward_with_taps=_masked_forward_with_taps,
+                                 gather=_masked_gather)
 
 
 def flat_indices(taps: jax.Array, geom: Geometry) -> jax.Array:
@@ -382,6 +422,49 @@ def _avg_pool_jvp(geom, count_include_pad, divisor_override, primals, tangents):
   div = avg_divisor(geom, count_include_pad, divisor_override, x.ndim, acc)
   y = avg_pool(x, geom, count_include_pad, divisor_override)
   return y, (window_sum_linear(t.astype(acc), geom) / div).astype(x.dtype)
+
+
+def _masked_divisor(mask: jax.Array, geom: Geometry, count_include_pad: bool,
+                    divisor_override: int | None, dtype) -> jax.Array:
+  """The divisor of a masked average: the unmasked real elements of each window, plus its
+  padding taps with ``count_include_pad`` (masked elements never count); 1 where that is 0
+  (the window's sum is 0 there); ``divisor_override`` replaces it."""
+  if divisor_override is not None:
+    return jnp.asarray(divisor_override, dtype)
+  if count_include_pad:
+    static = avg_divisor(geom, True, None, mask.ndim, dtype)  # real and padding taps
+    div = jnp.asarray(static) - window_sum(jnp.logical_not(mask).astype(dtype), geom)
+  else:
+    div = window_sum(mask.astype(dtype), geom)
+  return jnp.where(div > 0, div, jnp.ones_like(div))
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3, 4))
+def masked_avg_pool(x: jax.Array, mask: jax.Array, geom: Geometry, count_include_pad: bool,
+                    divisor_override: int | None) -> jax.Array:
+  """Average pooling of the elements where ``mask`` (bool, broadcastable to ``x``) is True."""
+  acc = accumulator_dtype(x.dtype)
+  mask = jnp.broadcast_to(mask, x.shape)
+  div = _masked_divisor(mask, geom, count_include_pad, divisor_override, _real(acc))
+  s = window_sum(jnp.where(mask, x.astype(acc), jnp.zeros((), acc)), geom)
+  return (s / div).astype(x.dtype)
+
+
+@masked_avg_pool.defjvp
+def _masked_avg_pool_jvp(geom, count_include_pad, divisor_override, primals, tangents):
+  (x, mask), (t, _) = primals, tangents
+  acc = accumulator_dtype(x.dtype)
+  mask = jnp.broadcast_to(mask, x.shape)
+  div = _masked_divisor(mask, geom, count_include_pad, divisor_override, _real(acc))
+  y = masked_avg_pool(x, mask, geom, count_include_pad, divisor_override)
+  ts = window_sum_linear(jnp.where(mask, t.astype(acc), jnp.zeros((), acc)), geom)
+  return y, (ts / div).astype(x.dtype)
+
+
+def _real(dtype) -> np.dtype:
+  """The real dtype of ``dtype`` (float32 for complex64): divisors are counts."""
+  dtype = np.dtype(dtype)
+  return np.dtype(jnp.finfo(dtype).dtype) if jnp.issubdtype(dtype, jnp.complexfloating) else dtype
 
 
 # ----------------------------------------------------------------------------- Lp

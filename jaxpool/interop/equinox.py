@@ -14,9 +14,12 @@ Where Equinox and PyTorch differ, and what these layers do (docs/api.md has the 
   inside the input or the left padding. Equinox instead pads ``stride`` more elements at the end
   whenever the size does not divide, then refuses the call if that padding exceeds the kernel
   (e.g. 5 elements, kernel 2, stride 2, padding 1), where PyTorch and jaxpool give 3 windows.
-* ``AvgPool``: ``count_include_pad=True`` (the default, as PyTorch) divides by the taps inside
-  the padded input; the ceil-mode overhang never counts. Equinox divides by ``prod(kernel_size)``
-  everywhere, the overhang included, so its edge windows in ceil mode are smaller.
+* ``AvgPool``: ``count_include_pad=True`` (the default) divides by ``prod(kernel_size)``
+  everywhere, as Equinox does, the ceil-mode overhang included (PyTorch would leave the overhang
+  out; pass ``divisor_override`` or ``count_include_pad=False`` for other divisors). Without
+  ``use_ceil`` that is PyTorch's divisor too.
+* Integer inputs average to a float (JAX's default float dtype), bool inputs too (the fraction of
+  True; Equinox's ``AvgPool`` raises a TypeError for bool); ``MaxPool`` keeps the dtype.
 * ``padding`` must be below the (dilated) window on each side; Equinox allows it up to the
   kernel size.
 
@@ -30,6 +33,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -125,8 +129,11 @@ class _AvgPool(_Pool):
 
   def __call__(self, x: jax.Array, *, key: Any = None) -> jax.Array:
     """``(channels, *spatial)`` -> ``(channels, *out_spatial)``; ``key`` is ignored."""
+    divisor = self.divisor_override
+    if divisor is None and self.count_include_pad:
+      divisor = math.prod(self.kernel_size)  # Equinox's divisor, the ceil overhang included
     return jaxpool.avg_pool(self._check(x), count_include_pad=self.count_include_pad,
-                            divisor_override=self.divisor_override, **self._kwargs())
+                            divisor_override=divisor, **self._kwargs())
 
 
 class _LPPool(_Pool):
@@ -169,8 +176,8 @@ _AVG_DOC = """{n}-D average pooling, as ``equinox.nn.AvgPool{n}d`` (channels fir
   Args:
     kernel_size, stride, padding, use_ceil: as ``MaxPool{n}d``.
     dilation, implementation: as ``MaxPool{n}d`` (keywords).
-    count_include_pad: divide by the taps inside the padded input (default, as PyTorch) or
-      by the real elements (keyword). The ceil-mode overhang never counts (Equinox counts it).
+    count_include_pad: divide by ``prod(kernel_size)`` (default, as Equinox, the ceil-mode
+      overhang included) or by the real elements (keyword).
     divisor_override: a positive int replacing the divisor (keyword).
   """
 _LP_DOC = """{n}-D Lp-norm pooling (PyTorch's ``LPPool{n}d``, Equinox's layout).

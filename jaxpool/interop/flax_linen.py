@@ -1,11 +1,13 @@
 """Flax linen pooling, backed by jaxpool: functions and ``nn.Module`` layers.
 
-``max_pool`` and ``avg_pool`` take ``flax.linen.max_pool``/``avg_pool``'s arguments and return
+``max_pool``, ``min_pool`` and ``avg_pool`` take ``flax.linen.max_pool``/``avg_pool``'s (and
+``flax.linen.pooling.min_pool``'s) arguments and return
 the same values on every configuration Flax supports, but for a padding as large as the window,
 a negative padding and bools as sizes, which are refused (tests/test_interop.py and
 tests/test_reliability_layers.py), with jaxpool's gradient (deterministic, the first maximum on
-ties) and extra keyword options. The
-layers ``MaxPool``, ``AvgPool``, ``LPPool`` and ``L2Pool`` wrap them as modules without
+ties) and extra keyword options, for float, integer and bool inputs alike (an integer
+average is a float, as in Flax). The layers ``MaxPool``, ``MinPool``, ``AvgPool``, ``LPPool`` and
+``L2Pool`` wrap them as modules without
 parameters, so that they can sit in an ``nn.Sequential``.
 
 Arguments, as Flax: ``window_shape`` a sequence of ints (its length is the number of spatial
@@ -39,7 +41,8 @@ import jaxpool
 from jaxpool._src.windows import check_rank
 from jaxpool.interop._args import check_bool, check_divisor, check_norm, flax_config
 
-__all__ = ["max_pool", "avg_pool", "lp_pool", "MaxPool", "AvgPool", "LPPool", "L2Pool"]
+__all__ = ["max_pool", "min_pool", "avg_pool", "lp_pool", "MaxPool", "MinPool", "AvgPool",
+           "LPPool", "L2Pool"]
 
 Padding = str | int | Sequence[tuple[int, int]]
 
@@ -75,6 +78,22 @@ def max_pool(inputs: jax.typing.ArrayLike, window_shape: Sequence[int],
   return jaxpool.max_pool(_checked(inputs, cfg), **cfg)
 
 
+def min_pool(inputs: jax.typing.ArrayLike, window_shape: Sequence[int],
+             strides: Sequence[int] | None = None, padding: Padding = "VALID", *,
+             dilation: Sequence[int] | None = None, ceil_mode: bool = False,
+             data_format: str = "channels_last", implementation: str | None = None) -> jax.Array:
+  """``flax.linen.pooling.min_pool`` (``nnx.min_pool``) with jaxpool's gradient.
+
+  Args: as :func:`max_pool`.
+
+  Returns:
+    ``(*batch, *out_spatial, features)`` (or channels first): :func:`jaxpool.min_pool`.
+  """
+  cfg = flax_config(window_shape, strides, padding, dilation=dilation, ceil_mode=ceil_mode,
+                    data_format=data_format, implementation=implementation)
+  return jaxpool.min_pool(_checked(inputs, cfg), **cfg)
+
+
 def avg_pool(inputs: jax.typing.ArrayLike, window_shape: Sequence[int],
              strides: Sequence[int] | None = None, padding: Padding = "VALID",
              count_include_pad: bool = True, *, dilation: Sequence[int] | None = None,
@@ -90,7 +109,8 @@ def avg_pool(inputs: jax.typing.ArrayLike, window_shape: Sequence[int],
     dilation, ceil_mode, divisor_override, implementation: as :func:`jaxpool.avg_pool`.
 
   Returns:
-    ``(*batch, *out_spatial, features)`` (or channels first), in the input's dtype.
+    ``(*batch, *out_spatial, features)`` (or channels first), in the input's dtype; for
+    integer inputs in JAX's default float dtype, as Flax (bool too, where Flax raises).
   """
   cfg = flax_config(window_shape, strides, padding, dilation=dilation, ceil_mode=ceil_mode,
                     data_format=data_format, implementation=implementation)
@@ -142,6 +162,34 @@ class MaxPool(nn.Module):
 
   def __call__(self, inputs: jax.typing.ArrayLike) -> jax.Array:
     return max_pool(inputs, self.window_shape, self.strides, self.padding,
+                    dilation=self.dilation, ceil_mode=self.ceil_mode,
+                    data_format=self.data_format, implementation=self.implementation)
+
+
+class MinPool(nn.Module):
+  """Min pooling as a linen module (no parameters): :func:`min_pool` with its attributes.
+
+  Attributes:
+    window_shape, strides, padding, dilation, ceil_mode, implementation, data_format: as
+      :func:`max_pool`; checked when the module is constructed.
+  """
+
+  window_shape: Sequence[int]
+  strides: Sequence[int] | None = None
+  padding: Padding = "VALID"
+  dilation: Sequence[int] | None = None
+  ceil_mode: bool = False
+  implementation: str | None = None
+  data_format: str = "channels_last"
+
+  def __post_init__(self) -> None:
+    flax_config(self.window_shape, self.strides, self.padding, dilation=self.dilation,
+                ceil_mode=self.ceil_mode, data_format=self.data_format,
+                implementation=self.implementation)
+    super().__post_init__()
+
+  def __call__(self, inputs: jax.typing.ArrayLike) -> jax.Array:
+    return min_pool(inputs, self.window_shape, self.strides, self.padding,
                     dilation=self.dilation, ceil_mode=self.ceil_mode,
                     data_format=self.data_format, implementation=self.implementation)
 

@@ -1,12 +1,13 @@
 """Flax nnx pooling layers, backed by jaxpool.
 
-``nnx.max_pool``/``nnx.avg_pool`` are Flax's functions (the same as linen's); this module
-gives them as ``nnx.Module`` layers without parameters (``MaxPool``, ``AvgPool``, ``LPPool``,
-``L2Pool``), with Flax's argument names, layout ``(*batch, *spatial, features)`` and defaults
-(strides all ones, ``count_include_pad=True``), plus jaxpool's keyword options (``data_format``
-among them). The arguments are checked when a layer is constructed, with the rules of
-:mod:`jaxpool.interop.flax_linen`, and kept as tuples of ints (static, hashable config). The
-functions are re-exported from :mod:`jaxpool.interop.flax_linen`.
+``nnx.max_pool``/``nnx.min_pool``/``nnx.avg_pool`` are Flax's functions (the same as linen's);
+this module gives them as ``nnx.Module`` layers without parameters (``MaxPool``, ``MinPool``,
+``AvgPool``, ``LPPool``, ``L2Pool``), with Flax's argument names, layout
+``(*batch, *spatial, features)`` and defaults (strides all ones, ``count_include_pad=True``),
+plus jaxpool's keyword options (``data_format`` among them). The arguments are checked when a
+layer is constructed, with the rules of :mod:`jaxpool.interop.flax_linen`, and kept as tuples
+of ints (static, hashable config). The functions are re-exported from
+:mod:`jaxpool.interop.flax_linen`.
 
 Example:
   >>> import jax.numpy as jnp
@@ -27,9 +28,10 @@ import jax
 from flax import nnx
 
 from jaxpool.interop._args import check_bool, check_divisor, check_norm, flax_config
-from jaxpool.interop.flax_linen import Padding, avg_pool, lp_pool, max_pool
+from jaxpool.interop.flax_linen import Padding, avg_pool, lp_pool, max_pool, min_pool
 
-__all__ = ["max_pool", "avg_pool", "lp_pool", "MaxPool", "AvgPool", "LPPool", "L2Pool"]
+__all__ = ["max_pool", "min_pool", "avg_pool", "lp_pool", "MaxPool", "MinPool", "AvgPool",
+           "LPPool", "L2Pool"]
 
 
 class _Pool(nnx.Module):
@@ -74,6 +76,24 @@ class MaxPool(_Pool):
   def __call__(self, inputs: jax.typing.ArrayLike) -> jax.Array:
     """``(*batch, *spatial, features)`` -> ``(*batch, *out_spatial, features)``."""
     return max_pool(inputs, self.window_shape, self.strides, self.padding, **self._kw())
+
+
+class MinPool(_Pool):
+  """Min pooling layer: :func:`jaxpool.interop.flax_linen.min_pool` with fixed arguments.
+
+  Args: as :class:`MaxPool`.
+  """
+
+  def __init__(self, window_shape: Sequence[int], strides: Sequence[int] | None = None,
+               padding: Padding = "VALID", *, dilation: Sequence[int] | None = None,
+               ceil_mode: bool = False, data_format: str = "channels_last",
+               implementation: str | None = None):
+    super().__init__(window_shape, strides, padding, dilation, ceil_mode, data_format,
+                     implementation)
+
+  def __call__(self, inputs: jax.typing.ArrayLike) -> jax.Array:
+    """``(*batch, *spatial, features)`` -> ``(*batch, *out_spatial, features)``."""
+    return min_pool(inputs, self.window_shape, self.strides, self.padding, **self._kw())
 
 
 class AvgPool(_Pool):

@@ -2,7 +2,7 @@
 
 :func:`unsupported` says why the kernels cannot serve a call (or None when they can); the
 dispatcher (``jaxpool._src.dispatch``) asks it first, then calls :func:`max_pool`,
-:func:`max_pool_with_taps` or :func:`avg_pool`.
+:func:`max_pool_with_taps`, :func:`min_pool` or :func:`avg_pool`.
 
 Max pooling is the shared rule of ``jaxpool._src.autodiff`` with the kernels plugged in: the
 forward kernel (no taps) as the primal, the forward kernel that also writes the winning taps in
@@ -29,7 +29,7 @@ from jaxpool._src.pallas import triton as _triton
 from jaxpool._src.pallas.linear import LinearPair
 from jaxpool._src.windows import Geometry
 
-OPS = ("max_pool", "max_pool_with_taps", "avg_pool")
+OPS = ("max_pool", "max_pool_with_taps", "min_pool", "avg_pool")
 _FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(np.float16))
 MAX_TAPS = 64  # the kernels' tap loops are unrolled; larger windows go to XLA's tap loop
 MAX_ELEMENTS = 2**31 - 1  # the kernels index in int32; larger arrays stay on XLA
@@ -39,11 +39,12 @@ def unsupported(op: str, shape, dtype, geom: Geometry) -> str | None:
   """Why the kernels cannot serve this call, or None when they can.
 
   Served (GPU, or interpret mode on a CPU): max pooling (with or without taps and the fused
-  activation) and average pooling, 1-D, 2-D and 3-D, either layout, float32, bfloat16 and
-  float16, at most ``MAX_TAPS`` taps, no empty dims, every padding, stride, dilation, ceil mode,
-  ``count_include_pad`` and ``divisor_override``, arrays of at most ``MAX_ELEMENTS`` elements
-  (int32 indexing). The TPU kernels (:func:`backend` ``"tpu"``) serve 1-D and 2-D
-  ``channels_last`` only, and need one image's channel block to fit their VMEM budget.
+  activation), min pooling (the max-pool kernels, mirrored) and average pooling, 1-D, 2-D and
+  3-D, either layout, float32, bfloat16 and float16, at most ``MAX_TAPS`` taps, no empty dims,
+  every padding, stride, dilation, ceil mode, ``count_include_pad`` and ``divisor_override``,
+  arrays of at most ``MAX_ELEMENTS`` elements (int32 indexing). The TPU kernels
+  (:func:`backend` ``"tpu"``) serve 1-D and 2-D ``channels_last`` only, and need one image's
+  channel block to fit their VMEM budget.
   """
   if op not in OPS:
     return f"there is no Pallas kernel for {op}"
@@ -168,6 +169,12 @@ def max_pool(x: jax.Array, geom: Geometry, *, interpret: bool = False,
              activation: str | None = None) -> jax.Array:
   """Max pooling (then ``activation``) through the Pallas kernels."""
   return _max_pool_jit(x, geom, activation, max_pool_ops(bool(interpret), backend()))
+
+
+def min_pool(x: jax.Array, geom: Geometry, *, interpret: bool = False) -> jax.Array:
+  """Min pooling through the max-pool kernels, mirrored (``autodiff.mirrored``)."""
+  return _max_pool_jit(x, geom, None,
+                       autodiff.mirrored(max_pool_ops(bool(interpret), backend())))
 
 
 def max_pool_with_taps(x: jax.Array, geom: Geometry, *,
