@@ -301,10 +301,11 @@ def test_integer_inputs():
     jax.grad(lambda v: jnp.sum(jp.max_pool(v, **KW)))(x)
   with pytest.raises(TypeError, match="x.*float.*int32"):
     jp.max_pool_grad(x, np.ones(y.shape, np.float32), **KW)
-  with pytest.raises(TypeError, match="x.*float.*int32"):
-    jp.avg_pool(x, **KW)
-  with pytest.raises(TypeError, match="x.*float.*int32"):
-    jp.lp_pool(x, 2, **KW)
+  # Average and Lp pooling of integers return JAX's default float, as Flax's avg_pool does.
+  assert jp.avg_pool(x, **KW).dtype == jnp.float32
+  np.testing.assert_allclose(jp.avg_pool(x, **KW), ref.avg_pool(x.astype(np.float64), **KW),
+                             rtol=1e-6)
+  assert jp.lp_pool(x, 2, **KW).dtype == jnp.float32
 
 
 # ------------------------------------------------------------------------------ residuals
