@@ -655,3 +655,13 @@ def test_signed_zero_follows_max_pool():
   np.testing.assert_array_equal(np.asarray(y)[0, :, 0], at_index)
   y2, _ = jaxpool.max_pool_with_indices(x[:, :2], (2,))
   np.testing.assert_array_equal(np.signbit(np.asarray(y2)), [[[False]]])
+
+
+def test_route_follows_the_kernels(monkeypatch):
+  from jaxpool._src import dispatch
+  plan = _adaptive._Plan((56, 56), (7, 7), True)  # 8x8 bins: 64 taps
+  monkeypatch.setattr(dispatch, "platform", lambda: "cpu")
+  assert _adaptive._route(plan) == "stages"
+  monkeypatch.setattr(dispatch, "platform", lambda: "cuda")
+  assert _adaptive._route(plan) == "fixed"
+  assert _adaptive._route(_adaptive._Plan((81, 81), (9, 9), True)) == "stages"  # 81 taps
