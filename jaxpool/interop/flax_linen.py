@@ -138,7 +138,25 @@ def lp_pool(inputs: jax.typing.ArrayLike, p: float, window_shape: Sequence[int],
   return jaxpool.lp_pool(_checked(inputs, cfg), p, **cfg)
 
 
-class MaxPool(nn.Module):
+class _ExtremumPool(nn.Module):
+  """The attributes of :class:`MaxPool` and :class:`MinPool`, checked at construction."""
+
+  window_shape: Sequence[int]
+  strides: Sequence[int] | None = None
+  padding: Padding = "VALID"
+  dilation: Sequence[int] | None = None
+  ceil_mode: bool = False
+  implementation: str | None = None
+  data_format: str = "channels_last"
+
+  def __post_init__(self) -> None:
+    flax_config(self.window_shape, self.strides, self.padding, dilation=self.dilation,
+                ceil_mode=self.ceil_mode, data_format=self.data_format,
+                implementation=self.implementation)
+    super().__post_init__()
+
+
+class MaxPool(_ExtremumPool):
   """Max pooling as a linen module (no parameters): :func:`max_pool` with its attributes.
 
   Attributes:
@@ -146,19 +164,6 @@ class MaxPool(nn.Module):
       :func:`max_pool`; checked when the module is constructed.
   """
 
-  window_shape: Sequence[int]
-  strides: Sequence[int] | None = None
-  padding: Padding = "VALID"
-  dilation: Sequence[int] | None = None
-  ceil_mode: bool = False
-  implementation: str | None = None
-  data_format: str = "channels_last"
-
-  def __post_init__(self) -> None:
-    flax_config(self.window_shape, self.strides, self.padding, dilation=self.dilation,
-                ceil_mode=self.ceil_mode, data_format=self.data_format,
-                implementation=self.implementation)
-    super().__post_init__()
 
   def __call__(self, inputs: jax.typing.ArrayLike) -> jax.Array:
     return max_pool(inputs, self.window_shape, self.strides, self.padding,
@@ -166,7 +171,7 @@ class MaxPool(nn.Module):
                     data_format=self.data_format, implementation=self.implementation)
 
 
-class MinPool(nn.Module):
+class MinPool(_ExtremumPool):
   """Min pooling as a linen module (no parameters): :func:`min_pool` with its attributes.
 
   Attributes:
@@ -174,19 +179,6 @@ class MinPool(nn.Module):
       :func:`max_pool`; checked when the module is constructed.
   """
 
-  window_shape: Sequence[int]
-  strides: Sequence[int] | None = None
-  padding: Padding = "VALID"
-  dilation: Sequence[int] | None = None
-  ceil_mode: bool = False
-  implementation: str | None = None
-  data_format: str = "channels_last"
-
-  def __post_init__(self) -> None:
-    flax_config(self.window_shape, self.strides, self.padding, dilation=self.dilation,
-                ceil_mode=self.ceil_mode, data_format=self.data_format,
-                implementation=self.implementation)
-    super().__post_init__()
 
   def __call__(self, inputs: jax.typing.ArrayLike) -> jax.Array:
     return min_pool(inputs, self.window_shape, self.strides, self.padding,
