@@ -8,6 +8,7 @@ taps) on the cases of ``benchmarks/gpu.py`` whose forward fell below 0.8 of copy
 - ``signbit``: the zero rule through ``jnp.signbit`` (bit casts and shifts);
 - ``bits``: the zero rule as an integer comparison of the bit patterns of equal values (what
   ``dtypes.beats`` does);
+- ``keys``: both values mapped to integers in the kernels' order (one signed comparison);
 - ``none``: no zero rule (the first of ``-0.0`` and ``+0.0`` wins), the cost floor.
 
 Rounds alternate the variants, so drifting clocks affect them alike. Prints a table and saves
@@ -55,7 +56,23 @@ def _no_zero_rule(x, best):
   return jnp.logical_not(x <= best) & (best == best)
 
 
-VARIANTS = {"signbit": _signbit_rule, "bits": dtypes.beats, "none": _no_zero_rule}
+def _key(v):
+  """An integer whose order is the kernels' order of 32-bit floats: ``-0.0`` below ``+0.0``,
+  every NaN one key above ``+inf``."""
+  b = jax.lax.bitcast_convert_type(v, jnp.int32)
+  m = b & 0x7FFFFFFF
+  k = jnp.where(b < 0, ~m, m)
+  return jnp.where(m > 0x7F800000, 0x7FC00000, k)
+
+
+def _keys_rule(x, best):
+  if not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype.itemsize != 4:
+    return dtypes.beats(x, best)
+  return _key(x) > _key(best)
+
+
+VARIANTS = {"signbit": _signbit_rule, "bits": dtypes.beats, "keys": _keys_rule,
+            "none": _no_zero_rule}
 
 
 def _time(fn, x, reps=20, inner=10):
