@@ -16,8 +16,11 @@ Two parts:
 * **Training steps** of unmodified models with and without ``jaxpool.optimize``: Flax VGG-16
   at 224x224 (bfloat16 batch 64, float32 batch 32), the Equinox CNN of examples/equinox_cnn.py
   (128x3x112x112) and a 3-D CNN on video clips (8x16x112x112x3: conv3d + ReLU + 3-D max pools).
-  Each runs in a fresh subprocess, so the peak device memory it reports
-  (``memory_stats()["peak_bytes_in_use"]``; none on a CPU) is that step's alone.
+  The Flax models also run with every max pool replaced by a strided slice (``no_pool``: the
+  same shapes at next to no cost): ``base / no_pool`` bounds the speed-up that any pooling,
+  however fast, could give that step. Each runs in a fresh subprocess, so the peak device
+  memory it reports (``memory_stats()["peak_bytes_in_use"]``; none on a CPU) is that step's
+  alone.
 
 Timer: jit, two warm-up calls (the first compiles), then each sample runs the function and blocks
 until the device is done (``block_until_ready``); the median of the samples is reported (for the
@@ -189,6 +192,16 @@ def run_step_case(name: str, variant: str, quick: bool, reps: int) -> dict:
       shape = (cfg["batch"], cfg["size"], cfg["size"], 3)
       classes = model.classes
     images = jnp.asarray(rng.standard_normal(shape), jnp.float32)
+    if variant == "no_pool":
+      # The floor: every max pool replaced by a strided slice (the same shapes, next to no
+      # cost), so base / no_pool bounds what any pooling can gain in this step.
+      import flax.linen as nn
+
+      def sliced(x, window_shape, strides=None, padding="VALID"):
+        steps = strides or window_shape
+        return x[(slice(None),) * (x.ndim - len(steps) - 1)
+                 + tuple(slice(None, None, s) for s in steps) + (slice(None),)]
+      nn.max_pool = sliced  # this child process only
     params = jax.jit(model.init)(jax.random.key(0), images)
     apply = model.apply
     if variant == "optimize":
@@ -217,7 +230,9 @@ def run_step_case(name: str, variant: str, quick: bool, reps: int) -> dict:
 def step_rows(quick: bool, reps: int) -> list[dict]:
   rows = []
   for name in STEPS:
-    for variant in ("base", "optimize"):
+    variants = ("base", "optimize") + (() if STEPS[name][0]["model"] == "equinox"
+                                       else ("no_pool",))
+    for variant in variants:
       cmd = [sys.executable, os.path.abspath(__file__), "--child", name, "--variant", variant,
              "--reps", str(reps)] + (["--quick"] if quick else [])
       proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
@@ -246,8 +261,9 @@ def table(pools: list[dict], steps: list[dict]) -> str:
     out.append(f"| {r['case']} | {r['dtype']} | {r['variant']} | {r['fwd_ms']:.3f} | "
                f"{r['fwd_bwd_ms']:.3f} | {speed:.2f}x | {'' if diff is None else f'{diff:.3g}'} |")
   out += ["", "Training steps (unmodified models)", "",
-          "| case | without optimize | with optimize | speed-up | peak MiB (without / with) | "
-          "first loss (without / with) |", "|---|---|---|---|---|---|"]
+          "| case | without optimize | with optimize | speed-up | pools removed: step, bound "
+          "| peak MiB (without / with) | first loss (without / with) |",
+          "|---|---|---|---|---|---|---|"]
   by = {(r["case"], r["variant"]): r for r in steps}
   for name in STEPS:
     a, b = by.get((name, "base"), {}), by.get((name, "optimize"), {})
@@ -255,8 +271,11 @@ def table(pools: list[dict], steps: list[dict]) -> str:
       out.append(f"| {name} | failed | failed | | | |")
       continue
     peak = ("-" if a["peak_mib"] is None else f"{a['peak_mib']:.0f} / {b['peak_mib']:.0f}")
+    c = by.get((name, "no_pool"), {})
+    floor = (f"{c['step_ms']:.2f} ms, {a['step_ms'] / c['step_ms']:.2f}x" if "step_ms" in c
+             else "")
     out.append(f"| {name} | {a['step_ms']:.2f} ms | {b['step_ms']:.2f} ms | "
-               f"{a['step_ms'] / b['step_ms']:.2f}x | {peak} | "
+               f"{a['step_ms'] / b['step_ms']:.2f}x | {floor} | {peak} | "
                f"{a['first_loss']:.5f} / {b['first_loss']:.5f} |")
   return "\n".join(out)
 
