@@ -1,14 +1,18 @@
 """What the max kernels' comparison costs: the forward kernels with three forms of it.
 
-The kernels decide whether a tap replaces the running maximum with ``dtypes.beats``: strictly
-greater, or the first NaN, or ``+0.0`` over ``-0.0`` (the last keeps the kernels' values equal to
+The kernels decide whether a tap replaces the running maximum: strictly greater, or the first
+NaN, or ``+0.0`` over ``-0.0`` (the last keeps the kernels' values equal to
 ``lax.reduce_window``'s). This script times the Triton forward kernels (with and without the
 taps) on the cases of ``benchmarks/gpu.py`` whose forward fell below 0.8 of copy bandwidth, with:
 
-- ``signbit``: the zero rule through ``jnp.signbit`` (bit casts and shifts);
-- ``bits``: the zero rule as an integer comparison of the bit patterns of equal values (what
-  ``dtypes.beats`` does);
-- ``keys``: both values mapped to integers in the kernels' order (one signed comparison);
+- ``signbit``: the zero rule per tap through ``jnp.signbit`` (bit casts and shifts);
+- ``bits``: the zero rule per tap as an integer comparison of the bit patterns of equal values
+  (``dtypes.beats``);
+- ``keys``: per tap, both values mapped to integers in the kernels' order (one signed
+  comparison);
+- ``deferred``: the taps scanned without the zero rule, then a second scan for the first ``+0.0``
+  only in tiles where a window's winner is ``-0.0`` (what the kernels do,
+  ``triton.DEFER_ZERO_RULE``; on this random data, no second scan);
 - ``none``: no zero rule (the first of ``-0.0`` and ``+0.0`` wins), the cost floor.
 
 Rounds alternate the variants, so drifting clocks affect them alike. Prints a table and saves
@@ -40,6 +44,10 @@ CASES = [
      "channels_first", jnp.float32),
     ("16x16x56x56x64 3x3x3/s2/p1 f32", (16, 16, 56, 56, 64), (3, 3, 3), (2, 2, 2), 1,
      "channels_last", jnp.float32),
+    # The worst case of the deferred rule: every value -0.0 or below, half of them -0.0 and a
+    # few +0.0, so nearly every tile scans its taps twice.
+    ("128x112x112x64 3x3/s2/p1 bf16, zero maxima", (128, 112, 112, 64), (3, 3), (2, 2), 1,
+     "channels_last", jnp.bfloat16),
 ]
 
 
@@ -71,8 +79,10 @@ def _keys_rule(x, best):
   return _key(x) > _key(best)
 
 
-VARIANTS = {"signbit": _signbit_rule, "bits": dtypes.beats, "keys": _keys_rule,
-            "none": _no_zero_rule}
+# name: (the per-tap rule, whether the zero rule is deferred to a second scan)
+VARIANTS = {"signbit": (_signbit_rule, False), "bits": (dtypes.beats, False),
+            "keys": (_keys_rule, False), "deferred": (dtypes.beats, True),
+            "none": (_no_zero_rule, False)}
 
 
 def _time(fn, x, reps=20, inner=10):
@@ -94,7 +104,12 @@ def main():
   print(f"copy bandwidth: {copy_gbs:.0f} GB/s")
   rows = []
   for name, shape, window, strides, padding, fmt, dtype in CASES:
-    x = jnp.asarray(np.random.default_rng(0).standard_normal(shape), dtype)
+    r = np.random.default_rng(0)
+    x = r.standard_normal(shape, np.float32)
+    if name.endswith("zero maxima"):
+      u = r.random(shape, np.float32)
+      x = np.where(u < 0.5, np.float32(-0.0), np.where(u < 0.52, np.float32(0.0), -abs(x)))
+    x = jnp.asarray(x, dtype)
     geom = windows.make_geometry(shape, window, strides, padding, data_format=fmt)
     out = geom.output_shape(shape)
     n_out = int(np.prod(out))
@@ -102,13 +117,13 @@ def main():
     bytes_taps = bytes_fwd + n_out
     times = {v: {"fwd": [], "fwd_taps": []} for v in VARIANTS}
     for _ in range(3):  # rounds, alternating the variants
-      for v, rule in VARIANTS.items():
-        pk.beats = rule
+      for v, (rule, defer) in VARIANTS.items():
+        pk.beats, pk.DEFER_ZERO_RULE = rule, defer
         fwd = jax.jit(lambda a, g=geom: pk.max_forward(a, g, interpret=False))
         taps = jax.jit(lambda a, g=geom: pk.max_forward_taps(a, g, interpret=False))
         times[v]["fwd"].append(_time(fwd, x))
         times[v]["fwd_taps"].append(_time(taps, x))
-    pk.beats = dtypes.beats
+    pk.beats, pk.DEFER_ZERO_RULE = dtypes.beats, True
     for v in VARIANTS:
       f, t = min(times[v]["fwd"]), min(times[v]["fwd_taps"])
       row = dict(case=name, variant=v, fwd_ms=f, fwd_taps_ms=t,

@@ -154,3 +154,25 @@ def check_empty_windows_and_all_neg_inf():
   assert ta.dtype == windows.taps_dtype(3)
   bits_equal(jaxpool.avg_pool(x1, **kw1, implementation="pallas"),
               jaxpool.avg_pool(x1, **kw1, implementation="xla"))
+
+
+def check_signed_zeros(rng, cfg, dtype):
+  """Windows whose maximum is zero, of either sign: ``+0.0`` beats ``-0.0`` (as in
+  ``lax.max``), the first of equal zeros otherwise; values, taps and gradient bit for bit with
+  the XLA path, max and min."""
+  shape, *geo = cfg
+  kw = kw_of(*geo)
+  x = rng.choice(np.array([-0.0, 0.0, -1.0, -np.inf, np.nan], np.float32), shape,
+                 p=[0.4, 0.25, 0.25, 0.05, 0.05])
+  x = jnp.asarray(x).astype(dtype)
+  ya, ia = jaxpool.max_pool_with_indices(x, **kw, implementation="pallas")
+  yb, ib = jaxpool.max_pool_with_indices(x, **kw, implementation="xla")
+  bits_equal(ya, yb)
+  bits_equal(ia, ib)
+  for pool in (jaxpool.max_pool, jaxpool.min_pool):
+    bits_equal(pool(x, **kw, implementation="pallas"), pool(x, **kw, implementation="xla"))
+  xf = jnp.where(jnp.isnan(x) | jnp.isinf(x), jnp.zeros_like(x), x)
+  dy = data(rng, jaxpool.max_pool(xf, **kw).shape, dtype, special=False)
+  grads = [jax.vjp(lambda v, impl=impl: jaxpool.max_pool(v, **kw, implementation=impl),
+                   xf)[1](dy)[0] for impl in ("pallas", "xla")]
+  bits_equal(*grads)

@@ -17,6 +17,7 @@ import pytest
 
 from kernel_base import (CONFIGS, CONFIGS_ND, GPU_CONFIGS, ND_IDS, ON_GPU, bits_equal, check_avg,
                          check_empty_windows_and_all_neg_inf, check_max,
+                         check_signed_zeros,
                          check_vmap_grad_and_jvp, data, kw_of)
 
 import jaxpool
@@ -282,3 +283,17 @@ def test_nd_transformations(rng):
     p, _ = check_vmap_grad_and_jvp(rng, x, dict(window_shape=window, strides=strides,
                                                  padding=1, data_format=fmt))
     assert "jaxpool_max_pool_gather_transpose" in str(jax.make_jaxpr(jax.grad(p))(x))
+
+
+@pytest.mark.parametrize("cfg", [CONFIGS[0], CONFIGS_ND[1], CONFIGS_ND[4]],
+                         ids=["2d_last", "3d_last_dilated_ceil", "2d_first_wide"])
+def test_signed_zeros_match_xla(rng, cfg):
+  check_signed_zeros(rng, cfg, jnp.float32)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_gpu_signed_zeros(rng, dtype):
+  _need_gpu()
+  for cfg in GPU_CONFIGS:
+    check_signed_zeros(rng, cfg, dtype)

@@ -32,6 +32,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.experimental import pallas as pl
 
 try:
@@ -239,25 +240,39 @@ def _window_kernel(x_ref, *out_refs, g: Geometry, bw: int, bl: int, lanes: int, 
       else np.dtype(dtype)
   low = lowest(dtype)
 
+  # The +0.0-over--0.0 rule, applied per tap, cost 1.3x in the bfloat16 forward with taps (H100,
+  # benchmarks/comparator_gpu.py). With ``DEFER_ZERO_RULE`` the taps are scanned with the other
+  # rules only (the first of equal zeros wins), and a tile holding a window whose winner is
+  # -0.0 scans its taps again for the first +0.0: the same result, the second scan only where a
+  # window's maximum is -0.0. (After a ReLU the zero's sign is gone: no second scan.)
+  floating = jnp.issubdtype(dtype, jnp.floating)
+  defer = DEFER_ZERO_RULE and floating and activation is None
+  rule = _beats_but_zeros if defer else beats
+
+  def load_tap(a, i, j, edge: bool, fill):
+    """Tap ``(a, i, j)`` of the tile's windows, and where it is real (None: everywhere)."""
+    d = do * g.strides[0] + a * g.dilation[0] - g.pad_lo[0]
+    h = ho * g.strides[1] + i * g.dilation[1] - g.pad_lo[1]
+    w = wo * g.strides[2] + j * g.dilation[2] - g.pad_lo[2]
+    ok = None
+    if edge:
+      ok = tile.cols_of((d >= 0) & (d < D) & (h >= 0) & (h < H) & (w >= 0) & (w < W))
+      d, h, w = jnp.clip(d, 0, D - 1), jnp.clip(h, 0, H - 1), jnp.clip(w, 0, W - 1)
+    return _load(x_ref, tile.index(b, d, h, w), ok, None if ok is None else fill), ok
+
   def body(edge: bool):
     best = acc = idx = None
     for t, (a, i, j) in enumerate(g.taps()):
-      d = do * g.strides[0] + a * g.dilation[0] - g.pad_lo[0]
-      h = ho * g.strides[1] + i * g.dilation[1] - g.pad_lo[1]
-      w = wo * g.strides[2] + j * g.dilation[2] - g.pad_lo[2]
-      ok = None
-      if edge:
-        ok = tile.cols_of((d >= 0) & (d < D) & (h >= 0) & (h < H) & (w >= 0) & (w < W))
-        d, h, w = jnp.clip(d, 0, D - 1), jnp.clip(h, 0, H - 1), jnp.clip(w, 0, W - 1)
-      where = tile.index(b, d, h, w)
       if mode == "avg":
-        xt = _load(x_ref, where, ok, None if ok is None else np.array(0, dtype)).astype(acc_t)
+        xt, _ = load_tap(a, i, j, edge, np.array(0, dtype))
+        xt = xt.astype(acc_t)
         acc = xt if acc is None else acc + xt
         continue
       # Masked taps read the lowest value: never greater than ``best``.
-      xt = _load(x_ref, where, ok, None if ok is None else low).astype(cmp_t)
+      xt, ok = load_tap(a, i, j, edge, low)
+      xt = xt.astype(cmp_t)
       if mode == "max":
-        best = xt if best is None else jnp.where(beats(xt, best), xt, best)
+        best = xt if best is None else jnp.where(rule(xt, best), xt, best)
         continue
       if best is None and not edge:
         best, idx = xt, jnp.zeros(tile.shape, idx_t)
@@ -265,7 +280,7 @@ def _window_kernel(x_ref, *out_refs, g: Geometry, bw: int, bl: int, lanes: int, 
       if best is None:
         best, idx = jnp.full(tile.shape, low, cmp_t), jnp.full(tile.shape, -1, idx_t)
       assert idx is not None
-      better = beats(xt, best)
+      better = rule(xt, best)
       if ok is not None:
         # A window's first real tap is its argmax so far, whatever its value.
         better = ok & ((idx < 0) | better)
@@ -284,8 +299,46 @@ def _window_kernel(x_ref, *out_refs, g: Geometry, bw: int, bl: int, lanes: int, 
     tile.store(out_refs[0], out_at, best.astype(dtype), col_mask)
     if mode == "argmax":
       tile.store(out_refs[1], out_at, idx, col_mask)
+    if defer:
+      still = _is_negative_zero(best)
+      pl.when(jnp.max(still.astype(jnp.int32)) > 0)(
+          lambda: zeros_again(edge, best, idx, still, out_at))
+
+  def zeros_again(edge: bool, best, idx, still, out_at):
+    """Where a window's winner is -0.0: its first +0.0 tap, if it has one."""
+    for t, (a, i, j) in enumerate(g.taps()):
+      xt, _ = load_tap(a, i, j, edge, low)  # (masked taps read the lowest value: not +0.0)
+      take = still & _is_positive_zero(xt.astype(cmp_t))
+      best = jnp.where(take, jnp.zeros_like(best), best)
+      if idx is not None:
+        idx = jnp.where(take, np.array(t, idx_t), idx)
+      still = still & jnp.logical_not(take)
+    tile.store(out_refs[0], out_at, best.astype(dtype), col_mask)
+    if idx is not None:
+      tile.store(out_refs[1], out_at, idx, col_mask)
 
   _both_paths(interior, body)
+
+
+# Whether the forward kernels apply the zero rule after the scan (see _window_kernel).
+DEFER_ZERO_RULE = True
+
+
+def _beats_but_zeros(x, best):
+  """:func:`beats` without the zero rule: of equal zeros the first wins."""
+  return jnp.logical_not(x <= best) & (best == best)
+
+
+def _float_bits(v):
+  return lax.bitcast_convert_type(v, {4: jnp.int32, 8: jnp.int64}[v.dtype.itemsize])
+
+
+def _is_negative_zero(v):
+  return _float_bits(v) == np.iinfo({4: np.int32, 8: np.int64}[v.dtype.itemsize]).min
+
+
+def _is_positive_zero(v):
+  return _float_bits(v) == 0
 
 
 def _window_call(x: jax.Array, geom: Geometry, mode: str, interpret: bool,
