@@ -403,7 +403,8 @@ def test_error_shape_mismatch():
   small = jg.Input("s", shape=(3, 3, 1))
   with pytest.raises(ValueError, match=r"node 'big' \(MaxPool\): window larger"):
     jg.Graph(jg.MaxPool("big", small, window=(4, 4)))
-  with pytest.raises(ValueError, match=r"node 'big' \(Conv\): window \(5, 5\)"):
+  with pytest.raises(ValueError, match=r"node 'big' \(Conv\): window larger than the padded "
+                                       r"input in spatial dim 0.*window=\(5, 5\)"):
     jg.Graph(jg.Conv("big", small, window=(5, 5), padding="VALID"))
   with pytest.raises(ValueError, match=r"node 'crop' \(MaxPool\): offset \(3, 0\) crops"):
     jg.Graph(jg.MaxPool("crop", small, window=(1, 1), offset=(3, 0)))
@@ -474,7 +475,8 @@ def test_error_config():
   x = jg.Input("x", shape=(4, 4, 1))
   with pytest.raises(ValueError, match=r"node 'p' \(MaxPool\): padding must be one of"):
     jg.MaxPool("p", x, padding="SAME_LOWER")
-  with pytest.raises(ValueError, match=r"node 'p' \(AvgPool\): strides must have 2 entries"):
+  with pytest.raises(ValueError, match=r"node 'p' \(AvgPool\): strides must have one entry per "
+                                       r"spatial dim \(2\)"):
     jg.AvgPool("p", x, strides=(1, 1, 1))
   with pytest.raises(ValueError, match=r"node 'c' \(Conv\): accumulator_precision must be"):
     jg.Conv("c", x, features=2, accumulator_precision="double")

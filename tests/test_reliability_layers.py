@@ -502,7 +502,8 @@ GRAPH_BAD = [
      r"^node 'c' \(Conv\): use_bias must be a bool \(True or False\); got 'no'"),
     (lambda: jg.Conv("c", IMG, features=False), TypeError, r"^node 'c' \(Conv\): features"),
     (lambda: jg.Conv("c", IMG, features=2, strides=0), TypeError,
-     r"^node 'c' \(Conv\): strides must be a tuple of ints; got 0"),
+     r"^node 'c' \(Conv\): strides must be a tuple of 2 ints, one per spatial dim; got the "
+     r"int 0"),
     (lambda: jg.Conv("c", IMG, features=2, dilation=(True, 1)), TypeError,
      r"^node 'c' \(Conv\): dilation must be a tuple of ints"),
     (lambda: jg.Conv("c", IMG, features=2, window=(0, 3)), ValueError,
@@ -520,7 +521,8 @@ GRAPH_BAD = [
     (lambda: jg.MaxPool("p", IMG, padding=None), TypeError, r"^node 'p' \(MaxPool\): padding"),
     (lambda: jg.MaxPool("p", IMG, padding=[1, 1]), TypeError, r"^node 'p' \(MaxPool\): padding"),
     (lambda: jg.DilatedMaxPool("p", IMG, dilation=0), TypeError,
-     r"^node 'p' \(DilatedMaxPool\): dilation must be a tuple of ints; got 0"),
+     r"^node 'p' \(DilatedMaxPool\): dilation must be a tuple of 2 ints, one per spatial dim; "
+     r"got the int 0"),
     (lambda: jg.AvgPool("a", IMG, count_include_pad="no"), TypeError,
      r"^node 'a' \(AvgPool\): count_include_pad must be a bool"),
     (lambda: jg.Activation("a", IMG, fn=None), TypeError,

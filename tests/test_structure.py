@@ -1,13 +1,19 @@
-"""How the library sits in JAX: no global changes to JAX's state, and the fused activation.
+"""How the library sits in JAX and how its modules sit together: no global changes to JAX's
+state, no import circles, and the fused activation.
 
 Importing jaxpool and running every op under every transformation must leave JAX's rule tables
 as they were: the only entries it may add are the rules of jaxpool's own primitives (named
 ``jaxpool_*``). The test runs in a fresh interpreter so that nothing else has imported jaxpool.
+
+No module of jaxpool imports one that imports it back, directly or through others, at the top or
+lazily inside a function (the graph package's base node types sit in ``base.py`` for this).
 """
 
 from __future__ import annotations
 
+import ast
 import os
+import pathlib
 import subprocess
 import sys
 import textwrap
@@ -79,6 +85,79 @@ _TABLES_SCRIPT = textwrap.dedent('''
           problems.append(f"platform_lower[{platform}]: {key} added")
     print("PROBLEMS", problems)
 ''')
+
+
+def _module_imports(root: pathlib.Path, package: str) -> dict[str, set[str]]:
+  """For each module under ``root`` (the package ``package``), the modules of the package that it
+  imports anywhere in its source: at the top, inside functions, under ``if``."""
+  files = {}
+  for path in root.rglob("*.py"):
+    parts = [package, *path.relative_to(root).with_suffix("").parts]
+    if parts[-1] == "__init__":
+      parts.pop()
+    files[".".join(parts)] = path
+  graph = {}
+  for mod, path in files.items():
+    deps = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+      if isinstance(node, ast.Import):
+        targets = [a.name for a in node.names]
+      elif isinstance(node, ast.ImportFrom):
+        base = node.module or ""
+        if node.level:  # relative: from the module's package (a package's own __init__ counts)
+          keep = len(mod.split(".")) - node.level + (path.name == "__init__.py")
+          base = ".".join(mod.split(".")[:keep] + ([base] if base else []))
+        targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in files else base for a in node.names]
+      else:
+        continue
+      deps |= {t for t in targets if t in files and t != mod}
+    graph[mod] = deps
+  return graph
+
+
+def _import_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+  """One import circle (``[a, b, ..., a]``), or None."""
+  state: dict[str, str] = {}
+  stack: list[str] = []
+
+  def visit(m):
+    state[m] = "open"
+    stack.append(m)
+    for d in sorted(graph[m]):
+      if state.get(d) == "open":
+        return [*stack[stack.index(d):], d]
+      if d not in state and (cycle := visit(d)):
+        return cycle
+    state[m] = "done"
+    stack.pop()
+    return None
+
+  for m in sorted(graph):
+    if m not in state and (cycle := visit(m)):
+      return cycle
+  return None
+
+
+@pytest.mark.parametrize("sub", ["", "_src/graph"])
+def test_no_import_circles(sub):
+  root = pathlib.Path(jaxpool.__file__).parent / sub
+  package = ".".join(["jaxpool", *pathlib.PurePath(sub).parts])
+  graph = _module_imports(root, package)
+  assert len(graph) > 5, graph
+  cycle = _import_cycle(graph)
+  assert cycle is None, "import circle: " + " -> ".join(cycle or ())
+
+
+def test_import_circle_check_sees_lazy_imports(tmp_path):
+  pkg = tmp_path / "pkg"
+  pkg.mkdir()
+  (pkg / "__init__.py").write_text("")
+  (pkg / "a.py").write_text("from pkg.b import f\n")
+  (pkg / "b.py").write_text("def f():\n  from pkg import a\n  return a\n")
+  (pkg / "c.py").write_text("from . import a\n")
+  graph = _module_imports(pkg, "pkg")
+  assert graph == {"pkg": set(), "pkg.a": {"pkg.b"}, "pkg.b": {"pkg.a"}, "pkg.c": {"pkg.a"}}
+  assert _import_cycle(graph) == ["pkg.a", "pkg.b", "pkg.a"]
 
 
 def test_jax_rule_tables_are_left_as_they_were():

@@ -111,7 +111,8 @@ class Geometry:
     return tuple(shape)
 
 
-def _is_int(v: Any) -> bool:
+def is_int(v: Any) -> bool:
+  """An int or a NumPy integer, not a bool."""
   return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
 
 
@@ -120,23 +121,27 @@ def check_choice(name: str, value: Any, allowed: Sequence[Any]) -> None:
     raise ValueError(f"{name} must be one of {tuple(allowed)}; got {value!r}.")
 
 
-def int_tuple(name: str, value: Any, n: int, *, default: int | None = None,
+def int_tuple(name: str, value: Any, n: int | None, *, default: int | None = None,
               minimum: int = 1) -> tuple[int, ...]:
-  """Checks a per-spatial-dim tuple of ints (``window_shape``, ``strides``, ``dilation``)."""
+  """Checks a per-spatial-dim tuple of ints (``window_shape``, ``strides``, ``dilation``).
+
+  ``n`` is the number of entries; ``None`` takes any number (a shape), and then ``value`` is
+  required.
+  """
   if value is None:
-    if default is None:
+    if default is None or n is None:
       raise TypeError(f"{name} is required; got None.")
     return (default,) * n
-  if _is_int(value):
-    raise TypeError(
-        f"{name} must be a tuple of {n} ints, one per spatial dim; got the int {value!r}.")
+  if is_int(value):
+    one_each = "ints" if n is None else f"{n} ints, one per spatial dim"
+    raise TypeError(f"{name} must be a tuple of {one_each}; got the int {value!r}.")
   try:
     items = tuple(value)
   except TypeError:
     raise TypeError(f"{name} must be a tuple of ints; got {value!r}.") from None
-  if not all(_is_int(v) for v in items):
+  if not all(is_int(v) for v in items):
     raise TypeError(f"{name} must be a tuple of ints; got {value!r}.")
-  if len(items) != n:
+  if n is not None and len(items) != n:
     raise ValueError(
         f"{name} must have one entry per spatial dim ({n}); got {value!r} of length "
         f"{len(items)}.")
@@ -149,7 +154,7 @@ def int_tuple(name: str, value: Any, n: int, *, default: int | None = None,
 
 
 def spatial_rank(window_shape: Any, name: str = "window_shape") -> int:
-  if _is_int(window_shape):
+  if is_int(window_shape):
     raise TypeError(
         f"{name} must be a tuple of ints, one per spatial dim (e.g. (2, 2)); got the "
         f"int {window_shape!r}.")
@@ -170,26 +175,33 @@ def check_rank(name: str, shape: Sequence[int], n: int, data_format: str) -> Non
         f"{tuple(shape)}.")
 
 
-def _resolve_padding(padding: Any, in_spatial: tuple[int, ...], strides: tuple[int, ...],
-                     eff: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
-  n = len(in_spatial)
-  if isinstance(padding, str):
-    check_choice("padding", padding, PADDING_STRINGS)
-    if padding == "VALID":
-      return ((0, 0),) * n
-    pads = []
-    for L, s, e in zip(in_spatial, strides, eff):
-      out = -(-L // s)
-      total = max((out - 1) * s + e - L, 0)
-      small, large = total // 2, total - total // 2
-      pads.append((small, large) if padding == "SAME" else (large, small))
-    return tuple(pads)
-  if _is_int(padding):
-    if padding < 0:
-      raise ValueError(f"padding must be >= 0; got {padding!r}.")
-    if padding > MAX_SIZE:
-      raise ValueError(f"padding must be at most 2**31 - 1; got {padding!r}.")
-    return ((int(padding), int(padding)),) * n
+def resolve_string_padding(padding: str, in_spatial: Sequence[int], window: Sequence[int],
+                           strides: Sequence[int], dilation: Sequence[int]
+                           ) -> tuple[tuple[int, int], ...]:
+  """A padding string as ``(lo, hi)`` pairs, one per spatial dim.
+
+  ``"VALID"``: none. ``"SAME"``: ``ceil(L / s)`` outputs, the odd element of padding at the end
+  (ONNX SAME_UPPER); ``"SAME_LOWER"``: at the start. ``"FULL"`` (the graph nodes' policy, not the
+  ops'): ``e - 1`` on both sides, ``e`` the effective window ``d * (k - 1) + 1``: every window
+  that touches a real element.
+  """
+  check_choice("padding", padding, (*PADDING_STRINGS, "FULL"))
+  eff = [d * (k - 1) + 1 for k, d in zip(window, dilation)]
+  if padding == "VALID":
+    return ((0, 0),) * len(eff)
+  if padding == "FULL":
+    return tuple((e - 1, e - 1) for e in eff)
+  pads = []
+  for L, s, e in zip(in_spatial, strides, eff):
+    out = -(-L // s)
+    total = max((out - 1) * s + e - L, 0)
+    small, large = total // 2, total - total // 2
+    pads.append((small, large) if padding == "SAME" else (large, small))
+  return tuple(pads)
+
+
+def padding_pairs(padding: Any, n: int) -> tuple[tuple[int, int], ...]:
+  """Checks explicit padding: a sequence of ``n`` ``(lo, hi)`` pairs of ints >= 0."""
   try:
     pairs = tuple(padding)
   except TypeError:
@@ -205,7 +217,7 @@ def _resolve_padding(padding: Any, in_spatial: tuple[int, ...], strides: tuple[i
       lo, hi = p
     except (TypeError, ValueError):
       raise TypeError(f"padding must be a sequence of (lo, hi) pairs; got {padding!r}.") from None
-    if not (_is_int(lo) and _is_int(hi)):
+    if not (is_int(lo) and is_int(hi)):
       raise TypeError(f"padding pairs must hold ints; got {padding!r}.")
     if lo < 0 or hi < 0:
       raise ValueError(f"padding must be >= 0; got {padding!r}.")
@@ -213,6 +225,34 @@ def _resolve_padding(padding: Any, in_spatial: tuple[int, ...], strides: tuple[i
       raise ValueError(f"padding must be at most 2**31 - 1; got {padding!r}.")
     resolved.append((int(lo), int(hi)))
   return tuple(resolved)
+
+
+def _resolve_padding(padding: Any, in_spatial: tuple[int, ...], window: tuple[int, ...],
+                     strides: tuple[int, ...], dilation: tuple[int, ...]
+                     ) -> tuple[tuple[int, int], ...]:
+  n = len(in_spatial)
+  if isinstance(padding, str):
+    check_choice("padding", padding, PADDING_STRINGS)
+    return resolve_string_padding(padding, in_spatial, window, strides, dilation)
+  if is_int(padding):
+    if padding < 0:
+      raise ValueError(f"padding must be >= 0; got {padding!r}.")
+    if padding > MAX_SIZE:
+      raise ValueError(f"padding must be at most 2**31 - 1; got {padding!r}.")
+    return ((int(padding), int(padding)),) * n
+  return padding_pairs(padding, n)
+
+
+def check_window_fits(dim: int, size: int, pads: tuple[int, int], eff: int, window: Any,
+                      dilation: Any, *, name: str = "window_shape") -> None:
+  """Raises ValueError if the effective window ``eff`` is larger than the padded input along
+  spatial dim ``dim`` (``window`` and ``dilation`` as the caller got them, for the message)."""
+  lo, hi = pads
+  if size + lo + hi < eff:
+    raise ValueError(
+        f"window larger than the padded input in spatial dim {dim}: effective window {eff}, "
+        f"padded size {size + lo + hi} (input {size}, padding {pads}); {name}={window!r}, "
+        f"dilation={dilation!r}.")
 
 
 def make_geometry(x_shape: Sequence[int], window_shape: Any, strides: Any = None,
@@ -236,7 +276,7 @@ def make_geometry(x_shape: Sequence[int], window_shape: Any, strides: Any = None
   axes = (tuple(range(ndim - 1 - n, ndim - 1)) if channels_last else tuple(range(ndim - n, ndim)))
   in_spatial = tuple(int(x_shape[a]) for a in axes)
   eff = tuple(d * (k - 1) + 1 for k, d in zip(window, dilation_t))
-  pads = _resolve_padding(padding, in_spatial, strides_t, eff)
+  pads = _resolve_padding(padding, in_spatial, window, strides_t, dilation_t)
   out_spatial, extra = [], []
   for i, (L, (lo, hi), e, s) in enumerate(zip(in_spatial, pads, eff, strides_t)):
     if lo >= e or hi >= e:
@@ -249,11 +289,7 @@ def make_geometry(x_shape: Sequence[int], window_shape: Any, strides: Any = None
           f"the padded input ({span}) and the effective window ({e}) must each be at most "
           f"2**31 - 1 in spatial dim {i}; got window_shape={window_shape!r}, "
           f"dilation={dilation!r}, padding={padding!r}.")
-    if span < e:
-      raise ValueError(
-          f"window larger than the padded input in spatial dim {i}: effective window {e}, "
-          f"padded size {span} (input {L}, padding {(lo, hi)}); window_shape={window_shape!r}, "
-          f"dilation={dilation!r}.")
+    check_window_fits(i, L, (lo, hi), e, window_shape, dilation)
     if ceil_mode:
       out = -(-(span - e) // s) + 1
       if (out - 1) * s >= L + lo:  # PyTorch: the last window must start inside input or lo pad

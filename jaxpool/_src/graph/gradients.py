@@ -11,6 +11,10 @@ A gradient node stands for one forward node. Its inputs are, in order, its sourc
 consumers, whose cotangents for it are summed in order), the source images (the forward node's
 inputs) and the gradient state. Its value is a :class:`Cotangents`: one cotangent per forward input
 (``None`` where not wanted) and the cotangents of the forward node's parameters.
+
+A forward node names the class of its gradient node (``gradient_kind``: ``"PoolingGradient"``,
+``"ConvolutionGradient"``, ``"Gradient"``); the classes here register under their names, so that
+``node.gradient_filter()`` finds them while the node modules never import this one.
 """
 
 from __future__ import annotations
@@ -21,8 +25,10 @@ from typing import Any, ClassVar, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxpool._src.graph.nodes import (Conv, Dense, Input, Node, Spec, _input, _Pool,
-                                      check_bools)
+from jaxpool._src.graph.base import (Node, Spec, as_refs, check_bools, input_field,
+                                     register_gradient_class)
+from jaxpool._src.graph.inputs import Input
+from jaxpool._src.graph.pooling import _Pool
 
 
 class Cotangents(NamedTuple):
@@ -37,6 +43,7 @@ class Cotangents(NamedTuple):
   params: dict[str, jax.Array] | None
 
 
+@register_gradient_class
 @dataclass(frozen=True)
 class GradientState(Node):
   """What a forward node keeps for its gradient (MPS's ``MPSNNGradientStateNode``).
@@ -46,7 +53,7 @@ class GradientState(Node):
   """
 
   # MPS's name for the field; it shadows Node.forward (the method), which a state node never runs.
-  forward: Node = _input(compare=True)  # type: ignore[assignment]
+  forward: Node = input_field(compare=True)  # type: ignore[assignment]
   _input_fields: ClassVar[tuple[str, ...]] = ("forward",)
 
   def _normalize(self):
@@ -86,9 +93,9 @@ class GradientNode(Node):
   # Shadows Node.forward (the method; a gradient node never runs it). _normalize rejects anything
   # but a forward node, the None default included, so a built gradient node always holds one.
   forward: Node = field(default=None, repr=False)  # type: ignore[assignment]
-  source_gradient: Any = _input(default=None)
-  source_image: Any = _input(default=None)
-  gradient_state: Any = _input(default=None)
+  source_gradient: Any = input_field(default=None)
+  source_image: Any = input_field(default=None)
+  gradient_state: Any = input_field(default=None)
   _: KW_ONLY
   wrt: tuple[bool, ...] | None = None
   forward_name: str = field(init=False, default="")
@@ -103,8 +110,8 @@ class GradientNode(Node):
     if not isinstance(fwd, Node) or isinstance(fwd, (GradientState, GradientNode, Input)):
       raise self._fail(f"forward must be a forward filter node; got {fwd!r}.", TypeError)
     self._set("forward_name", fwd.name)
-    n_sg = len(_refs(self.source_gradient))
-    n_si = len(_refs(self.source_image))
+    n_sg = len(as_refs(self.source_gradient))
+    n_si = len(as_refs(self.source_image))
     self._set("source_gradients", self.inputs[:n_sg])
     self._set("source_images", self.inputs[n_sg:n_sg + n_si])
     states = self.inputs[n_sg + n_si:]
@@ -207,6 +214,7 @@ class GradientNode(Node):
     return f"{type(self.forward).__name__}Gradient"
 
 
+@register_gradient_class
 @dataclass(frozen=True)
 class PoolingGradient(GradientNode):
   """A pooling node's gradient (MPS's ``MPSCNNPoolingGradientNode``): source gradient, source
@@ -251,6 +259,7 @@ class PoolingGradient(GradientNode):
             f"{'x'.join(map(str, f.strides))} {pad}")
 
 
+@register_gradient_class
 @dataclass(frozen=True)
 class ConvolutionGradient(GradientNode):
   """A convolution's gradient (MPS's ``MPSCNNConvolutionGradientNode``): the input cotangent
@@ -258,25 +267,8 @@ class ConvolutionGradient(GradientNode):
   gradient state kept)."""
 
 
+@register_gradient_class
 @dataclass(frozen=True)
 class Gradient(GradientNode):
   """The gradient of any other node (dense, activation, flatten, add, loss): ``jax.vjp`` of its
   forward at the source images."""
-
-
-def gradient_class(forward: Node) -> type[GradientNode]:
-  if isinstance(forward, _Pool):
-    return PoolingGradient
-  if isinstance(forward, Conv):
-    return ConvolutionGradient
-  if isinstance(forward, Dense):
-    return Gradient
-  return Gradient
-
-
-def _refs(value: Any) -> tuple[Any, ...]:
-  if value is None:
-    return ()
-  if isinstance(value, (Node, str)):
-    return (value,)
-  return tuple(value)

@@ -12,8 +12,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxpool._src.graph.base import Node
 from jaxpool._src.graph.gradients import Cotangents, GradientNode, GradientState
-from jaxpool._src.graph.nodes import Input, Node
+from jaxpool._src.graph.inputs import Input
 
 Params = dict[str, dict[str, jax.Array]]
 

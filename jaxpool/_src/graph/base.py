@@ -1,0 +1,311 @@
+"""The base of every node: :class:`Node`, its input fields, and the checks nodes share.
+
+A node is an op, its static config and the names of its input nodes (``inputs``). It keeps the
+input node objects it was built from (``refs``, not compared, not hashed) only so that
+:class:`~jaxpool.graph.Graph` can find every node from the outputs; an input may also be given by
+name, which is resolved when the graph is built. Nodes never hold arrays: parameters live in a
+separate pytree keyed by node name.
+
+Every array a node sees is ``(*batch, *shape)`` where ``shape`` is the per-example shape the graph
+infers at build time (images are channels-last, ``(*spatial, C)``); the batch dims are whatever the
+caller passes (none under ``vmap``, as MPS's ``encodeBatch``).
+
+Every node module imports this one and none imports a node module back. The gradient module
+(``gradients.py``) registers its classes here (:func:`register_gradient_class`), so that
+``node.gradient_filter()`` finds them without importing it. Window, stride, dilation and padding
+arguments are checked by the core's rules (``jaxpool._src.windows``), with errors naming the node.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, TypeVar, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxpool._src import windows
+
+Ref = Union["Node", str]
+Spec = jax.ShapeDtypeStruct
+Params = dict[str, jax.Array]
+T = TypeVar("T")
+N = TypeVar("N", bound="Node")
+
+PADDING_POLICIES = ("VALID", "SAME", "FULL")
+
+
+def input_field(compare: bool = False, **kw: Any) -> Any:
+  """A field that names an input node (a node or a name); only its name is compared."""
+  return field(compare=compare, repr=False, hash=False if not compare else None, **kw)
+
+
+@dataclass(frozen=True)
+class Node:
+  """Base class of every node.
+
+  Attributes:
+    name: unique within a graph; the key of the node's parameters and its ``named_scope``.
+    inputs: names of the input nodes, in order (derived from the input fields).
+  """
+
+  name: str
+  inputs: tuple[str, ...] = field(init=False, default=())
+  refs: tuple[Node, ...] = field(init=False, default=(), compare=False, repr=False, hash=False)
+
+  _input_fields: ClassVar[tuple[str, ...]] = ("source",)
+  has_params: ClassVar[bool] = False
+  keeps_state: ClassVar[bool] = False  # whether its gradient needs a gradient-state node
+  state_doc: ClassVar[str] = ""        # what the gradient state carries
+  gradient_kind: ClassVar[str] = "Gradient"  # the class of its gradient node (gradients.py)
+
+  def __post_init__(self):
+    if not isinstance(self.name, str) or not self.name:
+      raise ValueError(f"a node name must be a non-empty str; got {self.name!r}.")
+    names, refs = [], []
+    for f in self._input_fields:
+      for ref in as_refs(getattr(self, f)):
+        names.append(ref_name(self.name, f, ref))
+        if isinstance(ref, Node):
+          refs.append(ref)
+    object.__setattr__(self, "inputs", tuple(names))
+    object.__setattr__(self, "refs", tuple(refs))
+    self._normalize()
+
+  def _normalize(self) -> None:
+    """Checks and canonicalises the static config (lists -> tuples); raises ValueError."""
+
+  def _set(self, attr: str, value: Any) -> None:
+    object.__setattr__(self, attr, value)
+
+  def _fail(self, msg: str, exc: type[Exception] = ValueError) -> Exception:
+    return exc(f"node {self.name!r} ({type(self).__name__}): {msg}")
+
+  def _check(self, checker: Callable[..., T], *args: Any, **kw: Any) -> T:
+    """Calls one of the core's argument checkers (``jaxpool._src.windows``); its TypeError or
+    ValueError is raised again naming this node."""
+    try:
+      return checker(*args, **kw)
+    except (TypeError, ValueError) as e:
+      raise self._fail(str(e), type(e)) from None
+
+  # -- shapes and parameters -------------------------------------------------------------------
+
+  def param_specs(self, in_specs: tuple[Spec, ...]) -> dict[str, Spec] | None:
+    """The shapes of this node's parameters for these per-example input specs."""
+    return None
+
+  def init_params(self, key: jax.Array, in_specs: tuple[Spec, ...]) -> Params | None:
+    return None
+
+  def infer(self, in_specs: tuple[Spec, ...]) -> Spec:
+    """The per-example output spec; raises ValueError for inputs the node cannot take."""
+    self.check_inputs(in_specs)
+    pspecs = self.param_specs(in_specs)
+    return jax.eval_shape(lambda p, *xs: self.forward(p, xs, in_specs), pspecs, *in_specs)
+
+  def check_inputs(self, in_specs: tuple[Spec, ...]) -> None:
+    """Explicit shape checks with readable messages, run before shape inference."""
+
+  # -- running ---------------------------------------------------------------------------------
+
+  def forward(self, params: Params | None, xs: tuple[jax.Array, ...],
+              in_specs: tuple[Spec, ...]) -> jax.Array:
+    raise NotImplementedError(type(self).__name__)
+
+  def forward_with_state(self, params: Params | None, xs: tuple[jax.Array, ...],
+                         in_specs: tuple[Spec, ...]) -> tuple[jax.Array, Any]:
+    """The forward pass plus what its gradient needs (the gradient state)."""
+    return self.forward(params, xs, in_specs), (params if self.has_params else None)
+
+  def state_spec(self, in_specs: tuple[Spec, ...]) -> Any:
+    pspecs = self.param_specs(in_specs)
+    return jax.eval_shape(lambda p, *xs: self.forward_with_state(p, xs, in_specs)[1], pspecs,
+                          *in_specs)
+
+  def backward(self, xs: tuple[jax.Array, ...], state: Any, dy: jax.Array,
+               in_specs: tuple[Spec, ...], wrt: tuple[bool, ...]
+               ) -> tuple[tuple[jax.Array | None, ...], Params | None]:
+    """Cotangents of the inputs (``None`` where ``wrt`` is false) and of the parameters.
+
+    The default is ``jax.vjp`` of :meth:`forward` at the source images, with the parameters the
+    forward used (its gradient state) for nodes that have parameters.
+    """
+    params = state if self.has_params else None
+    idx = [k for k, w in enumerate(wrt) if w]
+
+    def f(p, *diff):
+      full = list(xs)
+      for k, v in zip(idx, diff):
+        full[k] = v
+      return self.forward(p, tuple(full), in_specs)
+
+    if params is None:
+      y, vjp = jax.vjp(lambda *d: f(None, *d), *[xs[k] for k in idx])
+      cts = vjp(jnp.asarray(dy).astype(y.dtype))
+      dparams = None
+    else:
+      y, vjp = jax.vjp(f, params, *[xs[k] for k in idx])
+      dparams, *cts = vjp(jnp.asarray(dy).astype(y.dtype))
+    dxs: list[jax.Array | None] = [None] * len(xs)
+    for k, c in zip(idx, cts):
+      dxs[k] = c
+    return tuple(dxs), dparams
+
+  # -- MPS's gradient API ----------------------------------------------------------------------
+
+  def gradient_state(self, name: str | None = None):
+    """The gradient-state node that carries what this node's forward keeps for its gradient."""
+    return gradient_class("GradientState")(name or f"{self.name}.state", self)
+
+  def gradient_filter(self, source_gradient: Ref | Sequence[Ref] | None = None, *,
+                      state: Ref | None = None, name: str | None = None,
+                      wrt: Sequence[bool] | None = None):
+    """This node's gradient node, as MPS's ``gradientFilter(withSource:)``.
+
+    Args:
+      source_gradient: the node(s) giving the cotangent of this node's output (summed if
+        several; a gradient node contributes its cotangent for this node). ``None`` only for a
+        scalar output such as a loss (the seed 1).
+      state: this node's gradient-state node (required where :attr:`keeps_state`); made here if
+        omitted and needed.
+      name: defaults to ``"<name>.grad"``.
+      wrt: which inputs to differentiate (default: every float input).
+    """
+    if state is None and self.keeps_state:
+      state = self.gradient_state()
+    cls = gradient_class(self.gradient_kind)
+    return cls(name or f"{self.name}.grad", self, source_gradient, self.refs_or_names(), state,
+               wrt=None if wrt is None else check_bools(self, "wrt", wrt))
+
+  def refs_or_names(self) -> tuple[Ref, ...]:
+    """The inputs as node objects where known, else as names."""
+    by_name = {r.name: r for r in self.refs}
+    return tuple(by_name.get(n, n) for n in self.inputs)
+
+  def describe(self) -> str:
+    """A short description of the op for summaries and pictures."""
+    return type(self).__name__
+
+
+# Gradient-state and gradient-node classes by name, filled by gradients.py (which imports this
+# module; this module never imports it back).
+_GRADIENT_CLASSES: dict[str, type[Any]] = {}
+
+
+def register_gradient_class(cls: type[N]) -> type[N]:
+  """Class decorator: makes ``cls`` the class a forward node's ``gradient_kind`` names."""
+  _GRADIENT_CLASSES[cls.__name__] = cls
+  return cls
+
+
+def gradient_class(kind: str) -> type[Any]:
+  """The registered gradient class called ``kind``: ``"GradientState"``, ``"Gradient"``..."""
+  try:
+    return _GRADIENT_CLASSES[kind]
+  except KeyError:
+    raise LookupError(f"no gradient class {kind!r} is registered (it is defined in "
+                      "jaxpool._src.graph.gradients, which jaxpool.graph imports).") from None
+
+
+def as_refs(value: Any) -> tuple[Any, ...]:
+  if value is None:
+    return ()
+  if isinstance(value, (Node, str)):
+    return (value,)
+  if isinstance(value, (tuple, list)):
+    return tuple(value)
+  return (value,)
+
+
+def ref_name(owner: str, field_name: str, ref: Any) -> str:
+  if isinstance(ref, Node):
+    return ref.name
+  if isinstance(ref, str) and ref:
+    return ref
+  raise TypeError(f"node {owner!r}: {field_name} must be a node or a node name; got {ref!r}.")
+
+
+def batch_shape(x: jax.Array, spec: Spec) -> tuple[int, ...]:
+  return tuple(x.shape[:x.ndim - len(spec.shape)])
+
+
+def check_bool(node: Node, name: str, value: Any) -> bool:
+  if not isinstance(value, (bool, np.bool_)):
+    raise node._fail(f"{name} must be a bool (True or False); got {value!r}.", TypeError)
+  return bool(value)
+
+
+def check_bools(node: Node, name: str, value: Any) -> tuple[bool, ...]:
+  """A sequence of bools (``wrt``), as a tuple; anything else is a TypeError naming ``node``."""
+  try:
+    items = tuple(value)
+  except TypeError:
+    raise node._fail(f"{name} must be a sequence of bools; got {value!r}.", TypeError) from None
+  if not all(isinstance(w, (bool, np.bool_)) for w in items):
+    raise node._fail(f"{name} must be a sequence of bools; got {value!r}.", TypeError)
+  return tuple(bool(w) for w in items)
+
+
+def check_float_dtype(node: Node, name: str, value: Any) -> np.dtype:
+  dt = check_dtype(node, name, value)
+  if not jnp.issubdtype(dt, jnp.floating):
+    raise node._fail(f"{name} must be a float dtype; got {value!r}.", TypeError)
+  return dt
+
+
+def check_dtype(node: Node, name: str, value: Any) -> np.dtype:
+  if value is None:  # np.dtype(None) is float64: never what was meant
+    raise node._fail(f"{name} must be a dtype; got None.", TypeError)
+  try:
+    return np.dtype(value)
+  except TypeError:
+    raise node._fail(f"{name} must be a dtype; got {value!r}.", TypeError) from None
+
+
+def check_window(node: Node, window: Any) -> tuple[int, ...]:
+  """A windowed node's ``window``: one int >= 1 per spatial dim, at least one dim."""
+  n = node._check(windows.spatial_rank, window, "window")
+  return node._check(windows.int_tuple, "window", window, n)
+
+
+def check_image(node: Node, spec: Spec, window: tuple[int, ...]) -> None:
+  """A windowed node's input: ``(*spatial, C)`` per example, one spatial dim per window entry."""
+  if len(spec.shape) != len(window) + 1:
+    raise node._fail(
+        f"input {node.inputs[0]!r} must be (*spatial, C) with {len(window)} spatial dims "
+        f"(window {window}); got shape {spec.shape}.")
+
+
+def check_padding(node: Node, padding: Any, n: int) -> str | tuple[tuple[int, int], ...]:
+  """A padding policy (:data:`PADDING_POLICIES`) as given, or ``n`` explicit ``(lo, hi)`` pairs."""
+  if isinstance(padding, str) and padding in PADDING_POLICIES:
+    return padding
+  if isinstance(padding, str) or not isinstance(padding, Iterable):
+    raise node._fail(f"padding must be one of {PADDING_POLICIES} or (lo, hi) pairs; got "
+                     f"{padding!r}.", ValueError if isinstance(padding, str) else TypeError)
+  return node._check(windows.padding_pairs, padding, n)
+
+
+def resolve_padding(policy: str | tuple[tuple[int, int], ...], in_spatial: Sequence[int],
+                    window: Sequence[int], strides: Sequence[int], dilation: Sequence[int]
+                    ) -> tuple[tuple[int, int], ...]:
+  """A padding policy as ``(lo, hi)`` pairs, one per spatial dim.
+
+  ``"VALID"``: none. ``"SAME"``: ``ceil(L / s)`` outputs, the odd element of padding at the end
+  (ONNX SAME_UPPER, as :func:`jaxpool.max_pool`). ``"FULL"``: ``e - 1`` on both sides (``e`` the
+  effective window ``d * (k - 1) + 1``): every window that touches a real element. The core
+  computes them (``jaxpool._src.windows.resolve_string_padding``).
+
+  Example:
+    >>> resolve_padding("SAME", (7,), (3,), (2,), (1,))
+    ((1, 1),)
+  """
+  if isinstance(policy, str):
+    if policy not in PADDING_POLICIES:
+      raise ValueError(f"padding must be one of {PADDING_POLICIES} or (lo, hi) pairs; got "
+                       f"{policy!r}.")
+    return windows.resolve_string_padding(policy, in_spatial, window, strides, dilation)
+  return tuple(policy)
