@@ -285,10 +285,18 @@ def test_nd_transformations(rng):
     assert "jaxpool_max_pool_gather_transpose" in str(jax.make_jaxpr(jax.grad(p))(x))
 
 
-@pytest.mark.parametrize("cfg", [CONFIGS[0], CONFIGS_ND[1], CONFIGS_ND[4]],
-                         ids=["2d_last", "3d_last_dilated_ceil", "2d_first_wide"])
-def test_signed_zeros_match_xla(rng, cfg):
-  check_signed_zeros(rng, cfg, jnp.float32)
+@pytest.mark.parametrize("cfg,defer", [
+    (CONFIGS[0], "auto"), (CONFIGS[0], False), (CONFIGS[0], True), (CONFIGS_ND[1], True),
+    (CONFIGS_ND[4], True)], ids=["2d_last_auto_bf16", "2d_last_per_tap", "2d_last_deferred",
+                                 "3d_last_dilated_ceil_deferred", "2d_first_wide_deferred"])
+def test_signed_zeros_match_xla(rng, cfg, defer, monkeypatch):
+  """The zero rule per tap and after the scan (``DEFER_ZERO_RULE``; "auto" defers for 16-bit
+  channels_last kernels with taps)."""
+  from jaxpool._src.pallas import triton as pk
+  monkeypatch.setattr(pk, "DEFER_ZERO_RULE", defer)
+  jax.clear_caches()
+  check_signed_zeros(rng, cfg, jnp.bfloat16 if defer == "auto" else jnp.float32)
+  jax.clear_caches()
 
 
 @gpu

@@ -240,13 +240,18 @@ def _window_kernel(x_ref, *out_refs, g: Geometry, bw: int, bl: int, lanes: int, 
       else np.dtype(dtype)
   low = lowest(dtype)
 
-  # The +0.0-over--0.0 rule, applied per tap, cost 1.3x in the bfloat16 forward with taps (H100,
-  # benchmarks/comparator_gpu.py). With ``DEFER_ZERO_RULE`` the taps are scanned with the other
-  # rules only (the first of equal zeros wins), and a tile holding a window whose winner is
-  # -0.0 scans its taps again for the first +0.0: the same result, the second scan only where a
-  # window's maximum is -0.0. (After a ReLU the zero's sign is gone: no second scan.)
-  floating = jnp.issubdtype(dtype, jnp.floating)
-  defer = DEFER_ZERO_RULE and floating and activation is None
+  # The +0.0-over--0.0 rule, applied per tap, made the bfloat16 forward with taps 1.2x slower
+  # (H100, benchmarks/comparator_gpu.py). Deferred, the taps are scanned with the other rules
+  # only (the first of equal zeros wins), and a tile holding a window whose winner is -0.0 scans
+  # its taps again for the first +0.0: the same result, the second scan only where a window's
+  # maximum is -0.0. Measured: 16-bit channels_last forward with taps 0.64 -> 0.75 of copy
+  # bandwidth; but float32, channels_first and 27-tap 3-D kernels ran slower (the second scan's
+  # code costs them even unused: 3-D float32 forward 0.74 -> 0.41), so those keep the per-tap
+  # rule. (After a ReLU the zero's sign is gone: no second scan.)
+  defer = (mode != "avg" and activation is None and jnp.issubdtype(dtype, jnp.floating)
+           and (DEFER_ZERO_RULE is True
+                or (DEFER_ZERO_RULE == "auto" and mode == "argmax" and g.channels_last
+                    and dtype.itemsize == 2 and g.num_taps <= DEFER_MAX_TAPS)))
   rule = _beats_but_zeros if defer else beats
 
   def load_tap(a, i, j, edge: bool, fill):
@@ -320,8 +325,11 @@ def _window_kernel(x_ref, *out_refs, g: Geometry, bw: int, bl: int, lanes: int, 
   _both_paths(interior, body)
 
 
-# Whether the forward kernels apply the zero rule after the scan (see _window_kernel).
-DEFER_ZERO_RULE = True
+# Where the max kernels apply the zero rule after the scan: "auto", where that was measured
+# faster (the kernels with taps, 16-bit floats, channels_last, windows of up to DEFER_MAX_TAPS
+# taps; see _window_kernel); True: every max kernel; False: none (benchmarks/comparator_gpu.py).
+DEFER_ZERO_RULE: bool | str = "auto"
+DEFER_MAX_TAPS = 9
 
 
 def _beats_but_zeros(x, best):
