@@ -18,6 +18,7 @@ arguments are checked by the core's rules (``jaxpool._src.windows``), with error
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar, Union
@@ -271,12 +272,73 @@ def check_window(node: Node, window: Any) -> tuple[int, ...]:
   return node._check(windows.int_tuple, "window", window, n)
 
 
-def check_image(node: Node, spec: Spec, window: tuple[int, ...]) -> None:
-  """A windowed node's input: ``(*spatial, C)`` per example, one spatial dim per window entry."""
+def check_image(node: Node, spec: Spec, window: tuple[Any, ...],
+                data_format: str = "channels_last", what: str = "window") -> None:
+  """A windowed node's input: ``(*spatial, C)`` per example (``(C, *spatial)`` channels-first),
+  one spatial dim per entry of ``window`` (or of the argument ``what`` names)."""
   if len(spec.shape) != len(window) + 1:
+    layout = "(*spatial, C)" if data_format == "channels_last" else "(C, *spatial)"
     raise node._fail(
-        f"input {node.inputs[0]!r} must be (*spatial, C) with {len(window)} spatial dims "
-        f"(window {window}); got shape {spec.shape}.")
+        f"input {node.inputs[0]!r} must be {layout} with {len(window)} spatial dims "
+        f"({what} {window}); got shape {spec.shape}.")
+
+
+def check_data_format(node: Node, value: Any) -> str:
+  """``"channels_last"`` (``(*spatial, C)`` per example) or ``"channels_first"``
+  (``(C, *spatial)``), the core's ``data_format`` (``jaxpool._src.windows.DATA_FORMATS``)."""
+  if not isinstance(value, str):
+    raise node._fail(f"data_format must be one of {windows.DATA_FORMATS}; got {value!r}.",
+                     TypeError)
+  node._check(windows.check_choice, "data_format", value, windows.DATA_FORMATS)
+  return value
+
+
+def spatial_shape(shape: Sequence[int], data_format: str) -> tuple[int, ...]:
+  """The spatial dims of a per-example image shape."""
+  return tuple(shape[:-1] if data_format == "channels_last" else shape[1:])
+
+
+def channel_axis(data_format: str) -> int:
+  """The channel axis of an image, counted from the end (per-example and batched alike) for
+  channels-last, from the start of the per-example dims for channels-first."""
+  return -1 if data_format == "channels_last" else 0
+
+
+def spatial_axes(x: jax.Array, spec: Spec, data_format: str) -> tuple[int, ...]:
+  """The axes of ``x`` (``(*batch, *spec.shape)``) that are spatial."""
+  first = x.ndim - len(spec.shape) + (data_format == "channels_first")
+  return tuple(range(first, first + len(spec.shape) - 1))
+
+
+def array_axis(x: jax.Array, spec: Spec, axis: int) -> int:
+  """A per-example ``axis`` (negative from the end) as an axis of ``x`` (``(*batch, *shape)``)."""
+  return axis if axis < 0 else x.ndim - len(spec.shape) + axis
+
+
+def flatten_example(x: jax.Array, spec: Spec, data_format: str) -> jax.Array:
+  """``(*batch, *spec.shape) -> (*batch, prod(spec.shape))`` in channels-last order: a
+  channels-first image ``(C, *spatial)`` is flattened as ``(*spatial, C)``, so that the result
+  equals the channels-last graph's."""
+  batch = batch_shape(x, spec)
+  if data_format == "channels_first" and len(spec.shape) > 1:
+    x = jnp.moveaxis(x, len(batch), -1)
+  return x.reshape((*batch, math.prod(spec.shape)))
+
+
+def check_axis(node: Node, name: str, axis: Any) -> int:
+  """A per-example axis: an int (NumPy ints taken, bools not), negative from the end."""
+  if not windows.is_int(axis):
+    raise node._fail(f"{name} must be an int; got {axis!r}.", TypeError)
+  return int(axis)
+
+
+def axis_in_range(node: Node, name: str, axis: int, spec: Spec, input_name: str) -> int:
+  """``axis`` as a non-negative per-example axis of ``spec``; ValueError if out of range."""
+  rank = len(spec.shape)
+  if not -rank <= axis < rank:
+    raise node._fail(f"{name} {axis} is out of range for input {input_name!r} of per-example "
+                     f"shape {spec.shape}.")
+  return axis % rank
 
 
 def check_padding(node: Node, padding: Any, n: int) -> str | tuple[tuple[int, int], ...]:
@@ -309,3 +371,34 @@ def resolve_padding(policy: str | tuple[tuple[int, int], ...], in_spatial: Seque
                        f"{policy!r}.")
     return windows.resolve_string_padding(policy, in_spatial, window, strides, dilation)
   return tuple(policy)
+
+
+@dataclass(frozen=True)
+class Initializer:
+  """A ``jax.nn.initializers`` factory by name, with its arguments, called when used.
+
+  ``Initializer("he_normal")(key, shape, dtype)`` is
+  ``jax.nn.initializers.he_normal()(key, shape, dtype)``. Unlike the closure the factory
+  returns, it pickles (by name and arguments) and compares equal to an equal config, so nodes
+  that hold one do too. Nodes take any initializer function as well.
+
+  Example:
+    >>> init = Initializer("variance_scaling", (1.0, "fan_in", "normal"))
+    >>> init(jax.random.key(0), (3, 2), jnp.float32).shape
+    (3, 2)
+  """
+
+  name: str
+  args: tuple[Any, ...] = ()
+  kwargs: tuple[tuple[str, Any], ...] = ()
+
+  def __post_init__(self):
+    if not callable(getattr(jax.nn.initializers, self.name, None)):
+      raise ValueError(f"Initializer: jax.nn.initializers has no factory {self.name!r}.")
+    object.__setattr__(self, "args", tuple(self.args))
+    object.__setattr__(self, "kwargs", tuple(sorted(dict(self.kwargs).items())))
+
+  def __call__(self, key: jax.Array, shape: Sequence[int], dtype: Any = jnp.float32
+               ) -> jax.Array:
+    factory = getattr(jax.nn.initializers, self.name)
+    return factory(*self.args, **dict(self.kwargs))(key, shape, dtype)

@@ -1,4 +1,5 @@
-"""Loss nodes: :class:`SoftmaxCrossEntropy`; other losses belong here too."""
+"""Loss nodes: :class:`SoftmaxCrossEntropy`, :class:`SigmoidCrossEntropy`,
+:class:`MeanSquaredError`. Each is a scalar: the mean over the batch dims."""
 
 from __future__ import annotations
 
@@ -74,3 +75,69 @@ class SoftmaxCrossEntropy(Node):
 
   def describe(self):
     return "SoftmaxCrossEntropy (mean)"
+
+
+@dataclass(frozen=True)
+class _Elementwise(Node):
+  """A loss of two float inputs of the same per-example shape, averaged over every element (and
+  so over the batch dims)."""
+
+  _input_fields: ClassVar[tuple[str, ...]] = ("predictions", "targets")
+
+  def check_inputs(self, in_specs):
+    p, t = in_specs
+    if p.shape != t.shape:
+      raise self._fail(f"{self._input_fields[0]} {self.inputs[0]!r} {p.shape} and "
+                       f"{self._input_fields[1]} {self.inputs[1]!r} {t.shape} must have the "
+                       "same per-example shape.")
+    for field_name, name, s in zip(self._input_fields, self.inputs, in_specs):
+      if not jnp.issubdtype(s.dtype, jnp.floating):
+        raise self._fail(f"{field_name} {name!r} must be a float input; got {s.dtype}.",
+                         TypeError)
+
+  def forward(self, params, xs, in_specs):
+    dtype = jnp.promote_types(jnp.result_type(*xs), jnp.float32)
+    return jnp.mean(self.elementwise(*(x.astype(dtype) for x in xs)))
+
+  def elementwise(self, a: jax.Array, b: jax.Array) -> jax.Array:
+    raise NotImplementedError(type(self).__name__)
+
+
+@dataclass(frozen=True)
+class MeanSquaredError(_Elementwise):
+  """Mean squared error: ``mean((predictions - targets) ** 2)`` over every element, the batch
+  dims included (PyTorch's ``MSELoss()``; optax's ``squared_error`` averaged).
+
+  ``predictions``, ``targets``: float inputs of the same per-example shape; the output is a
+  scalar for any batch.
+  """
+
+  predictions: Ref = input_field()
+  targets: Ref = input_field()
+
+  def elementwise(self, a, b):
+    return jnp.square(a - b)
+
+  def describe(self):
+    return "MeanSquaredError (mean)"
+
+
+@dataclass(frozen=True)
+class SigmoidCrossEntropy(_Elementwise):
+  """Sigmoid (binary) cross-entropy against float labels in ``[0, 1]``, averaged over every
+  element, the batch dims included: ``mean(-y log(sigmoid(x)) - (1 - y) log(1 - sigmoid(x)))``
+  (optax's ``sigmoid_binary_cross_entropy`` averaged; PyTorch's ``BCEWithLogitsLoss()``).
+
+  ``logits``, ``labels``: float inputs of the same per-example shape (one logit per binary
+  label); the output is a scalar for any batch.
+  """
+
+  logits: Ref = input_field()
+  labels: Ref = input_field()
+  _input_fields: ClassVar[tuple[str, ...]] = ("logits", "labels")
+
+  def elementwise(self, a, b):
+    return -b * jax.nn.log_sigmoid(a) - (1 - b) * jax.nn.log_sigmoid(-a)
+
+  def describe(self):
+    return "SigmoidCrossEntropy (mean)"
