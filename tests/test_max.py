@@ -234,3 +234,29 @@ def test_no_batch_dims_and_many_batch_dims(rng):
   assert_bitwise(jp.max_pool(x, (2, 2)), ref.max_pool(x, (2, 2)))
   x = tie_rich(rng, (2, 1, 2, 5, 6, 2))
   assert_bitwise(jp.max_pool(x, (2, 2)), ref.max_pool(x, (2, 2)))
+
+
+@SETTINGS
+@hypothesis.given(cfg=pool_configs(), seed=st.integers(0, 2**31 - 1))
+def test_cpu_phase_backward_is_jax_transpose(cfg, seed):
+  """On a CPU the gradient is the transpose written by stride phase (``xla.scatter_to_taps``):
+  the same bits, signed zeros included, as the transpose JAX derives from the tap gather, under
+  jit; reverse mode reaches it through the gather's own transpose primitive (lowered with
+  ``scatter_to_taps`` on a CPU)."""
+  from jaxpool._src import windows, xla
+  shape, kw = split(cfg)
+  rng = np.random.default_rng(seed)
+  x = jnp.asarray(tie_rich(rng, shape))
+  geom = windows.make_geometry(shape, kw["window_shape"], kw["strides"], kw["padding"],
+                               kw["dilation"], kw["ceil_mode"], data_format=kw["data_format"])
+  y, taps = xla.max_pool_taps(x, geom)
+  dy = rng.standard_normal(y.shape).astype(np.float32)
+  dy[rng.random(y.shape) < 0.3] = -0.0
+  dy = jnp.asarray(dy)
+  phase = jax.jit(lambda taps, dy: jax.vjp(lambda t: xla.gather_at_taps(t, taps, geom), x)[1](
+      dy)[0])
+  derived = jax.jit(lambda taps, dy: jax.linear_transpose(
+      lambda t: xla._gather_at_taps(t, taps, geom), x)(dy)[0])
+  assert_bitwise(phase(taps, dy), derived(taps, dy))
+  assert_bitwise(xla.scatter_to_taps(taps, dy, geom), derived(taps, dy))
+  assert "jaxpool_xla_max_pool_gather_transpose" in str(jax.make_jaxpr(phase)(taps, dy))

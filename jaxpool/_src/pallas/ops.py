@@ -26,7 +26,7 @@ from jax.custom_batching import custom_vmap
 
 from jaxpool._src import autodiff, xla
 from jaxpool._src.pallas import triton as _triton
-from jaxpool._src.pallas.linear import LinearPair
+from jaxpool._src.linear import LinearPair
 from jaxpool._src.windows import Geometry
 
 OPS = ("max_pool", "max_pool_with_taps", "min_pool", "avg_pool")

@@ -1,10 +1,12 @@
-"""Linear maps whose transpose is a kernel: a pair of jaxpool primitives per map.
+"""Linear maps whose transpose jaxpool writes itself: a pair of jaxpool primitives per map.
 
 Reverse mode through a Pallas op needs a linear map whose transpose JAX cannot derive (a
-kernel). ``jax.custom_derivatives.linear_call`` expresses one, but JAX has no batching rule for
-it, and adding one would change JAX's tables for every program in the process. So each map here
-is a pair of jaxpool's own primitives, ``forward`` and ``transpose``, each the other's transpose,
-with the rules JAX needs for exactly these two primitives:
+kernel); on a CPU, the XLA path's max-pool gradient has a faster transpose than the one JAX
+derives (``xla.scatter_to_taps``). ``jax.custom_derivatives.linear_call`` expresses such a map,
+but JAX has no batching rule for it, and adding one would change JAX's tables for every program
+in the process. So each map here is a pair of jaxpool's own primitives, ``forward`` and
+``transpose``, each the other's transpose, with the rules JAX needs for exactly these two
+primitives:
 
 - evaluation and lowering: the given implementation (a kernel, or XLA ops);
 - JVP: linear in the last operand (the tangent goes through the same map);
@@ -12,7 +14,7 @@ with the rules JAX needs for exactly these two primitives:
 - batching: every mapped axis moves to the front, where the implementations treat it as one more
   batch dim (pooling never mixes batch elements).
 
-The leading operands are residuals (the argmax), never differentiated; the last is linear.
+The leading operands are residuals (the taps), never differentiated; the last is linear.
 """
 
 from __future__ import annotations
@@ -33,14 +35,18 @@ class LinearPair:
     name: the primitives are ``jaxpool_{name}`` and ``jaxpool_{name}_transpose``.
     forward, transpose: ``fn(*res, lin, **params) -> array``: the implementations.
     forward_shape, transpose_shape: ``fn(*res_shapes, lin_shape, **params) -> shape``.
+    transpose_on: ``{platform: fn}``: the transpose lowered with ``fn`` on that platform
+      (``"cpu"``, ``"cuda"``, ...) and with ``transpose`` elsewhere.
   """
 
   def __init__(self, name: str, forward: Callable[..., jax.Array],
                transpose: Callable[..., jax.Array],
                forward_shape: Callable[..., tuple[int, ...]],
-               transpose_shape: Callable[..., tuple[int, ...]]):
+               transpose_shape: Callable[..., tuple[int, ...]],
+               transpose_on: dict[str, Callable[..., jax.Array]] | None = None):
     self.forward_p = _primitive(f"jaxpool_{name}", forward, forward_shape)
-    self.transpose_p = _primitive(f"jaxpool_{name}_transpose", transpose, transpose_shape)
+    self.transpose_p = _primitive(f"jaxpool_{name}_transpose", transpose, transpose_shape,
+                                  transpose_on)
     _linear_rules(self.forward_p, self.transpose_p)
     _linear_rules(self.transpose_p, self.forward_p)
 
@@ -51,17 +57,23 @@ class LinearPair:
     return self.transpose_p.bind(*operands, **params)
 
 
-def _primitive(name: str, impl, shape_fn) -> jex_core.Primitive:
+def _primitive(name: str, impl, shape_fn, impl_on=None) -> jex_core.Primitive:
   p = jex_core.Primitive(name)
   p.def_impl(lambda *args, **params: impl(*args, **params))
 
   def abstract_eval(*avals, **params):
     shape = shape_fn(*(a.shape for a in avals), **params)
-    return jax.core.ShapedArray(shape, avals[-1].dtype)
+    # The linear operand's type with the new shape: its dtype, and inside shard_map how it
+    # varies over the manual mesh axes (pooling keeps every dim's role).
+    return avals[-1].update(shape=shape)
 
   p.def_abstract_eval(abstract_eval)
   mlir.register_lowering(p, mlir.lower_fun(
       lambda *args, **params: impl(*args, **params), multiple_results=False))
+  for platform, fn in (impl_on or {}).items():
+    mlir.register_lowering(p, mlir.lower_fun(
+        lambda *args, fn=fn, **params: fn(*args, **params), multiple_results=False),
+        platform=platform)
   batching.primitive_batchers[p] = lambda args, dims, **params: _batch(p, args, dims, params)
   return p
 
