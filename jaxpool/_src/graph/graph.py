@@ -90,14 +90,21 @@ class Graph:
     return tuple(n for n in self.nodes if isinstance(n, Input))
 
   def param_specs(self) -> dict[str, dict[str, jax.ShapeDtypeStruct]]:
-    out: dict[str, dict[str, jax.ShapeDtypeStruct]] = {}
+    return self._per_node(lambda n: n.has_params and not isinstance(n, (GradientNode,
+                                                                         GradientState)),
+                          lambda n: n.param_specs(self._in_specs(n)),
+                          "has parameters but gave no parameter specs")
+
+  def _per_node(self, wants: Callable[[Node], bool], make: Callable[[Node], Any], fails: str
+                ) -> dict[str, Any]:
+    """``{name: make(node)}`` for the nodes that ``wants``; ``make`` giving None is an error."""
+    out: dict[str, Any] = {}
     for n in self.nodes:
-      if n.has_params and not isinstance(n, (GradientNode, GradientState)):
-        specs = n.param_specs(self._in_specs(n))
-        if specs is None:
-          raise ValueError(f"node {n.name!r} ({type(n).__name__}) has parameters but gave no "
-                           "parameter specs.")
-        out[n.name] = specs
+      if wants(n):
+        value = make(n)
+        if value is None:
+          raise ValueError(f"node {n.name!r} ({type(n).__name__}) {fails}.")
+        out[n.name] = value
     return out
 
   def num_params(self) -> int:
@@ -159,15 +166,9 @@ class Graph:
       ``{"mean": zeros (C,), "var": ones (C,)}``, its running statistics); ``{}`` when none does.
       Pass it to :meth:`apply` as ``state=``; training returns the updated one.
     """
-    out: State = {}
-    for n in self.nodes:
-      if n.has_model_state:
-        s = n.init_model_state(self._in_specs(n))
-        if s is None:
-          raise ValueError(f"node {n.name!r} ({type(n).__name__}) keeps a model state but its "
-                           "init_model_state gave none.")
-        out[n.name] = s
-    return out
+    return self._per_node(lambda n: n.has_model_state,
+                          lambda n: n.init_model_state(self._in_specs(n)),
+                          "keeps a model state but its init_model_state gave none")
 
   def _check_inputs(self, inputs: Mapping[str, Any], require_all: bool = True
                     ) -> dict[str, jax.Array]:
@@ -415,8 +416,9 @@ def has_graphviz() -> bool:
 class TrainingGraph(Graph):
   """The forward graph of a loss plus, for each node, its gradient-state and gradient nodes.
 
-  Built by :func:`training_graph`. :meth:`run` gives ``(loss, grads)``, equal to
-  ``jax.value_and_grad`` of the forward graph's ``apply``.
+  Built by :func:`training_graph`. :meth:`run` gives ``(loss, grads)`` (and the new model state
+  when given one), equal to ``jax.value_and_grad`` of the forward graph's training-mode ``apply``;
+  :meth:`make_step` adds an optax update.
 
   Attributes:
     loss: the loss node's name.
