@@ -41,3 +41,11 @@ from jaxpool._src.graph import Upsample as Upsample
 from jaxpool._src.graph import has_graphviz as has_graphviz
 from jaxpool._src.graph import resolve_padding as resolve_padding
 from jaxpool._src.graph import training_graph as training_graph
+from jaxpool._src.graph import BatchNorm as BatchNorm
+from jaxpool._src.graph import BatchNormalizationGradient as BatchNormalizationGradient
+from jaxpool._src.graph import BatchNormalizationState as BatchNormalizationState
+from jaxpool._src.graph import Dropout as Dropout
+from jaxpool._src.graph import DropoutGradient as DropoutGradient
+from jaxpool._src.graph import DropoutGradientState as DropoutGradientState
+from jaxpool._src.graph import load_params as load_params
+from jaxpool._src.graph import save_params as save_params

@@ -61,6 +61,10 @@ class Node:
   keeps_state: ClassVar[bool] = False  # whether its gradient needs a gradient-state node
   state_doc: ClassVar[str] = ""        # what the gradient state carries
   gradient_kind: ClassVar[str] = "Gradient"  # the class of its gradient node (gradients.py)
+  state_kind: ClassVar[str] = "GradientState"  # the class of its gradient-state node
+  # Training mode (Graph.apply(..., training=True)); see forward_mode:
+  has_model_state: ClassVar[bool] = False  # keeps a model state (BatchNorm's running statistics)
+  uses_key: ClassVar[bool] = False         # draws random numbers in training mode (Dropout)
 
   def __post_init__(self):
     if not isinstance(self.name, str) or not self.name:
@@ -155,11 +159,40 @@ class Node:
       dxs[k] = c
     return tuple(dxs), dparams
 
+  # -- training mode -------------------------------------------------------------------------
+
+  @property
+  def has_modes(self) -> bool:
+    """Whether training and inference differ for this node (it runs through forward_mode)."""
+    return self.has_model_state or self.uses_key
+
+  def init_model_state(self, in_specs: tuple[Spec, ...]) -> Params | None:
+    """The node's model state before training (BatchNorm: running mean 0, variance 1)."""
+    return None
+
+  def forward_mode(self, params: Params | None, xs: tuple[jax.Array, ...],
+                   in_specs: tuple[Spec, ...], *, state: Params | None, key: jax.Array | None,
+                   training: bool) -> tuple[jax.Array, Params | None, Any]:
+    """The forward pass of a node whose training and inference modes differ (:attr:`has_modes`).
+
+    Args:
+      state: the node's model state (:attr:`has_model_state`), else None.
+      key: the caller's PRNG key in training mode (:attr:`uses_key`), else None; the node folds
+        in its own stable value, so every node draws its own numbers.
+      training: the mode.
+
+    Returns:
+      ``(y, new_state, gradient_state)``: the output, the updated model state (the same in
+      inference) and what the gradient needs (None in inference: the gradient state of such a
+      node exists only in training mode).
+    """
+    raise NotImplementedError(type(self).__name__)
+
   # -- MPS's gradient API ----------------------------------------------------------------------
 
   def gradient_state(self, name: str | None = None):
     """The gradient-state node that carries what this node's forward keeps for its gradient."""
-    return gradient_class("GradientState")(name or f"{self.name}.state", self)
+    return gradient_class(self.state_kind)(name or f"{self.name}.state", self)
 
   def gradient_filter(self, source_gradient: Ref | Sequence[Ref] | None = None, *,
                       state: Ref | None = None, name: str | None = None,
@@ -255,6 +288,22 @@ def check_float_dtype(node: Node, name: str, value: Any) -> np.dtype:
   if not jnp.issubdtype(dt, jnp.floating):
     raise node._fail(f"{name} must be a float dtype; got {value!r}.", TypeError)
   return dt
+
+
+def check_real(node: Node, name: str, value: Any, low: float, high: float | None, *,
+               open_low: bool = False, open_high: bool = False) -> float:
+  """A real number (not a bool) in ``[low, high]`` (``(`` / ``)`` where open; ``high`` None: no
+  bound), as a Python float; a TypeError or ValueError naming ``node`` otherwise."""
+  interval = (f"{'(' if open_low else '['}{low:g}, "
+              f"{'inf)' if high is None else f'{high:g}' + (')' if open_high else ']')}")
+  if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer,
+                                                                   np.floating)):
+    raise node._fail(f"{name} must be a number in {interval}; got {value!r}.", TypeError)
+  v = float(value)
+  if not (v > low if open_low else v >= low) or (
+      high is not None and not (v < high if open_high else v <= high)):
+    raise node._fail(f"{name} must be a number in {interval}; got {value!r}.")
+  return v
 
 
 def check_dtype(node: Node, name: str, value: Any) -> np.dtype:

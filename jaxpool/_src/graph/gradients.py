@@ -13,8 +13,12 @@ inputs) and the gradient state. Its value is a :class:`Cotangents`: one cotangen
 (``None`` where not wanted) and the cotangents of the forward node's parameters.
 
 A forward node names the class of its gradient node (``gradient_kind``: ``"PoolingGradient"``,
-``"ConvolutionGradient"``, ``"Gradient"``); the classes here register under their names, so that
-``node.gradient_filter()`` finds them while the node modules never import this one.
+``"ConvolutionGradient"``, ``"Gradient"``) and of its gradient-state node (``state_kind``:
+``"GradientState"`` or a subclass named as MPS names it); the classes here register under their
+names, so that ``node.gradient_filter()`` finds them while the node modules never import this one.
+
+The gradient states of the nodes whose training and inference modes differ (BatchNorm, Dropout)
+exist in training mode only: their forward keeps them then (``Node.forward_mode``).
 """
 
 from __future__ import annotations
@@ -74,6 +78,20 @@ class GradientState(Node):
 
   def describe(self):
     return f"GradientState ({self.forward.state_doc})"
+
+
+@register_gradient_class
+@dataclass(frozen=True)
+class BatchNormalizationState(GradientState):
+  """A BatchNorm's gradient state (MPS's ``MPSCNNBatchNormalizationState``): the batch mean and
+  inverse standard deviation its training forward used, ``(C,)`` each, and its ``scale``."""
+
+
+@register_gradient_class
+@dataclass(frozen=True)
+class DropoutGradientState(GradientState):
+  """A Dropout's gradient state (MPS's ``MPSCNNDropoutGradientState``): the keep mask its
+  training forward drew, a bool array of the input's shape."""
 
 
 @dataclass(frozen=True)
@@ -272,3 +290,18 @@ class ConvolutionGradient(GradientNode):
 class Gradient(GradientNode):
   """The gradient of any other node (dense, activation, flatten, add, loss): ``jax.vjp`` of its
   forward at the source images."""
+
+
+@register_gradient_class
+@dataclass(frozen=True)
+class BatchNormalizationGradient(GradientNode):
+  """A BatchNorm's gradient (MPS's ``MPSCNNBatchNormalizationGradientNode``): ``dx``,
+  ``dscale`` and ``dbias`` from the source gradient, the source image and the gradient state
+  (the batch mean and inverse std), in closed form (``BatchNorm.backward``)."""
+
+
+@register_gradient_class
+@dataclass(frozen=True)
+class DropoutGradient(GradientNode):
+  """A Dropout's gradient (MPS's ``MPSCNNDropoutGradientNode``): the source gradient times the
+  kept mask, divided by ``1 - rate``."""
