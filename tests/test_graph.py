@@ -242,9 +242,9 @@ def test_training_graph_eager_small(rng):
 def test_training_graph_structure(net):
   loss, g, tg, _ = net
   names = [n.name for n in tg.nodes]
-  for fwd in ("max1", "dmax", "l2", "conv1", "conv2", "fc1", "logits"):
+  for fwd in ("max1", "dmax", "conv1", "conv2", "fc1", "logits"):
     assert f"{fwd}.state" in names and f"{fwd}.grad" in names
-  for fwd in ("avg1", "add1", "tanh1", "flat", "loss"):
+  for fwd in ("avg1", "l2", "add1", "tanh1", "flat", "loss"):
     assert f"{fwd}.grad" in names and f"{fwd}.state" not in names
   assert set(tg.gradients) == {n.name for n in g.nodes if not isinstance(n, jg.Input)}
   pg = tg.node("max1.grad")
@@ -257,7 +257,7 @@ def test_training_graph_structure(net):
   # The image is not differentiated (no parameter upstream).
   assert tg.node("conv1.grad").wrt == (False,)
   text = str(tg)
-  assert "max1.state" in text and "GradientState (argmax indices)" in text
+  assert "max1.state" in text and "GradientState (argmax taps, 1 byte)" in text
   assert "MaxPoolGradient 2x2/2x2 SAME" in text
 
 
@@ -267,9 +267,9 @@ def test_max_pool_gradient_state_is_the_argmax(rng):
   pool = jg.MaxPool("pool", img, window=(3, 3), strides=(2, 2), padding="SAME")
   st = pool.gradient_state()
   values = jg.Graph(st).evaluate({}, x=x)
-  y, idx = jaxpool.max_pool_with_indices(x, (3, 3), (2, 2), "SAME")
-  # The node's output and its state: the values, shapes and dtypes of max_pool_with_indices.
-  chex.assert_trees_all_equal((values["pool"], values["pool.state"]), (y, idx), strict=True)
+  y, taps = jaxpool.max_pool_with_taps(x, (3, 3), (2, 2), "SAME")
+  # The node's output and its state: the values, shapes and dtypes of max_pool_with_taps.
+  chex.assert_trees_all_equal((values["pool"], values["pool.state"]), (y, taps), strict=True)
 
 
 # ----------------------------------------------------------------------------- hand-built
@@ -449,8 +449,9 @@ def test_error_gradient_state_of_another_node():
   with pytest.raises(ValueError, match=r"node 'g' \(PoolingGradient\): source_image \('dy',\) "
                                        "must be the inputs of its forward node 'p1'"):
     jg.PoolingGradient("g", p1, dy, dy, p1.gradient_state())
-  with pytest.raises(ValueError, match=r"node 's' \(GradientState\): AvgPool 'a' keeps no"):
-    jg.GradientState("s", jg.AvgPool("a", x))
+  # (a pooling node's gradient takes a state even where it needs none, as MPS's: AvgPool's)
+  with pytest.raises(ValueError, match=r"node 's' \(GradientState\): Activation 'a' keeps no"):
+    jg.GradientState("s", jg.ReLU("a", x))
 
 
 def test_error_gradient_shapes():
@@ -474,7 +475,7 @@ def test_error_gradient_shapes():
 def test_error_config():
   x = jg.Input("x", shape=(4, 4, 1))
   with pytest.raises(ValueError, match=r"node 'p' \(MaxPool\): padding must be one of"):
-    jg.MaxPool("p", x, padding="SAME_LOWER")
+    jg.MaxPool("p", x, padding="SAME_UPPER")
   with pytest.raises(ValueError, match=r"node 'p' \(AvgPool\): strides must have one entry per "
                                        r"spatial dim \(2\)"):
     jg.AvgPool("p", x, strides=(1, 1, 1))
