@@ -12,6 +12,7 @@ from jaxpool._src.graph import Add as Add
 from jaxpool._src.graph import AvgPool as AvgPool
 from jaxpool._src.graph import Conv as Conv
 from jaxpool._src.graph import ConvolutionGradient as ConvolutionGradient
+from jaxpool._src.graph import DEFAULT_PASSES as DEFAULT_PASSES
 from jaxpool._src.graph import Cotangents as Cotangents
 from jaxpool._src.graph import Dense as Dense
 from jaxpool._src.graph import DilatedMaxPool as DilatedMaxPool
@@ -27,6 +28,7 @@ from jaxpool._src.graph import MaxPool as MaxPool
 from jaxpool._src.graph import Node as Node
 from jaxpool._src.graph import PoolingGradient as PoolingGradient
 from jaxpool._src.graph import ReLU as ReLU
+from jaxpool._src.graph import fold_relu_into_max_pool as fold_relu_into_max_pool
 from jaxpool._src.graph import SoftmaxCrossEntropy as SoftmaxCrossEntropy
 from jaxpool._src.graph import TrainingGraph as TrainingGraph
 from jaxpool._src.graph import has_graphviz as has_graphviz

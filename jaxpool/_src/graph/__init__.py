@@ -8,6 +8,8 @@ Layout (each module imports only the ones above it in this list, never back):
   ``pooling.py`` (the pools), ``activation.py`` (neurons), ``arithmetic.py`` (Add),
   ``shape.py`` (Flatten), ``losses.py`` (SoftmaxCrossEntropy).
 - ``gradients.py``: gradient-state and gradient nodes (it registers them with ``base.py``).
+- ``passes.py``: the rewrite passes a graph applies before it runs (a ReLU into the max pool
+  after it).
 - ``graph.py``: :class:`Graph`, :class:`TrainingGraph`, :func:`training_graph`.
 """
 
@@ -18,6 +20,7 @@ from jaxpool._src.graph.conv import Conv, Dense
 from jaxpool._src.graph.gradients import (ConvolutionGradient, Cotangents, Gradient,
                                           GradientNode, GradientState, PoolingGradient)
 from jaxpool._src.graph.graph import Graph, TrainingGraph, has_graphviz, training_graph
+from jaxpool._src.graph.passes import DEFAULT_PASSES, fold_relu_into_max_pool
 from jaxpool._src.graph.inputs import Image, Input
 from jaxpool._src.graph.losses import SoftmaxCrossEntropy
 from jaxpool._src.graph.pooling import AvgPool, DilatedMaxPool, L2Pool, MaxPool
@@ -25,7 +28,8 @@ from jaxpool._src.graph.shape import Flatten
 
 __all__ = [
     "ACTIVATIONS", "Activation", "Add", "AvgPool", "Conv", "ConvolutionGradient", "Cotangents",
-    "Dense", "DilatedMaxPool", "Flatten", "Gradient", "GradientNode", "GradientState", "Graph",
-    "Image", "Input", "L2Pool", "MaxPool", "Node", "PoolingGradient", "ReLU",
-    "SoftmaxCrossEntropy", "TrainingGraph", "has_graphviz", "resolve_padding", "training_graph",
+    "DEFAULT_PASSES", "Dense", "DilatedMaxPool", "Flatten", "Gradient", "GradientNode",
+    "GradientState", "Graph", "Image", "Input", "L2Pool", "MaxPool", "Node", "PoolingGradient",
+    "ReLU", "SoftmaxCrossEntropy", "TrainingGraph", "fold_relu_into_max_pool", "has_graphviz",
+    "resolve_padding", "training_graph",
 ]
