@@ -10,6 +10,8 @@ Layout (each module imports only the ones above it in this list, never back):
   (SoftmaxCrossEntropy, SigmoidCrossEntropy, MeanSquaredError), ``normalization.py``
   (BatchNorm), ``regularization.py`` (Dropout).
 - ``gradients.py``: gradient-state and gradient nodes (it registers them with ``base.py``).
+- ``passes.py``: the rewrite passes a graph applies before it runs (a ReLU into the max pool
+  after it).
 - ``graph.py``: :class:`Graph`, :class:`TrainingGraph`, :func:`training_graph`.
 - ``serialization.py``: :func:`save_params`, :func:`load_params` (it imports nothing above).
 """
@@ -23,6 +25,7 @@ from jaxpool._src.graph.gradients import (BatchNormalizationGradient, BatchNorma
                                           DropoutGradientState, Gradient, GradientNode,
                                           GradientState, PoolingGradient)
 from jaxpool._src.graph.graph import Graph, TrainingGraph, has_graphviz, training_graph
+from jaxpool._src.graph.passes import DEFAULT_PASSES, fold_relu_into_max_pool
 from jaxpool._src.graph.inputs import Image, Input
 from jaxpool._src.graph.losses import MeanSquaredError, SigmoidCrossEntropy, SoftmaxCrossEntropy
 from jaxpool._src.graph.normalization import BatchNorm
@@ -34,10 +37,11 @@ from jaxpool._src.graph.shape import Concat, Flatten, Pad, Reshape, Upsample
 __all__ = [
     "ACTIVATIONS", "Activation", "Add", "AvgPool", "BatchNorm", "BatchNormalizationGradient",
     "BatchNormalizationState", "Concat", "Conv", "ConvTranspose", "ConvolutionGradient",
-    "Cotangents", "Dense", "DilatedMaxPool", "Dropout", "DropoutGradient",
+    "Cotangents", "DEFAULT_PASSES", "Dense", "DilatedMaxPool", "Dropout", "DropoutGradient",
     "DropoutGradientState", "Flatten", "Gradient", "GradientNode", "GradientState", "Graph",
     "Image", "Initializer", "Input", "L2Pool", "MaxPool", "MeanSquaredError", "Node", "Pad",
     "PoolingGradient", "ReLU", "Reshape", "SigmoidCrossEntropy", "Softmax",
-    "SoftmaxCrossEntropy", "TrainingGraph", "Upsample", "has_graphviz", "load_params",
+    "SoftmaxCrossEntropy", "TrainingGraph", "Upsample", "fold_relu_into_max_pool",
+    "has_graphviz", "load_params",
     "resolve_padding", "save_params", "training_graph",
 ]

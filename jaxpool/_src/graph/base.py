@@ -36,6 +36,7 @@ T = TypeVar("T")
 N = TypeVar("N", bound="Node")
 
 PADDING_POLICIES = ("VALID", "SAME", "FULL")
+POOL_PADDING_POLICIES = (*PADDING_POLICIES, "SAME_LOWER")  # the pooling nodes' (as the core's)
 
 
 def input_field(compare: bool = False, **kw: Any) -> Any:
@@ -59,6 +60,7 @@ class Node:
   _input_fields: ClassVar[tuple[str, ...]] = ("source",)
   has_params: ClassVar[bool] = False
   keeps_state: ClassVar[bool] = False  # whether its gradient needs a gradient-state node
+  accepts_state: ClassVar[bool] = False  # whether its gradient node takes one it does not need
   state_doc: ClassVar[str] = ""        # what the gradient state carries
   gradient_kind: ClassVar[str] = "Gradient"  # the class of its gradient node (gradients.py)
   state_kind: ClassVar[str] = "GradientState"  # the class of its gradient-state node
@@ -390,12 +392,13 @@ def axis_in_range(node: Node, name: str, axis: int, spec: Spec, input_name: str)
   return axis % rank
 
 
-def check_padding(node: Node, padding: Any, n: int) -> str | tuple[tuple[int, int], ...]:
-  """A padding policy (:data:`PADDING_POLICIES`) as given, or ``n`` explicit ``(lo, hi)`` pairs."""
-  if isinstance(padding, str) and padding in PADDING_POLICIES:
+def check_padding(node: Node, padding: Any, n: int, policies: tuple[str, ...] = PADDING_POLICIES
+                  ) -> str | tuple[tuple[int, int], ...]:
+  """A padding policy (one of ``policies``) as given, or ``n`` explicit ``(lo, hi)`` pairs."""
+  if isinstance(padding, str) and padding in policies:
     return padding
   if isinstance(padding, str) or not isinstance(padding, Iterable):
-    raise node._fail(f"padding must be one of {PADDING_POLICIES} or (lo, hi) pairs; got "
+    raise node._fail(f"padding must be one of {policies} or (lo, hi) pairs; got "
                      f"{padding!r}.", ValueError if isinstance(padding, str) else TypeError)
   return node._check(windows.padding_pairs, padding, n)
 
@@ -406,7 +409,8 @@ def resolve_padding(policy: str | tuple[tuple[int, int], ...], in_spatial: Seque
   """A padding policy as ``(lo, hi)`` pairs, one per spatial dim.
 
   ``"VALID"``: none. ``"SAME"``: ``ceil(L / s)`` outputs, the odd element of padding at the end
-  (ONNX SAME_UPPER, as :func:`jaxpool.max_pool`). ``"FULL"``: ``e - 1`` on both sides (``e`` the
+  (ONNX SAME_UPPER, as :func:`jaxpool.max_pool`); ``"SAME_LOWER"`` (pooling nodes) puts it at
+  the start. ``"FULL"``: ``e - 1`` on both sides (``e`` the
   effective window ``d * (k - 1) + 1``): every window that touches a real element. The core
   computes them (``jaxpool._src.windows.resolve_string_padding``).
 
@@ -415,8 +419,8 @@ def resolve_padding(policy: str | tuple[tuple[int, int], ...], in_spatial: Seque
     ((1, 1),)
   """
   if isinstance(policy, str):
-    if policy not in PADDING_POLICIES:
-      raise ValueError(f"padding must be one of {PADDING_POLICIES} or (lo, hi) pairs; got "
+    if policy not in POOL_PADDING_POLICIES:
+      raise ValueError(f"padding must be one of {POOL_PADDING_POLICIES} or (lo, hi) pairs; got "
                        f"{policy!r}.")
     return windows.resolve_string_padding(policy, in_spatial, window, strides, dilation)
   return tuple(policy)

@@ -3,7 +3,7 @@
 
 A gradient-state node is produced by its forward node: when a graph holds the state node of a
 forward node, that forward node is run through ``forward_with_state`` and what it returns beside
-its output (the argmax of a max pool, the norms of an L2 pool, the weights of a convolution) becomes
+its output (the argmax taps of a max pool, the weights of a convolution) becomes
 the state node's value.
 
 A gradient node stands for one forward node. Its inputs are, in order, its source gradient(s)
@@ -53,7 +53,9 @@ class GradientState(Node):
   """What a forward node keeps for its gradient (MPS's ``MPSNNGradientStateNode``).
 
   Build it with ``forward.gradient_state()``. Its only input is its forward node, which produces
-  its value; see ``forward.state_doc`` for what it carries.
+  its value; see ``forward.state_doc`` for what it carries (a pooling node's that needs none,
+  ``AvgPool``'s and ``L2Pool``'s, carries ``None``: MPS's pooling gradient takes a state for
+  every pooling type).
   """
 
   # MPS's name for the field; it shadows Node.forward (the method), which a state node never runs.
@@ -65,7 +67,7 @@ class GradientState(Node):
                                                                         GradientNode, Input)):
       raise self._fail(f"forward must be a forward filter node; got {self.forward!r}.",
                        TypeError)
-    if not self.forward.keeps_state:
+    if not (self.forward.keeps_state or self.forward.accepts_state):
       raise self._fail(f"{type(self.forward).__name__} {self.forward.name!r} keeps no gradient "
                        "state (its gradient needs only its source images).")
 
@@ -142,7 +144,7 @@ class GradientNode(Node):
     if fwd.keeps_state and self.state is None:
       raise self._fail(f"{type(fwd).__name__} {fwd.name!r} needs its gradient state "
                        f"({fwd.name!r}.gradient_state()).")
-    if not fwd.keeps_state and self.state is not None:
+    if not (fwd.keeps_state or fwd.accepts_state) and self.state is not None:
       raise self._fail(f"{type(fwd).__name__} {fwd.name!r} keeps no gradient state; got "
                        f"gradient_state {self.state!r}.")
     st = self.gradient_state
@@ -269,6 +271,14 @@ class PoolingGradient(GradientNode):
   @property
   def dilation(self) -> tuple[int, ...]:
     return self._pool().dilation_
+
+  @property
+  def ceil_mode(self) -> bool:
+    return self._pool().ceil_mode
+
+  @property
+  def data_format(self) -> str:
+    return self._pool().data_format
 
   def describe(self):
     f = self.forward

@@ -16,6 +16,7 @@ import numpy as np
 from jaxpool._src.graph.base import Node
 from jaxpool._src.graph.gradients import Cotangents, GradientNode, GradientState
 from jaxpool._src.graph.inputs import Input
+from jaxpool._src.graph.passes import DEFAULT_PASSES, Pass, run_passes
 
 Params = dict[str, dict[str, jax.Array]]
 State = dict[str, dict[str, jax.Array]]  # the model state (BatchNorm's running statistics)
@@ -31,10 +32,20 @@ class Graph:
   given by name, orders the nodes topologically and infers every node's per-example output shape.
   Any error is a ``ValueError`` naming the node.
 
+  Before inferring shapes it applies its rewrite passes (``passes``, default
+  :data:`~jaxpool._src.graph.passes.DEFAULT_PASSES`: a ReLU that only a max pool reads is folded
+  into the pool; ``passes=()`` applies none). A node a pass removes is no longer a node of the
+  graph (``node()`` and ``evaluate()`` do not know its name); the rewrites are listed in
+  ``rewrites`` and at the end of ``summary()``.
+
   Attributes:
-    nodes: the nodes in topological order (inputs first).
+    nodes: the nodes in topological order (inputs first), after the rewrites.
     outputs: the names of the output nodes.
     specs: per-example ``jax.ShapeDtypeStruct`` of every node's value, by name.
+    passes: the rewrite passes applied.
+    rewrites: one note per rewrite the passes made, e.g.
+      ``"relu1 -> pool1: ReLU folded into the max pool (activation='relu'); pool1 reads conv1"``.
+    removed: the names of the nodes the rewrites removed.
 
   Example:
     >>> from jaxpool.graph import Conv, Input, MaxPool
@@ -46,7 +57,7 @@ class Graph:
     (32, 4, 4, 4)
   """
 
-  def __init__(self, outputs: Node | Sequence[Node]):
+  def __init__(self, outputs: Node | Sequence[Node], *, passes: Sequence[Pass] = DEFAULT_PASSES):
     self._single = isinstance(outputs, Node)
     outs: tuple[Node, ...] = (outputs,) if isinstance(outputs, Node) else tuple(outputs)
     if not outs:
@@ -61,8 +72,13 @@ class Graph:
           raise ValueError(f"node {node.name!r} ({type(node).__name__}): unknown input {i!r}; "
                            f"the graph has {sorted(by_name)}.")
     order = _toposort(outs, by_name)
-    self.nodes: tuple[Node, ...] = tuple(order)
     self.outputs: tuple[str, ...] = tuple(o.name for o in outs)
+    self.passes: tuple[Pass, ...] = tuple(passes)
+    rewritten, self.rewrites = run_passes(tuple(order), self.outputs, self.passes)
+    self.removed: tuple[str, ...] = tuple(n.name for n in order
+                                          if n.name not in {m.name for m in rewritten})
+    order = list(rewritten)
+    self.nodes: tuple[Node, ...] = tuple(order)
     self._by_name = {n.name: n for n in order}
     self._states: dict[str, str] = {}
     for n in order:
@@ -82,6 +98,9 @@ class Graph:
     try:
       return self._by_name[name]
     except KeyError:
+      if name in self.removed:
+        raise KeyError(f"node {name!r} was removed by a rewrite ({'; '.join(self.rewrites)}); "
+                       "build the graph with passes=() to keep it.") from None
       raise KeyError(f"no node {name!r} in this graph; it has {list(self._by_name)}.") from None
 
   @property
@@ -345,7 +364,8 @@ class Graph:
   # -- printing and pictures -------------------------------------------------------------------
 
   def summary(self) -> str:
-    """A table: each node, its op, its inputs, its per-example output shape, its parameters."""
+    """A table: each node, its op, its inputs, its per-example output shape, its parameters;
+    then the rewrites the passes made, if any."""
     pspecs = self.param_specs()
     rows = [("#", "node", "op", "inputs", "shape", "params")]
     for k, n in enumerate(self.nodes):
@@ -359,6 +379,9 @@ class Graph:
       cells = [r[c].rjust(widths[c]) if c in (0, 5) else r[c].ljust(widths[c])
                for c in range(len(r))]
       lines.append("  ".join(cells).rstrip())
+    if self.rewrites:
+      lines.append("rewrites:")
+      lines.extend(f"  {note}" for note in self.rewrites)
     return "\n".join(lines)
 
   def to_dot(self) -> str:
@@ -425,8 +448,12 @@ class TrainingGraph(Graph):
     gradients: ``{forward node name: gradient node name}``.
   """
 
-  def __init__(self, outputs: Sequence[Node], loss: str, gradients: dict[str, str]):
-    super().__init__(outputs)
+  def __init__(self, outputs: Sequence[Node], loss: str, gradients: dict[str, str], *,
+               forward: Graph | None = None):
+    # The forward part comes rewritten from ``forward`` (its passes ran there): no pass again.
+    super().__init__(outputs, passes=())
+    if forward is not None:
+      self.passes, self.rewrites, self.removed = forward.passes, forward.rewrites, forward.removed
     self.loss = loss
     self.gradients = dict(gradients)
 
@@ -496,7 +523,8 @@ class TrainingGraph(Graph):
   __call__ = run
 
 
-def training_graph(loss: Node | Graph) -> TrainingGraph:
+def training_graph(loss: Node | Graph, *, passes: Sequence[Pass] | None = None
+                   ) -> TrainingGraph:
   """The training graph of a scalar loss, built node by node (MPS's ``trainingGraph``).
 
   Walking the forward graph backwards, each node that depends on a parameter gets a gradient node
@@ -506,8 +534,14 @@ def training_graph(loss: Node | Graph) -> TrainingGraph:
   convolution) a gradient-state node carries it. Inputs that depend on no parameter are not
   differentiated.
 
+  The forward graph is rewritten first (``passes``, as :class:`Graph`'s), so the training graph
+  runs the rewritten forward nodes and the gradients of those (a ReLU folded into a max pool
+  has no gradient node of its own: the pool's gradient is the fused one).
+
   Args:
     loss: the loss node (scalar output), or a single-output graph of it.
+    passes: the rewrite passes; default: the graph's passes if ``loss`` is a graph, else the
+      default passes. ``()`` applies none.
 
   Returns:
     a :class:`TrainingGraph` whose :meth:`~TrainingGraph.run` gives ``(loss, grads)``.
@@ -518,8 +552,11 @@ def training_graph(loss: Node | Graph) -> TrainingGraph:
   if isinstance(loss, Graph):
     if len(loss.outputs) != 1:
       raise ValueError(f"training_graph needs a single loss output; got {loss.outputs}.")
+    if passes is None:
+      passes = loss.passes
     loss = loss.node(loss.outputs[0])
-  fwd = Graph(loss)
+  fwd = Graph(loss, passes=DEFAULT_PASSES if passes is None else passes)
+  loss = fwd.node(loss.name)  # the rewritten graph's loss node (it holds the rewritten nodes)
   if fwd.specs[loss.name].shape != ():
     raise ValueError(f"node {loss.name!r} ({type(loss).__name__}): a loss must be a scalar; its "
                      f"output has shape {fwd.specs[loss.name].shape}.")
@@ -545,7 +582,7 @@ def training_graph(loss: Node | Graph) -> TrainingGraph:
                 for i in n.inputs)
     grads[n.name] = n.gradient_filter(sources or None, wrt=wrt)
   outputs = [loss] + [grads[n.name] for n in fwd.nodes if n.has_params]
-  return TrainingGraph(outputs, loss.name, {k: g.name for k, g in grads.items()})
+  return TrainingGraph(outputs, loss.name, {k: g.name for k, g in grads.items()}, forward=fwd)
 
 
 # ----------------------------------------------------------------------------- helpers
