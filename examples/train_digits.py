@@ -1,9 +1,12 @@
 """Train a small CNN, built with jaxpool.graph, on scikit-learn's handwritten digits.
 
-The network is a graph of nodes (convolutions, max pooling, dense layers, a softmax
-cross-entropy loss); each training step runs its *training graph*: the forward nodes, the
-gradient-state nodes that keep the max-pool argmax and the weights, and one gradient node per
-forward node, as MPS's ``trainingGraph`` builds. optax applies the gradients.
+The network is a graph of nodes (convolutions, batch normalization, max pooling, dense layers,
+dropout, a softmax cross-entropy loss); each training step runs its *training graph* in training
+mode: the forward nodes, the gradient-state nodes that keep the max-pool argmax, the weights, the
+batch statistics and the dropout masks, and one gradient node per forward node, as MPS's
+``trainingGraph`` builds; ``train.make_step`` applies optax's Adam to the gradients and returns
+the updated running statistics. The trained parameters and statistics are saved with
+``jg.save_params`` and read back for the final test.
 
     .venv/bin/python examples/train_digits.py              # full run, ~98% test accuracy
     .venv/bin/python examples/train_digits.py --steps 20   # a short run (CI)
@@ -38,11 +41,15 @@ def build_network() -> tuple[jg.Node, jg.Node]:
   """The CNN as nodes: returns ``(logits, loss)``."""
   image = jg.Input("image", shape=(8, 8, 1))
   label = jg.Input("label", shape=(), dtype=jnp.int32)
-  x = jg.ReLU("relu1", jg.Conv("conv1", image, features=32, window=(3, 3), padding="SAME"))
+  # (no conv bias: the batch norm after it has one)
+  x = jg.Conv("conv1", image, features=32, window=(3, 3), padding="SAME", use_bias=False)
+  x = jg.ReLU("relu1", jg.BatchNorm("bn1", x))
   x = jg.MaxPool("pool1", x, window=(2, 2))                                  # 4x4x32
-  x = jg.ReLU("relu2", jg.Conv("conv2", x, features=64, window=(3, 3), padding="SAME"))
+  x = jg.Conv("conv2", x, features=64, window=(3, 3), padding="SAME", use_bias=False)
+  x = jg.ReLU("relu2", jg.BatchNorm("bn2", x))
   x = jg.MaxPool("pool2", x, window=(2, 2))                                  # 2x2x64
   x = jg.ReLU("relu3", jg.Dense("fc1", x, features=128))                     # flattens
+  x = jg.Dropout("drop", x, rate=0.3)
   logits = jg.Dense("logits", x, features=10)
   loss = jg.SoftmaxCrossEntropy("loss", logits, label)
   return logits, loss
@@ -113,6 +120,8 @@ def main(argv: list[str] | None = None) -> dict:
     print()
 
   params = model.init(jax.random.key(args.seed))
+  state = model.init_state()                   # the batch norms' running statistics
+  keys = jax.random.key(args.seed + 1)         # dropout: jax.random.fold_in(keys, step)
   steps_per_epoch = len(x_train) // args.batch_size
   total = steps_per_epoch * args.epochs
   if args.steps is not None:
@@ -121,26 +130,25 @@ def main(argv: list[str] | None = None) -> dict:
   opt = optax.adam(schedule)
   opt_state = opt.init(params)
 
-  # The training graph's gradients are jax.value_and_grad's: check once, on the first batch.
+  # The training graph's gradients are jax.value_and_grad's of the training-mode forward: check
+  # once, on the first batch.
   xb, yb = jnp.asarray(x_train[:args.batch_size]), jnp.asarray(y_train[:args.batch_size])
-  loss_a, grads_a = jax.jit(train.run)(params, image=xb, label=yb)
+  loss_a, grads_a, _ = jax.jit(train.run)(params, state=state, key=keys, image=xb, label=yb)
   forward_loss = jg.Graph(loss_node)
-  loss_b, grads_b = jax.jit(jax.value_and_grad(
-      lambda p: forward_loss.apply(p, image=xb, label=yb)))(params)
+  (loss_b, _), grads_b = jax.jit(jax.value_and_grad(
+      lambda p: forward_loss.apply(p, state=state, key=keys, training=True, image=xb, label=yb),
+      has_aux=True))(params)
   diff = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(
       jax.tree.leaves(grads_a), jax.tree.leaves(grads_b)))
   print(f"training graph vs jax.value_and_grad on one batch: loss {float(loss_a):.6f} vs "
         f"{float(loss_b):.6f}, max |grad difference| = {diff:.3g}")
 
-  @jax.jit
-  def train_step(params, opt_state, x, y):
-    loss, grads = train.run(params, image=x, label=y)   # the training graph does backprop
-    updates, opt_state = opt.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss
+  # The training graph does backprop, optax's Adam the update: (params, opt_state, state, loss).
+  train_step = jax.jit(train.make_step(opt))
 
   @jax.jit
-  def evaluate(params, x, y):
-    logits = model.apply(params, image=x)
+  def evaluate(params, state, x, y):
+    logits, _ = model.apply(params, state=state, image=x)   # inference mode
     loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
     return loss, jnp.mean(jnp.argmax(logits, -1) == y)
 
@@ -157,12 +165,14 @@ def main(argv: list[str] | None = None) -> dict:
       if step >= total:
         break
       idx = perm[k * args.batch_size:(k + 1) * args.batch_size]
-      params, opt_state, loss = train_step(params, opt_state, x_train[idx], y_train[idx])
+      params, opt_state, state, loss = train_step(
+          params, opt_state, state=state, key=jax.random.fold_in(keys, step),
+          image=x_train[idx], label=y_train[idx])
       losses.append(loss)
       step += 1
       bar.update(1)
-    _, train_acc = evaluate(params, x_train, y_train)
-    test_loss, test_acc = evaluate(params, x_test, y_test)
+    _, train_acc = evaluate(params, state, x_train, y_train)
+    test_loss, test_acc = evaluate(params, state, x_test, y_test)
     history["loss"].append(float(np.mean(jax.device_get(losses))))
     history["test_loss"].append(float(test_loss))
     history["train_acc"].append(float(train_acc))
@@ -171,19 +181,28 @@ def main(argv: list[str] | None = None) -> dict:
                     test_acc=f"{100 * float(test_acc):.2f}%")
   bar.close()
 
-  _, test_acc = evaluate(params, x_test, y_test)
-  test_acc = float(test_acc)
+  # Save the parameters and the running statistics, and test what is read back.
+  os.makedirs(args.out, exist_ok=True)
+  saved = [jg.save_params(os.path.join(args.out, f"digits_{what}.npz"), tree)
+           for what, tree in (("params", params), ("state", state))]
+  params, state = (jg.load_params(f) for f in saved)
+  _, train_acc = evaluate(params, state, x_train, y_train)
+  _, test_acc = evaluate(params, state, x_test, y_test)
+  train_acc, test_acc = float(train_acc), float(test_acc)
   correct = int(round(test_acc * len(y_test)))
   elapsed = time.perf_counter() - t0
-  print(f"\nFinal test accuracy: {100 * test_acc:.2f}% ({correct}/{len(y_test)} digits), "
+  print(f"\nSaved and reloaded {', '.join(saved)}")
+  print(f"Final train accuracy: {100 * train_acc:.2f}%")
+  print(f"Final test accuracy: {100 * test_acc:.2f}% ({correct}/{len(y_test)} digits), "
         f"{step} steps, {len(history['loss'])} epochs, {elapsed:.1f} s")
   plot = None
   if not args.no_plot and history["loss"]:
     plot = os.path.join(args.out, "train_digits.png")
     save_plot(history, plot)
     print(f"Plot of loss and accuracy per epoch: {plot}")
-  return {"test_accuracy": test_acc, "history": history, "steps": step, "plot": plot,
-          "seconds": elapsed, "grad_check_max_diff": diff}
+  return {"test_accuracy": test_acc, "train_accuracy": train_acc, "history": history,
+          "steps": step, "plot": plot, "seconds": elapsed, "grad_check_max_diff": diff,
+          "saved": saved}
 
 
 if __name__ == "__main__":

@@ -12,7 +12,9 @@ from jaxpool._src.api import lp_pool as lp_pool
 from jaxpool._src.api import lp_pool_grad as lp_pool_grad
 from jaxpool._src.api import max_pool as max_pool
 from jaxpool._src.api import max_pool_grad as max_pool_grad
+from jaxpool._src.api import max_pool_grad_from_taps as max_pool_grad_from_taps
 from jaxpool._src.api import max_pool_with_indices as max_pool_with_indices
+from jaxpool._src.api import max_pool_with_taps as max_pool_with_taps
 from jaxpool._src.api import max_unpool as max_unpool
 from jaxpool._src.api import min_pool as min_pool
 from jaxpool._src.optimize import optimize as optimize

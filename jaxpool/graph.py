@@ -14,6 +14,7 @@ from jaxpool._src.graph import Concat as Concat
 from jaxpool._src.graph import Conv as Conv
 from jaxpool._src.graph import ConvTranspose as ConvTranspose
 from jaxpool._src.graph import ConvolutionGradient as ConvolutionGradient
+from jaxpool._src.graph import DEFAULT_PASSES as DEFAULT_PASSES
 from jaxpool._src.graph import Cotangents as Cotangents
 from jaxpool._src.graph import Dense as Dense
 from jaxpool._src.graph import DilatedMaxPool as DilatedMaxPool
@@ -35,9 +36,18 @@ from jaxpool._src.graph import ReLU as ReLU
 from jaxpool._src.graph import Reshape as Reshape
 from jaxpool._src.graph import SigmoidCrossEntropy as SigmoidCrossEntropy
 from jaxpool._src.graph import Softmax as Softmax
+from jaxpool._src.graph import fold_relu_into_max_pool as fold_relu_into_max_pool
 from jaxpool._src.graph import SoftmaxCrossEntropy as SoftmaxCrossEntropy
 from jaxpool._src.graph import TrainingGraph as TrainingGraph
 from jaxpool._src.graph import Upsample as Upsample
 from jaxpool._src.graph import has_graphviz as has_graphviz
 from jaxpool._src.graph import resolve_padding as resolve_padding
 from jaxpool._src.graph import training_graph as training_graph
+from jaxpool._src.graph import BatchNorm as BatchNorm
+from jaxpool._src.graph import BatchNormalizationGradient as BatchNormalizationGradient
+from jaxpool._src.graph import BatchNormalizationState as BatchNormalizationState
+from jaxpool._src.graph import Dropout as Dropout
+from jaxpool._src.graph import DropoutGradient as DropoutGradient
+from jaxpool._src.graph import DropoutGradientState as DropoutGradientState
+from jaxpool._src.graph import load_params as load_params
+from jaxpool._src.graph import save_params as save_params

@@ -186,6 +186,27 @@ def _mask_rows(cfg, mask):
 def max_pool_with_indices(x, window_shape, strides=None, padding="VALID", *, dilation=None,
                           ceil_mode=False, data_format="channels_last", mask=None):
   """Returns ``(y, indices)``: ``y`` in ``x.dtype``, ``indices`` int32 (PyTorch convention)."""
+  y, idx, _ = _max_winners(x, window_shape, strides, padding, dilation, ceil_mode, data_format,
+                           mask)
+  return y, idx
+
+
+def max_pool_with_taps(x, window_shape, strides=None, padding="VALID", *, dilation=None,
+                       ceil_mode=False, data_format="channels_last", mask=None, activation=None):
+  """Returns ``(y, taps)``: ``taps`` int64, the winner's position in the window's row-major
+  tap list (padding taps counted), -1 for no winner; with ``activation="relu"``, ``y`` is
+  ``max(y, 0)`` (NaN stays NaN) and a window whose maximum is not positive gets -1."""
+  y, _, taps = _max_winners(x, window_shape, strides, padding, dilation, ceil_mode, data_format,
+                            mask)
+  if activation == "relu":
+    wide = y.astype(np.float64)
+    taps = np.where(wide > 0, taps, -1)
+    y = np.where((wide > 0) | np.isnan(wide), y, np.zeros((), y.dtype))
+  return y, taps
+
+
+def _max_winners(x, window_shape, strides, padding, dilation, ceil_mode, data_format, mask):
+  """``(y, flat indices, taps)`` of the max pool."""
   x = np.asarray(x)
   cfg = Config(x.shape, window_shape, strides, padding, dilation, ceil_mode, data_format)
   rows, lead = cfg.to_rows(_wide(x), cfg.in_spatial)
@@ -194,10 +215,12 @@ def max_pool_with_indices(x, window_shape, strides=None, padding="VALID", *, dil
   nout = math.prod(cfg.out_spatial)
   y = np.full((rows.shape[0], nout), _lowest(x.dtype), rows.dtype)
   idx = np.full((rows.shape[0], nout), -1, np.int64)
+  tap = np.full((rows.shape[0], nout), -1, np.int64)
   for j, taps in enumerate(cfg.windows()):
     best = np.full(rows.shape[0], _lowest(x.dtype), rows.dtype)
     arg = np.full(rows.shape[0], -1, np.int64)
-    for kind, flat in taps:
+    where = np.full(rows.shape[0], -1, np.int64)
+    for t, (kind, flat) in enumerate(taps):
       if kind != "real":
         continue
       v = rows[:, flat]
@@ -212,11 +235,14 @@ def max_pool_with_indices(x, window_shape, strides=None, padding="VALID", *, dil
       take &= live[:, flat]
       best = np.where(take, v, best)
       arg = np.where(take, flat, arg)
+      where = np.where(take, t, where)
     y[:, j] = best
     idx[:, j] = arg
+    tap[:, j] = where
   y = cfg.from_rows(y, lead, cfg.out_spatial).astype(x.dtype)
   idx = cfg.from_rows(idx, lead, cfg.out_spatial).astype(np.int32)
-  return y, idx
+  tap = cfg.from_rows(tap, lead, cfg.out_spatial)
+  return y, idx, tap
 
 
 def min_pool_with_indices(x, window_shape, strides=None, padding="VALID", *, dilation=None,

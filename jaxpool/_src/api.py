@@ -18,7 +18,8 @@ from jaxtyping import Array, ArrayLike, Bool, Float, Int, Num, Real, Shaped
 from jaxpool._src import dispatch, xla
 from jaxpool._src.autodiff import ACTIVATIONS
 from jaxpool._src.dtypes import average_dtype, check_avg_dtype, check_dtype
-from jaxpool._src.windows import check_choice, check_rank, int_tuple, make_geometry, spatial_rank
+from jaxpool._src.windows import (Geometry, check_choice, check_rank, int_tuple, make_geometry,
+                                  spatial_rank, taps_dtype)
 
 Padding = Union[str, int, Sequence[tuple[int, int]]]
 
@@ -36,6 +37,8 @@ FloatOut = Float[Array, "*batch_out_c"]
 FloatGrad = Float[Array, "*batch_spatial_c"]
 IndicesOut = Int[Array, "*batch_out_c"]
 IndicesIn = Int[ArrayLike, "*batch_out_c"]
+TapsOut = Int[Array, "*batch_out_c"]
+TapsIn = Int[ArrayLike, "*batch_out_c"]
 PooledIn = Real[ArrayLike, "*batch_out_c"]
 UnpooledOut = Real[Array, "*batch_spatial_c"]
 Implementation = Literal["xla", "pallas"] | None
@@ -59,10 +62,10 @@ def _as_array(name: str, x: Any) -> jax.Array:
   return x
 
 
-def _check_dy(dy: jax.Array, expected: tuple[int, ...]) -> None:
+def _check_dy(dy: jax.Array, expected: tuple[int, ...], where: str = "") -> None:
   if tuple(dy.shape) != tuple(expected):
-    raise ValueError(
-        f"dy must have the shape of the forward output, {tuple(expected)}; got {tuple(dy.shape)}.")
+    raise ValueError(f"dy must have the shape of the forward output{where}, {tuple(expected)}; "
+                     f"got {tuple(dy.shape)}.")
 
 
 # Why max and min pooling refuse complex inputs.
@@ -107,7 +110,30 @@ def _check_p(p: Any) -> float:
   return p
 
 
+def _check_input_shape(input_shape: Any) -> tuple[int, ...]:
+  """A gradient's ``input_shape`` (the forward input's full shape) as a tuple of ints >= 0."""
+  try:
+    shape = tuple(operator.index(s) for s in input_shape)  # no silent int(1.5) or int("1")
+  except TypeError:
+    raise TypeError(f"input_shape must be a tuple of ints; got {input_shape!r}.") from None
+  if any(s < 0 for s in shape):
+    raise ValueError(f"input_shape entries must be >= 0; got {input_shape!r}.")
+  return shape
+
+
 # ----------------------------------------------------------------------------- max
+
+
+def _max_args(x: Any, window_shape: Any, strides: Any, padding: Any, dilation: Any,
+              ceil_mode: Any, data_format: Any, mask: Any
+              ) -> tuple[jax.Array, jax.Array | None, Geometry]:
+  """The checks every max-type pool (max, min, with indices or taps) makes: ``x`` an ordered
+  array, ``mask`` a bool array broadcastable to it, and the geometry."""
+  x = _as_array("x", x)
+  check_dtype("x", x, allow_int=True, allow_bool=True, complex_reason=_NO_ORDER)
+  mask = _check_mask(mask, x)
+  geom = make_geometry(x.shape, window_shape, strides, padding, dilation, ceil_mode, data_format)
+  return x, mask, geom
 
 
 def max_pool(x: PoolIn, window_shape: Sequence[int],
@@ -165,11 +191,9 @@ def max_pool(x: PoolIn, window_shape: Sequence[int],
     Array([[  5.,   2.],
            [  4., -inf]], dtype=float32)
   """
-  x = _as_array("x", x)
-  check_dtype("x", x, allow_int=True, allow_bool=True, complex_reason=_NO_ORDER)
   check_choice("activation", activation, ACTIVATIONS)
-  mask = _check_mask(mask, x)
-  geom = make_geometry(x.shape, window_shape, strides, padding, dilation, ceil_mode, data_format)
+  x, mask, geom = _max_args(x, window_shape, strides, padding, dilation, ceil_mode, data_format,
+                            mask)
   return dispatch.run("max_pool", implementation, x, geom, activation=activation, mask=mask)
 
 
@@ -207,10 +231,8 @@ def min_pool(x: PoolIn, window_shape: Sequence[int],
     >>> jax.grad(lambda v: min_pool(v, (2,), strides=(2,))[0, :2].sum())(x)[0, :, 0]
     Array([0., 1., 0., 1., 0., 0.], dtype=float32)
   """
-  x = _as_array("x", x)
-  check_dtype("x", x, allow_int=True, allow_bool=True, complex_reason=_NO_ORDER)
-  mask = _check_mask(mask, x)
-  geom = make_geometry(x.shape, window_shape, strides, padding, dilation, ceil_mode, data_format)
+  x, mask, geom = _max_args(x, window_shape, strides, padding, dilation, ceil_mode, data_format,
+                            mask)
   return dispatch.run("min_pool", implementation, x, geom, mask=mask)
 
 
@@ -236,12 +258,117 @@ def max_pool_with_indices(x: PoolIn, window_shape: Sequence[int],
     Array([[4, 4],
            [7, 8]], dtype=int32)
   """
-  x = _as_array("x", x)
-  check_dtype("x", x, allow_int=True, allow_bool=True, complex_reason=_NO_ORDER)
-  mask = _check_mask(mask, x)
-  geom = make_geometry(x.shape, window_shape, strides, padding, dilation, ceil_mode, data_format)
-  y, taps = dispatch.run("max_pool_with_taps", implementation, x, geom, mask=mask)
+  x, mask, geom = _max_args(x, window_shape, strides, padding, dilation, ceil_mode, data_format,
+                            mask)
+  y, taps = dispatch.run("max_pool_with_taps", implementation, x, geom, activation=None,
+                         mask=mask)
   return y, _flat_indices(taps, geom)
+
+
+def max_pool_with_taps(x: PoolIn, window_shape: Sequence[int],
+                       strides: Sequence[int] | None = None, padding: Padding = "VALID", *,
+                       dilation: Sequence[int] | None = None, ceil_mode: bool = False,
+                       data_format: DataFormat = "channels_last",
+                       activation: Activation = None, mask: MaskIn = None,
+                       implementation: Implementation = None) -> tuple[PoolOut, TapsOut]:
+  """Max pooling that also returns each window's winning tap: the gradient's 1-byte state.
+
+  What reverse mode through :func:`max_pool` keeps, made public: keep ``taps`` from the forward
+  and :func:`max_pool_grad_from_taps` gives the gradient later (MPS's pooling gradient node
+  takes the forward's gradient state), without the input.
+
+  Args: as :func:`max_pool`.
+
+  Returns:
+    ``(y, taps)``: ``y`` as :func:`max_pool` (differentiable); ``taps`` of ``y``'s shape, the
+    row-major offset of each window's winner inside the window (``0 <= taps < prod(window)``),
+    in the smallest signed int dtype that holds it (int8 up to 127 taps, then int16, int32):
+    one byte per output for the usual windows. ``-1`` where the window has no winner: no real
+    (unmasked) element, or with ``activation="relu"`` a maximum that is not positive (such a
+    window gets no gradient). Ties, NaN and signed zeros pick the winner as :func:`max_pool`'s
+    gradient does; :func:`max_pool_with_indices` gives the same winners as flat input indices.
+
+  Raises:
+    ValueError, TypeError: for a bad argument, naming it and the value received.
+
+  Example:
+    >>> x = jnp.array([[1., 2., 3.], [2., 4., 2.], [5., 6., 7.]])[None, :, :, None]
+    >>> y, taps = max_pool_with_taps(x, (2, 2))                      # x: (1, 3, 3, 1)
+    >>> taps[0, ..., 0]                                               # offsets in the 2x2 window
+    Array([[3, 2],
+           [3, 3]], dtype=int8)
+    >>> max_pool_with_taps(x - 4, (2, 2), activation="relu")[1][0, ..., 0]
+    Array([[-1, -1],
+           [ 3,  3]], dtype=int8)
+  """
+  check_choice("activation", activation, ACTIVATIONS)
+  x, mask, geom = _max_args(x, window_shape, strides, padding, dilation, ceil_mode, data_format,
+                            mask)
+  return dispatch.run("max_pool_with_taps", implementation, x, geom, activation=activation,
+                      mask=mask)
+
+
+def max_pool_grad_from_taps(dy: FloatOutIn, taps: TapsIn, input_shape: Sequence[int],
+                            window_shape: Sequence[int], strides: Sequence[int] | None = None,
+                            padding: Padding = "VALID", *,
+                            dilation: Sequence[int] | None = None, ceil_mode: bool = False,
+                            data_format: DataFormat = "channels_last",
+                            implementation: Implementation = None) -> FloatGrad:
+  """The max-pooling gradient from the taps the forward kept (:func:`max_pool_with_taps`).
+
+  Each window's ``dy`` is added at its winning tap, summed where windows overlap, in a fixed
+  order: the transpose of the core's tap gather, which is what ``jax.grad`` of
+  :func:`max_pool` runs (XLA's fused scatter-add, or the Pallas backward kernel), so the same
+  bits. Linear in ``dy``: ``jax.jvp``, ``jax.vjp`` (a gather at the taps) and ``jax.vmap`` work.
+
+  Args:
+    dy: the cotangent of the forward output ``(*batch, *out_spatial, C)`` (or channels first),
+      float dtype.
+    taps: of ``dy``'s shape, as :func:`max_pool_with_taps` returns them (any integer dtype;
+      values in ``[-1, prod(window_shape))``, ``-1`` sends nothing). An out-of-range value
+      raises a ValueError when the call runs eagerly.
+    input_shape: the forward input's full shape.
+    window_shape, strides, padding, dilation, ceil_mode, data_format, implementation: as the
+      forward's (:func:`max_pool`).
+
+  Returns:
+    ``dx`` of shape ``input_shape`` and ``dy``'s dtype. With the forward's ``taps`` (also with
+    ``activation="relu"`` or a ``mask``) it equals ``jax.vjp`` of that forward, bit for bit.
+
+  Raises:
+    ValueError, TypeError: for a bad argument (a shape that does not match: naming ``dy``,
+      ``taps`` and ``input_shape``).
+
+  Example:
+    >>> x = jnp.array([[1., 2., 3.], [2., 4., 2.], [5., 6., 7.]])[None, :, :, None]
+    >>> y, taps = max_pool_with_taps(x, (2, 2))
+    >>> dy = jnp.array([[1., 2.], [4., 5.]])[None, :, :, None]
+    >>> max_pool_grad_from_taps(dy, taps, x.shape, (2, 2))[0, ..., 0]   # == max_pool_grad
+    Array([[0., 0., 0.],
+           [0., 3., 0.],
+           [0., 4., 5.]], dtype=float32)
+  """
+  dy = _as_array("dy", dy)
+  taps = _as_array("taps", taps)
+  check_dtype("dy", dy, allow_int=False)
+  input_shape = _check_input_shape(input_shape)
+  geom = make_geometry(input_shape, window_shape, strides, padding, dilation, ceil_mode,
+                       data_format, name="input_shape")
+  _check_dy(dy, geom.output_shape(input_shape), f" for input_shape {input_shape}")
+  if tuple(taps.shape) != tuple(dy.shape):
+    raise ValueError(f"taps must have dy's shape {tuple(dy.shape)} (the forward output's); got "
+                     f"{tuple(taps.shape)}.")
+  if not jnp.issubdtype(taps.dtype, jnp.integer):
+    raise TypeError(f"taps must be an integer array (as max_pool_with_taps returns); got dtype "
+                    f"{taps.dtype}.")
+  if not isinstance(taps, jax.core.Tracer) and taps.size:  # (NumPy: no trace of its own)
+    values = np.asarray(taps)
+    low, high = int(values.min()), int(values.max())
+    if low < -1 or high >= geom.num_taps:
+      raise ValueError(f"taps must lie in [-1, {geom.num_taps}) for window_shape "
+                       f"{geom.window}; got values in [{low}, {high}].")
+  taps = taps.astype(taps_dtype(geom.num_taps))
+  return dispatch.run("max_pool_grad_from_taps", implementation, dy, geom, taps=taps)
 
 
 def max_pool_grad(x: FloatIn, dy: FloatOutIn,
@@ -450,13 +577,7 @@ def avg_pool_grad(dy: FloatOutIn, input_shape: Sequence[int],
   """
   dy = _as_array("dy", dy)
   check_dtype("dy", dy, allow_int=False)
-  try:
-    shape = tuple(operator.index(s) for s in input_shape)  # no silent int(1.5) or int("1")
-  except TypeError:
-    raise TypeError(f"input_shape must be a tuple of ints; got {input_shape!r}.") from None
-  if any(s < 0 for s in shape):
-    raise ValueError(f"input_shape entries must be >= 0; got {input_shape!r}.")
-  input_shape = shape
+  input_shape = _check_input_shape(input_shape)
   geom = make_geometry(input_shape, window_shape, strides, padding, dilation, ceil_mode,
                        data_format, name="input_shape")
   _check_dy(dy, geom.output_shape(input_shape))

@@ -36,6 +36,10 @@ from jaxpool._src.windows import Geometry
 
 ACTIVATIONS = (None, "relu")
 
+# The gathers' setting under which a tap of -1 may mark any window, one with real elements too
+# (as the forward's activation or a mask makes them); their transposes send nothing there.
+ANY_EMPTY = "relu"
+
 
 @dataclasses.dataclass(frozen=True)
 class MaxPoolOps:
@@ -90,6 +94,19 @@ def mirrored(ops: MaxPoolOps) -> MaxPoolOps:
     return reverse_order(y), taps
 
   return MaxPoolOps(forward=forward, forward_with_taps=forward_with_taps, gather=ops.gather)
+
+
+def grad_from_taps(dy: jax.Array, taps: jax.Array, geom: Geometry,
+                   ops: MaxPoolOps) -> jax.Array:
+  """``dx``: each window's ``dy`` added at its winning tap (``-1`` sends nothing), the transpose
+  of ``ops.gather``, which is what reverse mode through :func:`max_pool` runs (XLA's fused
+  scatter-add, or the Pallas backward kernel). Linear in ``dy``, made of primitives that JAX
+  differentiates, batches and transposes."""
+  # The primal example comes from dy (full_like) so that it carries dy's varying axes inside
+  # shard_map, as avg_pool_grad's does.
+  zeros = jax.lax.full_like(dy, 0, shape=geom.input_shape(dy.shape))
+  _, vjp = jax.vjp(lambda t: ops.gather(t, taps, geom, ANY_EMPTY), zeros)
+  return vjp(dy)[0]
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2, 3))

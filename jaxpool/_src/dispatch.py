@@ -78,6 +78,7 @@ class Backend:
 
 _xla_max_pool = jax.jit(autodiff.max_pool, static_argnums=(1, 2, 3))
 _xla_max_pool_with_taps = jax.jit(autodiff.max_pool_with_taps, static_argnums=(1, 2, 3))
+_xla_grad_from_taps = jax.jit(autodiff.grad_from_taps, static_argnums=(2, 3))
 _xla_avg_pool = jax.jit(xla.avg_pool, static_argnums=(1, 2, 3))
 _xla_masked_avg_pool = jax.jit(xla.masked_avg_pool, static_argnums=(2, 3, 4))
 _xla_lp_pool = jax.jit(xla.lp_pool, static_argnums=(1, 2))
@@ -93,7 +94,9 @@ def _xla_run(op: str, x: jax.Array, geom: Geometry, **config):
       return _xla_max_pool(operand, geom, None, autodiff.mirrored(ops))
     if op == "max_pool":
       return _xla_max_pool(operand, geom, config["activation"], ops)
-    return _xla_max_pool_with_taps(operand, geom, None, ops)
+    return _xla_max_pool_with_taps(operand, geom, config.get("activation"), ops)
+  if op == "max_pool_grad_from_taps":  # x is dy
+    return _xla_grad_from_taps(x, config["taps"], geom, xla.MAX_POOL_OPS)
   if op == "avg_pool":
     if mask is not None:
       return _xla_masked_avg_pool(x, mask, geom, config["count_include_pad"],
@@ -156,16 +159,22 @@ def _pallas_run(op: str, x: jax.Array, geom: Geometry, **config):
   Pooling never mixes batch or channel elements, so a block of them is pooled on its own device
   (a sharded spatial dim is refused above: that needs halos).
   """
-  fn = functools.partial(getattr(_pallas(), op), geom=geom,
-                         interpret=jax.default_backend() == "cpu", **config)
+  # An array in the config (the taps of max_pool_grad_from_taps, of x's shape) is an operand
+  # too: each shard takes its block of it.
+  arrays = {k: v for k, v in config.items() if isinstance(v, jax.Array)}
+  static = {k: v for k, v in config.items() if k not in arrays}
+  op_fn = functools.partial(getattr(_pallas(), op), geom=geom,
+                            interpret=jax.default_backend() == "cpu", **static)
+  fn = lambda x, arrays: op_fn(x, **arrays)
   explicit = xla.explicit_sharding(x)
   if explicit is None:
-    return fn(x)
+    return fn(x, arrays)
   mesh, spec = explicit
   spec = jax.sharding.PartitionSpec(*spec, *([None] * (x.ndim - len(spec))))
   out_specs = (spec, spec) if op == "max_pool_with_taps" else spec
-  return jax.shard_map(fn, mesh=mesh, in_specs=(spec,), out_specs=out_specs,
-                       check_vma=False)(x)
+  in_specs = (spec, {k: spec for k in arrays})
+  return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                       check_vma=False)(x, arrays)
 
 
 PALLAS = Backend("pallas", unsupported=_pallas_unsupported, not_default=_pallas_not_default,

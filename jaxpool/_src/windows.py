@@ -110,6 +110,14 @@ class Geometry:
       shape[ax] = o
     return tuple(shape)
 
+  def input_shape(self, out_shape: Sequence[int]) -> tuple[int, ...]:
+    """The forward input's shape, from its output's (any batch dims): the inverse of
+    :meth:`output_shape`."""
+    shape = list(out_shape)
+    for ax, n in zip(self.spatial_axes(len(shape)), self.in_spatial):
+      shape[ax] = n
+    return tuple(shape)
+
 
 def is_int(v: Any) -> bool:
   """An int or a NumPy integer, not a bool."""

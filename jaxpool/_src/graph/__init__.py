@@ -7,28 +7,41 @@ Layout (each module imports only the ones above it in this list, never back):
 - one module per kind of layer: ``inputs.py`` (Input), ``conv.py`` (Conv, ConvTranspose,
   Dense), ``pooling.py`` (the pools), ``activation.py`` (neurons, Softmax), ``arithmetic.py``
   (Add), ``shape.py`` (Flatten, Reshape, Pad, Concat, Upsample), ``losses.py``
-  (SoftmaxCrossEntropy, SigmoidCrossEntropy, MeanSquaredError).
+  (SoftmaxCrossEntropy, SigmoidCrossEntropy, MeanSquaredError), ``normalization.py``
+  (BatchNorm), ``regularization.py`` (Dropout).
 - ``gradients.py``: gradient-state and gradient nodes (it registers them with ``base.py``).
+- ``passes.py``: the rewrite passes a graph applies before it runs (a ReLU into the max pool
+  after it).
 - ``graph.py``: :class:`Graph`, :class:`TrainingGraph`, :func:`training_graph`.
+- ``serialization.py``: :func:`save_params`, :func:`load_params` (it imports nothing above).
 """
 
 from jaxpool._src.graph.activation import ACTIVATIONS, Activation, ReLU, Softmax
 from jaxpool._src.graph.arithmetic import Add
 from jaxpool._src.graph.base import Initializer, Node, resolve_padding
 from jaxpool._src.graph.conv import Conv, ConvTranspose, Dense
-from jaxpool._src.graph.gradients import (ConvolutionGradient, Cotangents, Gradient,
-                                          GradientNode, GradientState, PoolingGradient)
+from jaxpool._src.graph.gradients import (BatchNormalizationGradient, BatchNormalizationState,
+                                          ConvolutionGradient, Cotangents, DropoutGradient,
+                                          DropoutGradientState, Gradient, GradientNode,
+                                          GradientState, PoolingGradient)
 from jaxpool._src.graph.graph import Graph, TrainingGraph, has_graphviz, training_graph
+from jaxpool._src.graph.passes import DEFAULT_PASSES, fold_relu_into_max_pool
 from jaxpool._src.graph.inputs import Image, Input
 from jaxpool._src.graph.losses import MeanSquaredError, SigmoidCrossEntropy, SoftmaxCrossEntropy
+from jaxpool._src.graph.normalization import BatchNorm
 from jaxpool._src.graph.pooling import AvgPool, DilatedMaxPool, L2Pool, MaxPool
+from jaxpool._src.graph.regularization import Dropout
+from jaxpool._src.graph.serialization import load_params, save_params
 from jaxpool._src.graph.shape import Concat, Flatten, Pad, Reshape, Upsample
 
 __all__ = [
-    "ACTIVATIONS", "Activation", "Add", "AvgPool", "Concat", "Conv", "ConvTranspose",
-    "ConvolutionGradient", "Cotangents", "Dense", "DilatedMaxPool", "Flatten", "Gradient",
-    "GradientNode", "GradientState", "Graph", "Image", "Initializer", "Input", "L2Pool",
-    "MaxPool", "MeanSquaredError", "Node", "Pad", "PoolingGradient", "ReLU", "Reshape",
-    "SigmoidCrossEntropy", "Softmax", "SoftmaxCrossEntropy", "TrainingGraph", "Upsample",
-    "has_graphviz", "resolve_padding", "training_graph",
+    "ACTIVATIONS", "Activation", "Add", "AvgPool", "BatchNorm", "BatchNormalizationGradient",
+    "BatchNormalizationState", "Concat", "Conv", "ConvTranspose", "ConvolutionGradient",
+    "Cotangents", "DEFAULT_PASSES", "Dense", "DilatedMaxPool", "Dropout", "DropoutGradient",
+    "DropoutGradientState", "Flatten", "Gradient", "GradientNode", "GradientState", "Graph",
+    "Image", "Initializer", "Input", "L2Pool", "MaxPool", "MeanSquaredError", "Node", "Pad",
+    "PoolingGradient", "ReLU", "Reshape", "SigmoidCrossEntropy", "Softmax",
+    "SoftmaxCrossEntropy", "TrainingGraph", "Upsample", "fold_relu_into_max_pool",
+    "has_graphviz", "load_params",
+    "resolve_padding", "save_params", "training_graph",
 ]

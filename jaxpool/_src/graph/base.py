@@ -36,6 +36,7 @@ T = TypeVar("T")
 N = TypeVar("N", bound="Node")
 
 PADDING_POLICIES = ("VALID", "SAME", "FULL")
+POOL_PADDING_POLICIES = (*PADDING_POLICIES, "SAME_LOWER")  # the pooling nodes' (as the core's)
 
 
 def input_field(compare: bool = False, **kw: Any) -> Any:
@@ -59,8 +60,13 @@ class Node:
   _input_fields: ClassVar[tuple[str, ...]] = ("source",)
   has_params: ClassVar[bool] = False
   keeps_state: ClassVar[bool] = False  # whether its gradient needs a gradient-state node
+  accepts_state: ClassVar[bool] = False  # whether its gradient node takes one it does not need
   state_doc: ClassVar[str] = ""        # what the gradient state carries
   gradient_kind: ClassVar[str] = "Gradient"  # the class of its gradient node (gradients.py)
+  state_kind: ClassVar[str] = "GradientState"  # the class of its gradient-state node
+  # Training mode (Graph.apply(..., training=True)); see forward_mode:
+  has_model_state: ClassVar[bool] = False  # keeps a model state (BatchNorm's running statistics)
+  uses_key: ClassVar[bool] = False         # draws random numbers in training mode (Dropout)
 
   def __post_init__(self):
     if not isinstance(self.name, str) or not self.name:
@@ -155,11 +161,40 @@ class Node:
       dxs[k] = c
     return tuple(dxs), dparams
 
+  # -- training mode -------------------------------------------------------------------------
+
+  @property
+  def has_modes(self) -> bool:
+    """Whether training and inference differ for this node (it runs through forward_mode)."""
+    return self.has_model_state or self.uses_key
+
+  def init_model_state(self, in_specs: tuple[Spec, ...]) -> Params | None:
+    """The node's model state before training (BatchNorm: running mean 0, variance 1)."""
+    return None
+
+  def forward_mode(self, params: Params | None, xs: tuple[jax.Array, ...],
+                   in_specs: tuple[Spec, ...], *, state: Params | None, key: jax.Array | None,
+                   training: bool) -> tuple[jax.Array, Params | None, Any]:
+    """The forward pass of a node whose training and inference modes differ (:attr:`has_modes`).
+
+    Args:
+      state: the node's model state (:attr:`has_model_state`), else None.
+      key: the caller's PRNG key in training mode (:attr:`uses_key`), else None; the node folds
+        in its own stable value, so every node draws its own numbers.
+      training: the mode.
+
+    Returns:
+      ``(y, new_state, gradient_state)``: the output, the updated model state (the same in
+      inference) and what the gradient needs (None in inference: the gradient state of such a
+      node exists only in training mode).
+    """
+    raise NotImplementedError(type(self).__name__)
+
   # -- MPS's gradient API ----------------------------------------------------------------------
 
   def gradient_state(self, name: str | None = None):
     """The gradient-state node that carries what this node's forward keeps for its gradient."""
-    return gradient_class("GradientState")(name or f"{self.name}.state", self)
+    return gradient_class(self.state_kind)(name or f"{self.name}.state", self)
 
   def gradient_filter(self, source_gradient: Ref | Sequence[Ref] | None = None, *,
                       state: Ref | None = None, name: str | None = None,
@@ -257,6 +292,22 @@ def check_float_dtype(node: Node, name: str, value: Any) -> np.dtype:
   return dt
 
 
+def check_real(node: Node, name: str, value: Any, low: float, high: float | None, *,
+               open_low: bool = False, open_high: bool = False) -> float:
+  """A real number (not a bool) in ``[low, high]`` (``(`` / ``)`` where open; ``high`` None: no
+  bound), as a Python float; a TypeError or ValueError naming ``node`` otherwise."""
+  interval = (f"{'(' if open_low else '['}{low:g}, "
+              f"{'inf)' if high is None else f'{high:g}' + (')' if open_high else ']')}")
+  if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer,
+                                                                   np.floating)):
+    raise node._fail(f"{name} must be a number in {interval}; got {value!r}.", TypeError)
+  v = float(value)
+  if not (v > low if open_low else v >= low) or (
+      high is not None and not (v < high if open_high else v <= high)):
+    raise node._fail(f"{name} must be a number in {interval}; got {value!r}.")
+  return v
+
+
 def check_dtype(node: Node, name: str, value: Any) -> np.dtype:
   if value is None:  # np.dtype(None) is float64: never what was meant
     raise node._fail(f"{name} must be a dtype; got None.", TypeError)
@@ -341,12 +392,13 @@ def axis_in_range(node: Node, name: str, axis: int, spec: Spec, input_name: str)
   return axis % rank
 
 
-def check_padding(node: Node, padding: Any, n: int) -> str | tuple[tuple[int, int], ...]:
-  """A padding policy (:data:`PADDING_POLICIES`) as given, or ``n`` explicit ``(lo, hi)`` pairs."""
-  if isinstance(padding, str) and padding in PADDING_POLICIES:
+def check_padding(node: Node, padding: Any, n: int, policies: tuple[str, ...] = PADDING_POLICIES
+                  ) -> str | tuple[tuple[int, int], ...]:
+  """A padding policy (one of ``policies``) as given, or ``n`` explicit ``(lo, hi)`` pairs."""
+  if isinstance(padding, str) and padding in policies:
     return padding
   if isinstance(padding, str) or not isinstance(padding, Iterable):
-    raise node._fail(f"padding must be one of {PADDING_POLICIES} or (lo, hi) pairs; got "
+    raise node._fail(f"padding must be one of {policies} or (lo, hi) pairs; got "
                      f"{padding!r}.", ValueError if isinstance(padding, str) else TypeError)
   return node._check(windows.padding_pairs, padding, n)
 
@@ -357,7 +409,8 @@ def resolve_padding(policy: str | tuple[tuple[int, int], ...], in_spatial: Seque
   """A padding policy as ``(lo, hi)`` pairs, one per spatial dim.
 
   ``"VALID"``: none. ``"SAME"``: ``ceil(L / s)`` outputs, the odd element of padding at the end
-  (ONNX SAME_UPPER, as :func:`jaxpool.max_pool`). ``"FULL"``: ``e - 1`` on both sides (``e`` the
+  (ONNX SAME_UPPER, as :func:`jaxpool.max_pool`); ``"SAME_LOWER"`` (pooling nodes) puts it at
+  the start. ``"FULL"``: ``e - 1`` on both sides (``e`` the
   effective window ``d * (k - 1) + 1``): every window that touches a real element. The core
   computes them (``jaxpool._src.windows.resolve_string_padding``).
 
@@ -366,8 +419,8 @@ def resolve_padding(policy: str | tuple[tuple[int, int], ...], in_spatial: Seque
     ((1, 1),)
   """
   if isinstance(policy, str):
-    if policy not in PADDING_POLICIES:
-      raise ValueError(f"padding must be one of {PADDING_POLICIES} or (lo, hi) pairs; got "
+    if policy not in POOL_PADDING_POLICIES:
+      raise ValueError(f"padding must be one of {POOL_PADDING_POLICIES} or (lo, hi) pairs; got "
                        f"{policy!r}.")
     return windows.resolve_string_padding(policy, in_spatial, window, strides, dilation)
   return tuple(policy)

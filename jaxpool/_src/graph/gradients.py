@@ -3,7 +3,7 @@
 
 A gradient-state node is produced by its forward node: when a graph holds the state node of a
 forward node, that forward node is run through ``forward_with_state`` and what it returns beside
-its output (the argmax of a max pool, the norms of an L2 pool, the weights of a convolution) becomes
+its output (the argmax taps of a max pool, the weights of a convolution) becomes
 the state node's value.
 
 A gradient node stands for one forward node. Its inputs are, in order, its source gradient(s)
@@ -13,8 +13,12 @@ inputs) and the gradient state. Its value is a :class:`Cotangents`: one cotangen
 (``None`` where not wanted) and the cotangents of the forward node's parameters.
 
 A forward node names the class of its gradient node (``gradient_kind``: ``"PoolingGradient"``,
-``"ConvolutionGradient"``, ``"Gradient"``); the classes here register under their names, so that
-``node.gradient_filter()`` finds them while the node modules never import this one.
+``"ConvolutionGradient"``, ``"Gradient"``) and of its gradient-state node (``state_kind``:
+``"GradientState"`` or a subclass named as MPS names it); the classes here register under their
+names, so that ``node.gradient_filter()`` finds them while the node modules never import this one.
+
+The gradient states of the nodes whose training and inference modes differ (BatchNorm, Dropout)
+exist in training mode only: their forward keeps them then (``Node.forward_mode``).
 """
 
 from __future__ import annotations
@@ -49,7 +53,9 @@ class GradientState(Node):
   """What a forward node keeps for its gradient (MPS's ``MPSNNGradientStateNode``).
 
   Build it with ``forward.gradient_state()``. Its only input is its forward node, which produces
-  its value; see ``forward.state_doc`` for what it carries.
+  its value; see ``forward.state_doc`` for what it carries (a pooling node's that needs none,
+  ``AvgPool``'s and ``L2Pool``'s, carries ``None``: MPS's pooling gradient takes a state for
+  every pooling type).
   """
 
   # MPS's name for the field; it shadows Node.forward (the method), which a state node never runs.
@@ -61,7 +67,7 @@ class GradientState(Node):
                                                                         GradientNode, Input)):
       raise self._fail(f"forward must be a forward filter node; got {self.forward!r}.",
                        TypeError)
-    if not self.forward.keeps_state:
+    if not (self.forward.keeps_state or self.forward.accepts_state):
       raise self._fail(f"{type(self.forward).__name__} {self.forward.name!r} keeps no gradient "
                        "state (its gradient needs only its source images).")
 
@@ -74,6 +80,20 @@ class GradientState(Node):
 
   def describe(self):
     return f"GradientState ({self.forward.state_doc})"
+
+
+@register_gradient_class
+@dataclass(frozen=True)
+class BatchNormalizationState(GradientState):
+  """A BatchNorm's gradient state (MPS's ``MPSCNNBatchNormalizationState``): the batch mean and
+  inverse standard deviation its training forward used, ``(C,)`` each, and its ``scale``."""
+
+
+@register_gradient_class
+@dataclass(frozen=True)
+class DropoutGradientState(GradientState):
+  """A Dropout's gradient state (MPS's ``MPSCNNDropoutGradientState``): the keep mask its
+  training forward drew, a bool array of the input's shape."""
 
 
 @dataclass(frozen=True)
@@ -124,7 +144,7 @@ class GradientNode(Node):
     if fwd.keeps_state and self.state is None:
       raise self._fail(f"{type(fwd).__name__} {fwd.name!r} needs its gradient state "
                        f"({fwd.name!r}.gradient_state()).")
-    if not fwd.keeps_state and self.state is not None:
+    if not (fwd.keeps_state or fwd.accepts_state) and self.state is not None:
       raise self._fail(f"{type(fwd).__name__} {fwd.name!r} keeps no gradient state; got "
                        f"gradient_state {self.state!r}.")
     st = self.gradient_state
@@ -252,6 +272,14 @@ class PoolingGradient(GradientNode):
   def dilation(self) -> tuple[int, ...]:
     return self._pool().dilation_
 
+  @property
+  def ceil_mode(self) -> bool:
+    return self._pool().ceil_mode
+
+  @property
+  def data_format(self) -> str:
+    return self._pool().data_format
+
   def describe(self):
     f = self.forward
     pad = f.padding if isinstance(f.padding, str) else f"pad {f.padding}"
@@ -272,3 +300,18 @@ class ConvolutionGradient(GradientNode):
 class Gradient(GradientNode):
   """The gradient of any other node (dense, activation, flatten, add, loss): ``jax.vjp`` of its
   forward at the source images."""
+
+
+@register_gradient_class
+@dataclass(frozen=True)
+class BatchNormalizationGradient(GradientNode):
+  """A BatchNorm's gradient (MPS's ``MPSCNNBatchNormalizationGradientNode``): ``dx``,
+  ``dscale`` and ``dbias`` from the source gradient, the source image and the gradient state
+  (the batch mean and inverse std), in closed form (``BatchNorm.backward``)."""
+
+
+@register_gradient_class
+@dataclass(frozen=True)
+class DropoutGradient(GradientNode):
+  """A Dropout's gradient (MPS's ``MPSCNNDropoutGradientNode``): the source gradient times the
+  kept mask, divided by ``1 - rate``."""

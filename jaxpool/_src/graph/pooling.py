@@ -1,5 +1,11 @@
 """Pooling nodes (MPS's ``MPSCNNPooling*Node``) through jaxpool's public functions:
-:class:`MaxPool`, :class:`DilatedMaxPool`, :class:`AvgPool`, :class:`L2Pool` and their base."""
+:class:`MaxPool`, :class:`DilatedMaxPool`, :class:`AvgPool`, :class:`L2Pool` and their base.
+
+Every forward and every gradient is one of the core's public functions (``jaxpool.max_pool``,
+``jaxpool.max_pool_with_taps``, ``jaxpool.max_pool_grad_from_taps``, ``jaxpool.avg_pool_grad``,
+``jaxpool.lp_pool_grad``...), so it goes through the core's dispatch: a training graph runs the
+kernels that ``jax.grad`` runs, the Pallas ones on a GPU.
+"""
 
 from __future__ import annotations
 
@@ -9,14 +15,14 @@ from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 import jaxpool
-from jaxpool._src import windows, xla
-from jaxpool._src.graph.base import (Node, Ref, Spec, check_bool, check_image, check_padding,
-                                     check_window, input_field, resolve_padding)
-from jaxpool._src.windows import taps_dtype
+from jaxpool._src import windows
+from jaxpool._src.autodiff import ACTIVATIONS
+from jaxpool._src.graph.base import (POOL_PADDING_POLICIES, Node, Ref, Spec, check_bool,
+                                     check_image, check_padding, check_window, input_field,
+                                     resolve_padding)
 
 
 @dataclass(frozen=True)
@@ -29,7 +35,12 @@ class _Pool(Node):
   strides: tuple[int, ...] | None = None
   padding: Any = "VALID"
   offset: tuple[int, ...] | None = None
+  ceil_mode: bool = False
+  data_format: str = "channels_last"
+  implementation: str | None = None
   gradient_kind: ClassVar[str] = "PoolingGradient"
+  # MPS's pooling gradient node takes a gradient state for every pooling type.
+  accepts_state: ClassVar[bool] = True
 
   def _normalize(self):
     self._set("window", check_window(self, self.window))
@@ -37,7 +48,11 @@ class _Pool(Node):
     # MPS's init(source:filterSize:) sets the stride to the filter size.
     strides = self.window if self.strides is None else self.strides
     self._set("strides", self._check(windows.int_tuple, "strides", strides, n))
-    self._set("padding", check_padding(self, self.padding, n))
+    self._set("padding", check_padding(self, self.padding, n, POOL_PADDING_POLICIES))
+    self._set("ceil_mode", check_bool(self, "ceil_mode", self.ceil_mode))
+    self._check(windows.check_choice, "data_format", self.data_format, windows.DATA_FORMATS)
+    self._check(windows.check_choice, "implementation", self.implementation,
+                windows.IMPLEMENTATIONS)
     self._set("offset", self._check(windows.int_tuple, "offset", self.offset, n, default=0,
                                     minimum=-(2 ** 31)))
     if hasattr(self, "dilation"):
@@ -51,6 +66,16 @@ class _Pool(Node):
   @property
   def dilation_(self) -> tuple[int, ...]:
     return getattr(self, "dilation", None) or (1,) * self.nspatial
+
+  def spatial_axes(self, ndim: int) -> range:
+    """The spatial axes of a ``(*batch, *per_example)`` array of ``ndim`` dims."""
+    n = self.nspatial
+    return range(ndim - 1 - n, ndim - 1) if self.data_format == "channels_last" else range(
+        ndim - n, ndim)
+
+  def spatial(self, spec: Spec) -> tuple[int, ...]:
+    """The per-example spatial sizes of an input spec, ``(*spatial, C)`` or ``(C, *spatial)``."""
+    return tuple(spec.shape[a] for a in self.spatial_axes(len(spec.shape)))
 
   def geometry(self, spatial: Sequence[int]):
     """``(crop, pads)``: what to cut from each side of the input, then jaxpool's ``(lo, hi)``.
@@ -71,46 +96,52 @@ class _Pool(Node):
     return tuple(crop), tuple(final)
 
   def _crop(self, x: jax.Array, spec: Spec) -> tuple[jax.Array, tuple]:
-    crop, pads = self.geometry(spec.shape[:-1])
+    crop, pads = self.geometry(self.spatial(spec))
     if any(c != (0, 0) for c in crop):
-      n = self.nspatial
       start = [0] * x.ndim
       limit = list(x.shape)
-      for i, (a, b) in enumerate(crop):
-        ax = x.ndim - 1 - n + i
+      for ax, (a, b) in zip(self.spatial_axes(x.ndim), crop):
         start[ax], limit[ax] = a, x.shape[ax] - b
       x = lax.slice(x, start, limit)
     return x, pads
 
   def _uncrop(self, dx: jax.Array, spec: Spec) -> jax.Array:
-    crop, _ = self.geometry(spec.shape[:-1])
+    crop, _ = self.geometry(self.spatial(spec))
     if all(c == (0, 0) for c in crop):
       return dx
-    n = self.nspatial
     cfg = [(0, 0, 0)] * dx.ndim
-    for i, (a, b) in enumerate(crop):
-      cfg[dx.ndim - 1 - n + i] = (a, b, 0)
+    for ax, (a, b) in zip(self.spatial_axes(dx.ndim), crop):
+      cfg[ax] = (a, b, 0)
     return lax.pad(dx, jnp.zeros((), dx.dtype), cfg)
 
   def check_inputs(self, in_specs):
     (x,) = in_specs
     check_image(self, x, self.window)
-    crop, _ = self.geometry(x.shape[:-1])
-    for i, (L, (a, b)) in enumerate(zip(x.shape, crop)):
+    crop, _ = self.geometry(self.spatial(x))
+    for i, (L, (a, b)) in enumerate(zip(self.spatial(x), crop)):
       if a + b >= L:
         raise self._fail(f"offset {self.offset} crops all of spatial dim {i} (size {L}).")
 
   def _kw(self, pads) -> dict[str, Any]:
-    kw = dict(window_shape=self.window, strides=self.strides, padding=pads)
+    """The core's arguments for the (cropped) input: window, strides, padding and the rest."""
+    kw = dict(window_shape=self.window, strides=self.strides, padding=pads,
+              ceil_mode=self.ceil_mode, data_format=self.data_format)
     if self.dilation_ != (1,) * self.nspatial:
       kw["dilation"] = self.dilation_
     return kw
 
+  def _call(self, fn, *args: Any, pads, **extra: Any) -> Any:
+    """``fn(*args, **core arguments, implementation=..., **extra)``, a public core function;
+    its argument errors are raised again naming this node."""
+    return self._check(fn, *args, **self._kw(pads), implementation=self.implementation, **extra)
+
   def infer(self, in_specs):
     self.check_inputs(in_specs)
     (x,) = in_specs
-    crop, pads = self.geometry(x.shape[:-1])
-    cropped = tuple(L - a - b for L, (a, b) in zip(x.shape[:-1], crop)) + x.shape[-1:]
+    crop, pads = self.geometry(self.spatial(x))
+    cropped = list(x.shape)
+    for ax, (a, b) in zip(self.spatial_axes(len(cropped)), crop):
+      cropped[ax] -= a + b
     try:  # the core checks the window against the padded input, naming the argument
       jaxpool.make_geometry(cropped, **self._kw(pads))
     except (TypeError, ValueError) as e:
@@ -125,27 +156,15 @@ class _Pool(Node):
       s += f" offset {self.offset}"
     if self.dilation_ != (1,) * self.nspatial:
       s += f" dilation {self.dilation_}"
+    if self.ceil_mode:
+      s += " ceil"
+    if self.data_format != "channels_last":
+      s += f" {self.data_format}"
+    if getattr(self, "activation", None):
+      s += f" +{self.activation}"
+    if self.implementation:
+      s += f" [{self.implementation}]"
     return s
-
-
-def taps_from_indices(indices: jax.Array, geom) -> jax.Array:
-  """jaxpool's flat argmax indices -> the core's window tap offsets (``-1`` stays ``-1``).
-
-  The inverse of the core's ``flat_indices``: for each spatial dim the input position is
-  ``o * s - lo + t * d``, so ``t = (pos - (o * s - lo)) // d``; taps are row-major in the window.
-  """
-  ndim, n = indices.ndim, geom.nspatial
-  tap = jnp.zeros(indices.shape, jnp.int32)
-  inner_plane = 1
-  for dim in reversed(range(n)):
-    pos = (indices // inner_plane) % geom.in_spatial[dim]
-    shape = geom.full_dims(ndim, [geom.out_spatial[dim] if i == dim else 1 for i in range(n)], 1)
-    start = (np.arange(geom.out_spatial[dim], dtype=np.int32) * geom.strides[dim]
-             - geom.padding[dim][0]).reshape(shape)
-    t = (pos - start) // geom.dilation[dim]
-    tap = tap + t * int(np.prod(geom.window[dim + 1:], dtype=np.int64))
-    inner_plane *= geom.in_spatial[dim]
-  return jnp.where(indices < 0, -1, tap).astype(taps_dtype(geom.num_taps))
 
 
 @dataclass(frozen=True)
@@ -153,43 +172,50 @@ class MaxPool(_Pool):
   """Max pooling (MPS's ``MPSCNNPoolingMaxNode``) through :func:`jaxpool.max_pool`.
 
   Attributes:
-    source: the input node, ``(*spatial, C)`` per example.
+    source: the input node, ``(*spatial, C)`` per example (``(C, *spatial)`` with
+      ``data_format="channels_first"``).
     window: ``k`` per spatial dim (MPS's ``kernelWidth``/``kernelHeight``).
     strides: per spatial dim; default ``window`` (MPS's ``init(source:filterSize:)``).
-    padding: ``"VALID"``, ``"SAME"``, ``"FULL"`` or explicit ``(lo, hi)`` pairs.
+    padding: ``"VALID"``, ``"SAME"``, ``"SAME_LOWER"``, ``"FULL"`` or explicit ``(lo, hi)``
+      pairs.
     offset: MPS's kernel offset per spatial dim: windows move ``o`` elements toward the end
       (``docs/graph.md`` gives the exact mapping to ``(lo, hi)``).
+    ceil_mode: round the output size up (the core's ``ceil_mode``, PyTorch's rule).
+    data_format: ``"channels_last"`` (default) or ``"channels_first"``.
+    implementation: the core's ``implementation=`` (``None``, ``"xla"`` or ``"pallas"``) for
+      the forward and the gradient.
+    activation: ``None`` or ``"relu"``: ``relu`` after the pool, fused into it (the core's
+      ``activation=``); the graph's rewrite pass sets it when it folds a ReLU into the pool.
 
-  The gradient state is the argmax (:func:`jaxpool.max_pool_with_indices`); the gradient node
-  sends each window's cotangent there with the core's deterministic scatter (the same bits as
-  ``jax.grad``).
+  The gradient state is the core's 1-byte argmax: each window's winning tap
+  (:func:`jaxpool.max_pool_with_taps`, int8 for windows of at most 127 taps); the gradient node
+  scatters the source gradient there with :func:`jaxpool.max_pool_grad_from_taps`, the same
+  kernels and bits as ``jax.grad``.
   """
 
+  activation: str | None = field(default=None, kw_only=True)
   keeps_state: ClassVar[bool] = True
-  state_doc: ClassVar[str] = "argmax indices"
+  state_doc: ClassVar[str] = "argmax taps, 1 byte"
+
+  def _normalize(self):
+    super()._normalize()
+    self._check(windows.check_choice, "activation", self.activation, ACTIVATIONS)
 
   def forward(self, params, xs, in_specs):
     x, pads = self._crop(xs[0], in_specs[0])
-    return jaxpool.max_pool(x, **self._kw(pads))
+    return self._call(jaxpool.max_pool, x, pads=pads, activation=self.activation)
 
   def forward_with_state(self, params, xs, in_specs):
     x, pads = self._crop(xs[0], in_specs[0])
-    return jaxpool.max_pool_with_indices(x, **self._kw(pads))
+    return self._call(jaxpool.max_pool_with_taps, x, pads=pads, activation=self.activation)
 
   def backward(self, xs, state, dy, in_specs, wrt):
     if not wrt[0]:
       return (None,), None
     x, pads = self._crop(xs[0], in_specs[0])
     dy = jnp.asarray(dy).astype(x.dtype)
-    kw = self._kw(pads)
-    geom = jaxpool.make_geometry(x.shape, kw["window_shape"], kw["strides"], kw["padding"],
-                                 kw.get("dilation"))
-    if state.shape != dy.shape:
-      raise self._fail(f"gradient state of shape {state.shape} does not match the source "
-                       f"gradient {dy.shape}.")
-    tap = taps_from_indices(state, geom)
-    _, vjp = jax.vjp(lambda t: xla.gather_at_taps(t, tap, geom), jnp.zeros_like(x))
-    return (self._uncrop(vjp(dy)[0], in_specs[0]),), None
+    dx = self._call(jaxpool.max_pool_grad_from_taps, dy, state, x.shape, pads=pads)
+    return (self._uncrop(dx, in_specs[0]),), None
 
 
 @dataclass(frozen=True)
@@ -210,12 +236,15 @@ class DilatedMaxPool(MaxPool):
 class AvgPool(_Pool):
   """Average pooling (MPS's ``MPSCNNPoolingAverageNode``) through :func:`jaxpool.avg_pool`.
 
-  Attributes: as :class:`MaxPool`, plus ``count_include_pad`` (PyTorch's rule: divide by the
-  taps inside the padded input, or only by the real ones). Its gradient needs no state, only the
-  source image's shape (:func:`jaxpool.avg_pool_grad`).
+  Attributes: as :class:`MaxPool` (no ``activation``), plus ``count_include_pad`` (PyTorch's
+  rule: divide by the taps inside the padded input, or only by the real ones). Its gradient
+  (:func:`jaxpool.avg_pool_grad`) needs only the source image's shape, so it keeps no state;
+  as in MPS, its gradient node still takes one (``gradient_state()``), which carries nothing
+  (its value is ``None``).
   """
 
   count_include_pad: bool = field(default=False, kw_only=True)
+  state_doc: ClassVar[str] = "nothing: the gradient needs only the input's shape"
 
   def _normalize(self):
     super()._normalize()
@@ -224,14 +253,14 @@ class AvgPool(_Pool):
 
   def forward(self, params, xs, in_specs):
     x, pads = self._crop(xs[0], in_specs[0])
-    return jaxpool.avg_pool(x, **self._kw(pads), count_include_pad=self.count_include_pad)
+    return self._call(jaxpool.avg_pool, x, pads=pads, count_include_pad=self.count_include_pad)
 
   def backward(self, xs, state, dy, in_specs, wrt):
     if not wrt[0]:
       return (None,), None
     x, pads = self._crop(xs[0], in_specs[0])
-    dx = jaxpool.avg_pool_grad(jnp.asarray(dy).astype(x.dtype), x.shape, **self._kw(pads),
-                               count_include_pad=self.count_include_pad)
+    dx = self._call(jaxpool.avg_pool_grad, jnp.asarray(dy).astype(x.dtype), x.shape, pads=pads,
+                    count_include_pad=self.count_include_pad)
     return (self._uncrop(dx, in_specs[0]),), None
 
 
@@ -239,36 +268,21 @@ class AvgPool(_Pool):
 class L2Pool(_Pool):
   """L2-norm pooling (MPS's ``MPSCNNPoolingL2NormNode``) through :func:`jaxpool.l2_pool`.
 
-  Attributes: as :class:`MaxPool`. The gradient state is the forward's output ``y`` (the window
-  norms): ``dx = x * sum over windows of dy / y``, zero where ``y == 0``.
+  Attributes: as :class:`MaxPool` (no ``activation``). The gradient is the core's,
+  :func:`jaxpool.lp_pool_grad` with ``p=2`` at the source image (``jax.vjp`` of
+  :func:`jaxpool.l2_pool`, which recomputes the window norms), so it keeps no state; its
+  gradient node takes one as MPS's does (it carries nothing).
   """
 
-  keeps_state: ClassVar[bool] = True
-  state_doc: ClassVar[str] = "window norms"
+  state_doc: ClassVar[str] = "nothing: the gradient recomputes the norms from the input"
 
   def forward(self, params, xs, in_specs):
     x, pads = self._crop(xs[0], in_specs[0])
-    return jaxpool.l2_pool(x, **self._kw(pads))
-
-  def forward_with_state(self, params, xs, in_specs):
-    y = self.forward(params, xs, in_specs)
-    return y, y
+    return self._call(jaxpool.l2_pool, x, pads=pads)
 
   def backward(self, xs, state, dy, in_specs, wrt):
     if not wrt[0]:
       return (None,), None
     x, pads = self._crop(xs[0], in_specs[0])
-    kw = self._kw(pads)
-    acc = xla.accumulator_dtype(x.dtype)
-    xa, y = x.astype(acc), state.astype(acc)
-    positive = y > 0
-    denom = jnp.where(positive, y, 1)
-
-    def lin(t):  # the tangent map of l2_pool, with y taken from the state; avg_pool with
-      # divisor 1 is the window sum, so its transpose is the core's (the same bits as jax.grad)
-      s = jaxpool.avg_pool(xa * t.astype(acc), **kw, divisor_override=1)
-      return jnp.where(positive, s / denom, 0)
-
-    _, vjp = jax.vjp(lin, jnp.zeros_like(x))
-    dx = vjp(jnp.asarray(dy).astype(acc))[0]
-    return (self._uncrop(dx.astype(x.dtype), in_specs[0]),), None
+    dx = self._call(jaxpool.lp_pool_grad, x, jnp.asarray(dy).astype(x.dtype), 2, pads=pads)
+    return (self._uncrop(dx, in_specs[0]),), None

@@ -29,7 +29,7 @@ from jaxpool._src.pallas import triton as _triton
 from jaxpool._src.linear import LinearPair
 from jaxpool._src.windows import Geometry
 
-OPS = ("max_pool", "max_pool_with_taps", "min_pool", "avg_pool")
+OPS = ("max_pool", "max_pool_with_taps", "max_pool_grad_from_taps", "min_pool", "avg_pool")
 _FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(np.float16))
 MAX_TAPS = 64  # the kernels' tap loops are unrolled; larger windows go to XLA's tap loop
 MAX_ELEMENTS = 2**31 - 1  # the kernels index in int32; larger arrays stay on XLA
@@ -48,6 +48,8 @@ def unsupported(op: str, shape, dtype, geom: Geometry) -> str | None:
   """
   if op not in OPS:
     return f"there is no Pallas kernel for {op}"
+  if op == "max_pool_grad_from_taps":  # called with dy: the kernel writes the input's shape
+    shape = geom.input_shape(shape)
   if geom.nspatial not in (1, 2, 3):
     return f"the kernels pool 1 to 3 spatial dims, not {geom.nspatial}"
   if np.dtype(dtype) not in _FLOAT_DTYPES:
@@ -108,14 +110,6 @@ def _batched(fn):
   return f
 
 
-def _input_shape(geom: Geometry, out_shape) -> tuple[int, ...]:
-  """The forward input's shape, from its output's (any batch dims, either layout)."""
-  shape = list(out_shape)
-  for ax, n in zip(geom.spatial_axes(len(shape)), geom.in_spatial):
-    shape[ax] = n
-  return tuple(shape)
-
-
 # ----------------------------------------------------------------------------- max
 
 
@@ -126,14 +120,14 @@ def _gather(taps, t, *, geom, interpret, kernels, activation):
 
 def _scatter(taps, ct, *, geom, interpret, kernels, activation):
   del activation  # a tap of -1 (no winner, or a non-positive maximum) sends nothing
-  return _kernels(kernels).max_backward(taps, ct, _input_shape(geom, taps.shape), geom,
+  return _kernels(kernels).max_backward(taps, ct, geom.input_shape(taps.shape), geom,
                                         interpret=interpret)
 
 
 # ``gather(taps, t)`` is t at each window's winner; its transpose is the backward kernel.
 GATHER = LinearPair("max_pool_gather", _gather, _scatter,
                     forward_shape=lambda taps, t, **p: taps,
-                    transpose_shape=lambda taps, ct, **p: _input_shape(p["geom"], taps))
+                    transpose_shape=lambda taps, ct, **p: p["geom"].input_shape(taps))
 
 
 @functools.cache
@@ -163,6 +157,7 @@ def max_pool_ops(interpret: bool, kernels: str) -> autodiff.MaxPoolOps:
 
 _max_pool_jit = jax.jit(autodiff.max_pool, static_argnums=(1, 2, 3))
 _max_pool_with_taps_jit = jax.jit(autodiff.max_pool_with_taps, static_argnums=(1, 2, 3))
+_grad_from_taps_jit = jax.jit(autodiff.grad_from_taps, static_argnums=(2, 3))
 
 
 def max_pool(x: jax.Array, geom: Geometry, *, interpret: bool = False,
@@ -177,10 +172,17 @@ def min_pool(x: jax.Array, geom: Geometry, *, interpret: bool = False) -> jax.Ar
                        autodiff.mirrored(max_pool_ops(bool(interpret), backend())))
 
 
-def max_pool_with_taps(x: jax.Array, geom: Geometry, *,
-                       interpret: bool = False) -> tuple[jax.Array, jax.Array]:
-  """``(y, taps)``: as ``xla.max_pool_taps`` (``taps_dtype``, -1: no element)."""
-  return _max_pool_with_taps_jit(x, geom, None, max_pool_ops(bool(interpret), backend()))
+def max_pool_with_taps(x: jax.Array, geom: Geometry, *, interpret: bool = False,
+                       activation: str | None = None) -> tuple[jax.Array, jax.Array]:
+  """``(y, taps)``: as ``xla.max_pool_taps`` (``taps_dtype``, -1: no element), then
+  ``activation``."""
+  return _max_pool_with_taps_jit(x, geom, activation, max_pool_ops(bool(interpret), backend()))
+
+
+def max_pool_grad_from_taps(dy: jax.Array, geom: Geometry, *, taps: jax.Array,
+                            interpret: bool = False) -> jax.Array:
+  """``dx`` from kept taps: the transpose of the gather primitive, i.e. the backward kernel."""
+  return _grad_from_taps_jit(dy, taps, geom, max_pool_ops(bool(interpret), backend()))
 
 
 # ----------------------------------------------------------------------------- average
@@ -193,7 +195,7 @@ def _avg_forward(x, *, geom, interpret, kernels, count_include_pad, divisor_over
 
 
 def _avg_backward(ct, *, geom, interpret, kernels, count_include_pad, divisor_override):
-  return _kernels(kernels).avg_backward(ct, _input_shape(geom, ct.shape), geom,
+  return _kernels(kernels).avg_backward(ct, geom.input_shape(ct.shape), geom,
                                         interpret=interpret, count_include_pad=count_include_pad,
                                         divisor_override=divisor_override)
 
@@ -201,7 +203,7 @@ def _avg_backward(ct, *, geom, interpret, kernels, count_include_pad, divisor_ov
 # Average pooling is linear in x: the forward kernel, with the backward kernel as its transpose.
 AVG = LinearPair("avg_pool", _avg_forward, _avg_backward,
                  forward_shape=lambda x, **p: p["geom"].output_shape(x),
-                 transpose_shape=lambda ct, **p: _input_shape(p["geom"], ct))
+                 transpose_shape=lambda ct, **p: p["geom"].input_shape(ct))
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5))
