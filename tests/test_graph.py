@@ -337,6 +337,33 @@ def test_hand_built_conv_gradient(rng):
   assert_trees_close(ct.params, dp)
 
 
+def test_hand_built_loss_gradient_without_the_loss_node(rng):
+  """A loss's gradient node built by hand makes a graph on its own (the loss is not a node of
+  it): the seed is 1, and it equals the gradient taken beside the loss and jax.grad."""
+  logits = jg.Input("logits", shape=(5,))
+  label = jg.Input("label", shape=(), dtype=jnp.int32)
+  loss = jg.SoftmaxCrossEntropy("loss", logits, label)
+  grad = loss.gradient_filter()
+  g = jg.Graph(grad)
+  assert "loss" not in [n.name for n in g.nodes]
+  z = jnp.asarray(rng.standard_normal((4, 5)).astype(np.float32))
+  y = jnp.asarray([0, 4, 2, 1], jnp.int32)
+  ct = g.apply({}, logits=z, label=y)
+  assert ct.inputs[1] is None and ct.params is None
+  _, beside = jg.Graph([loss, grad]).apply({}, logits=z, label=y)
+  np.testing.assert_array_equal(ct.inputs[0], beside.inputs[0])
+  want = jax.grad(lambda v: jg.Graph(loss).apply({}, logits=v, label=y))(z)
+  np.testing.assert_allclose(ct.inputs[0], want, rtol=1e-6, atol=1e-7)
+  np.testing.assert_array_equal(jax.jit(g.apply)({}, logits=z, label=y).inputs[0], ct.inputs[0])
+  # a float loss with two differentiated inputs, under vmap (per-example means)
+  p, t = jg.Input("p", shape=(3,)), jg.Input("t", shape=(3,))
+  mse = jg.Graph(jg.MeanSquaredError("mse", p, t).gradient_filter())
+  pv, tv = (jnp.asarray(rng.standard_normal((4, 3)).astype(np.float32)) for _ in range(2))
+  dp, dt = jax.vmap(lambda a, b: mse.apply({}, p=a, t=b).inputs)(pv, tv)
+  np.testing.assert_allclose(dp, 2 * (pv - tv) / 3, rtol=1e-6)
+  np.testing.assert_allclose(dt, -dp, rtol=1e-6)
+
+
 # ----------------------------------------------------------------------------- printing
 
 

@@ -394,17 +394,27 @@ def test_pickle_graphs_with_batch_norm_and_dropout(rng):
   image = jg.Input("image", shape=(4, 4, 2))
   label = jg.Input("label", shape=(), dtype=jnp.int32)
   x = jg.Dropout("drop", jg.BatchNorm("bn", image, momentum=0.5), rate=0.5)
-  # initializers that pickle (the default he_normal() is a closure)
-  logits = jg.Dense("fc", x, features=3, weights_init=jax.nn.initializers.ones)
+  x = jg.Conv("conv", x, features=3, use_bias=False)          # the default initializers:
+  logits = jg.Dense("fc", x, features=3)                       # jg.Initializer("he_normal")
   loss = jg.SoftmaxCrossEntropy("loss", logits, label)
   g, tg = jg.Graph(loss), jg.training_graph(loss)
   g2, tg2 = pickle.loads(pickle.dumps(g)), pickle.loads(pickle.dumps(tg))
   assert g2 == g and tg2 == tg and tg2.summary() == tg.summary()
+  assert g.node("fc").weights_init == jg.Initializer("he_normal")
+  assert isinstance(tg2, jg.TrainingGraph) and tg2.gradients == tg.gradients
   params, state = g.init(jax.random.key(0)), g.init_state()
+  # equal init (the same key, the same arrays) and equal outputs
+  assert_trees_close(g2.init(jax.random.key(0)), params, rtol=0)
+  assert_trees_close(tg2.init(jax.random.key(0)), tg.init(jax.random.key(0)), rtol=0)
+  assert_trees_close(g2.init_state(), state, rtol=0)
   xv = jnp.asarray(rng.standard_normal((4, 4, 4, 2)), jnp.float32)
   yv = jnp.asarray([0, 1, 2, 0], jnp.int32)
   kw = dict(state=state, key=jax.random.key(1), image=xv, label=yv)
   assert_trees_close(tg2.run(params, **kw), tg.run(params, **kw), rtol=0)
+  assert_trees_close(g2.apply(params, training=True, **kw), g.apply(params, training=True, **kw),
+                     rtol=0)
+  assert_trees_close(g2.apply(params, state=state, image=xv, label=yv),
+                     g.apply(params, state=state, image=xv, label=yv), rtol=0)
 
 
 def test_summary_shows_the_training_nodes(net):

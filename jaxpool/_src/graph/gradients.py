@@ -216,9 +216,16 @@ class GradientNode(Node):
       for p in parts:
         total = p if total is None else total + p
     if total is None:  # a scalar output: d out / d out = 1
-      # (full_like of the loss itself, so that inside shard_map the seed varies as it does)
-      total = jax.lax.full_like(values[self.forward.name], 1,
-                                self.forward.infer(in_specs).dtype)
+      out = self.forward.infer(in_specs)
+      if self.forward.name in values:
+        # (full_like of the loss itself, so that inside shard_map the seed varies as it does)
+        total = jax.lax.full_like(values[self.forward.name], 1, out.dtype)
+      else:
+        # A gradient node built by hand for a loss that its graph does not hold: the seed is
+        # made like the source images (1 plus zeros like the others), varying as the loss would.
+        total = jax.lax.full_like(values[self.source_images[0]], 1, out.dtype, out.shape)
+        for i in self.source_images[1:]:
+          total = total + jax.lax.full_like(values[i], 0, out.dtype, out.shape)
     return total
 
   def evaluate(self, values: dict[str, Any], nodes: dict[str, Node],
