@@ -120,6 +120,8 @@ def reduce_window_adaptive(x: jax.Array, out: tuple[int, int], kind: str) -> jax
 
 def compare(group: str, case: str, x: jax.Array, base_name: str, base, ours_name: str, ours,
             repeats: int, inner: int, route: str = "") -> dict:
+  print(f"  timing {group} {case} {jnp.dtype(x.dtype).name} {route}", file=sys.stderr,
+        flush=True)
   y = jax.eval_shape(ours, x)
   dy = jax.random.normal(jax.random.key(1), y.shape, y.dtype)
 

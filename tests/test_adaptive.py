@@ -659,9 +659,9 @@ def test_signed_zero_follows_max_pool():
 
 def test_route_follows_the_kernels(monkeypatch):
   from jaxpool._src import dispatch
-  plan = _adaptive._Plan((56, 56), (7, 7), True)  # 8x8 bins: 64 taps
+  plan = _adaptive._Plan((35, 35), (7, 7), True)  # 5x5 bins: 25 taps
   monkeypatch.setattr(dispatch, "platform", lambda: "cpu")
   assert _adaptive._route(plan) == "stages"
   monkeypatch.setattr(dispatch, "platform", lambda: "cuda")
   assert _adaptive._route(plan) == "fixed"
-  assert _adaptive._route(_adaptive._Plan((81, 81), (9, 9), True)) == "stages"  # 81 taps
+  assert _adaptive._route(_adaptive._Plan((56, 56), (7, 7), True)) == "stages"  # 64 taps

@@ -603,7 +603,7 @@ def test_pallas_implementation(monkeypatch):
 
 def test_kernels_by_default_fall_back_to_xla(monkeypatch):
   """As on a GPU, implementation=None runs XLA where the kernels cannot serve a pool (integers,
-  over 64 taps, 4 spatial dims); implementation="pallas" raises, saying why."""
+  over 32 taps, 4 spatial dims); implementation="pallas" raises, saying why."""
   monkeypatch.setattr(dispatch, "platform", lambda: "cuda")
   ints = jnp.asarray(RNG.integers(-5, 5, (1, 6, 6, 2)), jnp.int32)
   cases = {
