@@ -8,6 +8,8 @@ the kernels and call them.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -75,21 +77,23 @@ def check_max(rng, cfg, dtype):
   shape, *geo = cfg
   kw = kw_of(*geo)
   x = data(rng, shape, dtype)
-  # forward, and the argmax as flat indices
-  bits_equal(jaxpool.max_pool(x, **kw, implementation="pallas"),
-              jaxpool.max_pool(x, **kw, implementation="xla"))
-  ya, ia = jaxpool.max_pool_with_indices(x, **kw, implementation="pallas")
-  yb, ib = jaxpool.max_pool_with_indices(x, **kw, implementation="xla")
-  bits_equal(ya, yb)
-  bits_equal(ia, ib)
   # gradient: NaN-free input so the cotangents are finite; dy has ties too
   xf = data(rng, shape, dtype, special=False)
   xf = jnp.where(jnp.abs(xf) < 0.3, jnp.asarray(0.25, dtype), xf)  # ties
-  dy = data(rng, jaxpool.max_pool(xf, **kw).shape, dtype, special=False)
-  grads = [jax.jit(lambda a, g, impl=impl: jax.vjp(
-      lambda v: jaxpool.max_pool(v, **kw, implementation=impl), a)[1](g)[0])(xf, dy)
-      for impl in ("pallas", "xla")]
-  bits_equal(*grads)
+  dy = data(rng, jax.eval_shape(lambda v: jaxpool.max_pool(v, **kw), xf).shape, dtype,
+            special=False)
+
+  # One jit per implementation (one compile of each kernel): the forward, the argmax as flat
+  # indices, and the gradient.
+  @functools.partial(jax.jit, static_argnums=0)
+  def run(impl, x, xf, dy):
+    y = jaxpool.max_pool(x, **kw, implementation=impl)
+    yi, i = jaxpool.max_pool_with_indices(x, **kw, implementation=impl)
+    g = jax.vjp(lambda v: jaxpool.max_pool(v, **kw, implementation=impl), xf)[1](dy)[0]
+    return y, yi, i, g
+
+  for a, b in zip(run("pallas", x, xf, dy), run("xla", x, xf, dy), strict=True):
+    bits_equal(a, b)
   return x, xf, dy, kw
 
 
@@ -103,14 +107,18 @@ def check_avg(rng, cfg, dtype, count_include_pad, divisor_override):
   kw.update(count_include_pad=count_include_pad, divisor_override=divisor_override)
   taps = int(np.prod(geo[0]))
   x = data(rng, shape, dtype, special=False)
-  a = jaxpool.avg_pool(x, **kw, implementation="pallas")
-  b = jaxpool.avg_pool(x, **kw, implementation="xla")
+  dy = data(rng, jax.eval_shape(lambda v: jaxpool.avg_pool(v, **kw), x).shape, dtype,
+            special=False)
+
+  @functools.partial(jax.jit, static_argnums=0)  # forward and gradient: one compile
+  def run(impl, x, dy):
+    y, vjp = jax.vjp(lambda v: jaxpool.avg_pool(v, **kw, implementation=impl), x)
+    return y, vjp(dy)[0]
+
+  (a, ga), (b, gb) = run("pallas", x, dy), run("xla", x, dy)
   assert a.dtype == b.dtype and a.shape == b.shape
   np.testing.assert_allclose(np.float32(a), np.float32(b), rtol=tol(dtype, 1),
                              atol=tol(dtype, taps))
-  dy = data(rng, a.shape, dtype, special=False)
-  ga, gb = [jax.vjp(lambda v, impl=impl: jaxpool.avg_pool(v, **kw, implementation=impl),
-                    x)[1](dy)[0] for impl in ("pallas", "xla")]
   assert ga.dtype == gb.dtype == x.dtype
   np.testing.assert_allclose(np.float32(ga), np.float32(gb), rtol=tol(dtype, 1),
                              atol=tol(dtype, taps))
@@ -131,7 +139,8 @@ def check_vmap_grad_and_jvp(rng, x, kw):
   gb = jax.jit(jax.vmap(jax.grad(q)))(x[:, None])
   np.testing.assert_allclose(ga, gb, rtol=1e-6, atol=1e-6)
   t = data(rng, x.shape, jnp.float32, special=False)
-  (pa, ta), (pb, tb) = jax.jvp(p, (x,), (t,)), jax.jvp(q, (x,), (t,))
+  jvp = jax.jit(lambda f, x, t: jax.jvp(f, (x,), (t,)), static_argnums=0)
+  (pa, ta), (pb, tb) = jvp(p, x, t), jvp(q, x, t)
   np.testing.assert_allclose(pa, pb, rtol=1e-6)
   np.testing.assert_allclose(ta, tb, rtol=1e-5)
   return p, q
@@ -165,14 +174,16 @@ def check_signed_zeros(rng, cfg, dtype):
   x = rng.choice(np.array([-0.0, 0.0, -1.0, -np.inf, np.nan], np.float32), shape,
                  p=[0.4, 0.25, 0.25, 0.05, 0.05])
   x = jnp.asarray(x).astype(dtype)
-  ya, ia = jaxpool.max_pool_with_indices(x, **kw, implementation="pallas")
-  yb, ib = jaxpool.max_pool_with_indices(x, **kw, implementation="xla")
-  bits_equal(ya, yb)
-  bits_equal(ia, ib)
-  for pool in (jaxpool.max_pool, jaxpool.min_pool):
-    bits_equal(pool(x, **kw, implementation="pallas"), pool(x, **kw, implementation="xla"))
   xf = jnp.where(jnp.isnan(x) | jnp.isinf(x), jnp.zeros_like(x), x)
-  dy = data(rng, jaxpool.max_pool(xf, **kw).shape, dtype, special=False)
-  grads = [jax.vjp(lambda v, impl=impl: jaxpool.max_pool(v, **kw, implementation=impl),
-                   xf)[1](dy)[0] for impl in ("pallas", "xla")]
-  bits_equal(*grads)
+  dy = data(rng, jax.eval_shape(lambda v: jaxpool.max_pool(v, **kw), xf).shape, dtype,
+            special=False)
+
+  @functools.partial(jax.jit, static_argnums=0)  # one compile per implementation
+  def run(impl, x, xf, dy):
+    y, i = jaxpool.max_pool_with_indices(x, **kw, implementation=impl)
+    pools = [pool(x, **kw, implementation=impl) for pool in (jaxpool.max_pool, jaxpool.min_pool)]
+    g = jax.vjp(lambda v: jaxpool.max_pool(v, **kw, implementation=impl), xf)[1](dy)[0]
+    return y, i, *pools, g
+
+  for a, b in zip(run("pallas", x, xf, dy), run("xla", x, xf, dy), strict=True):
+    bits_equal(a, b)

@@ -68,7 +68,8 @@ def test_transformations(rng):
                                                padding=padding))
   # second order: jacfwd over jacrev
   xs = x[:1, :4, :4, :1]
-  np.testing.assert_allclose(jax.hessian(p)(xs), jax.hessian(q)(xs), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(jax.jit(jax.hessian(p))(xs), jax.jit(jax.hessian(q))(xs),
+                             rtol=1e-5, atol=1e-6)
   # shard_map over the batch (on every device there is)
   from jax.sharding import PartitionSpec as P
   try:
@@ -259,20 +260,26 @@ def test_small_blocks_take_both_paths(rng, cfg):
   geom = windows.make_geometry(shape, *kw_of(*geo).values())
   launch = (2, 2, 1)
   x = data(rng, shape, jnp.float32)
-  y, idx = pk._window_call(x, geom, "argmax", True, launch=launch)
-  yb, ib = xla.max_pool_taps(x, geom)
-  bits_equal(y, yb)
-  bits_equal(idx, ib)
-  bits_equal(pk._window_call(x, geom, "max", True, launch=launch)[0], yb)
-  dy = data(rng, y.shape, jnp.float32, special=False)
-  dx = pk._backward_call((ib, dy), shape, geom, "max", True, launch=launch)
-  bits_equal(dx, jax.vjp(lambda t: xla.gather_at_taps(t, ib, geom), x)[1](dy)[0])
+  dy = data(rng, geom.output_shape(shape), jnp.float32, special=False)
   xf = data(rng, shape, jnp.float32, special=False)
-  a = pk._window_call(xf, geom, "avg", True, True, None, launch=launch)[0]
-  ref, vjp = jax.vjp(lambda v: xla.avg_pool(v, geom, True, None), xf)
-  np.testing.assert_allclose(a, ref, rtol=1e-6, atol=1e-6)
-  np.testing.assert_allclose(pk._backward_call((dy,), shape, geom, "avg", True, True, None,
-                                               launch=launch), vjp(dy)[0], rtol=1e-6, atol=1e-6)
+
+  @jax.jit  # every kernel and its reference in one compile
+  def run(x, xf, dy):
+    y, idx = pk._window_call(x, geom, "argmax", True, launch=launch)
+    ymax = pk._window_call(x, geom, "max", True, launch=launch)[0]
+    yb, ib = xla.max_pool_taps(x, geom)
+    dx = pk._backward_call((ib, dy), shape, geom, "max", True, launch=launch)
+    dxb = jax.vjp(lambda t: xla.gather_at_taps(t, ib, geom), x)[1](dy)[0]
+    a = pk._window_call(xf, geom, "avg", True, True, None, launch=launch)[0]
+    ref, vjp = jax.vjp(lambda v: xla.avg_pool(v, geom, True, None), xf)
+    da = pk._backward_call((dy,), shape, geom, "avg", True, True, None, launch=launch)
+    return (y, yb), (idx, ib), (ymax, yb), (dx, dxb), (a, ref), (da, vjp(dy)[0])
+
+  *maxes, avg, davg = run(x, xf, dy)
+  for got, want in maxes:
+    bits_equal(got, want)
+  for got, want in (avg, davg):
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
 
 
 def test_nd_transformations(rng):
