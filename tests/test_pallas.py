@@ -39,7 +39,8 @@ def test_nd_and_channels_first_match_xla(rng, cfg):
 
 
 def test_nd_bfloat16_avg_divisor(rng):
-  check_max(rng, CONFIGS_ND[1], jnp.bfloat16)
+  # (bfloat16 max pooling: test_max_bfloat16_matches_xla. 1-D, 2-D and 3-D pools run the same
+  # 3-D kernels, so a dtype's handling does not depend on the number of spatial dims.)
   check_avg(rng, CONFIGS_ND[2], jnp.bfloat16, False, 5)
 
 
