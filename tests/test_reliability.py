@@ -92,22 +92,27 @@ def test_large_windows_match_reference(rng, shape, window, kw):
   assert math.prod(window) > xla.UNROLL_TAPS
   # Small integers: many ties, and exact float sums.
   x = rng.integers(-3, 4, shape).astype(np.float32)
-  y, idx = jp.max_pool_with_indices(x, window, **kw)
   ry, ridx = ref.max_pool_with_indices(x, window, **kw)
+  dy = rng.integers(-4, 5, ry.shape).astype(np.float32)
+
+  @jax.jit  # every op in one compile
+  def run(x, dy):
+    return (*jp.max_pool_with_indices(x, window, **kw), jp.max_pool(x, window, **kw),
+            jp.max_pool_grad(x, dy, window, **kw), jp.avg_pool(x, window, **kw),
+            jp.avg_pool_grad(dy, x.shape, window, **kw), jp.lp_pool(x, 3, window, **kw),
+            jp.lp_pool_grad(x, dy, 3, window, **kw))
+
+  y, idx, y2, dx, avg, davg, lp, dlp = run(x, dy)
   assert_bitwise(y, ry)
   assert_bitwise(idx, ridx)
-  assert_bitwise(jp.max_pool(x, window, **kw), ry)
-  dy = rng.integers(-4, 5, ry.shape).astype(np.float32)
-  assert_bitwise(jp.max_pool_grad(x, dy, window, **kw),
-                 ref.max_pool_grad(x, dy, window, **kw).astype(np.float32))
-  np.testing.assert_allclose(jp.avg_pool(x, window, **kw), ref.avg_pool(x, window, **kw),
+  assert_bitwise(y2, ry)
+  assert_bitwise(dx, ref.max_pool_grad(x, dy, window, **kw).astype(np.float32))
+  np.testing.assert_allclose(avg, ref.avg_pool(x, window, **kw), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(davg, ref.avg_pool_grad(dy, x.shape, window, **kw),
                              rtol=1e-5, atol=1e-5)
-  np.testing.assert_allclose(jp.avg_pool_grad(dy, x.shape, window, **kw),
-                             ref.avg_pool_grad(dy, x.shape, window, **kw), rtol=1e-5, atol=1e-5)
-  np.testing.assert_allclose(jp.lp_pool(x, 3, window, **kw), ref.lp_pool(x, 3, window, **kw),
-                             rtol=1e-5, atol=1e-5)
-  np.testing.assert_allclose(jp.lp_pool_grad(x, dy, 3, window, **kw),
-                             ref.lp_pool_grad(x, dy, 3, window, **kw), rtol=1e-4, atol=1e-4)
+  np.testing.assert_allclose(lp, ref.lp_pool(x, 3, window, **kw), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(dlp, ref.lp_pool_grad(x, dy, 3, window, **kw), rtol=1e-4,
+                             atol=1e-4)
 
 
 def test_large_window_forward_mode_and_vmap_of_grad(rng):
