@@ -120,13 +120,19 @@ def test_large_window_forward_mode_and_vmap_of_grad(rng):
   t = jnp.asarray(rng.standard_normal(x.shape), jnp.float32)
   cfg = dict(window_shape=(10, 10), strides=(3, 3), padding=1)
   f = lambda v: jp.max_pool(v, **cfg)
-  _, jvp_out = jax.jvp(f, (x,), (t,))
-  _, vjp = jax.vjp(f, x)
+  u = jnp.asarray(rng.standard_normal(jax.eval_shape(f, x).shape), jnp.float32)
+
+  @jax.jit  # one compile for the four
+  def run(x, t, u):
+    _, jvp_out = jax.jvp(f, (x,), (t,))
+    _, vjp = jax.vjp(f, x)
+    per_example = jax.vmap(jax.grad(lambda v: f(v[None]).sum()))(x)
+    return jvp_out, vjp(u)[0], per_example, jax.grad(lambda v: f(v).sum())(x)
+
+  jvp_out, vjp_u, per_example, whole = run(x, t, u)
   # <J t, u> == <t, J^T u>: forward and reverse mode describe the same linear map.
-  u = jnp.asarray(rng.standard_normal(jvp_out.shape), jnp.float32)
-  np.testing.assert_allclose(jnp.vdot(jvp_out, u), jnp.vdot(t, vjp(u)[0]), rtol=1e-5)
-  per_example = jax.vmap(jax.grad(lambda v: f(v[None]).sum()))(x)
-  assert_bitwise(per_example, jax.grad(lambda v: f(v).sum())(x))
+  np.testing.assert_allclose(np.vdot(jvp_out, u), np.vdot(t, vjp_u), rtol=1e-5)
+  assert_bitwise(per_example, whole)
 
 
 # ----------------------------------------------------------------------------- dtypes
@@ -329,14 +335,20 @@ def test_extreme_configs_match_reference(cfg, seed):
     return
   rng = np.random.default_rng(seed)
   x = rng.integers(-3, 4, shape).astype(dtype)
-  y, idx = jp.max_pool_with_indices(x, window, **kw)
   ry, ridx = ref.max_pool_with_indices(x, window, **kw)
+  floating = np.issubdtype(dtype, np.floating)
+  dy = rng.integers(-3, 4, ry.shape).astype(dtype) if floating else None
+
+  @jax.jit  # the forward and the gradient in one compile
+  def run(x, dy):
+    y, idx = jp.max_pool_with_indices(x, window, **kw)
+    return y, idx, None if dy is None else jp.max_pool_grad(x, dy, window, **kw)
+
+  y, idx, dx = run(x, dy)
   assert_bitwise(y, ry)
   assert_bitwise(idx, ridx)
-  if np.issubdtype(dtype, np.floating):
-    dy = rng.integers(-3, 4, ry.shape).astype(dtype)
-    assert_bitwise(jp.max_pool_grad(x, dy, window, **kw),
-                   ref.max_pool_grad(x, dy, window, **kw).astype(dtype))
+  if floating:
+    assert_bitwise(dx, ref.max_pool_grad(x, dy, window, **kw).astype(dtype))
 
 
 @settings(max_examples=40, deadline=None)
