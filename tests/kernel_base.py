@@ -73,7 +73,36 @@ def bits_equal(a, b):
       f"{np.sum(a != b)} of {a.size} differ")
 
 
+@functools.cache
+def _max_ops(kw_items, impl, backend):
+  """The max-pool ops of one configuration and implementation, jitted together: max_pool,
+  max_pool_with_indices, min_pool (the max kernel on -x) and max_pool's gradient. Cached (keyed
+  by the kernels' backend too), so that checks of the same configuration, dtype and shapes share
+  one compile of each kernel: in interpret mode on a CPU the compile is the cost."""
+  del backend  # (only a key: JAXPOOL_PALLAS_BACKEND picks the kernels while tracing)
+  kw = dict(kw_items)
+
+  @jax.jit
+  def run(x, xf, dy):
+    y = jaxpool.max_pool(x, **kw, implementation=impl)
+    yi, i = jaxpool.max_pool_with_indices(x, **kw, implementation=impl)
+    ymin = jaxpool.min_pool(x, **kw, implementation=impl)
+    g = jax.vjp(lambda v: jaxpool.max_pool(v, **kw, implementation=impl), xf)[1](dy)[0]
+    return y, yi, i, ymin, g
+
+  return run
+
+
+def compare_max_ops(kw, x, xf, dy):
+  """Every output of :func:`_max_ops`, the kernels against the XLA path, bit for bit."""
+  key = tuple(sorted(kw.items()))
+  for a, b in zip(_max_ops(key, "pallas", ops.backend())(x, xf, dy),
+                  _max_ops(key, "xla", None)(x, xf, dy), strict=True):
+    bits_equal(a, b)
+
+
 def check_max(rng, cfg, dtype):
+  """Forward (max and min), the argmax as flat indices, and the gradient."""
   shape, *geo = cfg
   kw = kw_of(*geo)
   x = data(rng, shape, dtype)
@@ -82,18 +111,7 @@ def check_max(rng, cfg, dtype):
   xf = jnp.where(jnp.abs(xf) < 0.3, jnp.asarray(0.25, dtype), xf)  # ties
   dy = data(rng, jax.eval_shape(lambda v: jaxpool.max_pool(v, **kw), xf).shape, dtype,
             special=False)
-
-  # One jit per implementation (one compile of each kernel): the forward, the argmax as flat
-  # indices, and the gradient.
-  @functools.partial(jax.jit, static_argnums=0)
-  def run(impl, x, xf, dy):
-    y = jaxpool.max_pool(x, **kw, implementation=impl)
-    yi, i = jaxpool.max_pool_with_indices(x, **kw, implementation=impl)
-    g = jax.vjp(lambda v: jaxpool.max_pool(v, **kw, implementation=impl), xf)[1](dy)[0]
-    return y, yi, i, g
-
-  for a, b in zip(run("pallas", x, xf, dy), run("xla", x, xf, dy), strict=True):
-    bits_equal(a, b)
+  compare_max_ops(kw, x, xf, dy)
   return x, xf, dy, kw
 
 
@@ -124,9 +142,11 @@ def check_avg(rng, cfg, dtype, count_include_pad, divisor_override):
                              atol=tol(dtype, taps))
 
 
-def check_vmap_grad_and_jvp(rng, x, kw):
+def check_vmap_grad_and_jvp(rng, x, kw, also=None):
   """Per-example gradients (vmap of grad) and jvp of a max + avg loss, Pallas against XLA;
-  returns the two losses."""
+  returns the two losses and, given ``also`` (a function of a loss and ``x``), its results for
+  each. Each implementation's transformations run in one jit: they share their kernels (vmap
+  folds its axis into the batch), which then compile once."""
   def loss(impl):
     def f(v):
       y = jaxpool.max_pool(v, **kw, implementation=impl)
@@ -134,16 +154,18 @@ def check_vmap_grad_and_jvp(rng, x, kw):
       return jnp.sum(y * y) + jnp.sum(jnp.sin(z))
     return f
 
+  @functools.partial(jax.jit, static_argnums=0)
+  def run(f, x, t):
+    return (jax.vmap(jax.grad(f))(x[:, None]), jax.jvp(f, (x,), (t,)),
+            None if also is None else also(f, x))
+
   p, q = loss("pallas"), loss("xla")
-  ga = jax.jit(jax.vmap(jax.grad(p)))(x[:, None])
-  gb = jax.jit(jax.vmap(jax.grad(q)))(x[:, None])
-  np.testing.assert_allclose(ga, gb, rtol=1e-6, atol=1e-6)
   t = data(rng, x.shape, jnp.float32, special=False)
-  jvp = jax.jit(lambda f, x, t: jax.jvp(f, (x,), (t,)), static_argnums=0)
-  (pa, ta), (pb, tb) = jvp(p, x, t), jvp(q, x, t)
+  (ga, (pa, ta), also_p), (gb, (pb, tb), also_q) = run(p, x, t), run(q, x, t)
+  np.testing.assert_allclose(ga, gb, rtol=1e-6, atol=1e-6)
   np.testing.assert_allclose(pa, pb, rtol=1e-6)
   np.testing.assert_allclose(ta, tb, rtol=1e-5)
-  return p, q
+  return p, q, (also_p, also_q)
 
 
 def check_empty_windows_and_all_neg_inf():
@@ -177,13 +199,4 @@ def check_signed_zeros(rng, cfg, dtype):
   xf = jnp.where(jnp.isnan(x) | jnp.isinf(x), jnp.zeros_like(x), x)
   dy = data(rng, jax.eval_shape(lambda v: jaxpool.max_pool(v, **kw), xf).shape, dtype,
             special=False)
-
-  @functools.partial(jax.jit, static_argnums=0)  # one compile per implementation
-  def run(impl, x, xf, dy):
-    y, i = jaxpool.max_pool_with_indices(x, **kw, implementation=impl)
-    pools = [pool(x, **kw, implementation=impl) for pool in (jaxpool.max_pool, jaxpool.min_pool)]
-    g = jax.vjp(lambda v: jaxpool.max_pool(v, **kw, implementation=impl), xf)[1](dy)[0]
-    return y, i, *pools, g
-
-  for a, b in zip(run("pallas", x, xf, dy), run("xla", x, xf, dy), strict=True):
-    bits_equal(a, b)
+  compare_max_ops(kw, x, xf, dy)  # (the compile check_max made for this config, if it ran)

@@ -65,13 +65,7 @@ def test_transformations(rng):
   """vmap(grad), jvp, hessian and shard_map, against the XLA path."""
   shape, window, strides, padding = (2, 6, 5, 3), (3, 3), (2, 2), 1
   x = data(rng, shape, jnp.float32, special=False)
-  p, q = check_vmap_grad_and_jvp(rng, x, dict(window_shape=window, strides=strides,
-                                               padding=padding))
-  # second order: jacfwd over jacrev
-  xs = x[:1, :4, :4, :1]
-  np.testing.assert_allclose(jax.jit(jax.hessian(p))(xs), jax.jit(jax.hessian(q))(xs),
-                             rtol=1e-5, atol=1e-6)
-  # shard_map over the batch (on every device there is)
+  # shard_map over the batch (on every device there is), in the same jit as vmap(grad) and jvp
   from jax.sharding import PartitionSpec as P
   try:
     from jax import shard_map
@@ -82,10 +76,18 @@ def test_transformations(rng):
            else {"check_rep": False})
   n = len(jax.devices())
   mesh = jax.sharding.Mesh(np.array(jax.devices()), ("b",))
-  xb = jnp.concatenate([x] * n)
-  sm = shard_map(jax.grad(p), mesh=mesh, in_specs=P("b"), out_specs=P("b"), **check)
-  np.testing.assert_allclose(jax.jit(sm)(xb), jnp.concatenate([jax.grad(q)(x)] * n),
-                             rtol=1e-6, atol=1e-6)
+
+  def sharded_grad(f, v):
+    sm = shard_map(jax.grad(f), mesh=mesh, in_specs=P("b"), out_specs=P("b"), **check)
+    return sm(jnp.concatenate([v] * n)), jax.grad(f)(v)
+
+  p, q, ((sm_p, _), (_, grad_q)) = check_vmap_grad_and_jvp(
+      rng, x, dict(window_shape=window, strides=strides, padding=padding), also=sharded_grad)
+  np.testing.assert_allclose(sm_p, jnp.concatenate([grad_q] * n), rtol=1e-6, atol=1e-6)
+  # second order: jacfwd over jacrev
+  xs = x[:1, :4, :4, :1]
+  np.testing.assert_allclose(jax.jit(jax.hessian(p))(xs), jax.jit(jax.hessian(q))(xs),
+                             rtol=1e-5, atol=1e-6)
 
 
 def test_backward_is_the_pallas_kernel():
@@ -288,8 +290,8 @@ def test_nd_transformations(rng):
   for shape, window, strides, fmt in (((2, 3, 7, 9), (3, 3), (2, 2), "channels_first"),
                                       ((2, 5, 6, 4, 2), (2, 3, 2), (2, 2, 1), "channels_last")):
     x = data(rng, shape, jnp.float32, special=False)
-    p, _ = check_vmap_grad_and_jvp(rng, x, dict(window_shape=window, strides=strides,
-                                                 padding=1, data_format=fmt))
+    p, _, _ = check_vmap_grad_and_jvp(rng, x, dict(window_shape=window, strides=strides,
+                                                    padding=1, data_format=fmt))
     assert "jaxpool_max_pool_gather_transpose" in str(jax.make_jaxpr(jax.grad(p))(x))
 
 
