@@ -8,6 +8,8 @@ the kernels and call them.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -71,25 +73,45 @@ def bits_equal(a, b):
       f"{np.sum(a != b)} of {a.size} differ")
 
 
+@functools.cache
+def _max_ops(kw_items, impl, backend):
+  """The max-pool ops of one configuration and implementation, jitted together: max_pool,
+  max_pool_with_indices, min_pool (the max kernel on -x) and max_pool's gradient. Cached (keyed
+  by the kernels' backend too), so that checks of the same configuration, dtype and shapes share
+  one compile of each kernel: in interpret mode on a CPU the compile is the cost."""
+  del backend  # (only a key: JAXPOOL_PALLAS_BACKEND picks the kernels while tracing)
+  kw = dict(kw_items)
+
+  @jax.jit
+  def run(x, xf, dy):
+    y = jaxpool.max_pool(x, **kw, implementation=impl)
+    yi, i = jaxpool.max_pool_with_indices(x, **kw, implementation=impl)
+    ymin = jaxpool.min_pool(x, **kw, implementation=impl)
+    g = jax.vjp(lambda v: jaxpool.max_pool(v, **kw, implementation=impl), xf)[1](dy)[0]
+    return y, yi, i, ymin, g
+
+  return run
+
+
+def compare_max_ops(kw, x, xf, dy):
+  """Every output of :func:`_max_ops`, the kernels against the XLA path, bit for bit."""
+  key = tuple(sorted(kw.items()))
+  for a, b in zip(_max_ops(key, "pallas", ops.backend())(x, xf, dy),
+                  _max_ops(key, "xla", None)(x, xf, dy), strict=True):
+    bits_equal(a, b)
+
+
 def check_max(rng, cfg, dtype):
+  """Forward (max and min), the argmax as flat indices, and the gradient."""
   shape, *geo = cfg
   kw = kw_of(*geo)
   x = data(rng, shape, dtype)
-  # forward, and the argmax as flat indices
-  bits_equal(jaxpool.max_pool(x, **kw, implementation="pallas"),
-              jaxpool.max_pool(x, **kw, implementation="xla"))
-  ya, ia = jaxpool.max_pool_with_indices(x, **kw, implementation="pallas")
-  yb, ib = jaxpool.max_pool_with_indices(x, **kw, implementation="xla")
-  bits_equal(ya, yb)
-  bits_equal(ia, ib)
   # gradient: NaN-free input so the cotangents are finite; dy has ties too
   xf = data(rng, shape, dtype, special=False)
   xf = jnp.where(jnp.abs(xf) < 0.3, jnp.asarray(0.25, dtype), xf)  # ties
-  dy = data(rng, jaxpool.max_pool(xf, **kw).shape, dtype, special=False)
-  grads = [jax.jit(lambda a, g, impl=impl: jax.vjp(
-      lambda v: jaxpool.max_pool(v, **kw, implementation=impl), a)[1](g)[0])(xf, dy)
-      for impl in ("pallas", "xla")]
-  bits_equal(*grads)
+  dy = data(rng, jax.eval_shape(lambda v: jaxpool.max_pool(v, **kw), xf).shape, dtype,
+            special=False)
+  compare_max_ops(kw, x, xf, dy)
   return x, xf, dy, kw
 
 
@@ -103,22 +125,28 @@ def check_avg(rng, cfg, dtype, count_include_pad, divisor_override):
   kw.update(count_include_pad=count_include_pad, divisor_override=divisor_override)
   taps = int(np.prod(geo[0]))
   x = data(rng, shape, dtype, special=False)
-  a = jaxpool.avg_pool(x, **kw, implementation="pallas")
-  b = jaxpool.avg_pool(x, **kw, implementation="xla")
+  dy = data(rng, jax.eval_shape(lambda v: jaxpool.avg_pool(v, **kw), x).shape, dtype,
+            special=False)
+
+  @functools.partial(jax.jit, static_argnums=0)  # forward and gradient: one compile
+  def run(impl, x, dy):
+    y, vjp = jax.vjp(lambda v: jaxpool.avg_pool(v, **kw, implementation=impl), x)
+    return y, vjp(dy)[0]
+
+  (a, ga), (b, gb) = run("pallas", x, dy), run("xla", x, dy)
   assert a.dtype == b.dtype and a.shape == b.shape
   np.testing.assert_allclose(np.float32(a), np.float32(b), rtol=tol(dtype, 1),
                              atol=tol(dtype, taps))
-  dy = data(rng, a.shape, dtype, special=False)
-  ga, gb = [jax.vjp(lambda v, impl=impl: jaxpool.avg_pool(v, **kw, implementation=impl),
-                    x)[1](dy)[0] for impl in ("pallas", "xla")]
   assert ga.dtype == gb.dtype == x.dtype
   np.testing.assert_allclose(np.float32(ga), np.float32(gb), rtol=tol(dtype, 1),
                              atol=tol(dtype, taps))
 
 
-def check_vmap_grad_and_jvp(rng, x, kw):
+def check_vmap_grad_and_jvp(rng, x, kw, also=None):
   """Per-example gradients (vmap of grad) and jvp of a max + avg loss, Pallas against XLA;
-  returns the two losses."""
+  returns the two losses and, given ``also`` (a function of a loss and ``x``), its results for
+  each. Each implementation's transformations run in one jit: they share their kernels (vmap
+  folds its axis into the batch), which then compile once."""
   def loss(impl):
     def f(v):
       y = jaxpool.max_pool(v, **kw, implementation=impl)
@@ -126,15 +154,18 @@ def check_vmap_grad_and_jvp(rng, x, kw):
       return jnp.sum(y * y) + jnp.sum(jnp.sin(z))
     return f
 
+  @functools.partial(jax.jit, static_argnums=0)
+  def run(f, x, t):
+    return (jax.vmap(jax.grad(f))(x[:, None]), jax.jvp(f, (x,), (t,)),
+            None if also is None else also(f, x))
+
   p, q = loss("pallas"), loss("xla")
-  ga = jax.jit(jax.vmap(jax.grad(p)))(x[:, None])
-  gb = jax.jit(jax.vmap(jax.grad(q)))(x[:, None])
-  np.testing.assert_allclose(ga, gb, rtol=1e-6, atol=1e-6)
   t = data(rng, x.shape, jnp.float32, special=False)
-  (pa, ta), (pb, tb) = jax.jvp(p, (x,), (t,)), jax.jvp(q, (x,), (t,))
+  (ga, (pa, ta), also_p), (gb, (pb, tb), also_q) = run(p, x, t), run(q, x, t)
+  np.testing.assert_allclose(ga, gb, rtol=1e-6, atol=1e-6)
   np.testing.assert_allclose(pa, pb, rtol=1e-6)
   np.testing.assert_allclose(ta, tb, rtol=1e-5)
-  return p, q
+  return p, q, (also_p, also_q)
 
 
 def check_empty_windows_and_all_neg_inf():
@@ -165,14 +196,7 @@ def check_signed_zeros(rng, cfg, dtype):
   x = rng.choice(np.array([-0.0, 0.0, -1.0, -np.inf, np.nan], np.float32), shape,
                  p=[0.4, 0.25, 0.25, 0.05, 0.05])
   x = jnp.asarray(x).astype(dtype)
-  ya, ia = jaxpool.max_pool_with_indices(x, **kw, implementation="pallas")
-  yb, ib = jaxpool.max_pool_with_indices(x, **kw, implementation="xla")
-  bits_equal(ya, yb)
-  bits_equal(ia, ib)
-  for pool in (jaxpool.max_pool, jaxpool.min_pool):
-    bits_equal(pool(x, **kw, implementation="pallas"), pool(x, **kw, implementation="xla"))
   xf = jnp.where(jnp.isnan(x) | jnp.isinf(x), jnp.zeros_like(x), x)
-  dy = data(rng, jaxpool.max_pool(xf, **kw).shape, dtype, special=False)
-  grads = [jax.vjp(lambda v, impl=impl: jaxpool.max_pool(v, **kw, implementation=impl),
-                   xf)[1](dy)[0] for impl in ("pallas", "xla")]
-  bits_equal(*grads)
+  dy = data(rng, jax.eval_shape(lambda v: jaxpool.max_pool(v, **kw), xf).shape, dtype,
+            special=False)
+  compare_max_ops(kw, x, xf, dy)  # (the compile check_max made for this config, if it ran)

@@ -572,33 +572,34 @@ def test_pallas_implementation(monkeypatch):
   x = normal(1, 6, 6, 2)
   w = normal(1, 3, 3, 2)
   ref = jax.jit(grad_of(f, w))(x)
-
-  def check(impl, want=None):
-    """The gradient with ``implementation=impl``; ``want``: the same bits from a call that ran
-    the same backend (else jaxpool.max_pool by hand is computed here)."""
-    g = jaxpool.optimize(f, implementation=impl)
-    names = prims(jax.make_jaxpr(grad_of(g, w))(x))
+  # An explicit implementation wins on any platform; None picks the kernels, as on a GPU (unless
+  # JAXPOOL_IMPLEMENTATION=xla).
+  monkeypatch.setattr(dispatch, "platform", lambda: "cuda")
+  impls = ["pallas", "xla"] + ([None] if dispatch.default_implementation() != "xla" else [])
+  for impl in impls:
+    names = prims(jax.make_jaxpr(grad_of(jaxpool.optimize(f, implementation=impl), w))(x))
     kernels = impl == "pallas" or (impl is None and kernels_by_default())
     assert ("pallas_call" in names) == kernels and "select_and_scatter_add" not in names, impl
-    if want is None:
-      hand = lambda x: jaxpool.max_pool(x, (3, 3), (2, 2), "SAME", activation="relu",
-                                        implementation=impl)
-      want = jax.jit(grad_of(hand, w))(x)
-    got = jax.jit(grad_of(g, w))(x)
-    bits(got, want, f"implementation={impl!r} vs jaxpool by hand")
-    like_xla(got, ref, f"implementation={impl!r} vs XLA", terms=9, implementation=impl)
-    return got
-
-  kernels = check("pallas")
-  check("xla")
-  monkeypatch.setattr(dispatch, "platform", lambda: "cuda")
-  if dispatch.default_implementation() == "xla":  # JAXPOOL_IMPLEMENTATION=xla
-    return
-  check(None, want=kernels)  # the kernels, as on a GPU
   # optimize of the gradient: XLA's select_and_scatter_add becomes the same kernels.
   og = jaxpool.optimize(grad_of(f, w))
-  assert "pallas_call" in prims(jax.make_jaxpr(og)(x))
-  bits(jax.jit(og)(x), kernels, "optimize(grad) vs jaxpool by hand")
+  if None in impls:
+    assert "pallas_call" in prims(jax.make_jaxpr(og)(x))
+
+  @jax.jit  # every gradient in one program: the kernels (the same in each) compile once
+  def run(x):
+    got = [grad_of(jaxpool.optimize(f, implementation=impl), w)(x) for impl in impls]
+    hand = {impl: grad_of(lambda v, impl=impl: jaxpool.max_pool(
+        v, (3, 3), (2, 2), "SAME", activation="relu", implementation=impl), w)(x)
+        for impl in ("pallas", "xla")}
+    return got, hand, og(x) if None in impls else None
+
+  got, hand, og_x = run(x)
+  for impl, g in zip(impls, got, strict=True):
+    # None runs the kernels here: the same bits as implementation="pallas" by hand
+    bits(g, hand["pallas" if impl is None else impl], f"implementation={impl!r} vs jaxpool by hand")
+    like_xla(g, ref, f"implementation={impl!r} vs XLA", terms=9, implementation=impl)
+  if None in impls:
+    bits(og_x, hand["pallas"], "optimize(grad) vs jaxpool by hand")
 
 
 def test_kernels_by_default_fall_back_to_xla(monkeypatch):

@@ -92,22 +92,27 @@ def test_large_windows_match_reference(rng, shape, window, kw):
   assert math.prod(window) > xla.UNROLL_TAPS
   # Small integers: many ties, and exact float sums.
   x = rng.integers(-3, 4, shape).astype(np.float32)
-  y, idx = jp.max_pool_with_indices(x, window, **kw)
   ry, ridx = ref.max_pool_with_indices(x, window, **kw)
+  dy = rng.integers(-4, 5, ry.shape).astype(np.float32)
+
+  @jax.jit  # every op in one compile
+  def run(x, dy):
+    return (*jp.max_pool_with_indices(x, window, **kw), jp.max_pool(x, window, **kw),
+            jp.max_pool_grad(x, dy, window, **kw), jp.avg_pool(x, window, **kw),
+            jp.avg_pool_grad(dy, x.shape, window, **kw), jp.lp_pool(x, 3, window, **kw),
+            jp.lp_pool_grad(x, dy, 3, window, **kw))
+
+  y, idx, y2, dx, avg, davg, lp, dlp = run(x, dy)
   assert_bitwise(y, ry)
   assert_bitwise(idx, ridx)
-  assert_bitwise(jp.max_pool(x, window, **kw), ry)
-  dy = rng.integers(-4, 5, ry.shape).astype(np.float32)
-  assert_bitwise(jp.max_pool_grad(x, dy, window, **kw),
-                 ref.max_pool_grad(x, dy, window, **kw).astype(np.float32))
-  np.testing.assert_allclose(jp.avg_pool(x, window, **kw), ref.avg_pool(x, window, **kw),
+  assert_bitwise(y2, ry)
+  assert_bitwise(dx, ref.max_pool_grad(x, dy, window, **kw).astype(np.float32))
+  np.testing.assert_allclose(avg, ref.avg_pool(x, window, **kw), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(davg, ref.avg_pool_grad(dy, x.shape, window, **kw),
                              rtol=1e-5, atol=1e-5)
-  np.testing.assert_allclose(jp.avg_pool_grad(dy, x.shape, window, **kw),
-                             ref.avg_pool_grad(dy, x.shape, window, **kw), rtol=1e-5, atol=1e-5)
-  np.testing.assert_allclose(jp.lp_pool(x, 3, window, **kw), ref.lp_pool(x, 3, window, **kw),
-                             rtol=1e-5, atol=1e-5)
-  np.testing.assert_allclose(jp.lp_pool_grad(x, dy, 3, window, **kw),
-                             ref.lp_pool_grad(x, dy, 3, window, **kw), rtol=1e-4, atol=1e-4)
+  np.testing.assert_allclose(lp, ref.lp_pool(x, 3, window, **kw), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(dlp, ref.lp_pool_grad(x, dy, 3, window, **kw), rtol=1e-4,
+                             atol=1e-4)
 
 
 def test_large_window_forward_mode_and_vmap_of_grad(rng):
@@ -115,13 +120,19 @@ def test_large_window_forward_mode_and_vmap_of_grad(rng):
   t = jnp.asarray(rng.standard_normal(x.shape), jnp.float32)
   cfg = dict(window_shape=(10, 10), strides=(3, 3), padding=1)
   f = lambda v: jp.max_pool(v, **cfg)
-  _, jvp_out = jax.jvp(f, (x,), (t,))
-  _, vjp = jax.vjp(f, x)
+  u = jnp.asarray(rng.standard_normal(jax.eval_shape(f, x).shape), jnp.float32)
+
+  @jax.jit  # one compile for the four
+  def run(x, t, u):
+    _, jvp_out = jax.jvp(f, (x,), (t,))
+    _, vjp = jax.vjp(f, x)
+    per_example = jax.vmap(jax.grad(lambda v: f(v[None]).sum()))(x)
+    return jvp_out, vjp(u)[0], per_example, jax.grad(lambda v: f(v).sum())(x)
+
+  jvp_out, vjp_u, per_example, whole = run(x, t, u)
   # <J t, u> == <t, J^T u>: forward and reverse mode describe the same linear map.
-  u = jnp.asarray(rng.standard_normal(jvp_out.shape), jnp.float32)
-  np.testing.assert_allclose(jnp.vdot(jvp_out, u), jnp.vdot(t, vjp(u)[0]), rtol=1e-5)
-  per_example = jax.vmap(jax.grad(lambda v: f(v[None]).sum()))(x)
-  assert_bitwise(per_example, jax.grad(lambda v: f(v).sum())(x))
+  np.testing.assert_allclose(np.vdot(jvp_out, u), np.vdot(t, vjp_u), rtol=1e-5)
+  assert_bitwise(per_example, whole)
 
 
 # ----------------------------------------------------------------------------- dtypes
@@ -324,14 +335,20 @@ def test_extreme_configs_match_reference(cfg, seed):
     return
   rng = np.random.default_rng(seed)
   x = rng.integers(-3, 4, shape).astype(dtype)
-  y, idx = jp.max_pool_with_indices(x, window, **kw)
   ry, ridx = ref.max_pool_with_indices(x, window, **kw)
+  floating = np.issubdtype(dtype, np.floating)
+  dy = rng.integers(-3, 4, ry.shape).astype(dtype) if floating else None
+
+  @jax.jit  # the forward and the gradient in one compile
+  def run(x, dy):
+    y, idx = jp.max_pool_with_indices(x, window, **kw)
+    return y, idx, None if dy is None else jp.max_pool_grad(x, dy, window, **kw)
+
+  y, idx, dx = run(x, dy)
   assert_bitwise(y, ry)
   assert_bitwise(idx, ridx)
-  if np.issubdtype(dtype, np.floating):
-    dy = rng.integers(-3, 4, ry.shape).astype(dtype)
-    assert_bitwise(jp.max_pool_grad(x, dy, window, **kw),
-                   ref.max_pool_grad(x, dy, window, **kw).astype(dtype))
+  if floating:
+    assert_bitwise(dx, ref.max_pool_grad(x, dy, window, **kw).astype(dtype))
 
 
 @settings(max_examples=40, deadline=None)

@@ -1,9 +1,10 @@
 """How the library sits in JAX and how its modules sit together: no global changes to JAX's
 state, no import circles, and the fused activation.
 
-Importing jaxpool and running every op under every transformation must leave JAX's rule tables
-as they were: the only entries it may add are the rules of jaxpool's own primitives (named
-``jaxpool_*``). The test runs in a fresh interpreter so that nothing else has imported jaxpool.
+Importing jaxpool, running every op's gradient and tracing and lowering every op under every
+transformation must leave JAX's rule tables as they were: the only entries it may add are the
+rules of jaxpool's own primitives (named ``jaxpool_*``). The test runs in a fresh interpreter so
+that nothing else has imported jaxpool.
 
 No module of jaxpool imports one that imports it back, directly or through others, at the top or
 lazily inside a function (the graph package's base node types sit in ``base.py`` for this).
@@ -59,9 +60,12 @@ _TABLES_SCRIPT = textwrap.dedent('''
         z = jaxpool.avg_pool(v, (2, 2), (2, 2), implementation=impl)
         return (y ** 2).sum() + y2.sum() + jnp.sin(z).sum() + i.sum()
       jax.jit(jax.grad(loss))(x)
-      jax.vmap(jax.grad(loss))(x[:, None])
-      jax.jvp(loss, (x,), (x,))
-      jax.hessian(loss)(x[:1, :3, :3, :1])
+      # Traced and lowered, not compiled: every rule that JAX looks up runs in Python while
+      # tracing and lowering; XLA's compiler (most of the time, for the kernels in interpret
+      # mode) reads no rule table.
+      jax.jit(jax.vmap(jax.grad(loss))).lower(x[:, None])
+      jax.jit(lambda v, loss=loss: jax.jvp(loss, (v,), (v,))).lower(x)
+      jax.jit(jax.hessian(loss)).lower(x[:1, :3, :3, :1])
     jax.grad(lambda v: jaxpool.lp_pool(v, 3, (2, 2)).sum())(x)
     jaxpool.max_unpool(*jaxpool.max_pool_with_indices(x, (2, 2), (2, 2)), (6, 6))
     after = snapshot()
@@ -193,17 +197,25 @@ def test_fused_relu_is_relu_after_the_pool(rng, kw, implementation):
   x = _tie_rich(rng, (2, 11, 10, 3))
   fused = lambda v: jaxpool.max_pool(v, **kw, activation="relu", implementation=implementation)
   unfused = lambda v: jax.nn.relu(jaxpool.max_pool(v, **kw, implementation=implementation))
-  assert_bitwise(fused(x), unfused(x))
-  assert_bitwise(fused(x), np.maximum(ref.max_pool(x, **kw), 0).astype(np.float32))
-  dy = rng.integers(-3, 4, fused(x).shape).astype(np.float32)
-  grad = lambda f: jax.vjp(f, jnp.asarray(x))[1](jnp.asarray(dy))[0]
-  assert_bitwise(grad(fused), grad(unfused))
-  # and against the reference: a window whose maximum is not positive sends nothing
   y = ref.max_pool(x, **kw)
-  assert_bitwise(grad(fused),
-                 ref.max_pool_grad(x, np.where(y > 0, dy, 0), **kw).astype(np.float32))
+  dy = rng.integers(-3, 4, y.shape).astype(np.float32)
   t = jnp.asarray(rng.standard_normal(x.shape), jnp.float32)
-  assert_bitwise(jax.jvp(fused, (x,), (t,))[1], jax.jvp(unfused, (x,), (t,))[1])
+
+  @jax.jit  # value, gradient and jvp of both, one compile
+  def run(x, dy, t):
+    out = []
+    for f in (fused, unfused):
+      value, vjp = jax.vjp(f, x)
+      out.append((value, vjp(dy)[0], jax.jvp(f, (x,), (t,))[1]))
+    return out
+
+  (y_fused, g_fused, t_fused), (y_unfused, g_unfused, t_unfused) = run(x, dy, t)
+  assert_bitwise(y_fused, y_unfused)
+  assert_bitwise(y_fused, np.maximum(y, 0).astype(np.float32))
+  assert_bitwise(g_fused, g_unfused)
+  # and against the reference: a window whose maximum is not positive sends nothing
+  assert_bitwise(g_fused, ref.max_pool_grad(x, np.where(y > 0, dy, 0), **kw).astype(np.float32))
+  assert_bitwise(t_fused, t_unfused)
 
 
 def test_fused_relu_bad_name():
