@@ -23,10 +23,11 @@ lint: $(STAMP)
 	$(PY) -m ruff check jaxpool tests examples benchmarks
 
 # `make test` = lint + the docstring examples + pytest + the docs site (warnings are errors) + mypy
-# + the packaging check.
+# + the packaging check. --dist loadfile: one worker runs a test file, so that a module's fixture
+# (test_sharding.py's 8-device subprocess) runs once.
 test: $(STAMP) lint
 	$(PY) -m pytest -q -p no:cacheprovider --doctest-modules jaxpool
-	$(PY) -m pytest -q -n 2 tests
+	$(PY) -m pytest -q -n 2 --dist loadfile tests
 	$(MAKE) docs types package-check
 
 docs: $(STAMP)
