@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint docs types package-check install clean
+.PHONY: demo test test-all lint docs types package-check install clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,10 +23,15 @@ lint: $(STAMP)
 	$(PY) -m ruff check jaxpool tests examples benchmarks
 
 # `make test` = lint + the docstring examples + pytest + the docs site (warnings are errors) + mypy
-# + the packaging check.
-test: $(STAMP) lint
+# + the packaging check. Its pytest leaves out the tests marked slow (more configurations of
+# checks that `make test` runs on fewer); `make test-all` runs them too, as does the GPU session
+# (benchmarks/gpu_session.sh). --dist loadfile: one worker runs a test file, so that a module's
+# fixture (test_sharding.py's 8-device subprocess) runs once.
+test: PYTEST_MARKS = not gpu and not slow
+test-all: PYTEST_MARKS = not gpu
+test test-all: $(STAMP) lint
 	$(PY) -m pytest -q -p no:cacheprovider --doctest-modules jaxpool
-	$(PY) -m pytest -q -n 2 tests
+	$(PY) -m pytest -q -n 2 --dist loadfile -m "$(PYTEST_MARKS)" tests
 	$(MAKE) docs types package-check
 
 docs: $(STAMP)

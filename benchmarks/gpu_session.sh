@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Calls on a lent GPU machine, logs under $OUT.
-#   PART=tests: the compiled Pallas tests, then the whole CPU suite under the GPU machine's JAX
-#     (default backend GPU, so implementation=None runs the Pallas kernels).
+#   PART=tests: the compiled Pallas tests, then the whole CPU suite (the tests marked slow
+#     included) under the GPU machine's JAX (default backend GPU, so implementation=None runs
+#     the Pallas kernels).
 #   PART=bench: benchmarks/gpu.py (kernels against XLA and PyTorch), the fused ReLU and
 #     jaxpool.optimize benchmarks, global/adaptive pooling, and the unroll threshold.
 # Wheels missing on the GPU image travel in .whl/ (see docs/compatibility.md).
@@ -18,8 +19,8 @@ cat "$OUT/gpu.txt"
 if [ "${PART:-tests}" = tests ]; then
   timeout 200 python3 -m pytest -q -p no:cacheprovider -p no:benchmark -n 4 -m gpu tests \
     > "$OUT/gpu_tests.log" 2>&1
-  timeout 330 python3 -m pytest -q -p no:cacheprovider -p no:benchmark -n 12 tests \
-    --ignore=tests/packaging_check.py > "$OUT/suite.log" 2>&1
+  timeout 330 python3 -m pytest -q -p no:cacheprovider -p no:benchmark -n 12 -m "not gpu" tests \
+    --ignore=tests/packaging_check.py > "$OUT/suite.log" 2>&1  # (-m "not gpu": slow ones too)
   echo "== gpu tests:"; grep -E "FAILED|ERROR" "$OUT/gpu_tests.log" | head; tail -1 "$OUT/gpu_tests.log"
   echo "== suite:"; grep -E "FAILED|ERROR" "$OUT/suite.log" | head -30; tail -1 "$OUT/suite.log"
 else

@@ -73,15 +73,20 @@ FLAX_CASES = [
 @pytest.mark.parametrize("shape,window,strides,padding", FLAX_CASES)
 def test_linen_max_pool_equals_flax(shape, window, strides, padding):
   x = ints(shape)
-  want = flat_batch(lambda v: nn.max_pool(v, window, strides, padding), x, window)
-  assert_same(jpl.max_pool(x, window, strides, padding), want)
-  assert_same(jax.jit(lambda v: jpl.MaxPool(window, strides, padding).apply({}, v))(x), want)
   # gradients, on distinct values (on ties the frameworks may pick different winners)
   xu = unique(shape)
-  g = jax.grad(lambda v: jnp.sum(jpl.max_pool(v, window, strides, padding) ** 2))(xu)
-  g_flax = jax.grad(lambda v: jnp.sum(flat_batch(
-      lambda u: nn.max_pool(u, window, strides, padding), v, window) ** 2))(xu)
-  assert_same(g, g_flax)
+  flax_max = lambda v: flat_batch(lambda u: nn.max_pool(u, window, strides, padding), v, window)
+
+  @jax.jit  # ours and Flax's in one compile
+  def run(x, xu):
+    want = flax_max(x)
+    g = jax.grad(lambda v: jnp.sum(jpl.max_pool(v, window, strides, padding) ** 2))(xu)
+    g_flax = jax.grad(lambda v: jnp.sum(flax_max(v) ** 2))(xu)
+    return [(jpl.max_pool(x, window, strides, padding), want),
+            (jpl.MaxPool(window, strides, padding).apply({}, x), want), (g, g_flax)]
+
+  for ours, theirs in run(x, xu):
+    assert_same(ours, theirs)
 
 
 @pytest.mark.parametrize("count_include_pad", [True, False])
@@ -90,14 +95,19 @@ def test_linen_avg_pool_equals_flax(shape, window, strides, padding, count_inclu
   x = unique(shape)
   flax_avg = lambda v: flat_batch(
       lambda u: nn.avg_pool(u, window, strides, padding, count_include_pad), v, window)
-  want = flax_avg(x)
-  assert_close(jpl.avg_pool(x, window, strides, padding, count_include_pad), want)
   layer = jpl.AvgPool(window, strides, padding, count_include_pad)
-  assert_close(layer.apply({}, x), want)
-  g = jax.grad(lambda v: jnp.sum(jpl.avg_pool(v, window, strides, padding,
-                                              count_include_pad) ** 2))(x)
-  g_flax = jax.grad(lambda v: jnp.sum(flax_avg(v) ** 2))(x)
-  assert_close(g, g_flax)
+
+  @jax.jit  # ours and Flax's in one compile
+  def run(x):
+    want = flax_avg(x)
+    g = jax.grad(lambda v: jnp.sum(jpl.avg_pool(v, window, strides, padding,
+                                                count_include_pad) ** 2))(x)
+    g_flax = jax.grad(lambda v: jnp.sum(flax_avg(v) ** 2))(x)
+    return [(jpl.avg_pool(x, window, strides, padding, count_include_pad), want),
+            (layer.apply({}, x), want), (g, g_flax)]
+
+  for ours, theirs in run(x):
+    assert_close(ours, theirs)
 
 
 def test_linen_avg_pool_default_counts_padding_like_flax():
@@ -197,15 +207,17 @@ def test_equinox_layers_equal_equinox(theirs, ours, shape, kw):
   x = ints(shape) if is_max else unique(shape)
   xb = unique((4, *shape))  # a batch: by vmap as in Equinox, and as a leading dim for ours
 
-  @eqx.filter_jit
-  def run(layer, x, xb):
-    grad = jax.grad(lambda v: jnp.sum(layer(v) ** 2))(xb[0])
-    return layer(x), jax.vmap(layer)(xb), grad
+  @eqx.filter_jit  # ours and Equinox's layer in one compile
+  def run(a, b, x, xb):
+    def outs(layer):
+      grad = jax.grad(lambda v: jnp.sum(layer(v) ** 2))(xb[0])
+      return layer(x), jax.vmap(layer)(xb), grad
+    # (and ours on the batch as a leading dim, against Equinox's vmap)
+    return [*zip(outs(b), outs(a), strict=True), (b(xb), jax.vmap(a)(xb))]
 
   check = assert_same if is_max else assert_close
-  for u, v in zip(run(b, x, xb), run(a, x, xb)):
+  for u, v in run(a, b, x, xb):
     check(u, v)
-  check(jax.jit(b)(xb), jax.vmap(a)(xb))
 
 
 def test_equinox_ceil_mode_average_equals_equinox():

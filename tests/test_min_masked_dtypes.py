@@ -144,12 +144,18 @@ def test_masked_max_min_equal_reference(case, dtype, rng):
   shape, kw = kwargs(case)
   x = sample(rng, shape, dtype)
   mask = random_mask(rng, shape)
-  y, idx = jp.max_pool_with_indices(x, mask=mask, **kw)
+
+  @jax.jit  # the three ops in one compile
+  def run(x, mask):
+    return (*jp.max_pool_with_indices(x, mask=mask, **kw), jp.max_pool(x, mask=mask, **kw),
+            jp.min_pool(x, mask=mask, **kw))
+
+  y, idx, y2, ymin = run(x, mask)
   want_y, want_idx = ref.max_pool_with_indices(x, mask=mask, **kw)
   assert_bitwise(y, want_y)
   assert_bitwise(idx, want_idx)
-  assert_bitwise(jp.max_pool(x, mask=mask, **kw), want_y)
-  assert_bitwise(jp.min_pool(x, mask=mask, **kw), ref.min_pool(x, mask=mask, **kw))
+  assert_bitwise(y2, want_y)
+  assert_bitwise(ymin, ref.min_pool(x, mask=mask, **kw))
 
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
@@ -175,21 +181,29 @@ def test_masked_avg_equals_reference(case, dtype, count_include_pad, rng):
   x[rng.random(shape) < 0.1] = np.nan  # only ever at masked elements: they must not leak
   mask = random_mask(rng, shape) & ~np.isnan(x)
   x = np.where(np.isnan(x) & (dtype == np.int32), 7, x).astype(dtype)
-  y = jp.avg_pool(x, mask=mask, count_include_pad=count_include_pad, **kw)
-  out_dtype = np.float32 if dtype == np.int32 else dtype
-  assert y.dtype == out_dtype
+  avg = lambda v, mask: jp.avg_pool(v, mask=mask, count_include_pad=count_include_pad, **kw)
   want = ref.avg_pool(x, mask=mask, count_include_pad=count_include_pad, **kw)
+  out_dtype = np.float32 if dtype == np.int32 else dtype
+  if dtype != np.float32:
+    y = avg(x, mask)
+    assert y.dtype == out_dtype
+    np.testing.assert_allclose(np.asarray(y, np.float64), want, **tol(out_dtype, 9))
+    return
+  dy = cotangent(rng, want.shape)
+
+  @jax.jit  # the average, its gradient and divisor_override in one compile
+  def run(x, mask, dy):
+    y, vjp = jax.vjp(lambda v: avg(v, mask), x)
+    return y, vjp(dy)[0], jp.avg_pool(x, mask=mask, divisor_override=5, **kw)
+
+  y, dx, y5 = run(x, mask, dy)
+  assert y.dtype == out_dtype
   np.testing.assert_allclose(np.asarray(y, np.float64), want, **tol(out_dtype, 9))
-  if dtype == np.float32:
-    y, vjp = jax.vjp(lambda v: jp.avg_pool(v, mask=mask, count_include_pad=count_include_pad,
-                                           **kw), x)
-    dy = cotangent(rng, y.shape)
-    want_dx = ref.avg_pool_grad(dy, shape, mask=mask, count_include_pad=count_include_pad, **kw)
-    np.testing.assert_allclose(vjp(dy)[0], want_dx, **tol(np.float32, 9))
-    # divisor_override still overrides
-    y5 = jp.avg_pool(x, mask=mask, divisor_override=5, **kw)
-    np.testing.assert_allclose(y5, ref.avg_pool(x, mask=mask, divisor_override=5, **kw),
-                               **tol(np.float32, 9))
+  want_dx = ref.avg_pool_grad(dy, shape, mask=mask, count_include_pad=count_include_pad, **kw)
+  np.testing.assert_allclose(dx, want_dx, **tol(np.float32, 9))
+  # divisor_override still overrides
+  np.testing.assert_allclose(y5, ref.avg_pool(x, mask=mask, divisor_override=5, **kw),
+                             **tol(np.float32, 9))
 
 
 def test_masked_hand_cases():
@@ -386,47 +400,73 @@ def _close(a, b, name):
   np.testing.assert_allclose(a.astype(np.float64), b.astype(np.float64), rtol=ulp, atol=ulp)
 
 
+FLAX_INTEROP = (((3, 3), (2, 1), "SAME"), ((2, 2), (2, 2), "VALID"),
+                ((2, 3), None, ((1, 0), (1, 1))))
+
+
 @pytest.mark.parametrize("name", INTEROP_DTYPES)
 def test_interop_flax_dtypes(name, rng):
   with jax.enable_x64(name == "float64"):
     x = _typed(rng, (2, 7, 6, 3), name)
-    for window, strides, padding in (((3, 3), (2, 1), "SAME"), ((2, 2), (2, 2), "VALID"),
-                                     ((2, 3), None, ((1, 0), (1, 1)))):
-      for ours, theirs in ((jpl.max_pool, nn.max_pool), (jpl.min_pool, flax_pooling.min_pool)):
-        y = ours(x, window, strides, padding)
-        assert_bitwise(y, theirs(x, window, strides, padding))
-      layer = jpn.MinPool(window, strides, padding)
-      assert_bitwise(layer(x), flax_pooling.min_pool(x, window, strides, padding))
-      assert_bitwise(jpl.MinPool(window, strides, padding).apply({}, x),
-                     flax_pooling.min_pool(x, window, strides, padding))
-      for cip in (True, False):
-        y = jpl.avg_pool(x, window, strides, padding, cip)
-        if name == "bool":  # Flax's reduce_window sum refuses bool; jaxpool averages it
+    if name == "bool":  # Flax's reduce_window sum refuses bool; jaxpool averages it
+      for window, strides, padding in FLAX_INTEROP:
+        for cip in (True, False):
           with pytest.raises(TypeError):
             nn.avg_pool(x, window, strides, padding, cip)
-          _close(y, ref.avg_pool(x, window, strides, padding, count_include_pad=cip), "float32")
-          continue
-        want = nn.avg_pool(x, window, strides, padding, cip)
-        if name == "int32" or cip:
-          assert y.dtype == want.dtype  # (Flax promotes float16 averages without cip)
-        _close(y, want, name)
+
+    @jax.jit  # every configuration, ours and Flax's: one compile
+    def run(x):
+      same, avgs = [], []
+      for window, strides, padding in FLAX_INTEROP:
+        for ours, theirs in ((jpl.max_pool, nn.max_pool), (jpl.min_pool, flax_pooling.min_pool)):
+          same.append((ours(x, window, strides, padding), theirs(x, window, strides, padding)))
+        want = flax_pooling.min_pool(x, window, strides, padding)
+        same.append((jpn.MinPool(window, strides, padding)(x), want))
+        same.append((jpl.MinPool(window, strides, padding).apply({}, x), want))
+        for cip in (True, False):
+          avgs.append((jpl.avg_pool(x, window, strides, padding, cip),
+                       None if name == "bool" else nn.avg_pool(x, window, strides, padding, cip)))
+      return same, avgs
+
+    same, avgs = run(x)
+    for ours, theirs in same:
+      assert_bitwise(ours, theirs)
+    configs = [(*c, cip) for c in FLAX_INTEROP for cip in (True, False)]
+    for (window, strides, padding, cip), (y, want) in zip(configs, avgs, strict=True):
+      if name == "bool":
+        _close(y, ref.avg_pool(x, window, strides, padding, count_include_pad=cip), "float32")
+        continue
+      if name == "int32" or cip:
+        assert y.dtype == want.dtype  # (Flax promotes float16 averages without cip)
+      _close(y, want, name)
+
+
+EQX_INTEROP = (dict(kernel_size=2, stride=2), dict(kernel_size=3, stride=2, padding=1),
+               dict(kernel_size=3, stride=2, padding=1, use_ceil=True),
+               dict(kernel_size=(2, 3), stride=(2, 2), use_ceil=True))
 
 
 @pytest.mark.parametrize("name", INTEROP_DTYPES)
 def test_interop_equinox_dtypes(name, rng):
   with jax.enable_x64(name == "float64"):
     x = _typed(rng, (3, 9, 8), name)
-    for kw in (dict(kernel_size=2, stride=2), dict(kernel_size=3, stride=2, padding=1),
-               dict(kernel_size=3, stride=2, padding=1, use_ceil=True),
-               dict(kernel_size=(2, 3), stride=(2, 2), use_ceil=True)):
-      assert_bitwise(jpe.MaxPool2d(**kw)(x), eqx.nn.MaxPool2d(**kw)(x))
-      ours = jpe.AvgPool2d(**kw)
-      if name == "bool":
+    if name == "bool":  # Equinox's average refuses bool
+      for kw in EQX_INTEROP:
         with pytest.raises(TypeError):
           eqx.nn.AvgPool2d(**kw)(x)
-        continue
-      theirs = eqx.nn.AvgPool2d(**kw)(x)
-      _close(ours(x), theirs, name)
+
+    @jax.jit  # every layer, ours and Equinox's: one compile
+    def run(x):
+      maxes = [(jpe.MaxPool2d(**kw)(x), eqx.nn.MaxPool2d(**kw)(x)) for kw in EQX_INTEROP]
+      avgs = [] if name == "bool" else [(jpe.AvgPool2d(**kw)(x), eqx.nn.AvgPool2d(**kw)(x))
+                                        for kw in EQX_INTEROP]
+      return maxes, avgs
+
+    maxes, avgs = run(x)
+    for ours, theirs in maxes:
+      assert_bitwise(ours, theirs)
+    for ours, theirs in avgs:
+      _close(ours, theirs, name)
 
 
 def test_equinox_ceil_average_equals_equinox():

@@ -190,19 +190,22 @@ def test_lax_max_pool_bits(case):
   x = normal(*shape)
   y = f(x)
   w = normal(*y.shape)
-  bits(jax.jit(g)(x), y, "forward")
-  want = jax.jit(grad_of(by_hand(case), w))(x)
-  got = jax.jit(grad_of(g, w))(x)
+  # optimize of the gradient: XLA's select_and_scatter_add is replaced too.
+  og = jaxpool.optimize(grad_of(f, w))
+
+  @jax.jit  # every program of the comparisons in one compile
+  def run(x):
+    return (g(x), grad_of(by_hand(case), w)(x), grad_of(g, w)(x), grad_of(f, w)(x), og(x))
+
+  y_opt, want, got, ref, og_x = run(x)
+  bits(y_opt, y, "forward")
   bits(got, want, "gradient vs jaxpool by hand")
-  ref = jax.jit(grad_of(f, w))(x)
   like_xla(got, ref, "gradient vs XLA (no ties)", terms=math.prod(window))
   rep = g.report(x)
   assert [d.op for d in rep.replaced] == ["reduce_window_max"], str(rep)
   assert "select_and_scatter_add" not in prims(jax.make_jaxpr(grad_of(g, w))(x))
-  # optimize of the gradient: XLA's select_and_scatter_add is replaced too.
-  og = jaxpool.optimize(grad_of(f, w))
   assert "select_and_scatter_add" not in prims(jax.make_jaxpr(og)(x))
-  bits(jax.jit(og)(x), want, "optimize(grad)")
+  bits(og_x, want, "optimize(grad)")
 
 
 @pytest.mark.parametrize("case", ["nhwc_same", "nchw", "hnwc_transposed", "3d"])
@@ -543,18 +546,18 @@ def test_models(kind):
   assert ops.count("custom_jvp_call(relu)") == ops.count("reduce_window_max"), str(rep)
   # Equinox models hold functions: its filtered transformations treat them as static, and
   # optimize does too.
-  step = lambda f: eqx.filter_jit(eqx.filter_value_and_grad(f))
-  (l0, g0), (l1, g1) = step(loss)(params, x, labels), step(opt)(params, x, labels)
+  # (the three steps in one compile)
+  steps = eqx.filter_jit(lambda *a: [eqx.filter_value_and_grad(f)(*a) for f in (loss, opt, hand)])
+  (l0, g0), (l1, g1), (lh, gh) = steps(params, x, labels)
   if kind == "equinox":
     # vmap batches jaxpool's gather by its batching rule in the hand-written loss, while optimize
-    # rewrites the already batched program: XLA fuses the two programs differently, and a bias
-    # gradient (a sum over batch and space) may round differently (a few ULPs on a CPU); the
-    # loss and every other gradient keep the same bits.
-    lh, gh = step(hand)(params, x, labels)
+    # rewrites the already batched program: XLA fuses the two differently, and a bias gradient (a
+    # sum over batch and space) may round differently (a few ULPs on a CPU); the loss and every
+    # other gradient keep the same bits.
     bits(l1, lh, "optimize vs jaxpool by hand: loss")
     close(g1, gh, 1e-6)
   else:
-    bits((l1, g1), step(hand)(params, x, labels), "optimize vs jaxpool by hand")
+    bits((l1, g1), (lh, gh), "optimize vs jaxpool by hand")
   # Against the original code: to rounding (XLA's average pools and, on a GPU or with the
   # kernels, XLA's max-pool gradients sum in another order).
   close(l1, l0, 1e-6)
@@ -685,23 +688,31 @@ def test_transforms(how):
   rep = g.report(x)
   assert rep.replaced and all(d.replaced or d.op.startswith("custom_") for d in rep.findings), (
       str(rep))
-  ref = jax.jit(grad_of(f, w))(x)
   if how == "vmap_grad":
     one = lambda block: lambda x: (block(x[None]) * w[:1]).sum()
-    got = jax.jit(jax.vmap(jax.grad(jaxpool.optimize(one(block)))))(x)
-    bits(got, jax.vmap(jax.grad(one(block_by_hand)))(x), "vs jaxpool by hand")
-    like_xla(got, jax.vmap(jax.grad(one(block)))(x), "vs XLA", terms=9)
+    per_example = lambda f: jax.vmap(jax.grad(f))(x)
+    got, by_hand, xla = jax.jit(lambda: (per_example(jaxpool.optimize(one(block))),
+                                         per_example(one(block_by_hand)),
+                                         per_example(one(block))))()
+    bits(got, by_hand, "vs jaxpool by hand")
+    like_xla(got, xla, "vs XLA", terms=9)
     return
   if how == "optimize_grad":
     og = jaxpool.optimize(grad_of(f, w))
-    bits(jax.jit(og)(x), jax.jit(grad_of(g, w))(x))
-    bits(jax.jit(og)(x), jax.jit(grad_of(hand, w))(x))
+    og_x, got, by_hand = jax.jit(lambda x: (og(x), grad_of(g, w)(x), grad_of(hand, w)(x)))(x)
+    bits(og_x, got)
+    bits(og_x, by_hand)
     assert "select_and_scatter_add" not in prims(jax.make_jaxpr(og)(x))
     return
-  bits(jax.jit(g)(x), jax.jit(hand)(x), "forward vs jaxpool by hand")
-  close(jax.jit(g)(x), jax.jit(f)(x))  # max pools are exact, average pools and convs round
-  got = jax.jit(grad_of(g, w))(x)
-  bits(got, jax.jit(grad_of(hand, w))(x), "gradient vs jaxpool by hand")
+
+  @jax.jit  # every program of the comparisons in one compile
+  def run(x):
+    return (g(x), hand(x), f(x), grad_of(g, w)(x), grad_of(hand, w)(x), grad_of(f, w)(x))
+
+  y, y_hand, y_f, got, got_hand, ref = run(x)
+  bits(y, y_hand, "forward vs jaxpool by hand")
+  close(y, y_f)  # max pools are exact, average pools and convs round
+  bits(got, got_hand, "gradient vs jaxpool by hand")
   if how == "cond":  # its average pool branch rounds differently from Flax's
     close(got, ref)
   else:

@@ -32,7 +32,16 @@ def test_max_matches_xla(rng, cfg):
   check_max(rng, cfg, jnp.float32)
 
 
-@pytest.mark.parametrize("cfg", CONFIGS_ND, ids=ND_IDS)
+# `make test` runs 3d_last_dilated_ceil and 2d_first_wide (channels_first, both code paths);
+# the other layouts' configurations are marked slow (`make test-all`, the GPU session). The
+# channels_first kernels keep 2-D and 1-D (stride 3) checks there in
+# test_small_blocks_take_both_paths.
+SLOW_ND = ("2d_first", "3d_first", "1d_first")
+
+
+@pytest.mark.parametrize("cfg", [
+    pytest.param(cfg, id=i, marks=pytest.mark.slow if i in SLOW_ND else ())
+    for cfg, i in zip(CONFIGS_ND, ND_IDS, strict=True)])
 def test_nd_and_channels_first_match_xla(rng, cfg):
   check_max(rng, cfg, jnp.float32)
   check_avg(rng, cfg, jnp.float32, cfg[-1] == "channels_first", None)
@@ -193,7 +202,8 @@ def test_gpu_deterministic(rng):
 
 @pytest.mark.parametrize("cfg", [GPU_CONFIGS[0], CONFIGS_ND[0], CONFIGS_ND[1], CONFIGS_ND[3]],
                          ids=["2d_last", "2d_first", "3d_last", "1d_first"])
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("dtype", [jnp.float32, pytest.param(jnp.bfloat16, marks=pytest.mark.slow)],
+                         ids=["f32", "bf16"])
 def test_lowers_to_triton(cfg, dtype):
   """Every kernel, compiled (not interpreted), lowers to a Triton call for CUDA, on any host:
   Pallas' Triton lowering runs; Triton's compiler (on a GPU) does not."""
@@ -285,6 +295,7 @@ def test_small_blocks_take_both_paths(rng, cfg):
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.slow  # (`make test` checks the same rules in 2-D channels_last: test_transformations)
 def test_nd_transformations(rng):
   """Per-example gradients (vmap of grad) and jvp through the 3-D and channels_first kernels."""
   for shape, window, strides, fmt in (((2, 3, 7, 9), (3, 3), (2, 2), "channels_first"),

@@ -76,12 +76,16 @@ def test_program_size_does_not_grow_with_the_window():
 
 # Configurations above the unroll threshold with every edge: padding, dilation, ceil mode,
 # empty windows, strides that skip elements, channels_first, two batch dims.
+# (`make test` runs the first and the last; the three between are marked slow.)
+slow = pytest.mark.slow
 LARGE = [
     ((2, 23, 21, 3), (9, 8), dict(strides=(2, 3), padding=((4, 2), (3, 7)), ceil_mode=True)),
-    ((1, 90, 2), (70,), dict(strides=(5,), padding=((69, 0),), dilation=(1,))),
-    ((2, 3, 30, 30), (6, 12), dict(strides=(4, 1), dilation=(3, 2), padding=2,
-                                   data_format="channels_first")),
-    ((2, 2, 9, 10, 11, 2), (5, 4, 4), dict(strides=(2, 3, 2), padding="SAME")),
+    pytest.param((1, 90, 2), (70,), dict(strides=(5,), padding=((69, 0),), dilation=(1,)),
+                 marks=slow),
+    pytest.param((2, 3, 30, 30), (6, 12), dict(strides=(4, 1), dilation=(3, 2), padding=2,
+                                               data_format="channels_first"), marks=slow),
+    pytest.param((2, 2, 9, 10, 11, 2), (5, 4, 4), dict(strides=(2, 3, 2), padding="SAME"),
+                 marks=slow),
     # above the sums' threshold too: average and Lp loop as well
     ((1, 40, 37, 2), (17, 17), dict(strides=(3, 4), padding=((4, 2), (0, 5)), ceil_mode=True)),
 ]

@@ -207,21 +207,30 @@ FLAX_PARITY = [
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
 def test_flax_parity_across_dtypes(dtype):
   with x64(dtype):
-    for k, (shape, window, strides, padding) in enumerate(FLAX_PARITY):
-      x = quarters(shape, dtype)
-      layer = [jpl.MaxPool(window, strides, padding).apply, None][k % 2]
-      ours = jpl.max_pool(x, window, strides, padding)
-      theirs = nn.max_pool(x, window, strides, padding)
+    xs = [quarters(shape, dtype) for shape, *_ in FLAX_PARITY]
+
+    @jax.jit  # every configuration, ours and Flax's: one compile
+    def run(xs):
+      maxes, avgs = [], []
+      for k, (x, (_, window, strides, padding)) in enumerate(zip(xs, FLAX_PARITY, strict=True)):
+        theirs = nn.max_pool(x, window, strides, padding)
+        maxes.append((jpl.max_pool(x, window, strides, padding), theirs))
+        if k % 2 == 0:
+          maxes.append((jpl.MaxPool(window, strides, padding).apply({}, x), theirs))
+        else:
+          maxes.append((jpn.MaxPool(window, strides, padding)(x), theirs))
+        for cip in (True, False):
+          avgs.append((jpl.avg_pool(x, window, strides, padding, cip),
+                       nn.avg_pool(x, window, strides, padding, cip)))
+        avgs.append((jpn.AvgPool(window, strides, padding)(x),
+                     nn.avg_pool(x, window, strides, padding)))
+      return maxes, avgs
+
+    maxes, avgs = run(xs)
+    for ours, theirs in maxes:
       assert_same(ours, theirs)
-      if layer is not None:
-        assert_same(layer({}, x), theirs)
-      else:
-        assert_same(jpn.MaxPool(window, strides, padding)(x), theirs)
-      for cip in (True, False):
-        theirs = nn.avg_pool(x, window, strides, padding, cip)
-        assert_avg_close(jpl.avg_pool(x, window, strides, padding, cip), theirs, dtype)
-      assert_avg_close(jpn.AvgPool(window, strides, padding)(x),
-                       nn.avg_pool(x, window, strides, padding), dtype)
+    for ours, theirs in avgs:
+      assert_avg_close(ours, theirs, dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
@@ -353,9 +362,14 @@ EQX_PARITY = [
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
 def test_equinox_parity_across_dtypes(dtype):
   with x64(dtype):
-    for name, shape, kw in EQX_PARITY:
-      x = quarters(shape, dtype)
-      ours, theirs = getattr(jpe, name)(**kw)(x), getattr(eqx.nn, name)(**kw)(x)
+    xs = [quarters(shape, dtype) for _, shape, _ in EQX_PARITY]
+
+    @jax.jit  # every layer, ours and Equinox's: one compile
+    def run(xs):
+      return [(getattr(jpe, name)(**kw)(x), getattr(eqx.nn, name)(**kw)(x))
+              for x, (name, _, kw) in zip(xs, EQX_PARITY, strict=True)]
+
+    for (name, _, _), (ours, theirs) in zip(EQX_PARITY, run(xs), strict=True):
       if name.startswith("Max"):
         assert_same(ours, theirs)
       else:
