@@ -146,6 +146,7 @@ def test_training_graph_equals_value_and_grad_under_jit(net, rng):
   assert not np.allclose(new_state["bn"]["mean"], state["bn"]["mean"])
 
 
+@pytest.mark.slow  # (make test-all and the GPU session run it)
 def test_training_graph_per_example_under_vmap(net, rng):
   """vmap over examples: per-example losses and gradients. Inside the vmapped function an
   example has no batch dims, so BatchNorm normalises each example over its own spatial dims
@@ -235,6 +236,7 @@ def test_relu_fold_trains_the_same_with_batch_norm(rng):
 # ----------------------------------------------------------------------------- pickling
 
 
+@pytest.mark.slow  # (make test-all and the GPU session run it)
 def test_pickle_with_the_default_initializers(net, rng):
   loss, g, tg, params, state = net
   assert g.node("conv1").weights_init == jg.Initializer("he_normal")   # the defaults

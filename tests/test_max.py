@@ -236,7 +236,7 @@ def test_no_batch_dims_and_many_batch_dims(rng):
   assert_bitwise(jp.max_pool(x, (2, 2)), ref.max_pool(x, (2, 2)))
 
 
-@SETTINGS
+@hypothesis.settings(SETTINGS, max_examples=6)
 @hypothesis.given(cfg=pool_configs(), seed=st.integers(0, 2**31 - 1))
 def test_cpu_phase_backward_is_jax_transpose(cfg, seed):
   """On a CPU the gradient is the transpose written by stride phase (``xla.scatter_to_taps``):

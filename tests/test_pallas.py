@@ -307,9 +307,11 @@ def test_nd_transformations(rng):
 
 
 @pytest.mark.parametrize("cfg,defer", [
-    (CONFIGS[0], "auto"), (CONFIGS[0], False), (CONFIGS[0], True), (CONFIGS_ND[1], True),
-    (CONFIGS_ND[4], True)], ids=["2d_last_auto_bf16", "2d_last_per_tap", "2d_last_deferred",
-                                 "3d_last_dilated_ceil_deferred", "2d_first_wide_deferred"])
+    (CONFIGS[0], "auto"), pytest.param(CONFIGS[0], False, marks=pytest.mark.slow),
+    (CONFIGS[0], True), pytest.param(CONFIGS_ND[1], True, marks=pytest.mark.slow),
+    pytest.param(CONFIGS_ND[4], True, marks=pytest.mark.slow)],
+    ids=["2d_last_auto_bf16", "2d_last_per_tap", "2d_last_deferred",
+         "3d_last_dilated_ceil_deferred", "2d_first_wide_deferred"])
 def test_signed_zeros_match_xla(rng, cfg, defer, monkeypatch):
   """The zero rule per tap and after the scan (``DEFER_ZERO_RULE``; "auto" defers for 16-bit
   channels_last kernels with taps)."""
