@@ -165,6 +165,7 @@ def test_training_graph_per_example_under_vmap(net, rng):
   assert_trees_close(new_state, state_ref, rtol=1e-6)
 
 
+@pytest.mark.slow  # (make test keeps test_graph_nodes.py's channels_first network)
 def test_channels_first_equals_channels_last(net, rng):
   loss_l, g, tg, params, state = net
   loss_f = every_node_network("channels_first")

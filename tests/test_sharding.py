@@ -18,28 +18,36 @@ SCRIPT = Path(__file__).with_name("sharding_checks.py")
 
 # Groups of checks: (name prefix, how many checks at least). A group that ran fewer checks
 # than expected fails too, so a check cannot vanish silently.
+# The groups marked slow run only in the script's full form (`make test-all`, the GPU session):
+# `make test` runs it with --quick, which leaves them out.
 GROUPS = [
-    ("jit/channels_last/explicit/batch+channels/", 12),
-    ("jit/channels_last/auto/batch+channels/", 7),  # (sharding_checks.SUBSET)
-    ("shard_map/channels_last/", 12),
-    ("jit/channels_first/explicit/batch+channels/", 7),
-    ("shard_map/channels_first/", 7),
-    ("jit/channels_last/spatial/", 3),
-    ("jit/1d/", 1),
-    ("jit/3d/", 1),
-    ("jit/data_parallel/", 1),
-    ("jit/pallas/explicit/", 1),
-    ("shard_map/vmap_grad", 1),
+    ("jit/channels_last/explicit/batch+channels/", 12, False),
+    ("jit/channels_last/auto/batch+channels/", 7, True),  # (sharding_checks.SUBSET)
+    ("shard_map/channels_last/", 12, False),
+    ("jit/channels_first/explicit/batch+channels/", 7, True),
+    ("shard_map/channels_first/", 7, True),
+    ("jit/channels_last/spatial/", 3, False),
+    ("jit/1d/", 1, True),
+    ("jit/3d/", 1, True),
+    ("jit/data_parallel/", 1, False),
+    ("jit/pallas/explicit/", 1, False),
+    ("shard_map/vmap_grad", 1, False),
 ]
 
 
+def _quick(config) -> bool:
+  """Whether this run leaves out the slow tests (then the script runs its --quick form)."""
+  return "not slow" in (config.getoption("markexpr") or "")
+
+
 @pytest.fixture(scope="module")
-def results():
+def results(request):
   env = dict(os.environ)
   env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8")
   env["JAX_PLATFORMS"] = "cpu"
-  proc = subprocess.run([sys.executable, str(SCRIPT)], env=env, capture_output=True, text=True,
-                        timeout=600)
+  quick = ["--quick"] if _quick(request.config) else []
+  proc = subprocess.run([sys.executable, str(SCRIPT), *quick], env=env, capture_output=True,
+                        text=True, timeout=600)
   out = {}
   for line in proc.stdout.splitlines():
     if line.startswith("{"):
@@ -51,7 +59,9 @@ def results():
   return out
 
 
-@pytest.mark.parametrize("prefix,minimum", GROUPS, ids=[g[0].strip("/") for g in GROUPS])
+@pytest.mark.parametrize("prefix,minimum", [
+    pytest.param(p, n, id=p.strip("/"), marks=pytest.mark.slow if slow else ())
+    for p, n, slow in GROUPS])
 def test_sharded_equals_one_device(results, prefix, minimum):
   group = {k: v for k, v in results.items() if k.startswith(prefix)}
   assert len(group) >= minimum, f"only {len(group)} checks named {prefix}*: {sorted(group)}"
@@ -62,7 +72,7 @@ def test_sharded_equals_one_device(results, prefix, minimum):
 def test_every_check_is_in_a_group(results):
   names = [k for k in results if k != "summary"]
   loose = [k for k in names
-           if not k.startswith("graph/") and not any(k.startswith(p) for p, _ in GROUPS)]
+           if not k.startswith("graph/") and not any(k.startswith(p) for p, _, _ in GROUPS)]
   assert not loose, loose
   assert results["summary"]["ok"] == all(results[k]["ok"] for k in names)
 
