@@ -1,16 +1,15 @@
-"""What the global max pool's index pass costs, with four forms of its test.
+"""What the global max pool's index pass costs, in its two forms.
 
-``jaxpool.global_max_pool`` differentiates through ``adaptive.first_max``: one reduction for the
-max, then one for the least index whose element is the max. The second reduction tests each
-element against the max with ``dtypes.same_value`` (equal with the same sign, or both NaN). This
-script times the global max pool's forward + backward (``jax.vjp``) with that test written four
-ways, against ``x.max(axis=(1, 2))`` with JAX's autodiff:
+``jaxpool.global_max_pool`` differentiates through ``adaptive.first_max``, the maximum and the
+index of its first occurrence, in one of two forms (both compare ``dtypes.order_key``, integers
+in the order of a max pool's scan):
 
-- ``same_value``: what the library does;
-- ``bits``: equal bit patterns, or both NaN (the same answer: equal floats with the same sign
-  have the same bits);
-- ``f32``: ``same_value`` on the values converted to float32;
-- ``eq``: plain ``==``, the cost floor (it gets ``-0.0`` against ``+0.0`` wrong).
+- ``two_pass``: the largest key, then the least index holding it (two plain reductions; what a
+  CPU runs);
+- ``keyed``: one variadic reduction, ``jnp.argmax`` of the keys (what other platforms run);
+
+against ``x.max(axis=(1, 2))`` with JAX's autodiff. (Runs 9 and 11, `results/raw/first_max_v9.log`
+and `first_max_v11.log`, timed earlier forms of the index pass's test.)
 
 Rounds alternate the variants. Prints a table and saves
 ``benchmarks/results/first_max_<backend>.json``.
@@ -25,30 +24,14 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from global_adaptive import RESULTS, distinct_data, time_all  # noqa: E402
-from jaxpool._src import adaptive, dtypes  # noqa: E402
+from jaxpool._src import adaptive  # noqa: E402
 
 SHAPES = [(128, 7, 7, 2048), (64, 56, 56, 256)]
-
-
-def _bits_rule(a, b):
-  if not jnp.issubdtype(a.dtype, jnp.floating):
-    return a == b
-  as_int = {16: jnp.int16, 32: jnp.int32, 64: jnp.int64}[dtypes.bits(a.dtype)]
-  same = lax.bitcast_convert_type(a, as_int) == lax.bitcast_convert_type(b, as_int)
-  return same | (jnp.isnan(a) & jnp.isnan(b))
-
-
-def _f32_rule(a, b):
-  return dtypes.same_value(a.astype(jnp.float32), b.astype(jnp.float32))
-
-
-VARIANTS = {"same_value": dtypes.same_value, "bits": _bits_rule, "f32": _f32_rule,
-            "eq": lambda a, b: a == b}
+FORMS = {"two_pass": adaptive.first_max_two_pass, "keyed": adaptive.first_max_keyed}
 
 
 def main() -> None:
@@ -56,34 +39,36 @@ def main() -> None:
   shapes = [(8, 7, 7, 64)] if quick else SHAPES
   repeats, inner = (3, 1) if quick else (30, 10)
   rows = []
+  library_form = adaptive.first_max_keyed
   for shape in shapes:
     for dtype in (jnp.bfloat16, jnp.float32):
       x = distinct_data(shape, dtype)
       dy = jax.random.normal(jax.random.key(1), (shape[0], shape[3]), dtype)
       calls = {}
-      for name, rule in VARIANTS.items():
-        adaptive.same_value = rule  # read when the jit below traces
+      for name, form in FORMS.items():
+        # first_max calls adaptive.first_max_keyed on a GPU: swapped while the jit traces
+        adaptive.first_max_keyed = form
 
         def run(a, g):
           y, vjp = jax.vjp(lambda v: adaptive._global_max(v, 2, True), a)
           return y, vjp(g)[0]
         fn = jax.jit(run)
-        jax.block_until_ready(fn(x, dy))  # traced now, with this rule
+        jax.block_until_ready(fn(x, dy))  # traced now, with this form
         calls[name] = (fn, (x, dy))
+      adaptive.first_max_keyed = library_form
 
       def base(a, g):
         y, vjp = jax.vjp(lambda v: v.max(axis=(1, 2)), a)
         return y, vjp(g)[0]
       calls["x.max autodiff"] = (jax.jit(base), (x, dy))
-      adaptive.same_value = dtypes.same_value
       t = time_all(calls, repeats, inner)
-      ref = calls["same_value"][0](x, dy)
+      ref = calls["keyed"][0](x, dy)
       for name, ms in t.items():
         out = calls[name][0](x, dy)
         same = all(np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
                    for a, b in zip(out, ref))
         rows.append(dict(shape=list(shape), dtype=jnp.dtype(dtype).name, variant=name,
-                         fwd_bwd_ms=round(ms, 4), same_as_library=same))
+                         fwd_bwd_ms=round(ms, 4), same_as_keyed=same))
   print(f"{'shape':<18} {'dtype':<9} {'variant':<15} {'fwd+bwd ms':>10} {'x.max/this':>10}")
   for r in rows:
     base = next(b["fwd_bwd_ms"] for b in rows if b["shape"] == r["shape"]

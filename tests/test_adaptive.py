@@ -671,3 +671,40 @@ def test_route_follows_the_kernels(monkeypatch):
   monkeypatch.setattr(dispatch, "platform", lambda: "cuda")
   assert _adaptive._route(plan) == "fixed"
   assert _adaptive._route(_adaptive._Plan((56, 56), (7, 7), True)) == "stages"  # 64 taps
+
+
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16, np.float16,
+                                   ml_dtypes.float8_e4m3fn, np.int8, np.int32, np.bool_],
+                         ids=lambda d: np.dtype(d).name)
+def test_first_max_forms_agree(dtype, rng):
+  """The GPU's one-reduction form (order keys, jnp.argmax) and the CPU's two reductions give
+  the same indices and the same bits, on data heavy with ties, signed zeros, NaN and infinities."""
+  vals = np.array([np.nan, -np.nan, np.inf, -np.inf, 0.0, -0.0, 1.0, -1.0, 2.0, 1e-40])
+  if np.dtype(dtype).kind in "iub":
+    vals = np.array([-3, 0, 1, 2, 1, 0])
+  x = jnp.asarray(rng.choice(vals, size=(3, 9, 4, 5)).astype(dtype))
+  for axis in (1, 3):
+    y2, i2 = jax.jit(_adaptive.first_max_two_pass, static_argnums=(1, 2))(x, axis, np.int16)
+    yk, ik = jax.jit(_adaptive.first_max_keyed, static_argnums=(1, 2))(x, axis, np.int16)
+    assert ik.dtype == i2.dtype == np.int16
+    np.testing.assert_array_equal(np.asarray(ik), np.asarray(i2))
+    y2, yk = np.asarray(y2), np.asarray(yk)
+    nan = np.isnan(y2.astype(np.float32)) & np.isnan(yk.astype(np.float32))
+    assert_same_bits(np.where(nan, 0, yk).astype(y2.dtype), np.where(nan, 0, y2).astype(y2.dtype))
+
+
+@pytest.mark.parametrize("dtype", [ml_dtypes.bfloat16, np.float16])
+def test_order_key_sorts_every_16_bit_value_as_max_pool_does(dtype):
+  """Every bit pattern: keys in the order of the values, -0.0 just below +0.0, NaN on top."""
+  from jaxpool._src import dtypes
+  v = np.arange(2**16, dtype=np.uint16).view(dtype)
+  keys = np.asarray(dtypes.order_key(jnp.asarray(v))).astype(np.int64)
+  with np.errstate(invalid="ignore"):
+    f = v.astype(np.float32).astype(np.float64)
+  nan = np.isnan(f)
+  assert (keys[nan] == np.iinfo(np.int16).max).all() and (keys[~nan] < np.iinfo(np.int16).max).all()
+  # ordered by (value, sign bit clear), the non-NaN keys rise strictly: equal values differ
+  # only as -0.0 and +0.0
+  num, k = f[~nan], keys[~nan]
+  order = np.lexsort((~np.signbit(num), num))
+  assert (np.diff(k[order]) > 0).all()

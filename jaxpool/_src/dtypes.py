@@ -109,19 +109,6 @@ def accumulator_dtype(dtype) -> np.dtype:
   return np.dtype(np.float32) if dtype.itemsize < 4 else dtype
 
 
-def same_value(a: Any, b: Any) -> Any:
-  """``a`` and ``b`` are the same value: equal with the same sign (so ``-0.0`` is not ``0.0``),
-  or both NaN."""
-  if not jnp.issubdtype(a.dtype, jnp.floating):
-    return a == b
-  # Equal numbers with the same sign have the same bits, and nothing else does but NaNs: one
-  # integer comparison (on an H100 the sign-bit form made a global max pool's index pass of
-  # bfloat16 data 1.3x slower; benchmarks/first_max_gpu.py).
-  as_int = {8: jnp.int8, 16: jnp.int16, 32: jnp.int32, 64: jnp.int64}[bits(a.dtype)]
-  same = lax.bitcast_convert_type(a, as_int) == lax.bitcast_convert_type(b, as_int)
-  return same | (jnp.isnan(a) & jnp.isnan(b))
-
-
 def beats(x: Any, best: Any) -> Any:
   """Whether ``x`` replaces the running maximum ``best`` of a window scanned in tap order.
 
@@ -140,3 +127,20 @@ def beats(x: Any, best: Any) -> Any:
   zero_up = (x == best) & (lax.bitcast_convert_type(x, as_int)
                            > lax.bitcast_convert_type(best, as_int))
   return (jnp.logical_not(x <= best) & (best == best)) | zero_up
+
+
+def order_key(v: Any) -> Any:
+  """Integers in the order of :func:`beats`: the first maximum of ``order_key(v)`` (as
+  ``jnp.argmax`` finds it) is where a max pool's scan of ``v`` ends.
+
+  Floats: the bits as signed integers, with the magnitude bits of negative values flipped (so
+  ``-0.0`` sorts just below ``+0.0``), and every NaN the largest key. Integers and bool: ``v``.
+  """
+  if not jnp.issubdtype(v.dtype, jnp.floating):
+    return v
+  n = bits(v.dtype)
+  as_int = {8: jnp.int8, 16: jnp.int16, 32: jnp.int32, 64: jnp.int64}[n]
+  top = np.array(np.iinfo(as_int).max, as_int)
+  b = lax.bitcast_convert_type(v, as_int)
+  key = b ^ ((b >> (n - 1)) & top)  # (an arithmetic shift: all ones for negative values)
+  return jnp.where(jnp.isnan(v), top, key)
