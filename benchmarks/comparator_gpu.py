@@ -6,15 +6,21 @@ NaN, or ``+0.0`` over ``-0.0`` (the last keeps the kernels' values equal to
 taps) on the cases of ``benchmarks/gpu.py`` whose forward fell below 0.8 of copy bandwidth, with:
 
 - ``bits``: the zero rule per tap as an integer comparison of the bit patterns of equal values
-  (``dtypes.beats``);
-- ``deferred``: the taps scanned without the zero rule, then a second scan for the first ``+0.0``
-  only in tiles where a window's winner is ``-0.0`` (``triton.DEFER_ZERO_RULE = True``; by
-  default the kernels do this only with taps, for 16-bit floats, channels_last, up to
-  ``DEFER_MAX_TAPS`` taps; here forced on every case; random normal data needs no second scan);
+  (``dtypes.beats``; what float32 kernels do);
+- ``zero_key``: for floats narrower than float32, compared in float32, ``-0.0`` replaced by the
+  smallest negative float32 (subnormal; no narrower float converts to it), so that one float
+  comparison a tap orders the zeros (``triton.ZERO_KEY``, the default of compiled 16-bit
+  kernels); the same as ``bits`` for float32;
 - ``none``: no zero rule (the first of ``-0.0`` and ``+0.0`` wins), the cost floor.
 
-Rounds alternate the variants, so drifting clocks affect them alike. Prints a table and saves
-``benchmarks/results/comparator_gpu.json``. Needs a GPU.
+(Runs 10, 11 and 13 also timed ``deferred``, the zero rule in a second scan only where a
+window's winner is ``-0.0``, and run 13 ``jnp.maximum`` for the kernels without taps, which
+does not order NaN and signed zeros as ``lax.max`` does on the GPU; both are gone from the
+kernels: ``results/raw/comparator_v13.log``.)
+
+Rounds alternate the variants, so drifting clocks affect them alike. ``--cases a,b`` runs the
+cases whose name contains ``a`` or ``b``; ``--variants bits,none`` the variants named. Prints a
+table and saves ``benchmarks/results/comparator_gpu.json``. Needs a GPU.
 """
 
 from __future__ import annotations
@@ -42,8 +48,8 @@ CASES = [
      "channels_first", jnp.float32),
     ("16x16x56x56x64 3x3x3/s2/p1 f32", (16, 16, 56, 56, 64), (3, 3, 3), (2, 2, 2), 1,
      "channels_last", jnp.float32),
-    # The worst case of the deferred rule: every value -0.0 or below, half of them -0.0 and a
-    # few +0.0, so nearly every tile scans its taps twice.
+    # Zeros everywhere: every value -0.0 or below, half of them -0.0 and a few +0.0 (the worst
+    # case of the deferred rule, which scanned such tiles twice).
     ("128x112x112x64 3x3/s2/p1 bf16, zero maxima", (128, 112, 112, 64), (3, 3), (2, 2), 1,
      "channels_last", jnp.bfloat16),
 ]
@@ -58,8 +64,16 @@ def _no_zero_rule(x, best):
 # (``signbit``, the zero rule through ``jnp.signbit``, and ``keys``, both values mapped to
 # integers in the kernels' order, measured slower than ``bits`` everywhere, H100 runs 9 and 10 in
 # benchmarks/results/raw/comparator_v9.log and comparator_v10.log; no longer timed.)
-VARIANTS = {"bits": (dtypes.beats, False), "deferred": (dtypes.beats, True),
+# name: (rule, ZERO_KEY)
+VARIANTS = {"bits": (dtypes.beats, False), "zero_key": (dtypes.beats, True),
             "none": (_no_zero_rule, False)}
+
+
+def _arg(name, default):
+  """``--name a,b``: the cases whose name contains one of a, b (or the variants named)."""
+  if name in sys.argv:
+    return sys.argv[sys.argv.index(name) + 1].split(",")
+  return default
 
 
 def _time(fn, x, reps=20, inner=10):
@@ -75,12 +89,14 @@ def _time(fn, x, reps=20, inner=10):
 
 
 def main():
+  cases = [c for c in CASES if any(p in c[0] for p in _arg("--cases", [""]))]
+  variants = {v: VARIANTS[v] for v in _arg("--variants", list(VARIANTS))}
   copy = jax.jit(lambda a: a + 1)
   big = jnp.zeros((2**28,), jnp.float32)
   copy_gbs = 2 * big.nbytes / _time(copy, big) / 1e6
   print(f"copy bandwidth: {copy_gbs:.0f} GB/s")
   rows = []
-  for name, shape, window, strides, padding, fmt, dtype in CASES:
+  for name, shape, window, strides, padding, fmt, dtype in cases:
     r = np.random.default_rng(0)
     x = r.standard_normal(shape, np.float32)
     if name.endswith("zero maxima"):
@@ -92,16 +108,16 @@ def main():
     n_out = int(np.prod(out))
     bytes_fwd = x.nbytes + n_out * x.dtype.itemsize
     bytes_taps = bytes_fwd + n_out
-    times = {v: {"fwd": [], "fwd_taps": []} for v in VARIANTS}
+    times = {v: {"fwd": [], "fwd_taps": []} for v in variants}
     for _ in range(3):  # rounds, alternating the variants
-      for v, (rule, defer) in VARIANTS.items():
-        pk.beats, pk.DEFER_ZERO_RULE = rule, defer
+      for v, (rule, key) in variants.items():
+        pk.beats, pk.ZERO_KEY = rule, key
         fwd = jax.jit(lambda a, g=geom: pk.max_forward(a, g, interpret=False))
         taps = jax.jit(lambda a, g=geom: pk.max_forward_taps(a, g, interpret=False))
         times[v]["fwd"].append(_time(fwd, x))
         times[v]["fwd_taps"].append(_time(taps, x))
-    pk.beats, pk.DEFER_ZERO_RULE = dtypes.beats, "auto"
-    for v in VARIANTS:
+    pk.beats, pk.ZERO_KEY = dtypes.beats, True
+    for v in variants:
       f, t = min(times[v]["fwd"]), min(times[v]["fwd_taps"])
       row = dict(case=name, variant=v, fwd_ms=f, fwd_taps_ms=t,
                  fwd_of_copy=bytes_fwd / f / 1e6 / copy_gbs,

@@ -306,20 +306,15 @@ def test_nd_transformations(rng):
     assert "jaxpool_max_pool_gather_transpose" in str(jax.make_jaxpr(jax.grad(p))(x))
 
 
-@pytest.mark.parametrize("cfg,defer", [
-    (CONFIGS[0], "auto"), pytest.param(CONFIGS[0], False, marks=pytest.mark.slow),
-    (CONFIGS[0], True), pytest.param(CONFIGS_ND[1], True, marks=pytest.mark.slow),
-    pytest.param(CONFIGS_ND[4], True, marks=pytest.mark.slow)],
-    ids=["2d_last_auto_bf16", "2d_last_per_tap", "2d_last_deferred",
-         "3d_last_dilated_ceil_deferred", "2d_first_wide_deferred"])
-def test_signed_zeros_match_xla(rng, cfg, defer, monkeypatch):
-  """The zero rule per tap and after the scan (``DEFER_ZERO_RULE``; "auto" defers for 16-bit
-  channels_last kernels with taps)."""
-  from jaxpool._src.pallas import triton as pk
-  monkeypatch.setattr(pk, "DEFER_ZERO_RULE", defer)
-  jax.clear_caches()
-  check_signed_zeros(rng, cfg, jnp.bfloat16 if defer == "auto" else jnp.float32)
-  jax.clear_caches()
+@pytest.mark.parametrize("cfg,dtype", [
+    (CONFIGS[0], jnp.bfloat16), (CONFIGS[0], jnp.float32),
+    pytest.param(CONFIGS_ND[1], jnp.float32, marks=pytest.mark.slow),
+    pytest.param(CONFIGS_ND[4], jnp.bfloat16, marks=pytest.mark.slow)],
+    ids=["2d_last_bf16", "2d_last_f32", "3d_last_dilated_ceil_f32", "2d_first_wide_bf16"])
+def test_signed_zeros_match_xla(rng, cfg, dtype):
+  """The zero rule per tap (interpret mode; compiled 16-bit kernels compare zero keys:
+  test_gpu_signed_zeros)."""
+  check_signed_zeros(rng, cfg, dtype)
 
 
 @gpu
@@ -328,3 +323,17 @@ def test_gpu_signed_zeros(rng, dtype):
   _need_gpu()
   for cfg in GPU_CONFIGS:
     check_signed_zeros(rng, cfg, dtype)
+
+
+@gpu
+def test_gpu_bfloat16_zero_rule_per_tap(rng, monkeypatch):
+  """Compiled bfloat16 kernels without the zero key (``ZERO_KEY = False``: the rule per tap,
+  as benchmarks/comparator_gpu.py times it) give the same bits too."""
+  _need_gpu()
+  from jaxpool._src.pallas import triton as pk
+  monkeypatch.setattr(pk, "ZERO_KEY", False)
+  jax.clear_caches()
+  for cfg in GPU_CONFIGS:
+    check_signed_zeros(rng, cfg, jnp.bfloat16)
+    check_max(rng, cfg, jnp.bfloat16)
+  jax.clear_caches()

@@ -240,19 +240,15 @@ def _window_kernel(x_ref, *out_refs, g: Geometry, bw: int, bl: int, lanes: int, 
       else np.dtype(dtype)
   low = lowest(dtype)
 
-  # The +0.0-over--0.0 rule, applied per tap, made the bfloat16 forward with taps 1.2x slower
-  # (H100, benchmarks/comparator_gpu.py). Deferred, the taps are scanned with the other rules
-  # only (the first of equal zeros wins), and a tile holding a window whose winner is -0.0 scans
-  # its taps again for the first +0.0: the same result, the second scan only where a window's
-  # maximum is -0.0. Measured: 16-bit channels_last forward with taps 0.64 -> 0.75 of copy
-  # bandwidth; but float32, channels_first and 27-tap 3-D kernels ran slower (the second scan's
-  # code costs them even unused: 3-D float32 forward 0.74 -> 0.41), so those keep the per-tap
-  # rule. (After a ReLU the zero's sign is gone: no second scan.)
-  defer = (mode != "avg" and activation is None and jnp.issubdtype(dtype, jnp.floating)
-           and (DEFER_ZERO_RULE is True
-                or (DEFER_ZERO_RULE == "auto" and mode == "argmax" and g.channels_last
-                    and dtype.itemsize == 2 and g.num_taps <= DEFER_MAX_TAPS)))
-  rule = _beats_but_zeros if defer else beats
+  # The +0.0-over--0.0 rule (dtypes.beats) costs an equality and an integer comparison a tap.
+  # Floats narrower than float32, compared in float32, leave the low bits of every value zero:
+  # one of those values can stand for -0.0 just below +0.0 (_zero_key), and then one float
+  # comparison a tap decides (H100, benchmarks/comparator_gpu.py run 13: bfloat16 forward with
+  # taps 0.65 -> 0.83 of the copy bandwidth). That value is subnormal, so compiled kernels only:
+  # the interpreter runs on XLA's CPU backend, which flushes subnormals to zero.
+  zero_key = (ZERO_KEY and not interpret and mode != "avg"
+              and jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4)
+  rule = _beats_but_zeros if zero_key else beats
 
   def load_tap(a, i, j, edge: bool, fill):
     """Tap ``(a, i, j)`` of the tile's windows, and where it is real (None: everywhere)."""
@@ -276,6 +272,8 @@ def _window_kernel(x_ref, *out_refs, g: Geometry, bw: int, bl: int, lanes: int, 
       # Masked taps read the lowest value: never greater than ``best``.
       xt, ok = load_tap(a, i, j, edge, low)
       xt = xt.astype(cmp_t)
+      if zero_key:
+        xt = _zero_key(xt)
       if mode == "max":
         best = xt if best is None else jnp.where(rule(xt, best), xt, best)
         continue
@@ -300,53 +298,44 @@ def _window_kernel(x_ref, *out_refs, g: Geometry, bw: int, bl: int, lanes: int, 
         div = tile.cols_of(jnp.where(cnt == 0, 1, cnt).astype(acc_t))
       tile.store(out_refs[0], out_at, (acc / div).astype(dtype), col_mask)
       return
+    if zero_key:
+      best = _zero_unkey(best)
     best, idx = apply_activation(best, idx, activation)  # (fused: no pass of its own)
     tile.store(out_refs[0], out_at, best.astype(dtype), col_mask)
     if mode == "argmax":
-      tile.store(out_refs[1], out_at, idx, col_mask)
-    if defer:
-      still = _is_negative_zero(best)
-      pl.when(jnp.max(still.astype(jnp.int32)) > 0)(
-          lambda: zeros_again(edge, best, idx, still, out_at))
-
-  def zeros_again(edge: bool, best, idx, still, out_at):
-    """Where a window's winner is -0.0: its first +0.0 tap, if it has one."""
-    for t, (a, i, j) in enumerate(g.taps()):
-      xt, _ = load_tap(a, i, j, edge, low)  # (masked taps read the lowest value: not +0.0)
-      take = still & _is_positive_zero(xt.astype(cmp_t))
-      best = jnp.where(take, jnp.zeros_like(best), best)
-      if idx is not None:
-        idx = jnp.where(take, np.array(t, idx_t), idx)
-      still = still & jnp.logical_not(take)
-    tile.store(out_refs[0], out_at, best.astype(dtype), col_mask)
-    if idx is not None:
       tile.store(out_refs[1], out_at, idx, col_mask)
 
   _both_paths(interior, body)
 
 
-# Where the max kernels apply the zero rule after the scan: "auto", where that was measured
-# faster (the kernels with taps, 16-bit floats, channels_last, windows of up to DEFER_MAX_TAPS
-# taps; see _window_kernel); True: every max kernel; False: none (benchmarks/comparator_gpu.py).
-DEFER_ZERO_RULE: bool | str = "auto"
-DEFER_MAX_TAPS = 9
+# Whether compiled max kernels of floats narrower than float32 compare zero keys (see
+# _window_kernel); False: dtypes.beats per tap, as float32 and interpret mode do
+# (benchmarks/comparator_gpu.py times both).
+ZERO_KEY = True
 
 
 def _beats_but_zeros(x, best):
-  """:func:`beats` without the zero rule: of equal zeros the first wins."""
+  """:func:`beats` without the zero rule (of equal zeros the first wins): for zero keys."""
   return jnp.logical_not(x <= best) & (best == best)
 
 
-def _float_bits(v):
-  return lax.bitcast_convert_type(v, {4: jnp.int32, 8: jnp.int64}[v.dtype.itemsize])
+_NEG_ZERO = np.array(np.iinfo(np.int32).min, np.int32)  # the bits of -0.0
+_NEG_ZERO_KEY = np.array(np.iinfo(np.int32).min + 1, np.int32)  # -1.4e-45
 
 
-def _is_negative_zero(v):
-  return _float_bits(v) == np.iinfo({4: np.int32, 8: np.int64}[v.dtype.itemsize]).min
+def _zero_key(v):
+  """A float32 ``v`` converted from a narrower float, with ``-0.0`` replaced by the smallest
+  negative float32 (subnormal), which no narrower float converts to: just below ``+0.0`` and
+  above every other value below zero. The order and the ties of every other value, NaN and
+  the infinities included, are unchanged."""
+  b = lax.bitcast_convert_type(v, jnp.int32)
+  return lax.bitcast_convert_type(jnp.where(b == _NEG_ZERO, _NEG_ZERO_KEY, b), jnp.float32)
 
 
-def _is_positive_zero(v):
-  return _float_bits(v) == 0
+def _zero_unkey(v):
+  """The inverse of :func:`_zero_key`."""
+  b = lax.bitcast_convert_type(v, jnp.int32)
+  return lax.bitcast_convert_type(jnp.where(b == _NEG_ZERO_KEY, _NEG_ZERO, b), jnp.float32)
 
 
 def _window_call(x: jax.Array, geom: Geometry, mode: str, interpret: bool,
