@@ -1,14 +1,12 @@
-"""What the global max pool's index pass costs, in its three forms.
+"""What the global max pool's index pass costs, in its two forms.
 
 ``jaxpool.global_max_pool`` differentiates through ``adaptive.first_max``, the maximum and the
-index of its first occurrence, in one of three forms (all compare ``dtypes.order_key``, integers
+index of its first occurrence, in one of two forms (both compare ``dtypes.order_key``, integers
 in the order of a max pool's scan):
 
 - ``two_pass``: the largest key, then the least index holding it (two plain reductions; what a
-  CPU runs for float32);
-- ``keyed``: one variadic reduction, ``jnp.argmax`` of the keys (what a GPU runs for float32);
-- ``packed``: floats of 16 bits or fewer, one integer max of the key and the index packed into
-  an int32 (every platform; the float32 rows leave it out);
+  CPU runs);
+- ``keyed``: one variadic reduction, ``jnp.argmax`` of the keys (what other platforms run);
 
 against ``x.max(axis=(1, 2))`` with JAX's autodiff. (Runs 9 and 11, `results/raw/first_max_v9.log`
 and `first_max_v11.log`, timed earlier forms of the index pass's test.)
@@ -33,17 +31,7 @@ from global_adaptive import RESULTS, distinct_data, time_all  # noqa: E402
 from jaxpool._src import adaptive  # noqa: E402
 
 SHAPES = [(128, 7, 7, 2048), (64, 56, 56, 256)]
-FORMS = ("two_pass", "keyed", "packed")
-
-
-def _use(form: str) -> None:
-  """Makes ``adaptive.first_max`` trace ``form``."""
-  adaptive._PACK = 1 << 16 if form == "packed" else 0
-  adaptive.first_max_keyed = (adaptive.first_max_two_pass if form == "two_pass"
-                              else LIBRARY_KEYED)
-
-
-LIBRARY_KEYED = adaptive.first_max_keyed
+FORMS = {"two_pass": adaptive.first_max_two_pass, "keyed": adaptive.first_max_keyed}
 
 
 def main() -> None:
@@ -51,15 +39,15 @@ def main() -> None:
   shapes = [(8, 7, 7, 64)] if quick else SHAPES
   repeats, inner = (3, 1) if quick else (30, 10)
   rows = []
+  library_form = adaptive.first_max_keyed
   for shape in shapes:
     for dtype in (jnp.bfloat16, jnp.float32):
       x = distinct_data(shape, dtype)
       dy = jax.random.normal(jax.random.key(1), (shape[0], shape[3]), dtype)
       calls = {}
-      for name in FORMS:
-        if name == "packed" and jnp.dtype(dtype).itemsize > 2:
-          continue
-        _use(name)  # (read while the jit below traces)
+      for name, form in FORMS.items():
+        # first_max calls adaptive.first_max_keyed on a GPU: swapped while the jit traces
+        adaptive.first_max_keyed = form
 
         def run(a, g):
           y, vjp = jax.vjp(lambda v: adaptive._global_max(v, 2, True), a)
@@ -67,7 +55,7 @@ def main() -> None:
         fn = jax.jit(run)
         jax.block_until_ready(fn(x, dy))  # traced now, with this form
         calls[name] = (fn, (x, dy))
-      _use("packed")  # (the library's choice)
+      adaptive.first_max_keyed = library_form
 
       def base(a, g):
         y, vjp = jax.vjp(lambda v: v.max(axis=(1, 2)), a)

@@ -57,8 +57,7 @@ from jax import lax
 from jaxpool._src import api, dispatch
 from jaxpool._src.api import (DataFormat, FloatIn, FloatOut, Implementation, IndicesOut, PoolIn,
                               PoolOut)
-from jaxpool._src.dtypes import (accumulator_dtype, bits, check_dtype, from_order_key, lowest,
-                                 order_key)
+from jaxpool._src.dtypes import accumulator_dtype, check_dtype, lowest, order_key
 from jaxpool._src.windows import DATA_FORMATS, check_choice, taps_dtype
 
 # Evenly dividing sizes whose bins hold at most this many elements go to the fixed-window ops
@@ -242,14 +241,10 @@ def first_max(v: jax.Array, axis: int, index_dtype: np.dtype) -> tuple[jax.Array
   ``-0.0`` (as in :func:`jaxpool.max_pool`, where the value at the index is the output).
   Differentiable (a ``custom_jvp``: the tangent at the index), so second order works.
 
-  Floats of 16 bits or fewer, along at most 65536 elements: one integer reduction
-  (:func:`first_max_packed`). Others: on a CPU, two integer reductions
-  (:func:`first_max_two_pass`); elsewhere one variadic reduction (:func:`first_max_keyed`). On an
-  H100 the variadic one made a global max pool's forward and backward 1.04-1.6x faster than two
-  reductions (``benchmarks/first_max_gpu.py``); XLA:CPU runs it 4-15x slower.
+  On a CPU, two plain reductions (:func:`first_max_two_pass`); elsewhere one variadic reduction
+  (:func:`first_max_keyed`). On an H100 the variadic one made a global max pool's forward and
+  backward 1.04-1.6x faster (``benchmarks/first_max_gpu.py``); XLA:CPU runs it 4-15x slower.
   """
-  if jnp.issubdtype(v.dtype, jnp.floating) and bits(v.dtype) <= 16 and v.shape[axis] <= _PACK:
-    return first_max_packed(v, axis, index_dtype)
   return lax.platform_dependent(
       v, cpu=functools.partial(first_max_two_pass, axis=axis, index_dtype=index_dtype),
       default=functools.partial(first_max_keyed, axis=axis, index_dtype=index_dtype))
@@ -272,22 +267,6 @@ def first_max_keyed(v: jax.Array, axis: int, index_dtype: np.dtype):
   the values at the indices."""
   idx = jnp.argmax(order_key(v), axis=axis).astype(index_dtype)
   return _at_index(v, idx, axis), idx
-
-
-_PACK = 1 << 16
-
-
-def first_max_packed(v: jax.Array, axis: int, index_dtype: np.dtype):
-  """:func:`first_max` of floats of 16 bits or fewer as one integer max: each element's
-  :func:`dtypes.order_key` in the high 16 bits of an int32 and ``65535 - index`` in the low
-  16, so that the largest is the first maximum. The values come back from the keys (a NaN
-  window gives a NaN)."""
-  key = order_key(v).astype(jnp.int32)
-  iota = lax.broadcasted_iota(jnp.int32, v.shape, axis)
-  low = np.array(_PACK - 1, np.int32)
-  top = jnp.max(lax.shift_left(key, np.array(16, np.int32)) | (low - iota), axis=axis)
-  idx = (low - (top & low)).astype(index_dtype)
-  return from_order_key(lax.shift_right_arithmetic(top, np.array(16, np.int32)), v.dtype), idx
 
 
 def _at_index(v: jax.Array, idx: jax.Array, axis: int) -> jax.Array:
