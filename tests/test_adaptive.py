@@ -674,11 +674,13 @@ def test_route_follows_the_kernels(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16, np.float16,
-                                   ml_dtypes.float8_e4m3fn, np.int8, np.int32, np.bool_],
+                                   ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e4m3fnuz,
+                                   ml_dtypes.float8_e8m0fnu, np.int8, np.int32, np.bool_],
                          ids=lambda d: np.dtype(d).name)
 def test_first_max_forms_agree(dtype, rng):
   """The GPU's one-reduction form (order keys, jnp.argmax) and the CPU's two reductions give
-  the same indices and the same bits, on data heavy with ties, signed zeros, NaN and infinities."""
+  the same indices and the same bits, on data heavy with ties, signed zeros, subnormals, NaN and
+  infinities."""
   vals = np.array([np.nan, -np.nan, np.inf, -np.inf, 0.0, -0.0, 1.0, -1.0, 2.0, 1e-40])
   if np.dtype(dtype).kind in "iub":
     vals = np.array([-3, 0, 1, 2, 1, 0])
@@ -708,3 +710,28 @@ def test_order_key_sorts_every_16_bit_value_as_max_pool_does(dtype):
   num, k = f[~nan], keys[~nan]
   order = np.lexsort((~np.signbit(num), num))
   assert (np.diff(k[order]) > 0).all()
+
+
+@pytest.mark.parametrize("dtype", [ml_dtypes.float8_e4m3fnuz, ml_dtypes.float8_e8m0fnu,
+                                   ml_dtypes.float8_e5m2],
+                         ids=lambda d: np.dtype(d).name)
+def test_global_max_of_narrow_floats(dtype, rng):
+  """Formats without a sign bit (e8m0fnu) or with NaN where -0.0 would be (fnuz): the
+  global max and its index against a NumPy loop over float32 values (first NaN, else the first
+  maximum)."""
+  vals = np.array([0.25, 0.5, 1.0, 2.0, 4.0, -1.0, -0.0, 0.0], np.float32)
+  if dtype == ml_dtypes.float8_e8m0fnu:  # (powers of two only; the rest would be NaN)
+    vals = vals[:5]
+  f = rng.choice(vals, size=(3, 4, 5, 2))
+  f[:, 1, 2, 1] = np.nan  # channel 1: a NaN in every window
+  with np.errstate(invalid="ignore", over="ignore"):
+    x = f.astype(dtype)
+  y, i = jaxpool.adaptive_max_pool_with_indices(jnp.asarray(x), (1, 1))
+  f = x.astype(np.float32)
+  for b, c in itertools.product(range(3), range(2)):
+    col = f[b, :, :, c].reshape(-1)
+    nan = np.flatnonzero(np.isnan(col))
+    want = nan[0] if nan.size else int(np.flatnonzero(col == col.max())[0])
+    assert int(np.asarray(i)[b, 0, 0, c]) == want, (b, c, col)
+    assert np.array_equal(np.asarray(y).astype(np.float32)[b, 0, 0, c], col[want],
+                          equal_nan=True)
