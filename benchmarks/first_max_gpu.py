@@ -1,17 +1,19 @@
-"""What the global max pool's index pass costs, in its two forms.
+"""What the global max pool's index pass costs, in the library's two forms and one more.
 
 ``jaxpool.global_max_pool`` differentiates through ``adaptive.first_max``, the maximum and the
-index of its first occurrence, in one of two forms (both compare ``dtypes.order_key``, integers
+index of its first occurrence, in one of two forms (all compare ``dtypes.order_key``, integers
 in the order of a max pool's scan):
 
 - ``two_pass``: the largest key, then the least index holding it (two plain reductions; what a
   CPU runs);
 - ``keyed``: one variadic reduction, ``jnp.argmax`` of the keys (what other platforms run);
+- ``keyed_max``: ``keyed`` with the values from ``jnp.max`` instead of a gather at the indices;
 
 against ``x.max(axis=(1, 2))`` with JAX's autodiff. (Runs 9 and 11, `results/raw/first_max_v9.log`
 and `first_max_v11.log`, timed earlier forms of the index pass's test.)
 
-Rounds alternate the variants. Prints a table and saves
+``--shape 128x7x7x2048`` times one shape; ``--long`` takes 90 samples instead of 30. Rounds
+alternate the variants. Prints a table and saves
 ``benchmarks/results/first_max_<backend>.json``.
 """
 
@@ -28,16 +30,28 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from global_adaptive import RESULTS, distinct_data, time_all  # noqa: E402
-from jaxpool._src import adaptive  # noqa: E402
+from jaxpool._src import adaptive, dtypes  # noqa: E402
 
 SHAPES = [(128, 7, 7, 2048), (64, 56, 56, 256)]
-FORMS = {"two_pass": adaptive.first_max_two_pass, "keyed": adaptive.first_max_keyed}
+
+
+def _keyed_max(v, axis, index_dtype):
+  """``keyed`` with the values from ``jnp.max`` (a reduction XLA may fuse with the argmax's)
+  instead of a gather at the indices."""
+  idx = jnp.argmax(dtypes.order_key(v), axis=axis).astype(index_dtype)
+  return jnp.max(v, axis=axis), idx
+
+
+FORMS = {"two_pass": adaptive.first_max_two_pass, "keyed": adaptive.first_max_keyed,
+         "keyed_max": _keyed_max}
 
 
 def main() -> None:
   quick = "--quick" in sys.argv
   shapes = [(8, 7, 7, 64)] if quick else SHAPES
-  repeats, inner = (3, 1) if quick else (30, 10)
+  if "--shape" in sys.argv:  # e.g. --shape 128x7x7x2048
+    shapes = [tuple(int(n) for n in sys.argv[sys.argv.index("--shape") + 1].split("x"))]
+  repeats, inner = (3, 1) if quick else (90 if "--long" in sys.argv else 30, 10)
   rows = []
   library_form = adaptive.first_max_keyed
   for shape in shapes:
