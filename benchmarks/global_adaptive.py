@@ -3,6 +3,7 @@
 Usage, from the repository root, on whatever backend JAX finds (CPU, GPU)::
 
   PYTHONPATH=$PWD python benchmarks/global_adaptive.py [--quick] [--repeats N] [--inner N]
+      [--in-jit K]
 
 Compared, each as an inference forward and as forward+backward (``jax.vjp``: ``y`` and ``dx``
 both returned, so neither pass is dead code):
@@ -24,7 +25,12 @@ of load on a shared machine meets both), and the median is reported. Arrays are 
 values are distinct within each (n, c) plane (no ties: both sides' gradients agree, and are
 compared).
 
-Prints a table and saves it as JSON: ``benchmarks/results/global_adaptive_<backend>[_quick].json``.
+``--in-jit K`` times the global rows only, each timed call running K calls chained in one jit
+(:func:`chained`): the GPU's time per call, where the host-timed calls are bound by launching
+them (128x7x7x2048 fits in an H100's 50 MB L2 cache; a call takes about 0.1 ms).
+
+Prints a table and saves it as JSON:
+``benchmarks/results/global_adaptive_<backend>[_quick][_in_jit<K>].json``.
 """
 
 from __future__ import annotations
@@ -73,6 +79,23 @@ def time_all(calls: dict, repeats: int, inner: int) -> dict:
   return {name: statistics.median(v) for name, v in times.items()}
 
 
+def chained(step, k: int):
+  """``k`` calls of ``step`` (returning an array or a tuple of arrays, its first argument an
+  array) in one jit, each reading the last one's result: every argument plus ``0 *`` the first
+  element of the last output, which XLA fuses into the readers and cannot fold away (``0 * x``
+  is NaN for an infinite ``x``). Nothing is computed once for all, and one launch from the host
+  runs them all: the time over ``k`` is the GPU's time for one call inside a bigger program (a
+  training step), without the host's cost of launching each call."""
+  def run(*args):
+    out = None
+    for _ in range(k):
+      out = step(*args)
+      c = jax.tree.leaves(out)[-1].reshape(-1)[0] * 0
+      args = tuple(a + c.astype(a.dtype) for a in args)
+    return out
+  return jax.jit(run)
+
+
 def distinct_data(shape, dtype) -> jax.Array:
   """``(N, H, W, C)`` data whose values are distinct within each (n, c) plane (no ties, so both
   sides' max gradients agree): an affine permutation of ``0 .. H*W - 1`` per plane, as float32
@@ -119,7 +142,7 @@ def reduce_window_adaptive(x: jax.Array, out: tuple[int, int], kind: str) -> jax
 
 
 def compare(group: str, case: str, x: jax.Array, base_name: str, base, ours_name: str, ours,
-            repeats: int, inner: int, route: str = "") -> dict:
+            repeats: int, inner: int, route: str = "", chain: int = 0) -> dict:
   print(f"  timing {group} {case} {jnp.dtype(x.dtype).name} {route}", file=sys.stderr,
         flush=True)
   y = jax.eval_shape(ours, x)
@@ -134,12 +157,15 @@ def compare(group: str, case: str, x: jax.Array, base_name: str, base, ours_name
       return y, vjp(g)[0]
     return jax.jit(run)
 
+  timed = (lambda f: chained(f, chain)) if chain else (lambda f: f)
   t = time_all({
-      "base_fwd": (fwd(base), (x,)),
-      "ours_fwd": (fwd(ours), (x,)),
-      "base_fwd_bwd": (fwd_bwd(base), (x, dy)),
-      "ours_fwd_bwd": (fwd_bwd(ours), (x, dy)),
+      "base_fwd": (timed(fwd(base)), (x,)),
+      "ours_fwd": (timed(fwd(ours)), (x,)),
+      "base_fwd_bwd": (timed(fwd_bwd(base)), (x, dy)),
+      "ours_fwd_bwd": (timed(fwd_bwd(ours)), (x, dy)),
   }, repeats, inner)
+  if chain:
+    t = {k: v / chain for k, v in t.items()}
   yb, gb = fwd_bwd(base)(x, dy)
   yo, go = fwd_bwd(ours)(x, dy)
   f32 = lambda a: np.asarray(a, np.float32)
@@ -161,17 +187,17 @@ def shape_str(shape) -> str:
   return "x".join(map(str, shape))
 
 
-def global_rows(shapes, dtypes, repeats, inner):
+def global_rows(shapes, dtypes, repeats, inner, chain=0):
   rows = []
   for shape in shapes:
     for dtype in dtypes:
       x = distinct_data(shape, dtype)
       rows.append(compare("global", f"avg {shape_str(shape)}", x, "x.mean(axis=(1,2))",
                           lambda v: v.mean(axis=(1, 2)), "global_avg_pool",
-                          jaxpool.global_avg_pool, repeats, inner))
+                          jaxpool.global_avg_pool, repeats, inner, chain=chain))
       rows.append(compare("global", f"max {shape_str(shape)}", x, "x.max(axis=(1,2))",
                           lambda v: v.max(axis=(1, 2)), "global_max_pool",
-                          jaxpool.global_max_pool, repeats, inner))
+                          jaxpool.global_max_pool, repeats, inner, chain=chain))
   return rows
 
 
@@ -222,6 +248,9 @@ def main():
   ap.add_argument("--quick", action="store_true", help="small shapes, fewer samples (CPU)")
   ap.add_argument("--repeats", type=int, default=None, help="samples per contender")
   ap.add_argument("--inner", type=int, default=None, help="calls per sample")
+  ap.add_argument("--in-jit", type=int, default=0, metavar="K",
+                  help="the global rows only, each call K chained calls in one jit (the GPU's "
+                       "time per call, without the host's launch cost; see chained)")
   args = ap.parse_args()
   backend = jax.default_backend()
   on_cpu = backend == "cpu"
@@ -238,17 +267,19 @@ def main():
     other = [((128, 13, 13, 512), (7, 7)), ((32, 5, 5, 256), (7, 7))]
 
   t0 = time.perf_counter()
-  rows = global_rows(global_shapes, dtypes, repeats, inner)
+  rows = global_rows(global_shapes, dtypes, repeats, inner, args.in_jit)
   # (--quick: the adaptive rows in float32 only, to stay near a minute on a 2-core CPU.)
-  rows += adaptive_rows(divisible, large, other, dtypes[:1] if args.quick else dtypes, repeats,
-                        inner)
+  if not args.in_jit:
+    rows += adaptive_rows(divisible, large, other, dtypes[:1] if args.quick else dtypes,
+                          repeats, inner)
   elapsed = time.perf_counter() - t0
 
   device = jax.devices()[0].device_kind
   cpu = platform.processor() or platform.machine()
   print(f"jaxpool global/adaptive benchmark: jax {jax.__version__}, backend {backend} "
         f"({device}; host {cpu}, {os.cpu_count()} cores); median of {repeats} samples of "
-        f"{inner} call(s); ms per call")
+        f"{inner} call(s); ms per call"
+        + (f" (each call {args.in_jit} chained in one jit)" if args.in_jit else ""))
   head = (f"{'case':30} {'dtype':8} {'baseline':28} {'route':15} {'fwd base/ours':>17} "
           f"{'x':>5} {'fwd+bwd base/ours':>19} {'x':>5} same")
   print(head)
@@ -263,7 +294,8 @@ def main():
         "reshapes and reductions, global = one reduction)")
   print(f"total {elapsed:.1f} s")
   os.makedirs(RESULTS, exist_ok=True)
-  name = f"global_adaptive_{backend}{'_quick' if args.quick else ''}.json"
+  name = (f"global_adaptive_{backend}{'_quick' if args.quick else ''}"
+          f"{f'_in_jit{args.in_jit}' if args.in_jit else ''}.json")
   with open(os.path.join(RESULTS, name), "w") as f:
     json.dump(dict(jax=jax.__version__, backend=backend, device=device, cores=os.cpu_count(),
                    repeats=repeats, inner=inner, rows=rows), f, indent=1)
