@@ -9,6 +9,7 @@ int32, bool, float16, bfloat16, float32 and float64.
 
 from __future__ import annotations
 
+import itertools
 import re
 
 import hypothesis.strategies as st
@@ -34,6 +35,16 @@ CASES = [
 ]
 IDS = [f"{len(c[1])}d-{c[6][9:]}-{i}" for i, c in enumerate(CASES)]
 DTYPES = [np.float32, np.float16, ml_dtypes.bfloat16, np.int32, np.int8, np.uint8, np.bool_]
+
+
+def dtype_grid(dtypes, *more):
+  """(case, dtype, *more) parameters. `make test` runs every case in float32 and every dtype on
+  case 2 (2-D, two batch dims, padding, ceil mode); the other pairs are marked slow."""
+  name = lambda d: d.__name__ if isinstance(d, type) else np.dtype(d).name
+  return [pytest.param(case, dtype, *rest, id="-".join([IDS[i], name(dtype), *map(str, rest)]),
+                       marks=() if dtype is np.float32 or i == 2 else pytest.mark.slow)
+          for i, case in enumerate(CASES) for dtype in dtypes
+          for rest in itertools.product(*more)]
 
 
 def kwargs(case):
@@ -67,8 +78,7 @@ def cotangent(rng, shape):
 # ------------------------------------------------------------------------------ min_pool
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
-@pytest.mark.parametrize("case", CASES, ids=IDS)
+@pytest.mark.parametrize("case,dtype", dtype_grid(DTYPES))
 def test_min_pool_equals_reference(case, dtype, rng):
   shape, kw = kwargs(case)
   x = sample(rng, shape, dtype)
@@ -137,9 +147,8 @@ def test_min_pool_pallas_interpret_equals_xla(rng):
 # ------------------------------------------------------------------------------ masked
 
 
-@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16, np.int32, np.bool_],
-                         ids=lambda d: np.dtype(d).name)
-@pytest.mark.parametrize("case", CASES, ids=IDS)
+@pytest.mark.parametrize("case,dtype", dtype_grid([np.float32, ml_dtypes.bfloat16, np.int32,
+                                                  np.bool_]))
 def test_masked_max_min_equal_reference(case, dtype, rng):
   shape, kw = kwargs(case)
   x = sample(rng, shape, dtype)
@@ -172,9 +181,8 @@ def test_masked_gradients_exact(case, rng):
     assert not np.asarray(dx)[~np.broadcast_to(mask, shape)].any()  # masked: no gradient
 
 
-@pytest.mark.parametrize("count_include_pad", [True, False])
-@pytest.mark.parametrize("dtype", [np.float32, np.int32], ids=lambda d: d.__name__)
-@pytest.mark.parametrize("case", CASES, ids=IDS)
+@pytest.mark.parametrize("case,dtype,count_include_pad",
+                         dtype_grid([np.float32, np.int32], [True, False]))
 def test_masked_avg_equals_reference(case, dtype, count_include_pad, rng):
   shape, kw = kwargs(case)
   x = rng.integers(-3, 4, size=shape).astype(np.float64)
@@ -271,10 +279,26 @@ def test_large_window_loop_path(rng):
   assert_bitwise(vjp(dy)[0], ref.max_pool_grad(x, dy, mask=mask, **kw).astype(np.float32))
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(cfg=pool_configs(max_nspatial=2), seed=st.integers(0, 2**31 - 1),
-       op=st.sampled_from(["max", "min", "avg"]), masked=st.booleans())
+PROPERTY = dict(cfg=pool_configs(max_nspatial=2), seed=st.integers(0, 2**31 - 1),
+                op=st.sampled_from(["max", "min", "avg"]), masked=st.booleans())
+PROPERTY_SETTINGS = settings(max_examples=25, deadline=None,
+                             suppress_health_check=[HealthCheck.too_slow])
+
+
+@settings(PROPERTY_SETTINGS, max_examples=12)
+@given(**PROPERTY)
 def test_property_against_reference(cfg, seed, op, masked):
+  _check_property(cfg, seed, op, masked)
+
+
+@pytest.mark.slow  # (`make test` runs 12 examples: test_property_against_reference)
+@PROPERTY_SETTINGS
+@given(**PROPERTY)
+def test_property_against_reference_more_examples(cfg, seed, op, masked):
+  _check_property(cfg, seed, op, masked)
+
+
+def _check_property(cfg, seed, op, masked):
   shape, kw = split(cfg)
   rng = np.random.default_rng(seed)
   x = sample(rng, shape, np.float32)

@@ -27,15 +27,19 @@ from jaxpool._src.pallas import ops
 # ----------------------------------------------------------------------------- CPU (interpret)
 
 
-@pytest.mark.parametrize("cfg", CONFIGS, ids=["2d_overlap", "2d_dilated_ceil", "1d_edge"])
+@pytest.mark.parametrize("cfg", [
+    CONFIGS[0],
+    # (`make test` checks dilation and ceil mode channels_last in
+    # test_nd_and_channels_first_match_xla[3d_last_dilated_ceil])
+    pytest.param(CONFIGS[1], marks=pytest.mark.slow),
+    CONFIGS[2]], ids=["2d_overlap", "2d_dilated_ceil", "1d_edge"])
 def test_max_matches_xla(rng, cfg):
   check_max(rng, cfg, jnp.float32)
 
 
 # `make test` runs 3d_last_dilated_ceil and 2d_first_wide (channels_first, both code paths);
 # the other layouts' configurations are marked slow (`make test-all`, the GPU session). The
-# channels_first kernels keep 2-D and 1-D (stride 3) checks there in
-# test_small_blocks_take_both_paths.
+# channels_first kernels keep a 1-D (stride 3) check there in test_small_blocks_take_both_paths.
 SLOW_ND = ("2d_first", "3d_first", "1d_first")
 
 
@@ -53,6 +57,8 @@ def test_nd_bfloat16_avg_divisor(rng):
   check_avg(rng, CONFIGS_ND[2], jnp.bfloat16, False, 5)
 
 
+@pytest.mark.slow  # (`make test` checks bfloat16 max pooling in test_signed_zeros_match_xla's
+# 2d_last_bf16: values, taps, min and gradient on ties, NaN, -inf and signed zeros)
 def test_max_bfloat16_matches_xla(rng):
   check_max(rng, ((1, 5, 7, 6), (3, 3), (2, 2), 1, None, False), jnp.bfloat16)
 
@@ -71,6 +77,16 @@ def test_empty_windows_and_all_neg_inf():
 
 
 def test_transformations(rng):
+  """vmap(grad) and jvp, against the XLA path (shard_map and the hessian:
+  test_transformations_shard_map_and_hessian)."""
+  x = data(rng, (2, 6, 5, 3), jnp.float32, special=False)
+  check_vmap_grad_and_jvp(rng, x, dict(window_shape=(3, 3), strides=(2, 2), padding=1))
+
+
+@pytest.mark.slow  # (`make test` keeps vmap(grad) and jvp: test_transformations; the kernels in
+# shard_map: test_sharding.py's Pallas check on the Explicit mesh; test_structure.py lowers their
+# hessian)
+def test_transformations_shard_map_and_hessian(rng):
   """vmap(grad), jvp, hessian and shard_map, against the XLA path."""
   shape, window, strides, padding = (2, 6, 5, 3), (3, 3), (2, 2), 1
   x = data(rng, shape, jnp.float32, special=False)
@@ -182,7 +198,7 @@ def test_gpu_avg_matches_xla(rng, dtype, cip, div):
 @gpu
 def test_gpu_transformations(rng):
   _need_gpu()
-  test_transformations(rng)
+  test_transformations_shard_map_and_hessian(rng)
   test_empty_windows_and_all_neg_inf()
   test_backward_is_the_pallas_kernel()
 
@@ -200,7 +216,11 @@ def test_gpu_deterministic(rng):
   assert "jaxpool_max_pool_bwd" in f.lower(x, dy).as_text()
 
 
-@pytest.mark.parametrize("cfg", [GPU_CONFIGS[0], CONFIGS_ND[0], CONFIGS_ND[1], CONFIGS_ND[3]],
+# (`make test` lowers 2d_first and 3d_last: every kernel in both layouts; 1-D and 2-D pools run
+# the same 3-D kernels)
+@pytest.mark.parametrize("cfg", [pytest.param(GPU_CONFIGS[0], marks=pytest.mark.slow),
+                                 CONFIGS_ND[0], CONFIGS_ND[1],
+                                 pytest.param(CONFIGS_ND[3], marks=pytest.mark.slow)],
                          ids=["2d_last", "2d_first", "3d_last", "1d_first"])
 @pytest.mark.parametrize("dtype", [jnp.float32, pytest.param(jnp.bfloat16, marks=pytest.mark.slow)],
                          ids=["f32", "bf16"])
@@ -263,8 +283,12 @@ def test_platform_names_rocm(monkeypatch):
   assert dispatch.platform() == "cuda"
 
 
-@pytest.mark.parametrize("cfg", [CONFIGS[0], CONFIGS_ND[0], CONFIGS_ND[3]],
-                         ids=["2d_last", "2d_first", "1d_first_stride3"])
+@pytest.mark.parametrize("cfg", [
+    CONFIGS[0],
+    # (`make test` keeps channels_first's two code paths at its own block size in
+    # test_nd_and_channels_first_match_xla[2d_first_wide], small blocks in 1d_first_stride3)
+    pytest.param(CONFIGS_ND[0], marks=pytest.mark.slow),
+    CONFIGS_ND[3]], ids=["2d_last", "2d_first", "1d_first_stride3"])
 def test_small_blocks_take_both_paths(rng, cfg):
   """Blocks of 2 columns and 2 lanes, so that a small image has interior blocks (no masks) and
   edge blocks: every kernel, both code paths, against the XLA path."""

@@ -34,6 +34,15 @@ def _tpu_kernels(monkeypatch):
   assert ops.backend() == "tpu"
 
 
+# The TPU kernels are opt-in and never compiled here: `make test` keeps one check of each kind
+# (test_max_bfloat16_channel_blocks, test_avg_matches_xla, test_empty_windows_and_all_neg_inf,
+# test_kernels_in_tpu_interpreter[stride_gt_window_ceil], test_lowers_to_mosaic); the other
+# configurations are marked slow.
+
+
+@pytest.mark.slow  # (`make test` checks max pooling through ops.py in
+# test_max_bfloat16_channel_blocks, overlapping windows, and every float32 max kernel in
+# test_kernels_in_tpu_interpreter)
 @pytest.mark.parametrize("cfg", base.CONFIGS, ids=["2d_overlap", "2d_dilated_ceil", "1d_edge"])
 def test_max_matches_xla(rng, cfg):
   base.check_max(rng, cfg, jnp.float32)
@@ -54,6 +63,8 @@ def test_empty_windows_and_all_neg_inf():
   base.check_empty_windows_and_all_neg_inf()
 
 
+@pytest.mark.slow  # (`make test` checks the same rules, ops.py's for both backends, through the
+# Triton kernels: test_pallas.py::test_transformations)
 def test_transformations(rng):
   """vmap(grad) and jvp through the TPU kernels, against the XLA path; grad runs the kernel."""
   shape, window, strides, padding = (2, 7, 5, 3), (3, 3), (2, 2), 1
@@ -80,8 +91,10 @@ def test_transformations(rng):
 
 
 
-@pytest.mark.parametrize("cfg", [base.CONFIGS[0], ((1, 3, 8, 130), (2, 2), (1, 3), 1, None, True)],
-                         ids=["2d_overlap", "stride_gt_window_ceil"])
+@pytest.mark.parametrize("cfg", [
+    # (`make test` keeps stride_gt_window_ceil: windows overlap in H there, stride 3 > 2 in W)
+    pytest.param(base.CONFIGS[0], marks=pytest.mark.slow),
+    ((1, 3, 8, 130), (2, 2), (1, 3), 1, None, True)], ids=["2d_overlap", "stride_gt_window_ceil"])
 def test_kernels_in_tpu_interpreter(rng, cfg):
   shape, *geo = cfg
   geom = windows.make_geometry(shape, *geo)

@@ -331,9 +331,20 @@ def extreme_configs(draw):
                                              dilation=dilation, ceil_mode=ceil_mode), dtype
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=12, deadline=None)
 @given(cfg=extreme_configs(), seed=st.integers(0, 2**16))
 def test_extreme_configs_match_reference(cfg, seed):
+  _check_extreme_config(cfg, seed)
+
+
+@pytest.mark.slow  # (`make test` runs 12 examples: test_extreme_configs_match_reference)
+@settings(max_examples=30, deadline=None)
+@given(cfg=extreme_configs(), seed=st.integers(0, 2**16))
+def test_extreme_configs_match_reference_more_examples(cfg, seed):
+  _check_extreme_config(cfg, seed)
+
+
+def _check_extreme_config(cfg, seed):
   shape, window, kw, dtype = cfg
   if len(shape) < len(window) + 1:
     return

@@ -68,10 +68,24 @@ def test_taps_and_gradient_grid(case, activation, rng):
     np.testing.assert_array_equal(dx, ref.max_pool_grad(x, dy, **kw).astype(np.float32))
 
 
-@SETTINGS
-@hypothesis.given(cfg=pool_configs(), seed=st.integers(0, 2**31 - 1),
-                  activation=st.sampled_from([None, "relu"]))
+PROPERTY = dict(cfg=pool_configs(), seed=st.integers(0, 2**31 - 1),
+                activation=st.sampled_from([None, "relu"]))
+
+
+@hypothesis.settings(SETTINGS, max_examples=6)
+@hypothesis.given(**PROPERTY)
 def test_taps_property(cfg, seed, activation):
+  _check_taps_property(cfg, seed, activation)
+
+
+@pytest.mark.slow  # (`make test` runs 6 examples: test_taps_property)
+@SETTINGS
+@hypothesis.given(**PROPERTY)
+def test_taps_property_more_examples(cfg, seed, activation):
+  _check_taps_property(cfg, seed, activation)
+
+
+def _check_taps_property(cfg, seed, activation):
   shape, kw = split(cfg)
   rng = np.random.default_rng(seed)
   x = _signed_zeros(rng, shape)
@@ -181,8 +195,13 @@ def test_gradient_of_a_forward_with_taps(case):
 # ----------------------------------------------------------------------------- Pallas
 
 
-@pytest.mark.parametrize("activation", [None, "relu"])
-@pytest.mark.parametrize("case_", [GRID[1], GRID[3], GRID[4]])
+# `make test` keeps case_0 (overlapping windows) without an activation and case_2 (dilation,
+# empty windows) with the ReLU; the other four are marked slow (the channels_first taps kernels:
+# test_pallas.py's 2d_first_wide).
+@pytest.mark.parametrize("case_,activation", [
+    pytest.param(case_, act, id=f"case_{i}-{act}",
+                 marks=() if (i, act) in ((0, None), (2, "relu")) else pytest.mark.slow)
+    for act in (None, "relu") for i, case_ in enumerate([GRID[1], GRID[3], GRID[4]])])
 def test_pallas_equals_xla(case_, activation, rng):
   shape, *cfg = case_
   kw = _kw(*cfg)
