@@ -681,21 +681,25 @@ def test_route_follows_the_kernels(monkeypatch):
                                    ml_dtypes.float8_e8m0fnu, np.int8, np.int32, np.bool_],
                          ids=lambda d: np.dtype(d).name)
 def test_first_max_forms_agree(dtype, rng):
-  """The GPU's one-reduction form (order keys, jnp.argmax) and the CPU's two reductions give
-  the same indices and the same bits, on data heavy with ties, signed zeros, subnormals, NaN and
-  infinities."""
+  """The three forms (one reduction of order keys with jnp.argmax, two integer reductions, and
+  the slot-by-slot scan of short axes with beats) give the same indices and the same bits, on
+  data heavy with ties, signed zeros, subnormals, NaN and infinities."""
   vals = np.array([np.nan, -np.nan, np.inf, -np.inf, 0.0, -0.0, 1.0, -1.0, 2.0, 1e-40])
   if np.dtype(dtype).kind in "iub":
     vals = np.array([-3, 0, 1, 2, 1, 0])
   x = jnp.asarray(rng.choice(vals, size=(3, 9, 4, 5)).astype(dtype))
+  forms = (_adaptive.first_max_keyed, _adaptive.first_max_scan)
   for axis in (1, 3):
     y2, i2 = jax.jit(_adaptive.first_max_two_pass, static_argnums=(1, 2))(x, axis, np.int16)
-    yk, ik = jax.jit(_adaptive.first_max_keyed, static_argnums=(1, 2))(x, axis, np.int16)
-    assert ik.dtype == i2.dtype == np.int16
-    np.testing.assert_array_equal(np.asarray(ik), np.asarray(i2))
-    y2, yk = np.asarray(y2), np.asarray(yk)
-    nan = np.isnan(y2.astype(np.float32)) & np.isnan(yk.astype(np.float32))
-    assert_same_bits(np.where(nan, 0, yk).astype(y2.dtype), np.where(nan, 0, y2).astype(y2.dtype))
+    y2 = np.asarray(y2)
+    for form in forms:
+      yk, ik = jax.jit(form, static_argnums=(1, 2))(x, axis, np.int16)
+      assert ik.dtype == i2.dtype == np.int16
+      np.testing.assert_array_equal(np.asarray(ik), np.asarray(i2))
+      yk = np.asarray(yk)
+      nan = np.isnan(y2.astype(np.float32)) & np.isnan(yk.astype(np.float32))
+      assert_same_bits(np.where(nan, 0, yk).astype(y2.dtype),
+                       np.where(nan, 0, y2).astype(y2.dtype))
 
 
 @pytest.mark.parametrize("dtype", [ml_dtypes.bfloat16, np.float16])
