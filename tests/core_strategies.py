@@ -49,6 +49,17 @@ def assert_same_bits(a, b, msg=""):
   assert a.tobytes() == b.tobytes(), msg
 
 
+def assert_trees_close(a, b, rtol=1e-5):
+  """Equal to float32 rounding: two pytrees of the same structure, each leaf within ``rtol`` of
+  its largest entry (in float64)."""
+  import jax
+  assert jax.tree.structure(a) == jax.tree.structure(b)
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+    scale = max(float(np.max(np.abs(y))), 1e-30)
+    np.testing.assert_allclose(x, y, rtol=rtol, atol=rtol * scale)
+
+
 def zeros_equal(actual, expected):
   """Value equality treating -0.0 == 0.0, NaN == NaN; exact otherwise."""
   np.testing.assert_array_equal(np.asarray(actual).astype(np.float64),

@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 
 import jaxpool
+from core_strategies import assert_trees_close
+
 from jaxpool import graph as jg
 
 # ----------------------------------------------------------------------------- fixtures
@@ -46,14 +48,6 @@ def unique_batch(rng, n, shape=(12, 12, 2), classes=5):
 def max_abs_diff(a, b):
   return max(float(jnp.max(jnp.abs(x - y))) for x, y in zip(jax.tree.leaves(a),
                                                            jax.tree.leaves(b)))
-
-
-def assert_trees_close(a, b, rtol=1e-5):
-  """Equal to float32 rounding: each leaf within ``rtol`` of its largest entry."""
-  assert jax.tree.structure(a) == jax.tree.structure(b)
-  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-    scale = max(float(np.max(np.abs(np.asarray(y)))), 1e-30)
-    np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=rtol * scale)
 
 
 @pytest.fixture(scope="module")

@@ -11,20 +11,13 @@ import numpy as np
 import optax
 import pytest
 
+from core_strategies import assert_trees_close
+
 from jaxpool import graph as jg
 
-# Equal "to float32 rounding": each leaf within RTOL of its largest entry (assert_trees_close).
+# Equal "to float32 rounding": each leaf within 1e-5 of its largest entry (assert_trees_close).
 # The batch-norm gradient is closed form (not jax.vjp) and batched convolutions may sum in
 # another order, so the two sides are not bit for bit.
-RTOL = 1e-5
-
-
-def assert_trees_close(a, b, rtol=RTOL):
-  assert jax.tree.structure(a) == jax.tree.structure(b)
-  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-    x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
-    scale = max(float(np.max(np.abs(y))), 1e-30)
-    np.testing.assert_allclose(x, y, rtol=rtol, atol=rtol * scale)
 
 
 def assert_same_bits(a, b):

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import reference as ref
+from core_strategies import assert_trees_close as assert_close
 from jaxpool import graph as jg
 
 # ----------------------------------------------------------------------------- NumPy references
@@ -132,15 +133,6 @@ def randn(rng, *shape):
 
 def f64(a):
   return np.asarray(a, dtype=np.float64)
-
-
-def assert_close(a, b, rtol=1e-5):
-  """Equal to float32 rounding: each leaf within ``rtol`` of its largest entry."""
-  assert jax.tree.structure(a) == jax.tree.structure(b)
-  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-    scale = max(float(np.max(np.abs(np.asarray(y, np.float64)))), 1e-30)
-    np.testing.assert_allclose(np.asarray(x, np.float64), np.asarray(y, np.float64), rtol=rtol,
-                               atol=rtol * scale)
 
 
 def to_first(x, batch=1):

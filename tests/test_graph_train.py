@@ -9,18 +9,11 @@ import numpy as np
 import optax
 import pytest
 
+from core_strategies import assert_trees_close
+
 from jaxpool import graph as jg
 
 # ----------------------------------------------------------------------------- helpers
-
-
-def assert_trees_close(a, b, rtol=1e-5):
-  """Equal to float32 rounding: each leaf within ``rtol`` of its largest entry."""
-  assert jax.tree.structure(a) == jax.tree.structure(b)
-  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-    scale = max(float(np.max(np.abs(np.asarray(y, np.float64)))), 1e-30)
-    np.testing.assert_allclose(np.asarray(x, np.float64), np.asarray(y, np.float64), rtol=rtol,
-                               atol=rtol * scale)
 
 
 def np_batch_norm(x, axis, scale, bias, eps, mean=None, var=None):
