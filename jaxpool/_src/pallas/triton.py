@@ -323,19 +323,24 @@ _NEG_ZERO = np.array(np.iinfo(np.int32).min, np.int32)  # the bits of -0.0
 _NEG_ZERO_KEY = np.array(np.iinfo(np.int32).min + 1, np.int32)  # -1.4e-45
 
 
+def _swap_bits(v, old, new):
+  """float32 ``v`` with the value whose bits are ``old`` replaced by the one whose bits are
+  ``new``."""
+  b = lax.bitcast_convert_type(v, jnp.int32)
+  return lax.bitcast_convert_type(jnp.where(b == old, new, b), jnp.float32)
+
+
 def _zero_key(v):
   """A float32 ``v`` converted from a narrower float, with ``-0.0`` replaced by the smallest
   negative float32 (subnormal), which no narrower float converts to: just below ``+0.0`` and
   above every other value below zero. The order and the ties of every other value, NaN and
   the infinities included, are unchanged."""
-  b = lax.bitcast_convert_type(v, jnp.int32)
-  return lax.bitcast_convert_type(jnp.where(b == _NEG_ZERO, _NEG_ZERO_KEY, b), jnp.float32)
+  return _swap_bits(v, _NEG_ZERO, _NEG_ZERO_KEY)
 
 
 def _zero_unkey(v):
   """The inverse of :func:`_zero_key`."""
-  b = lax.bitcast_convert_type(v, jnp.int32)
-  return lax.bitcast_convert_type(jnp.where(b == _NEG_ZERO_KEY, _NEG_ZERO, b), jnp.float32)
+  return _swap_bits(v, _NEG_ZERO_KEY, _NEG_ZERO)
 
 
 def _window_call(x: jax.Array, geom: Geometry, mode: str, interpret: bool,
