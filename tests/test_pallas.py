@@ -336,8 +336,7 @@ def test_nd_transformations(rng):
     pytest.param(CONFIGS_ND[4], jnp.bfloat16, marks=pytest.mark.slow)],
     ids=["2d_last_bf16", "2d_last_f32", "3d_last_dilated_ceil_f32", "2d_first_wide_bf16"])
 def test_signed_zeros_match_xla(rng, cfg, dtype):
-  """The zero rule per tap (interpret mode; compiled 16-bit kernels compare zero keys:
-  test_gpu_signed_zeros)."""
+  """The zero rule (interpret mode; compiled: test_gpu_signed_zeros)."""
   check_signed_zeros(rng, cfg, dtype)
 
 
@@ -350,14 +349,16 @@ def test_gpu_signed_zeros(rng, dtype):
 
 
 @gpu
-def test_gpu_bfloat16_zero_rule_per_tap(rng, monkeypatch):
-  """Compiled bfloat16 kernels without the zero key (``ZERO_KEY = False``: the rule per tap,
-  as benchmarks/comparator_gpu.py times it) give the same bits too."""
+@pytest.mark.parametrize("rule", ["after", "bits"])
+def test_gpu_other_zero_rules(rng, monkeypatch, rule):
+  """The compiled kernels with the other forms of the zero rule (``triton.ZERO_RULE``, as
+  benchmarks/comparator_gpu.py times them) give the same bits too."""
   _need_gpu()
   from jaxpool._src.pallas import triton as pk
-  monkeypatch.setattr(pk, "ZERO_KEY", False)
+  monkeypatch.setattr(pk, "ZERO_RULE", rule)
   jax.clear_caches()
   for cfg in GPU_CONFIGS:
-    check_signed_zeros(rng, cfg, jnp.bfloat16)
+    for dtype in (jnp.float32, jnp.bfloat16):
+      check_signed_zeros(rng, cfg, dtype)
     check_max(rng, cfg, jnp.bfloat16)
   jax.clear_caches()

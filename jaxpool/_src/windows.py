@@ -322,19 +322,27 @@ def tap_valid_1d(geom: Geometry, dim: int, tap: int) -> np.ndarray:
   return (pos >= 0) & (pos < geom.in_spatial[dim])
 
 
-def window_count(geom: Geometry, dim: int, o: Any, include_pad: bool, xp: Any = np) -> Any:
-  """Taps of window ``o`` along ``dim`` inside the input (or the user-padded input).
-
-  Counted in closed form, so the cost is the same whatever the window. ``o`` is an int array of
-  output positions; ``xp`` is ``numpy`` (static divisors) or ``jax.numpy`` (inside kernels).
-  """
+def real_taps(geom: Geometry, dim: int, o: Any, include_pad: bool = False,
+              xp: Any = np) -> tuple[Any, Any]:
+  """The first and the last tap of window ``o`` along ``dim`` inside the input (or the
+  user-padded input): ``first > last`` where there is none. ``o`` is an int array of output
+  positions; ``xp`` is ``numpy`` (static) or ``jax.numpy`` (inside kernels)."""
   s, d, k = geom.strides[dim], geom.dilation[dim], geom.window[dim]
   pad_lo, pad_hi = geom.padding[dim]
   lo = -pad_lo if include_pad else 0
   hi = geom.in_spatial[dim] + (pad_hi if include_pad else 0)
-  # Tap t of window o reads o*s + t*d - pad_lo; count the t in [0, k) landing in [lo, hi).
+  # Tap t of window o reads o*s + t*d - pad_lo; the t in [0, k) landing in [lo, hi).
   first = xp.maximum(-((o * s - pad_lo - lo) // d), 0)  # ceil((lo - o*s + pad_lo) / d)
   last = xp.minimum((hi - 1 - o * s + pad_lo) // d, k - 1)
+  return first, last
+
+
+def window_count(geom: Geometry, dim: int, o: Any, include_pad: bool, xp: Any = np) -> Any:
+  """Taps of window ``o`` along ``dim`` inside the input (or the user-padded input).
+
+  Counted in closed form (:func:`real_taps`), so the cost is the same whatever the window.
+  """
+  first, last = real_taps(geom, dim, o, include_pad, xp)
   return xp.maximum(last - first + 1, 0)
 
 

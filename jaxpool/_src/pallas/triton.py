@@ -41,7 +41,7 @@ try:
 except ImportError:  # pragma: no cover - jaxlib without the Triton backend
   plgpu = None
 
-from jaxpool._src.windows import Geometry, phase_taps, taps_dtype, window_count
+from jaxpool._src.windows import Geometry, phase_taps, real_taps, taps_dtype, window_count
 from jaxpool._src.autodiff import apply_activation
 from jaxpool._src.dtypes import accumulator_dtype, beats, lowest
 
@@ -234,24 +234,39 @@ def _window_kernel(x_ref, *out_refs, g: Geometry, bw: int, bl: int, lanes: int, 
     interior = inside if interior is None else interior & inside
   dtype = x_ref.dtype
   acc_t = accumulator_dtype(dtype)
-  idx_t = out_refs[1].dtype if mode == "argmax" else jnp.int8
+  idx_t = out_refs[1].dtype if mode == "argmax" else np.dtype(np.int8)
   # 16-bit floats are compared in float32 (exact): Triton would convert them for every op.
   cmp_t = np.dtype(np.float32) if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4 \
       else np.dtype(dtype)
   low = lowest(dtype)
 
+  is_float = jnp.issubdtype(dtype, jnp.floating)
   # The +0.0-over--0.0 rule (dtypes.beats) costs an equality and an integer comparison a tap.
-  # Floats narrower than float32, compared in float32, leave the low bits of every value zero:
-  # one of those values can stand for -0.0 just below +0.0 (_zero_key), and then one float
-  # comparison a tap decides (H100, benchmarks/comparator_gpu.py run 13: bfloat16 forward with
-  # taps 0.65 -> 0.83 of the copy bandwidth). That value is subnormal, so compiled kernels only:
-  # the interpreter runs on XLA's CPU backend, which flushes subnormals to zero.
-  zero_key = (ZERO_KEY and not interpret and mode != "avg"
-              and jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4)
+  # ZERO_RULE picks how the max kernels pay for it (benchmarks/comparator_gpu.py times the
+  # forms; "auto" takes the faster one on an H100):
+  # - "key" (compiled floats narrower than float32; "auto" there): compared in float32, their
+  #   values leave the low bits zero, so one float32 that none of them converts to can stand
+  #   for -0.0 just below +0.0 (_zero_key), and one float comparison a tap decides. That value
+  #   is subnormal, so compiled kernels only: the interpreter runs on XLA's CPU backend, which
+  #   flushes subnormals to zero. (Elsewhere "key" is "bits".)
+  # - "after" (the other floats; "auto" there): the taps are scanned from the last to the first
+  #   with ``>=`` (of equal values the earliest tap wins; NaN wins as in beats) and no zero
+  #   rule. Beside the scan, the first tap holding +0.0 (without taps: whether one does, an
+  #   unsigned minimum of the bits) is kept, and a window whose maximum is a zero takes it.
+  # - "bits": dtypes.beats per tap.
+  narrow = is_float and dtype.itemsize < 4 and not interpret
+  form = ("key" if narrow else "after") if ZERO_RULE == "auto" else ZERO_RULE
+  after = mode != "avg" and is_float and form == "after"
+  zero_key = mode != "avg" and narrow and form == "key"
   rule = _beats_but_zeros if zero_key else beats
+  ubits: Any = {2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}.get(np.dtype(cmp_t).itemsize)
 
-  def load_tap(a, i, j, edge: bool, fill):
-    """Tap ``(a, i, j)`` of the tile's windows, and where it is real (None: everywhere)."""
+  outs = (do, ho, wo)
+
+  def load_tap(tap, edge: bool, fill):
+    """Tap ``(a, i, j)`` of the tile's windows (average pooling), and where it is real (None:
+    everywhere): edges masked, the masked taps read ``fill``."""
+    a, i, j = tap
     d = do * g.strides[0] + a * g.dilation[0] - g.pad_lo[0]
     h = ho * g.strides[1] + i * g.dilation[1] - g.pad_lo[1]
     w = wo * g.strides[2] + j * g.dilation[2] - g.pad_lo[2]
@@ -261,34 +276,57 @@ def _window_kernel(x_ref, *out_refs, g: Geometry, bw: int, bl: int, lanes: int, 
       d, h, w = jnp.clip(d, 0, D - 1), jnp.clip(h, 0, H - 1), jnp.clip(w, 0, W - 1)
     return _load(x_ref, tile.index(b, d, h, w), ok, None if ok is None else fill), ok
 
+  def load_max_tap(tap, real):
+    """Tap ``tap`` of the tile's windows (max pooling). At the edges (``real``: each dim's
+    first and last real tap, per window) a tap outside the input reads the nearest real tap
+    of its window, dim by dim: a copy, which cannot change a maximum. (Of the taps holding the
+    first maximum, the first is then a copy of the first real one, or that one: the mapping
+    is monotone in each dim. :func:`_real_tap` maps it back.)"""
+    pos = []
+    for dim, (o, k) in enumerate(zip(outs, tap)):
+      if real is not None and g.window[dim] > 1:
+        k = jnp.clip(k, *real[dim])
+      p = o * g.strides[dim] + k * g.dilation[dim] - g.pad_lo[dim]
+      if real is not None:  # (a window with no real tap reads anywhere inside; see empty)
+        p = jnp.clip(p, 0, g.in_spatial[dim] - 1)
+      pos.append(p)
+    return _load(x_ref, tile.index(b, *pos))
+
   def body(edge: bool):
-    best = acc = idx = None
-    for t, (a, i, j) in enumerate(g.taps()):
+    best: Any = None
+    acc: Any = None
+    idx: Any = None
+    plus_zero: Any = None  # "after": the first tap holding +0.0 (-1: none), or the least bits
+    real = [real_taps(g, dim, o, xp=jnp) for dim, o in enumerate(outs)] if edge else None
+    taps = list(enumerate(g.taps()))
+    for t, tap in (reversed(taps) if after else taps):
       if mode == "avg":
-        xt, _ = load_tap(a, i, j, edge, np.array(0, dtype))
+        xt, _ = load_tap(tap, edge, np.array(0, dtype))
         xt = xt.astype(acc_t)
         acc = xt if acc is None else acc + xt
         continue
-      # Masked taps read the lowest value: never greater than ``best``.
-      xt, ok = load_tap(a, i, j, edge, low)
-      xt = xt.astype(cmp_t)
+      xt = load_max_tap(tap, real).astype(cmp_t)
       if zero_key:
         xt = _zero_key(xt)
-      if mode == "max":
-        best = xt if best is None else jnp.where(rule(xt, best), xt, best)
-        continue
-      if best is None and not edge:
-        best, idx = xt, jnp.zeros(tile.shape, idx_t)
-        continue
+      if after:
+        u = lax.bitcast_convert_type(xt, ubits)
+        if mode == "max":
+          plus_zero = u if plus_zero is None else jnp.minimum(plus_zero, u)
+        else:
+          none = jnp.full(tile.shape, -1, idx_t) if plus_zero is None else plus_zero
+          plus_zero = jnp.where(u == 0, np.array(t, idx_t), none)
       if best is None:
-        best, idx = jnp.full(tile.shape, low, cmp_t), jnp.full(tile.shape, -1, idx_t)
-      assert idx is not None
-      better = rule(xt, best)
-      if ok is not None:
-        # A window's first real tap is its argmax so far, whatever its value.
-        better = ok & ((idx < 0) | better)
+        best = xt
+        if mode == "argmax":
+          idx = jnp.full(tile.shape, t, idx_t)
+        continue
+      if after:
+        better = (xt >= best) | (xt != xt)  # (scanned backwards: the earlier tap wins ties)
+      else:
+        better = rule(xt, best)
       best = jnp.where(better, xt, best)
-      idx = jnp.where(better, np.array(t, idx_t), idx)
+      if mode == "argmax":
+        idx = jnp.where(better, np.array(t, idx_t), idx)
     out_at = tile.index(b, do, ho, wo)
     if mode == "avg":
       if divisor is not None or not edge:  # an interior window counts all its taps
@@ -300,6 +338,29 @@ def _window_kernel(x_ref, *out_refs, g: Geometry, bw: int, bl: int, lanes: int, 
       return
     if zero_key:
       best = _zero_unkey(best)
+    if after:
+      # A window whose maximum is a zero and that holds +0.0: +0.0, at its first tap. (Bits,
+      # not ``== 0``: a subnormal is not a zero, even where comparisons flush it.)
+      zero = (lax.bitcast_convert_type(best, ubits) << 1) == 0
+      if mode == "max":
+        best = jnp.where(zero & (plus_zero == 0), np.array(0, cmp_t), best)
+      else:
+        fix = zero & (plus_zero >= 0)
+        best = jnp.where(fix, np.array(0, cmp_t), best)
+        idx = jnp.where(fix, plus_zero, idx)
+    if real is not None:
+      # Windows with no real tap: the lowest value, no tap.
+      empty = None
+      for dim, (first, last) in enumerate(real):
+        if g.window[dim] > 1 or g.pad_lo[dim] or g.pad_hi[dim] or g.extra[dim]:
+          e = tile.cols_of(first > last)
+          empty = e if empty is None else empty | e
+      if empty is not None:
+        best = jnp.where(empty, np.array(low, cmp_t), best)
+      if mode == "argmax":
+        idx = _real_tap(g, idx, [[tile.cols_of(v) for v in r] for r in real])
+        if empty is not None:
+          idx = jnp.where(empty, np.array(-1, idx_t), idx)
     best, idx = apply_activation(best, idx, activation)  # (fused: no pass of its own)
     tile.store(out_refs[0], out_at, best.astype(dtype), col_mask)
     if mode == "argmax":
@@ -308,10 +369,24 @@ def _window_kernel(x_ref, *out_refs, g: Geometry, bw: int, bl: int, lanes: int, 
   _both_paths(interior, body)
 
 
-# Whether compiled max kernels of floats narrower than float32 compare zero keys (see
-# _window_kernel); False: dtypes.beats per tap, as float32 and interpret mode do
-# (benchmarks/comparator_gpu.py times both).
-ZERO_KEY = True
+def _real_tap(g: Geometry, idx, real):
+  """The real taps that the copies in ``idx`` (window taps, row-major) read: each dim's tap
+  clamped to ``real``'s ``(first, last)``."""
+  t, parts = idx.astype(jnp.int32), []
+  for k in reversed(g.window):
+    parts.append(t % k)
+    t = t // k
+  out: Any = None
+  for dim, part in enumerate(reversed(parts)):
+    if g.window[dim] > 1:
+      part = jnp.clip(part, *real[dim])
+    out = part if out is None else out * g.window[dim] + part
+  return out.astype(idx.dtype)
+
+
+# How the max kernels of floats order +0.0 over -0.0: "auto", "key", "after" or "bits" (see
+# _window_kernel).
+ZERO_RULE = "auto"
 
 
 def _beats_but_zeros(x, best):
