@@ -1,25 +1,33 @@
-"""What the max kernels' comparison costs: the forward kernels with three forms of it.
+"""What the max kernels' comparison costs: the forward and backward kernels with each form of it.
 
 The kernels decide whether a tap replaces the running maximum: strictly greater, or the first
 NaN, or ``+0.0`` over ``-0.0`` (the last keeps the kernels' values equal to
 ``lax.reduce_window``'s). This script times the Triton forward kernels (with and without the
-taps) on the cases of ``benchmarks/gpu.py`` whose forward fell below 0.8 of copy bandwidth, with:
+taps; the backward, which reads the taps, as a control) on the cases of ``benchmarks/gpu.py``
+whose forward fell below 0.8 of copy bandwidth, with:
 
+- ``auto``: the kernels' default (``triton.ZERO_RULE``): ``zero_key`` for floats narrower than
+  float32, ``after`` for float32;
 - ``bits``: the zero rule per tap as an integer comparison of the bit patterns of equal values
-  (``dtypes.beats``; what float32 kernels do);
+  (``dtypes.beats``);
 - ``zero_key``: for floats narrower than float32, compared in float32, ``-0.0`` replaced by the
   smallest negative float32 (subnormal; no narrower float converts to it), so that one float
-  comparison a tap orders the zeros (``triton.ZERO_KEY``, the default of compiled 16-bit
-  kernels); the same as ``bits`` for float32;
+  comparison a tap orders the zeros (``triton.ZERO_RULE = "key"``); the same as ``bits`` for
+  float32;
+- ``after``: the taps scanned backwards with ``>=`` and no zero rule, the first ``+0.0`` kept
+  beside the scan and taken by windows whose maximum is a zero (``ZERO_RULE = "after"``);
 - ``none``: no zero rule (the first of ``-0.0`` and ``+0.0`` wins), the cost floor.
 
 (Runs 10, 11 and 13 also timed ``deferred``, the zero rule in a second scan only where a
 window's winner is ``-0.0``, and run 13 ``jnp.maximum`` for the kernels without taps, which
 does not order NaN and signed zeros as ``lax.max`` does on the GPU; both are gone from the
-kernels: ``results/raw/comparator_v13.log``.)
+kernels: ``results/raw/comparator_v13.log``. Runs 23 to 25 also timed the running argmax held
+as int32 and the taps combined as a balanced tree instead of one by one, neither kept:
+``results/raw/comparator_v23.log`` to ``comparator_launch3d_v25.log``, NOTES.md.)
 
 Rounds alternate the variants, so drifting clocks affect them alike. ``--cases a,b`` runs the
-cases whose name contains ``a`` or ``b``; ``--variants bits,none`` the variants named. Prints a
+cases whose name contains ``a`` or ``b``; ``--variants bits,none`` the variants named;
+``--launch 8,64,4`` runs every kernel with that ``(bw, bl, num_warps)``. Prints a
 table and saves ``benchmarks/results/comparator_gpu.json``. Needs a GPU.
 """
 
@@ -36,7 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from jaxpool._src import dtypes, windows  # noqa: E402
+from jaxpool._src import windows  # noqa: E402
 from jaxpool._src.pallas import triton as pk  # noqa: E402
 
 CASES = [
@@ -64,9 +72,15 @@ def _no_zero_rule(x, best):
 # (``signbit``, the zero rule through ``jnp.signbit``, and ``keys``, both values mapped to
 # integers in the kernels' order, measured slower than ``bits`` everywhere, H100 runs 9 and 10 in
 # benchmarks/results/raw/comparator_v9.log and comparator_v10.log; no longer timed.)
-# name: (rule, ZERO_KEY)
-VARIANTS = {"bits": (dtypes.beats, False), "zero_key": (dtypes.beats, True),
-            "none": (_no_zero_rule, False)}
+# name: the settings of jaxpool._src.pallas.triton it runs with (the rest at their defaults).
+VARIANTS = {
+    "auto": dict(ZERO_RULE="auto"),
+    "bits": dict(ZERO_RULE="bits"),
+    "zero_key": dict(ZERO_RULE="key"),
+    "after": dict(ZERO_RULE="after"),
+    "none": dict(ZERO_RULE="bits", beats=_no_zero_rule),
+}
+SETTINGS = ("ZERO_RULE", "beats")
 
 
 def _arg(name, default):
@@ -90,12 +104,17 @@ def _time(fn, x, reps=20, inner=10):
 
 def main():
   cases = [c for c in CASES if any(p in c[0] for p in _arg("--cases", [""]))]
+  # --launch bw,bl,warps: every kernel with that launch configuration instead of the default
+  launch = tuple(int(v) for v in _arg("--launch", [])) or None
+  if launch:
+    pk.launch_config = lambda *_: launch
   variants = {v: VARIANTS[v] for v in _arg("--variants", list(VARIANTS))}
   copy = jax.jit(lambda a: a + 1)
   big = jnp.zeros((2**28,), jnp.float32)
   copy_gbs = 2 * big.nbytes / _time(copy, big) / 1e6
   print(f"copy bandwidth: {copy_gbs:.0f} GB/s")
   rows = []
+  defaults = {k: getattr(pk, k) for k in SETTINGS}
   for name, shape, window, strides, padding, fmt, dtype in cases:
     r = np.random.default_rng(0)
     x = r.standard_normal(shape, np.float32)
@@ -108,23 +127,37 @@ def main():
     n_out = int(np.prod(out))
     bytes_fwd = x.nbytes + n_out * x.dtype.itemsize
     bytes_taps = bytes_fwd + n_out
-    times = {v: {"fwd": [], "fwd_taps": []} for v in variants}
+    _, taps0 = pk.max_forward_taps(x, geom, interpret=False)
+    dy = jnp.asarray(r.standard_normal(out, np.float32), dtype)
+    bytes_bwd = x.nbytes + dy.nbytes + n_out
+    times = {v: {"fwd": [], "fwd_taps": [], "bwd": []} for v in variants}
+    # Each variant's kernels are traced (with the module's settings of that variant) on their
+    # first call, in the first round; later rounds reuse them.
+    fns = {v: (jax.jit(lambda a, g=geom: pk.max_forward(a, g, interpret=False)),
+               jax.jit(lambda a, g=geom: pk.max_forward_taps(a, g, interpret=False)),
+               jax.jit(lambda t, d, g=geom, s=shape: pk.max_backward(t, d, s, g,
+                                                                      interpret=False)))
+           for v in variants}
     for _ in range(3):  # rounds, alternating the variants
-      for v, (rule, key) in variants.items():
-        pk.beats, pk.ZERO_KEY = rule, key
-        fwd = jax.jit(lambda a, g=geom: pk.max_forward(a, g, interpret=False))
-        taps = jax.jit(lambda a, g=geom: pk.max_forward_taps(a, g, interpret=False))
+      for v, settings in variants.items():
+        for k, val in {**defaults, **settings}.items():
+          setattr(pk, k, val)
+        fwd, taps, bwd = fns[v]
         times[v]["fwd"].append(_time(fwd, x))
         times[v]["fwd_taps"].append(_time(taps, x))
-    pk.beats, pk.ZERO_KEY = dtypes.beats, True
+        times[v]["bwd"].append(_time(lambda d, b=bwd, i=taps0: b(i, d), dy))
+    for k, val in defaults.items():
+      setattr(pk, k, val)
     for v in variants:
-      f, t = min(times[v]["fwd"]), min(times[v]["fwd_taps"])
-      row = dict(case=name, variant=v, fwd_ms=f, fwd_taps_ms=t,
+      f, t, bw = (min(times[v][k]) for k in ("fwd", "fwd_taps", "bwd"))
+      row = dict(case=name, variant=v, fwd_ms=f, fwd_taps_ms=t, bwd_ms=bw,
                  fwd_of_copy=bytes_fwd / f / 1e6 / copy_gbs,
-                 fwd_taps_of_copy=bytes_taps / t / 1e6 / copy_gbs)
+                 fwd_taps_of_copy=bytes_taps / t / 1e6 / copy_gbs,
+                 bwd_of_copy=bytes_bwd / bw / 1e6 / copy_gbs)
       rows.append(row)
-      print(f"{name:36s} {v:8s} fwd {f:.3f} ms ({row['fwd_of_copy']:.2f} of copy)  "
-            f"fwd+taps {t:.3f} ms ({row['fwd_taps_of_copy']:.2f})", flush=True)
+      print(f"{name[:34]:34s} {v:9s} fwd {f:.3f} ms ({row['fwd_of_copy']:.2f} of copy)  "
+            f"fwd+taps {t:.3f} ({row['fwd_taps_of_copy']:.2f})  "
+            f"bwd {bw:.3f} ({row['bwd_of_copy']:.2f})", flush=True)
   path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                       "comparator_gpu.json")
   with open(path, "w") as f:
