@@ -330,14 +330,36 @@ def test_nd_transformations(rng):
     assert "jaxpool_max_pool_gather_transpose" in str(jax.make_jaxpr(jax.grad(p))(x))
 
 
-@pytest.mark.parametrize("cfg,dtype", [
-    (CONFIGS[0], jnp.bfloat16), (CONFIGS[0], jnp.float32),
-    pytest.param(CONFIGS_ND[1], jnp.float32, marks=pytest.mark.slow),
-    pytest.param(CONFIGS_ND[4], jnp.bfloat16, marks=pytest.mark.slow)],
-    ids=["2d_last_bf16", "2d_last_f32", "3d_last_dilated_ceil_f32", "2d_first_wide_bf16"])
-def test_signed_zeros_match_xla(rng, cfg, dtype):
-  """The zero rule (interpret mode; compiled: test_gpu_signed_zeros)."""
+@pytest.mark.parametrize("cfg,dtype,rule", [
+    (CONFIGS[0], jnp.bfloat16, "after"), (CONFIGS[0], jnp.float32, "auto"),
+    pytest.param(CONFIGS_ND[1], jnp.float32, "after", marks=pytest.mark.slow),
+    pytest.param(CONFIGS_ND[4], jnp.bfloat16, "auto", marks=pytest.mark.slow)],
+    ids=["2d_last_bf16_after", "2d_last_f32", "3d_last_dilated_ceil_f32_after",
+         "2d_first_wide_bf16"])
+def test_signed_zeros_match_xla(rng, monkeypatch, cfg, dtype, rule):
+  """The zero rule (interpret mode; compiled: test_gpu_signed_zeros), in the form interpret
+  mode uses (the rule per tap) and in the one compiled float32 kernels use ("after")."""
+  from jaxpool._src.pallas import triton as pk
+  monkeypatch.setattr(pk, "ZERO_RULE", rule)
   check_signed_zeros(rng, cfg, dtype)
+
+
+def test_subnormals_beside_zeros_match_xla():
+  """Interpret mode runs on XLA's CPU backend, whose comparisons treat subnormals as zeros: the
+  kernels' rule there (bits of equal values compared) still finds a subnormal above a zero,
+  as the XLA path's taps do."""
+  f = lambda b: np.array(b, np.uint32).view(np.float32)  # noqa: E731
+  tiny, neg_tiny = f(1), f(0x80000001)  # +-1.4e-45
+  rows = [[0.0, tiny], [-0.0, tiny], [tiny, 0.0], [neg_tiny, -0.0], [-0.0, neg_tiny],
+          [tiny, neg_tiny], [0.0, -0.0], [-0.0, 0.0]]
+  x = jnp.asarray(np.array(rows, np.float32)[..., None])
+  got, want = (jaxpool.max_pool_with_taps(x, (2,), implementation=impl)
+               for impl in ("pallas", "xla"))
+  bits_equal(got[0], want[0])
+  np.testing.assert_array_equal(got[1], want[1])
+  # (rows 0-2 and 5: the positive subnormal wins. Rows 3 and 4, a negative subnormal beside
+  # -0.0, are left out: there both paths follow the CPU, which compares the two as equal.)
+  assert list(np.asarray(got[1]).ravel()[[0, 1, 2, 5, 6, 7]]) == [1, 1, 0, 0, 0, 1]
 
 
 @gpu

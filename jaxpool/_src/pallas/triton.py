@@ -8,11 +8,12 @@ channels contiguous) or the planes in ``channels_first`` (viewed as ``(P, D, H, 
 ``(bw, bl)`` in channels_last, ``(bl, bw)`` in channels_first (Triton spreads a warp's threads
 along the last dim, so that is what keeps the loads coalesced).
 
-Windows that overlap the edges are masked explicitly: every index is clamped into the array and
-the lanes that fall outside (padding, the ceil-mode overhang, the block's overhang past ``W`` or
-the lanes) are masked out of the result, so the kernels never read or write out of bounds,
-compiled or in interpret mode. Programs whose windows all lie inside the array (most of them)
-take a second code path, chosen at run time, without masks or clamps.
+The kernels never read or write out of bounds, compiled or in interpret mode. At the edges
+every index is clamped into the array: a max kernel's tap outside the input reads a copy of the
+nearest real tap of its own window (which cannot change the maximum; the winner is mapped back
+to the real tap), an average kernel masks such taps out of the sum, and stores are masked to the
+real columns and lanes (the block's overhang past ``W`` or the lanes). Programs whose windows all
+lie inside the array (most of them) take a second code path, chosen at run time, without clamps.
 
 Forward kernels gather over the window's taps (max with the argmax, or a sum for average
 pooling). Backward kernels are gathers too: each input element visits the taps of the windows
@@ -247,15 +248,17 @@ def _window_kernel(x_ref, *out_refs, g: Geometry, bw: int, bl: int, lanes: int, 
   # - "key" (compiled floats narrower than float32; "auto" there): compared in float32, their
   #   values leave the low bits zero, so one float32 that none of them converts to can stand
   #   for -0.0 just below +0.0 (_zero_key), and one float comparison a tap decides. That value
-  #   is subnormal, so compiled kernels only: the interpreter runs on XLA's CPU backend, which
-  #   flushes subnormals to zero. (Elsewhere "key" is "bits".)
-  # - "after" (the other floats; "auto" there): the taps are scanned from the last to the first
-  #   with ``>=`` (of equal values the earliest tap wins; NaN wins as in beats) and no zero
-  #   rule. Beside the scan, the first tap holding +0.0 (without taps: whether one does, an
-  #   unsigned minimum of the bits) is kept, and a window whose maximum is a zero takes it.
-  # - "bits": dtypes.beats per tap.
+  #   is subnormal, so compiled kernels only. (Elsewhere "key" is "bits".)
+  # - "after" (compiled float32 and wider; "auto" there): the taps are scanned from the last to
+  #   the first with ``>=`` (of equal values the earliest tap wins; NaN wins as in beats) and no
+  #   zero rule. Beside the scan, the first tap holding +0.0 (without taps: whether one does,
+  #   an unsigned minimum of the bits) is kept, and a window whose maximum is a zero takes it.
+  # - "bits": dtypes.beats per tap ("auto" in interpret mode). The interpreter runs on XLA's CPU
+  #   backend, whose comparisons treat subnormals as zeros; beats compares the bits of equal
+  #   values, so it keeps a subnormal over a zero there, as the XLA path does.
   narrow = is_float and dtype.itemsize < 4 and not interpret
-  form = ("key" if narrow else "after") if ZERO_RULE == "auto" else ZERO_RULE
+  form = ZERO_RULE if ZERO_RULE != "auto" else (
+      "bits" if interpret else "key" if narrow else "after")
   after = mode != "avg" and is_float and form == "after"
   zero_key = mode != "avg" and narrow and form == "key"
   rule = _beats_but_zeros if zero_key else beats
@@ -279,9 +282,11 @@ def _window_kernel(x_ref, *out_refs, g: Geometry, bw: int, bl: int, lanes: int, 
   def load_max_tap(tap, real):
     """Tap ``tap`` of the tile's windows (max pooling). At the edges (``real``: each dim's
     first and last real tap, per window) a tap outside the input reads the nearest real tap
-    of its window, dim by dim: a copy, which cannot change a maximum. (Of the taps holding the
-    first maximum, the first is then a copy of the first real one, or that one: the mapping
-    is monotone in each dim. :func:`_real_tap` maps it back.)"""
+    of its window, dim by dim: a copy, which cannot change a maximum. Of the taps holding the
+    first maximum, the first is then a copy of the first real one, or that one, and
+    :func:`_real_tap` maps it back: the first tap reading a real tap ``m`` has, in each dim, 0
+    where ``m`` is that dim's first real tap and ``m``'s own index elsewhere, an order on the
+    real taps that is row-major's."""
     pos = []
     for dim, (o, k) in enumerate(zip(outs, tap)):
       if real is not None and g.window[dim] > 1:
@@ -339,8 +344,7 @@ def _window_kernel(x_ref, *out_refs, g: Geometry, bw: int, bl: int, lanes: int, 
     if zero_key:
       best = _zero_unkey(best)
     if after:
-      # A window whose maximum is a zero and that holds +0.0: +0.0, at its first tap. (Bits,
-      # not ``== 0``: a subnormal is not a zero, even where comparisons flush it.)
+      # A window whose maximum is a zero and that holds +0.0: +0.0, at its first tap.
       zero = (lax.bitcast_convert_type(best, ubits) << 1) == 0
       if mode == "max":
         best = jnp.where(zero & (plus_zero == 0), np.array(0, cmp_t), best)
