@@ -218,7 +218,7 @@ def _window_kernel(x_ref, *out_refs, g: Geometry, bw: int, bl: int, lanes: int, 
                    include_pad: bool, divisor: int | None, interpret: bool,
                    activation: str | None = None):
   """One output row: max (``mode='max'``), max with argmax (``'argmax'``) or average (``'avg'``)."""
-  (D, H, W), (Do, Ho, Wo) = g.in_spatial, g.out_spatial
+  Do, Ho, Wo = g.out_spatial
   b, do, ho = _split(pl.program_id(0), (Do, Ho))
   tile = _Tile(bw, lanes, bl, interpret, g.channels_last)
   w0 = pl.program_id(1) * bw
@@ -262,22 +262,24 @@ def _window_kernel(x_ref, *out_refs, g: Geometry, bw: int, bl: int, lanes: int, 
   after = mode != "avg" and is_float and form == "after"
   zero_key = mode != "avg" and narrow and form == "key"
   rule = _beats_but_zeros if zero_key else beats
-  ubits: Any = {2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}.get(np.dtype(cmp_t).itemsize)
+  ubits: Any = {4: jnp.uint32, 8: jnp.uint64}.get(np.dtype(cmp_t).itemsize)
 
   outs = (do, ho, wo)
+
+  def tap_at(dim: int, k):
+    """The input position along ``dim`` of tap ``k`` of the tile's windows."""
+    return outs[dim] * g.strides[dim] + k * g.dilation[dim] - g.pad_lo[dim]
 
   def load_tap(tap, edge: bool, fill):
     """Tap ``(a, i, j)`` of the tile's windows (average pooling), and where it is real (None:
     everywhere): edges masked, the masked taps read ``fill``."""
-    a, i, j = tap
-    d = do * g.strides[0] + a * g.dilation[0] - g.pad_lo[0]
-    h = ho * g.strides[1] + i * g.dilation[1] - g.pad_lo[1]
-    w = wo * g.strides[2] + j * g.dilation[2] - g.pad_lo[2]
+    pos = [tap_at(dim, k) for dim, k in enumerate(tap)]
     ok = None
     if edge:
-      ok = tile.cols_of((d >= 0) & (d < D) & (h >= 0) & (h < H) & (w >= 0) & (w < W))
-      d, h, w = jnp.clip(d, 0, D - 1), jnp.clip(h, 0, H - 1), jnp.clip(w, 0, W - 1)
-    return _load(x_ref, tile.index(b, d, h, w), ok, None if ok is None else fill), ok
+      inside = [(p >= 0) & (p < n) for p, n in zip(pos, g.in_spatial)]
+      ok = tile.cols_of(inside[0] & inside[1] & inside[2])
+      pos = [jnp.clip(p, 0, n - 1) for p, n in zip(pos, g.in_spatial)]
+    return _load(x_ref, tile.index(b, *pos), ok, None if ok is None else fill), ok
 
   def load_max_tap(tap, real):
     """Tap ``tap`` of the tile's windows (max pooling). At the edges (``real``: each dim's
@@ -288,10 +290,10 @@ def _window_kernel(x_ref, *out_refs, g: Geometry, bw: int, bl: int, lanes: int, 
     where ``m`` is that dim's first real tap and ``m``'s own index elsewhere, an order on the
     real taps that is row-major's."""
     pos = []
-    for dim, (o, k) in enumerate(zip(outs, tap)):
+    for dim, k in enumerate(tap):
       if real is not None and g.window[dim] > 1:
         k = jnp.clip(k, *real[dim])
-      p = o * g.strides[dim] + k * g.dilation[dim] - g.pad_lo[dim]
+      p = tap_at(dim, k)
       if real is not None:  # (a window with no real tap reads anywhere inside; see empty)
         p = jnp.clip(p, 0, g.in_spatial[dim] - 1)
       pos.append(p)
