@@ -26,21 +26,10 @@ from typing import Any
 import jax
 
 from jaxpool._src import autodiff, xla
+from jaxpool._src.platforms import platform
 from jaxpool._src.windows import IMPLEMENTATIONS, Geometry, check_choice
 
 ENV = "JAXPOOL_IMPLEMENTATION"
-
-
-def platform() -> str:
-  """``"cuda"``, ``"rocm"``, ``"tpu"``, ``"cpu"`` (or another JAX backend name)."""
-  name = jax.default_backend()
-  if name in ("cuda", "rocm"):
-    return name
-  if name == "gpu":
-    from jax.extend import backend as jex_backend
-    version = str(getattr(jex_backend.get_backend(), "platform_version", "")).lower()
-    return "rocm" if ("rocm" in version or "hip" in version) else "cuda"
-  return name
 
 
 def default_implementation() -> str | None:
