@@ -330,18 +330,48 @@ def test_nd_transformations(rng):
     assert "jaxpool_max_pool_gather_transpose" in str(jax.make_jaxpr(jax.grad(p))(x))
 
 
-@pytest.mark.parametrize("cfg,dtype,rule", [
-    (CONFIGS[0], jnp.bfloat16, "after"), (CONFIGS[0], jnp.float32, "auto"),
-    pytest.param(CONFIGS_ND[1], jnp.float32, "after", marks=pytest.mark.slow),
+@pytest.mark.parametrize("cfg,dtype,form", [
+    (CONFIGS[0], jnp.bfloat16, "canonical"), (CONFIGS[0], jnp.float32, "auto"),
+    pytest.param(CONFIGS_ND[1], jnp.float32, "canonical", marks=pytest.mark.slow),
     pytest.param(CONFIGS_ND[4], jnp.bfloat16, "auto", marks=pytest.mark.slow)],
-    ids=["2d_last_bf16_after", "2d_last_f32", "3d_last_dilated_ceil_f32_after",
+    ids=["2d_last_bf16_canonical", "2d_last_f32", "3d_last_dilated_ceil_f32_canonical",
          "2d_first_wide_bf16"])
-def test_signed_zeros_match_xla(rng, monkeypatch, cfg, dtype, rule):
-  """The zero rule (interpret mode; compiled: test_gpu_signed_zeros), in the form interpret
-  mode uses (the rule per tap) and in the one compiled float32 kernels use ("after")."""
+def test_signed_zeros_match_xla(rng, monkeypatch, cfg, dtype, form):
+  """Signed zeros (interpret mode; compiled: test_gpu_signed_zeros), with the running maximum
+  interpret mode uses (``dtypes.beats``) and with the canonical NaN results that the compiled
+  kernels' PTX maximum gives (``triton.NAN_MAX``)."""
   from jaxpool._src.pallas import triton as pk
-  monkeypatch.setattr(pk, "ZERO_RULE", rule)
+  monkeypatch.setattr(pk, "NAN_MAX", form)
+  jax.clear_caches()  # (the form is read while tracing)
   check_signed_zeros(rng, cfg, dtype)
+
+
+NAN_BITS = (0x7FC00000, 0xFFC00000, 0x7F800001, 0xFFFFFFFF, 0x7FC0BEEF)  # (signs, payloads)
+
+
+def check_nan_bits(rng):
+  """Windows holding NaNs of several signs and payloads, and others without: the tap is the
+  first NaN's, the value a NaN (the compiled kernels give the canonical one; which NaN is not
+  part of the contract, as XLA's maximum does not keep one either), every other value bit for
+  bit."""
+  nans = np.array(NAN_BITS, np.uint32).view(np.float32)
+  x = rng.choice(np.concatenate([nans, np.float32([1.0, -0.0, 0.0, 2.0])]), (3, 40, 2),
+                 p=[0.06] * 5 + [0.35, 0.15, 0.1, 0.1])
+  x = jnp.asarray(x.astype(np.float32))
+  got, want = (jaxpool.max_pool_with_taps(x, (3,), strides=(1,), padding=1,
+                                          implementation=impl) for impl in ("pallas", "xla"))
+  bits_equal(got[0], want[0])  # (NaN where the XLA path gives NaN)
+  np.testing.assert_array_equal(got[1], want[1])
+  nan = np.isnan(np.asarray(want[0]))
+  assert nan.any() and not nan.all()
+
+
+@pytest.mark.parametrize("form", ["auto", "canonical"])
+def test_nan_bits_match_xla(rng, monkeypatch, form):
+  from jaxpool._src.pallas import triton as pk
+  monkeypatch.setattr(pk, "NAN_MAX", form)
+  jax.clear_caches()  # (the form is read while tracing)
+  check_nan_bits(rng)
 
 
 def test_subnormals_beside_zeros_match_xla():
@@ -371,16 +401,23 @@ def test_gpu_signed_zeros(rng, dtype):
 
 
 @gpu
-@pytest.mark.parametrize("rule", ["after", "bits"])
-def test_gpu_other_zero_rules(rng, monkeypatch, rule):
-  """The compiled kernels with the other forms of the zero rule (``triton.ZERO_RULE``, as
+def test_gpu_nan_bits(rng):
+  _need_gpu()
+  check_nan_bits(rng)
+
+
+@gpu
+@pytest.mark.parametrize("form", ["beats", "canonical"])
+def test_gpu_other_max_forms(rng, monkeypatch, form):
+  """The compiled kernels with the other forms of the running maximum (``triton.NAN_MAX``, as
   benchmarks/comparator_gpu.py times them) give the same bits too."""
   _need_gpu()
   from jaxpool._src.pallas import triton as pk
-  monkeypatch.setattr(pk, "ZERO_RULE", rule)
+  monkeypatch.setattr(pk, "NAN_MAX", form)
   jax.clear_caches()
   for cfg in GPU_CONFIGS:
     for dtype in (jnp.float32, jnp.bfloat16):
       check_signed_zeros(rng, cfg, dtype)
     check_max(rng, cfg, jnp.bfloat16)
+  check_nan_bits(rng)
   jax.clear_caches()

@@ -44,6 +44,7 @@ except ImportError:  # pragma: no cover - jaxlib without the Triton backend
 
 from jaxpool._src.windows import Geometry, phase_taps, real_taps, taps_dtype, window_count
 from jaxpool._src.autodiff import apply_activation
+from jaxpool._src.platforms import platform
 from jaxpool._src.dtypes import accumulator_dtype, beats, lowest
 
 # Older Pallas had ``load``/``store`` at the top level; newer jax (and its type hints) has not.
@@ -241,29 +242,12 @@ def _window_kernel(x_ref, *out_refs, g: Geometry, bw: int, bl: int, lanes: int, 
       else np.dtype(dtype)
   low = lowest(dtype)
 
-  is_float = jnp.issubdtype(dtype, jnp.floating)
-  # The +0.0-over--0.0 rule (dtypes.beats) costs an equality and an integer comparison a tap.
-  # ZERO_RULE picks how the max kernels pay for it (benchmarks/comparator_gpu.py times the
-  # forms; "auto" takes the faster one on an H100):
-  # - "key" (compiled floats narrower than float32; "auto" there): compared in float32, their
-  #   values leave the low bits zero, so one float32 that none of them converts to can stand
-  #   for -0.0 just below +0.0 (_zero_key), and one float comparison a tap decides. That value
-  #   is subnormal, so compiled kernels only. (Elsewhere "key" is "bits".)
-  # - "after" (compiled float32 and wider; "auto" there): the taps are scanned from the last to
-  #   the first with ``>=`` (of equal values the earliest tap wins; NaN wins as in beats) and no
-  #   zero rule. Beside the scan, the first tap holding +0.0 (without taps: whether one does,
-  #   an unsigned minimum of the bits) is kept, and a window whose maximum is a zero takes it.
-  # - "bits": dtypes.beats per tap ("auto" in interpret mode). The interpreter runs on XLA's CPU
-  #   backend, whose comparisons treat subnormals as zeros; beats compares the bits of equal
-  #   values, so it keeps a subnormal over a zero there, as the XLA path does.
-  narrow = is_float and dtype.itemsize < 4 and not interpret
-  form = ZERO_RULE if ZERO_RULE != "auto" else (
-      "bits" if interpret else "key" if narrow else "after")
-  after = mode != "avg" and is_float and form == "after"
-  zero_key = mode != "avg" and narrow and form == "key"
-  rule = _beats_but_zeros if zero_key else beats
-  ubits: Any = {4: jnp.uint32, 8: jnp.uint64}.get(np.dtype(cmp_t).itemsize)
-
+  # Max kernels scan the taps in order with a running maximum that ranks NaN above every number
+  # and +0.0 above -0.0 (_nan_max), and take a tap where that maximum's bits change: of equal
+  # values the first keeps it, +0.0 replaces -0.0 and the first NaN wins (dtypes.beats' order).
+  # On an NVIDIA GPU one instruction a tap for the maximum, two more for the taps; a window
+  # holding NaN gives the canonical NaN there (a NaN, as XLA's maximum gives one).
+  form = _max_form(cmp_t, interpret)
   outs = (do, ho, wo)
 
   def tap_at(dim: int, k):
@@ -303,37 +287,24 @@ def _window_kernel(x_ref, *out_refs, g: Geometry, bw: int, bl: int, lanes: int, 
     best: Any = None
     acc: Any = None
     idx: Any = None
-    plus_zero: Any = None  # "after": the first tap holding +0.0 (-1: none), or the least bits
     real = [real_taps(g, dim, o, xp=jnp) for dim, o in enumerate(outs)] if edge else None
     taps = list(enumerate(g.taps()))
-    for t, tap in (reversed(taps) if after else taps):
+    for t, tap in taps:
       if mode == "avg":
         xt, _ = load_tap(tap, edge, np.array(0, dtype))
         xt = xt.astype(acc_t)
         acc = xt if acc is None else acc + xt
         continue
       xt = load_max_tap(tap, real).astype(cmp_t)
-      if zero_key:
-        xt = _zero_key(xt)
-      if after:
-        u = lax.bitcast_convert_type(xt, ubits)
-        if mode == "max":
-          plus_zero = u if plus_zero is None else jnp.minimum(plus_zero, u)
-        else:
-          none = jnp.full(tile.shape, -1, idx_t) if plus_zero is None else plus_zero
-          plus_zero = jnp.where(u == 0, np.array(t, idx_t), none)
       if best is None:
-        best = xt
+        best = _nan_max(xt, xt, form)  # (NaN made canonical, as the scan's maxima are)
         if mode == "argmax":
           idx = jnp.full(tile.shape, t, idx_t)
         continue
-      if after:
-        better = (xt >= best) | (xt != xt)  # (scanned backwards: the earlier tap wins ties)
-      else:
-        better = rule(xt, best)
-      best = jnp.where(better, xt, best)
+      new = _nan_max(best, xt, form)
       if mode == "argmax":
-        idx = jnp.where(better, np.array(t, idx_t), idx)
+        idx = jnp.where(_bits(new) != _bits(best), np.array(t, idx_t), idx)
+      best = new
     out_at = tile.index(b, do, ho, wo)
     if mode == "avg":
       if divisor is not None or not edge:  # an interior window counts all its taps
@@ -343,17 +314,6 @@ def _window_kernel(x_ref, *out_refs, g: Geometry, bw: int, bl: int, lanes: int, 
         div = tile.cols_of(jnp.where(cnt == 0, 1, cnt).astype(acc_t))
       tile.store(out_refs[0], out_at, (acc / div).astype(dtype), col_mask)
       return
-    if zero_key:
-      best = _zero_unkey(best)
-    if after:
-      # A window whose maximum is a zero and that holds +0.0: +0.0, at its first tap.
-      zero = (lax.bitcast_convert_type(best, ubits) << 1) == 0
-      if mode == "max":
-        best = jnp.where(zero & (plus_zero == 0), np.array(0, cmp_t), best)
-      else:
-        fix = zero & (plus_zero >= 0)
-        best = jnp.where(fix, np.array(0, cmp_t), best)
-        idx = jnp.where(fix, plus_zero, idx)
     if real is not None:
       # Windows with no real tap: the lowest value, no tap.
       empty = None
@@ -390,38 +350,56 @@ def _real_tap(g: Geometry, idx, real):
   return out.astype(idx.dtype)
 
 
-# How the max kernels of floats order +0.0 over -0.0: "auto", "key", "after" or "bits" (see
-# _window_kernel).
-ZERO_RULE = "auto"
+# How the max kernels take their running maximum (see _nan_max): "auto" (PTX's instruction where
+# it serves, else "beats"), "ptx", "beats" or "canonical" ("beats" with PTX's NaN results: how
+# interpret-mode tests check the compiled kernels' taps of windows holding NaN on a CPU).
+NAN_MAX = "auto"
+_NAN_MAX_FORMS = ("auto", "ptx", "beats", "canonical")
 
 
-def _beats_but_zeros(x, best):
-  """:func:`beats` without the zero rule (of equal zeros the first wins): for zero keys."""
-  return jnp.logical_not(x <= best) & (best == best)
+def _max_form(cmp_t, interpret: bool) -> str:
+  """The form of :func:`_nan_max` that the max kernels use (``NAN_MAX``, "auto" resolved).
+
+  PTX's ``max.NaN.f32`` serves compiled kernels on an NVIDIA GPU whose floats are compared in
+  float32; integers and other floats take "beats"."""
+  if NAN_MAX not in _NAN_MAX_FORMS:
+    raise ValueError(f"NAN_MAX must be one of {_NAN_MAX_FORMS}, got {NAN_MAX!r}")
+  ptx = (not interpret and plgpu is not None and np.dtype(cmp_t) == np.float32
+         and platform() == "cuda")
+  if NAN_MAX == "ptx" and not ptx:
+    raise ValueError("NAN_MAX='ptx' needs compiled kernels on an NVIDIA GPU and float32 "
+                     "comparisons")
+  if NAN_MAX == "auto":
+    return "ptx" if ptx else "beats"
+  return NAN_MAX if jnp.issubdtype(cmp_t, jnp.floating) else "beats"
 
 
-_NEG_ZERO = np.array(np.iinfo(np.int32).min, np.int32)  # the bits of -0.0
-_NEG_ZERO_KEY = np.array(np.iinfo(np.int32).min + 1, np.int32)  # -1.4e-45
+def _nan_max(best, x, form: str):
+  """The running maximum ``best`` of a window scanned in tap order, after tap ``x``, in
+  :func:`dtypes.beats`' order: NaN above every number, ``+0.0`` above ``-0.0``.
+
+  "ptx": PTX's ``max.NaN.f32``, one instruction, whose NaN results are the canonical NaN.
+  "beats": ``dtypes.beats`` itself, the XLA path's rule, so that interpret mode decides as the
+  XLA path does on the same backend (XLA's CPU comparisons treat subnormals as zeros); the
+  first NaN is kept. "canonical": "beats" with PTX's NaN results.
+  """
+  if form == "ptx":
+    return plgpu.elementwise_inline_asm(
+        "max.NaN.f32 $0, $1, $2;", args=[best, x], constraints="=r,r,r", pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, x.dtype)])[0]
+  new = jnp.where(beats(x, best), x, best)
+  if form == "canonical":
+    canonical = np.array(np.uint32(0x7FFFFFFF)).view(np.float32).astype(x.dtype)
+    new = jnp.where(new != new, canonical, new)
+  return new
 
 
-def _swap_bits(v, old, new):
-  """float32 ``v`` with the value whose bits are ``old`` replaced by the one whose bits are
-  ``new``."""
-  b = lax.bitcast_convert_type(v, jnp.int32)
-  return lax.bitcast_convert_type(jnp.where(b == old, new, b), jnp.float32)
-
-
-def _zero_key(v):
-  """A float32 ``v`` converted from a narrower float, with ``-0.0`` replaced by the smallest
-  negative float32 (subnormal), which no narrower float converts to: just below ``+0.0`` and
-  above every other value below zero. The order and the ties of every other value, NaN and
-  the infinities included, are unchanged."""
-  return _swap_bits(v, _NEG_ZERO, _NEG_ZERO_KEY)
-
-
-def _zero_unkey(v):
-  """The inverse of :func:`_zero_key`."""
-  return _swap_bits(v, _NEG_ZERO_KEY, _NEG_ZERO)
+def _bits(v):
+  """``v``'s bits as unsigned integers (floats), or ``v``."""
+  if not jnp.issubdtype(v.dtype, jnp.floating):
+    return v
+  unsigned = {2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[v.dtype.itemsize]
+  return lax.bitcast_convert_type(v, unsigned)
 
 
 def _window_call(x: jax.Array, geom: Geometry, mode: str, interpret: bool,
