@@ -1,32 +1,24 @@
-"""What the max kernels' comparison costs: the forward and backward kernels with each form of it.
+"""What the max kernels' running maximum costs: the forward and backward kernels with each form.
 
-The kernels decide whether a tap replaces the running maximum: strictly greater, or the first
-NaN, or ``+0.0`` over ``-0.0`` (the last keeps the kernels' values equal to
-``lax.reduce_window``'s). This script times the Triton forward kernels (with and without the
-taps; the backward, which reads the taps, as a control) on the cases of ``benchmarks/gpu.py``
-whose forward fell below 0.8 of copy bandwidth, with:
+The kernels keep a running maximum in ``dtypes.beats``' order (NaN above every number, ``+0.0``
+above ``-0.0``, the first of equal values) and take a tap where its bits change. This script
+times the Triton kernels (forward with and without the taps; the backward, which reads the
+taps, as a control) on the cases of ``benchmarks/gpu.py`` with each form of that maximum
+(``triton.NAN_MAX``):
 
-- ``auto``: the kernels' default (``triton.ZERO_RULE``): ``zero_key`` for floats narrower than
-  float32, ``after`` for float32;
-- ``bits``: the zero rule per tap as an integer comparison of the bit patterns of equal values
-  (``dtypes.beats``);
-- ``zero_key``: for floats narrower than float32, compared in float32, ``-0.0`` replaced by the
-  smallest negative float32 (subnormal; no narrower float converts to it), so that one float
-  comparison a tap orders the zeros (``triton.ZERO_RULE = "key"``); the same as ``bits`` for
-  float32;
-- ``after``: the taps scanned backwards with ``>=`` and no zero rule, the first ``+0.0`` kept
-  beside the scan and taken by windows whose maximum is a zero (``ZERO_RULE = "after"``);
-- ``none``: no zero rule (the first of ``-0.0`` and ``+0.0`` wins), the cost floor.
+- ``ptx``: the kernels' default on an NVIDIA GPU for float32 comparisons (16-bit floats are
+  compared in float32): PTX's ``max.NaN.f32``, one instruction a tap;
+- ``beats``: ``dtypes.beats`` and a select a tap (the default elsewhere);
+- ``canonical``: ``beats`` with NaN results made canonical, as PTX's are;
+- ``previous``: with ``--previous REV``, the kernels of ``jaxpool/_src/pallas/triton.py`` as
+  they were at git revision ``REV`` (needs the repository's ``.git``), side by side.
 
-(Runs 10, 11 and 13 also timed ``deferred``, the zero rule in a second scan only where a
-window's winner is ``-0.0``, and run 13 ``jnp.maximum`` for the kernels without taps, which
-does not order NaN and signed zeros as ``lax.max`` does on the GPU; both are gone from the
-kernels: ``results/raw/comparator_v13.log``. Runs 23 to 25 also timed the running argmax held
-as int32 and the taps combined as a balanced tree instead of one by one, neither kept:
-``results/raw/comparator_v23.log`` to ``comparator_launch3d_v25.log``, NOTES.md.)
+(Until run 29 the kernels kept a comparison a tap with a rule for signed zeros in one of several
+forms; this script timed those: ``results/raw/comparator_v9.log`` to ``comparator_v26.log``,
+NOTES.md.)
 
 Rounds alternate the variants, so drifting clocks affect them alike. ``--cases a,b`` runs the
-cases whose name contains ``a`` or ``b``; ``--variants bits,none`` the variants named;
+cases whose name contains ``a`` or ``b``; ``--variants ptx,beats`` the variants named;
 ``--launch 8,64,4`` runs every kernel with that ``(bw, bl, num_warps)``. Prints a
 table and saves ``benchmarks/results/comparator_gpu.json``. Needs a GPU.
 """
@@ -63,24 +55,29 @@ CASES = [
 ]
 
 
-def _no_zero_rule(x, best):
-  if not jnp.issubdtype(x.dtype, jnp.floating):
-    return x > best
-  return jnp.logical_not(x <= best) & (best == best)
-
-
-# (``signbit``, the zero rule through ``jnp.signbit``, and ``keys``, both values mapped to
-# integers in the kernels' order, measured slower than ``bits`` everywhere, H100 runs 9 and 10 in
-# benchmarks/results/raw/comparator_v9.log and comparator_v10.log; no longer timed.)
 # name: the settings of jaxpool._src.pallas.triton it runs with (the rest at their defaults).
 VARIANTS = {
-    "auto": dict(ZERO_RULE="auto"),
-    "bits": dict(ZERO_RULE="bits"),
-    "zero_key": dict(ZERO_RULE="key"),
-    "after": dict(ZERO_RULE="after"),
-    "none": dict(ZERO_RULE="bits", beats=_no_zero_rule),
+    "ptx": dict(NAN_MAX="auto"),
+    "beats": dict(NAN_MAX="beats"),
+    "canonical": dict(NAN_MAX="canonical"),
 }
-SETTINGS = ("ZERO_RULE", "beats")
+SETTINGS = ("NAN_MAX",)
+
+
+def _previous(rev: str):
+  """``triton.py`` as it was at git revision ``rev``, imported as a module of its own."""
+  import importlib.util
+  import subprocess
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  src = subprocess.run(["git", "show", f"{rev}:jaxpool/_src/pallas/triton.py"], cwd=root,
+                       check=True, capture_output=True, text=True).stdout
+  path = os.path.join("/tmp", f"jaxpool_triton_{rev}.py")
+  with open(path, "w") as f:
+    f.write(src)
+  spec = importlib.util.spec_from_file_location(f"jaxpool_triton_{rev}", path)
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  return mod
 
 
 def _arg(name, default):
@@ -106,9 +103,12 @@ def main():
   cases = [c for c in CASES if any(p in c[0] for p in _arg("--cases", [""]))]
   # --launch bw,bl,warps: every kernel with that launch configuration instead of the default
   launch = tuple(int(v) for v in _arg("--launch", [])) or None
+  variants = {v: (pk, VARIANTS[v]) for v in _arg("--variants", list(VARIANTS))}
+  for rev in _arg("--previous", []):
+    variants[f"previous {rev}"] = (_previous(rev), {})
   if launch:
-    pk.launch_config = lambda *_: launch
-  variants = {v: VARIANTS[v] for v in _arg("--variants", list(VARIANTS))}
+    for mod, _ in variants.values():
+      mod.launch_config = lambda *_: launch
   copy = jax.jit(lambda a: a + 1)
   big = jnp.zeros((2**28,), jnp.float32)
   copy_gbs = 2 * big.nbytes / _time(copy, big) / 1e6
@@ -133,13 +133,13 @@ def main():
     times = {v: {"fwd": [], "fwd_taps": [], "bwd": []} for v in variants}
     # Each variant's kernels are traced (with the module's settings of that variant) on their
     # first call, in the first round; later rounds reuse them.
-    fns = {v: (jax.jit(lambda a, g=geom: pk.max_forward(a, g, interpret=False)),
-               jax.jit(lambda a, g=geom: pk.max_forward_taps(a, g, interpret=False)),
-               jax.jit(lambda t, d, g=geom, s=shape: pk.max_backward(t, d, s, g,
-                                                                      interpret=False)))
-           for v in variants}
+    fns = {v: (jax.jit(lambda a, g=geom, m=mod: m.max_forward(a, g, interpret=False)),
+               jax.jit(lambda a, g=geom, m=mod: m.max_forward_taps(a, g, interpret=False)),
+               jax.jit(lambda t, d, g=geom, s=shape, m=mod: m.max_backward(t, d, s, g,
+                                                                            interpret=False)))
+           for v, (mod, _) in variants.items()}
     for _ in range(3):  # rounds, alternating the variants
-      for v, settings in variants.items():
+      for v, (_, settings) in variants.items():
         for k, val in {**defaults, **settings}.items():
           setattr(pk, k, val)
         fwd, taps, bwd = fns[v]
@@ -155,7 +155,7 @@ def main():
                  fwd_taps_of_copy=bytes_taps / t / 1e6 / copy_gbs,
                  bwd_of_copy=bytes_bwd / bw / 1e6 / copy_gbs)
       rows.append(row)
-      print(f"{name[:34]:34s} {v:9s} fwd {f:.3f} ms ({row['fwd_of_copy']:.2f} of copy)  "
+      print(f"{name[:34]:34s} {v[:16]:16s} fwd {f:.3f} ms ({row['fwd_of_copy']:.2f} of copy)  "
             f"fwd+taps {t:.3f} ({row['fwd_taps_of_copy']:.2f})  "
             f"bwd {bw:.3f} ({row['bwd_of_copy']:.2f})", flush=True)
   path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
