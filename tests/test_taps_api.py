@@ -208,7 +208,9 @@ def test_pallas_equals_xla(case_, activation, rng):
   x = _signed_zeros(rng, shape)
   y, taps = jaxpool.max_pool_with_taps(x, **kw, activation=activation, implementation="pallas")
   yx, tx = jaxpool.max_pool_with_taps(x, **kw, activation=activation, implementation="xla")
-  assert_same_bits(y, yx)
+  # Bit for bit, -0.0 included; a NaN for a NaN (the compiled kernels give the canonical one:
+  # which NaN is not part of the contract, docs/pallas.md).
+  assert_bitwise(y, yx)
   assert_same_bits(taps, tx)
   dy = jnp.asarray(tie_rich(rng, y.shape) - 1.5)
   dx = jaxpool.max_pool_grad_from_taps(dy, taps, x.shape, **kw, implementation="pallas")
