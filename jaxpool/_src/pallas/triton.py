@@ -384,6 +384,7 @@ def _nan_max(best, x, form: str):
   first NaN is kept. "canonical": "beats" with PTX's NaN results.
   """
   if form == "ptx":
+    assert plgpu is not None  # (_max_form gives "ptx" only with the Triton backend)
     return plgpu.elementwise_inline_asm(
         "max.NaN.f32 $0, $1, $2;", args=[best, x], constraints="=r,r,r", pack=1,
         result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, x.dtype)])[0]
