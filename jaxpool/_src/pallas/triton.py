@@ -351,27 +351,26 @@ def _real_tap(g: Geometry, idx, real):
 
 
 # How the max kernels take their running maximum (see _nan_max): "auto" (PTX's instruction where
-# it serves, else "beats"), "ptx", "beats" or "canonical" ("beats" with PTX's NaN results: how
+# it serves, else "beats"), "beats" or "canonical" ("beats" with PTX's NaN results: how
 # interpret-mode tests check the compiled kernels' taps of windows holding NaN on a CPU).
 NAN_MAX = "auto"
-_NAN_MAX_FORMS = ("auto", "ptx", "beats", "canonical")
+_NAN_MAX_FORMS = ("auto", "beats", "canonical")
 
 
 def _max_form(cmp_t, interpret: bool) -> str:
   """The form of :func:`_nan_max` that the max kernels use (``NAN_MAX``, "auto" resolved).
 
-  PTX's ``max.NaN.f32`` serves compiled kernels on an NVIDIA GPU whose floats are compared in
-  float32; integers and other floats take "beats"."""
+  "auto": PTX's ``max.NaN.f32`` for compiled kernels on an NVIDIA GPU whose floats are
+  compared in float32; "beats" for the rest (and for integers in every form)."""
   if NAN_MAX not in _NAN_MAX_FORMS:
     raise ValueError(f"NAN_MAX must be one of {_NAN_MAX_FORMS}, got {NAN_MAX!r}")
+  if not jnp.issubdtype(cmp_t, jnp.floating):
+    return "beats"
+  if NAN_MAX != "auto":
+    return NAN_MAX
   ptx = (not interpret and plgpu is not None and np.dtype(cmp_t) == np.float32
          and platform() == "cuda")
-  if NAN_MAX == "ptx" and not ptx:
-    raise ValueError("NAN_MAX='ptx' needs compiled kernels on an NVIDIA GPU and float32 "
-                     "comparisons")
-  if NAN_MAX == "auto":
-    return "ptx" if ptx else "beats"
-  return NAN_MAX if jnp.issubdtype(cmp_t, jnp.floating) else "beats"
+  return "ptx" if ptx else "beats"
 
 
 def _nan_max(best, x, form: str):
