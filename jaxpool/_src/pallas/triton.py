@@ -460,10 +460,11 @@ def _backward_kernel(*refs, g: Geometry, bw: int, bl: int, lanes: int, mode: str
   The input element ``(m_d s_d + r_d, m_h s_h + r_h, m s_w + r_w)`` lies at tap ``(a, i, j)`` of
   window ``(m_d + q_d, m_h + q_h, m + q_w)`` exactly when ``r + lo - tap * d = q * s`` in every
   dim: for a fixed phase ``r`` the taps that can hold it and the offsets ``q`` are static, and
-  each tap's windows are a contiguous run over ``m``. So each phase loads only the taps that
-  matter, as whole tiles, and sums them in descending tap order: the order in which JAX's
-  transpose of the XLA path's tap gather adds them (the skipped taps add exact zeros there), so
-  max-pool gradients have the same bits on both paths. In channels_first the columns are the
+  each tap's windows are a contiguous run over ``m``. So each phase reads only the taps that
+  matter, as whole tiles (each loaded once for all the block's phases that read it), and sums
+  them in descending tap order: the order in which JAX's transpose of the XLA path's tap
+  gather adds them (the skipped taps add exact zeros there), so max-pool gradients have the
+  same bits on both paths. In channels_first the columns are the
   contiguous dim, so a block is a run of input columns (stored whole) and the column phase is
   per lane: every column tap is visited, masked to the lanes it can hold.
   """
@@ -535,15 +536,31 @@ def _backward_kernel(*refs, g: Geometry, bw: int, bl: int, lanes: int, mode: str
       mask = rows if mask is None else (mask & rows)
     tile.store(dx_ref, tile.index(b, d, h, w), acc.astype(dtype), mask)
 
-  def phase_sum(rd, rh, m, jtaps, edge):
-    """One phase's ``dx`` tile: the sum, in descending tap order, of its taps' shares."""
-    acc = None
-    taps = [(a, qd, i, qh, j, qw, lane_ok) for a, qd in phase_taps(g, 0, rd)
-            for i, qh in phase_taps(g, 1, rh) for j, qw, lane_ok in jtaps]
-    for a, qd, i, qh, j, qw, lane_ok in reversed(taps):
-      t = (a * g.window[1] + i) * g.window[2] + j
-      od, oh, ow = md + qd, mh + qh, m + qw
-      ok = lane_ok
+  def body(edge: bool):
+    # Every phase (``rd, rh`` and a column group) sums its taps in descending tap order. A tap's
+    # windows are a tile at a static offset ``(qd, qh, qw)`` from the block (``j``, not ``qw``,
+    # where each lane has its own column phase), and phases share offsets (a 3x3/s2 block's four
+    # phases read four tiles, for nine taps): so the tiles are loaded once each, in ascending
+    # offset order, which is every phase's descending tap order, and added into every phase
+    # that reads them.
+    phases = [(rd, rh, gi) for rd, rh in itertools.product(range(g.strides[0]),
+                                                           range(g.strides[1]))
+              for gi in range(len(groups))]
+    uses: dict[tuple[int, int, int], list[tuple[int, int]]] = {}  # offset -> [(phase, tap)]
+    lane_oks: dict[tuple[int, int, int], Any] = {}
+    cols: dict[tuple[int, int, int], Any] = {}
+    for p, (rd, rh, gi) in enumerate(phases):
+      _, m, jtaps = groups[gi]
+      for a, qd in phase_taps(g, 0, rd):
+        for i, qh in phase_taps(g, 1, rh):
+          for j, qw, lane_ok in jtaps:
+            key = (qd, qh, qw if lane_ok is None else -j)
+            uses.setdefault(key, []).append((p, (a * g.window[1] + i) * g.window[2] + j))
+            lane_oks[key], cols[key] = lane_ok, m + qw
+    accs: list[Any] = [None] * len(phases)
+    for key in sorted(uses):
+      od, oh, ow = md + key[0], mh + key[1], cols[key]
+      ok = lane_oks[key]
       if edge:
         real = (od >= 0) & (od < Do) & (oh >= 0) & (oh < Ho) & (ow >= 0) & (ow < Wo)
         ok = real if ok is None else ok & real
@@ -555,28 +572,29 @@ def _backward_kernel(*refs, g: Geometry, bw: int, bl: int, lanes: int, mode: str
       dyt = _load(dy_ref, where, ok, None if ok is None else np.array(0, dtype))
       if mode == "max":
         it = _load(idx_ref, where, ok, None if ok is None else np.array(-1, idx_ref.dtype))
-        c = jnp.where(it == t, dyt, np.array(0, dtype)).astype(acc_t)
-        if acc is None:
-          acc = c if t == g.num_taps - 1 else (zero + c).astype(dtype).astype(acc_t)
-        else:
-          # Round after every add, as the XLA path does when it adds 16-bit cotangents.
-          acc = (acc + c).astype(dtype).astype(acc_t)
+        for p, t in uses[key]:
+          c = jnp.where(it == t, dyt, np.array(0, dtype)).astype(acc_t)
+          if accs[p] is None:
+            accs[p] = c if t == g.num_taps - 1 else (zero + c).astype(dtype).astype(acc_t)
+          else:
+            # Round after every add, as the XLA path does when it adds 16-bit cotangents.
+            accs[p] = (accs[p] + c).astype(dtype).astype(acc_t)
       else:
         c = dyt.astype(acc_t) / divisor_of((od, oh, ow))
         if ok is not None:
           c = jnp.where(ok, c, 0)
-        acc = c if acc is None else acc + c
-    return zero if acc is None else acc
-
-  def body(edge: bool):
-    for rd, rh in itertools.product(range(g.strides[0]), range(g.strides[1])):
+        for p, _ in uses[key]:
+          accs[p] = c if accs[p] is None else accs[p] + c
+    accs = [zero if acc is None else acc for acc in accs]
+    ng = len(groups)
+    for n, (rd, rh) in enumerate(itertools.product(range(g.strides[0]), range(g.strides[1]))):
       d, h = md * g.strides[0] + rd, mh * g.strides[1] + rh
-      accs = [phase_sum(rd, rh, m, jtaps, edge) for _, m, jtaps in groups]
+      mine = accs[n * ng:(n + 1) * ng]
       if interleave:
         # Whole lines of ``sw * bw`` columns: column ``m * sw + r`` from phase ``r``.
-        store(d, h, c0 * sw + jnp.arange(bw * sw, dtype=jnp.int32), _interleave(accs), edge)
+        store(d, h, c0 * sw + jnp.arange(bw * sw, dtype=jnp.int32), _interleave(mine), edge)
       else:
-        for (w, _, _), acc in zip(groups, accs):
+        for (w, _, _), acc in zip(groups, mine):
           store(d, h, w, acc, edge)
 
   _both_paths(interior, body)
