@@ -48,6 +48,12 @@ CASES = [
      "channels_first", jnp.float32),
     ("16x16x56x56x64 3x3x3/s2/p1 f32", (16, 16, 56, 56, 64), (3, 3, 3), (2, 2, 2), 1,
      "channels_last", jnp.float32),
+    # Twins of two cases above with no window reaching past the input (one more input row and
+    # column, no padding, the same output): what the kernels' edge programs cost.
+    ("16x17x57x57x64 3x3x3/s2/p0 f32, no edges", (16, 17, 57, 57, 64), (3, 3, 3), (2, 2, 2), 0,
+     "channels_last", jnp.float32),
+    ("128x64x113x113 NCHW 3x3/s2/p0 f32, no edges", (128, 64, 113, 113), (3, 3), (2, 2), 0,
+     "channels_first", jnp.float32),
     # Zeros everywhere: every value -0.0 or below, half of them -0.0 and a few +0.0 (the worst
     # case of the deferred rule, which scanned such tiles twice).
     ("128x112x112x64 3x3/s2/p1 bf16, zero maxima", (128, 112, 112, 64), (3, 3), (2, 2), 1,
@@ -155,7 +161,7 @@ def main():
                  fwd_taps_of_copy=bytes_taps / t / 1e6 / copy_gbs,
                  bwd_of_copy=bytes_bwd / bw / 1e6 / copy_gbs)
       rows.append(row)
-      print(f"{name[:34]:34s} {v[:16]:16s} fwd {f:.3f} ms ({row['fwd_of_copy']:.2f} of copy)  "
+      print(f"{name[:44]:44s} {v[:16]:16s} fwd {f:.3f} ms ({row['fwd_of_copy']:.2f} of copy)  "
             f"fwd+taps {t:.3f} ({row['fwd_taps_of_copy']:.2f})  "
             f"bwd {bw:.3f} ({row['bwd_of_copy']:.2f})", flush=True)
   path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
