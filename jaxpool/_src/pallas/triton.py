@@ -514,7 +514,10 @@ def _backward_kernel(*refs, g: Geometry, bw: int, bl: int, lanes: int, mode: str
       inside &= (first_m + 1) * g.strides[dim] <= g.in_spatial[dim]
     interior = inside if interior is None else interior & inside
   dtype = dy_ref.dtype
-  acc_t = accumulator_dtype(dtype)
+  # Max pooling sums in the cotangents' dtype, rounding after every add as the XLA path does
+  # (a 16-bit sum taken in float32 and rounded is the same bits: float32 holds more than twice
+  # a 16-bit float's digits, so the double rounding is exact); average pooling in float32.
+  acc_t = dtype if mode == "max" else accumulator_dtype(dtype)
   zero = jnp.zeros(tile.shape, acc_t)
 
   def divisor_of(wins):
@@ -573,12 +576,11 @@ def _backward_kernel(*refs, g: Geometry, bw: int, bl: int, lanes: int, mode: str
       if mode == "max":
         it = _load(idx_ref, where, ok, None if ok is None else np.array(-1, idx_ref.dtype))
         for p, t in uses[key]:
-          c = jnp.where(it == t, dyt, np.array(0, dtype)).astype(acc_t)
-          if accs[p] is None:
-            accs[p] = c if t == g.num_taps - 1 else (zero + c).astype(dtype).astype(acc_t)
+          c = jnp.where(it == t, dyt, np.array(0, dtype))
+          if accs[p] is None:  # (the XLA path adds the skipped taps' zeros first: -0.0 -> +0.0)
+            accs[p] = c if t == g.num_taps - 1 else zero + c
           else:
-            # Round after every add, as the XLA path does when it adds 16-bit cotangents.
-            accs[p] = (accs[p] + c).astype(dtype).astype(acc_t)
+            accs[p] = accs[p] + c
       else:
         c = dyt.astype(acc_t) / divisor_of((od, oh, ow))
         if ok is not None:
