@@ -4,22 +4,30 @@ Run on a GPU machine from the repository root::
 
   XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=$PWD python3 benchmarks/gpu.py [--out DIR]
 
-Timer: each sample runs the op ``INNER`` times back to back, then blocks until the device is
-done (``block_until_ready`` / ``torch.cuda.synchronize``); the sample is the elapsed wall time over
-``INNER``. After warm-up (which also compiles), the median of ``REPS`` samples is reported. Every
-op gets its arrays as jit arguments (no closed-over constants) and random, non-zero data.
+Timer: each sample runs the op back to back, then blocks until the device is done
+(``block_until_ready`` / ``torch.cuda.synchronize``); the sample is the elapsed wall time over the
+calls. A sample makes at least ``INNER`` calls and lasts at least ``SAMPLE_MS`` (the calls are
+counted from a warm-up call's time), so that the wait before a sample's first call starts costs
+every op about the same share: with a fixed 10 calls, a 0.1 ms op lost 10-20% of its bandwidth to
+it, and a plain copy of 0.23 GB measured 0.81-0.91 of the 1 GiB copy's (NOTES.md, runs 37-38).
+``--inner 10`` times 10 calls a sample whatever they last (the timer of runs 1-36). After warm-up
+(which also compiles), the median of ``REPS`` samples is reported. Every op gets its arrays as
+jit arguments (no closed-over constants) and random, non-zero data.
 
 Bytes: each row counts what the op must read and write once: forward ``x + y`` (``+ argmax`` when
 it writes one), backward ``dy + argmax + dx`` (for XLA's select_and_scatter, which recomputes the
 argmax from ``x``: ``x + dy + dx``), forward plus backward the sum of the two. GB/s is those bytes
 over the time; "of copy" divides by the bandwidth of a device-to-device pass (``x + 1`` on a
-1 GiB float32 array, read + write) timed by the same timer in the same run.
+1 GiB float32 array, read + write) timed by the same timer in the same run. Each case's
+``copy_same_bytes`` row is that pass over the forward's bytes (``x + y``): what a plain copy of
+that size reaches with this timer.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import statistics
@@ -39,7 +47,10 @@ from jaxpool._src import windows  # noqa: E402
 from jaxpool._src.pallas import triton as pk  # noqa: E402
 
 INNER = 10
+SAMPLE_MS = 5.0  # (0 with --inner: INNER calls a sample)
 REPS = 30
+# The Pallas kernels' rows (each one kernel); the summary lists those below 0.8 of copy.
+KERNELS = ("pallas_fwd", "pallas_fwd_argmax", "pallas_bwd", "pallas_avg_fwd")
 CASES = [
     # name, shape, window, strides, padding, data_format, dtypes
     ("128x112x112x64 3x3/s2/p1", (128, 112, 112, 64), (3, 3), (2, 2), 1, "channels_last",
@@ -54,34 +65,38 @@ CASES = [
 ]
 
 
-def time_jax(fn, *args) -> float:
-  out = fn(*args)
-  jax.block_until_ready(out)
-  for _ in range(2):
-    jax.block_until_ready(fn(*args))
+def _median_ms(call, sync) -> float:
+  """The median over ``REPS`` samples of ``call``'s time (ms), after warm-up."""
+  for _ in range(3):
+    call()
+  sync()
+  t0 = time.perf_counter()
+  call()
+  sync()
+  one = time.perf_counter() - t0
+  calls = max(INNER, math.ceil(SAMPLE_MS / 1e3 / max(one, 1e-6)))
   samples = []
   for _ in range(REPS):
     t0 = time.perf_counter()
-    for _ in range(INNER):
-      out = fn(*args)
-    jax.block_until_ready(out)
-    samples.append((time.perf_counter() - t0) / INNER)
+    for _ in range(calls):
+      call()
+    sync()
+    samples.append((time.perf_counter() - t0) / calls)
   return statistics.median(samples) * 1e3
+
+
+def time_jax(fn, *args) -> float:
+  last: list = [None]
+
+  def call():
+    last[0] = fn(*args)
+
+  return _median_ms(call, lambda: jax.block_until_ready(last[0]))
 
 
 def time_torch(fn) -> float:
   import torch
-  for _ in range(3):
-    fn()
-  torch.cuda.synchronize()
-  samples = []
-  for _ in range(REPS):
-    t0 = time.perf_counter()
-    for _ in range(INNER):
-      fn()
-    torch.cuda.synchronize()
-    samples.append((time.perf_counter() - t0) / INNER)
-  return statistics.median(samples) * 1e3
+  return _median_ms(fn, torch.cuda.synchronize)
 
 
 def copy_bandwidth() -> float:
@@ -162,6 +177,9 @@ def run_case(name, shape, window, strides, padding, data_format, dtype, copy_gbs
     rows[key] = {"ms": ms, "bytes": nbytes, "GBps": nbytes / ms / 1e6,
                  "of_copy": nbytes / ms / 1e6 / copy_gbs}
 
+  blank = jnp.zeros(((nx + ny) // 8,), jnp.float32)  # (read and written: the forward's bytes)
+  row("copy_same_bytes", time_jax(jax.jit(lambda a: a + 1), blank), 2 * blank.nbytes)
+  del blank
   row("xla_fwd", time_jax(jax.jit(xla_fwd), x), nx + ny)
   row("xla_bwd", time_jax(jax.jit(lambda v, g: v(g)[0]), xla_vjp, dy), nx + ny + nx)
   row("jaxpool_xla_fwd_bwd", time_jax(vjp_of(mp("xla")), x, dy), nx + ny + ni + ni + ny + nx)
@@ -223,7 +241,13 @@ def main():
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   ap.add_argument("--json", default=os.path.join(root, "benchmarks/results/gpu.json"))
   ap.add_argument("--png", default=os.path.join(root, "docs/img/bench_gpu.png"))
+  ap.add_argument("--inner", type=int, default=None,
+                  help="calls a sample, whatever they last (default: at least %(prog)s's "
+                       "INNER calls and SAMPLE_MS)")
   args = ap.parse_args()
+  global INNER, SAMPLE_MS
+  if args.inner:
+    INNER, SAMPLE_MS = args.inner, 0.0
   dev = jax.devices()[0]
   print(f"device {dev.device_kind}; jax {jax.__version__}; python {platform.python_version()}")
   copy_gbs = copy_bandwidth()
@@ -240,7 +264,8 @@ def main():
       print("  " + ", ".join(f"{k}={v:.2f}" for k, v in res["ratios"].items() if v is not None),
             flush=True)
   meta = {"device": dev.device_kind, "jax": jax.__version__, "copy_GBps": copy_gbs,
-          "timer": f"median of {REPS} samples, each {INNER} calls then block_until_ready",
+          "timer": f"median of {REPS} samples, each at least {INNER} calls and {SAMPLE_MS} ms "
+                   "of calls, then block_until_ready",
           "time": time.strftime("%Y-%m-%d %H:%M:%S")}
   try:
     import torch
@@ -256,15 +281,21 @@ def main():
   except Exception as e:  # the numbers matter more than the picture
     print("plot failed:", e)
   print("\nsummary (ms): case dtype | xla_bwd pallas_bwd (x) | torch_fb pallas_fb (x) | "
-        "fwd/bwd of copy | avg xla pallas")
+        "fwd/fwd+taps/bwd/avg fwd of copy (a copy of the forward's bytes) | avg xla pallas")
+  below = []
   for res in results:
     r, q = res["rows"], res["ratios"]
     tfb = r.get("torch_fwd_bwd", {}).get("ms", float("nan"))
+    kernels = "/".join(f"{r[k]['of_copy']:.2f}" for k in KERNELS)
     print(f"{res['case'][:14]} {res['dtype'][:4]} | {r['xla_bwd']['ms']:.3f} "
           f"{r['pallas_bwd']['ms']:.3f} ({q['bwd_speedup_vs_xla']:.1f}x) | {tfb:.3f} "
           f"{r['pallas_fwd_bwd']['ms']:.3f} ({q['fwd_bwd_speedup_vs_torch'] or float('nan'):.1f}x)"
-          f" | {r['pallas_fwd']['of_copy']:.2f}/{r['pallas_bwd']['of_copy']:.2f} | "
+          f" | {kernels} ({r['copy_same_bytes']['of_copy']:.2f}) | "
           f"{r['xla_avg_fwd_bwd']['ms']:.3f} {r['pallas_avg_fwd_bwd']['ms']:.3f}")
+    below += [f"{res['case']} {res['dtype']} {k} {r[k]['of_copy']:.2f}" for k in KERNELS
+              if r[k]["of_copy"] < 0.8]
+  print(f"kernels below 0.8 of copy: {len(below)} of {len(KERNELS) * len(results)}"
+        + "".join(f"\n  {b}" for b in below))
 
 
 if __name__ == "__main__":
