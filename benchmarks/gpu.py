@@ -7,12 +7,13 @@ Run on a GPU machine from the repository root::
 Timer: each sample runs the op back to back, then blocks until the device is done
 (``block_until_ready`` / ``torch.cuda.synchronize``); the sample is the elapsed wall time over the
 calls. A sample makes at least ``INNER`` calls and lasts at least ``SAMPLE_MS`` (the calls are
-counted from a warm-up call's time), so that the wait before a sample's first call starts costs
-every op about the same share: with a fixed 10 calls, a 0.1 ms op lost 10-20% of its bandwidth to
-it, and a plain copy of 0.23 GB measured 0.81-0.91 of the 1 GiB copy's (NOTES.md, runs 37-38).
-``--inner 10`` times 10 calls a sample whatever they last (the timer of runs 1-36). After warm-up
-(which also compiles), the median of ``REPS`` samples is reported. Every op gets its arrays as
-jit arguments (no closed-over constants) and random, non-zero data.
+counted from the time of ``INNER`` warm-up calls), so that the wait before a sample's first call
+costs every op about the same share: with a fixed 10 calls, a 0.1 ms op lost 10-20% of its
+bandwidth to it, and a plain copy of 0.23 GB measured 0.81-0.91 of the 1 GiB copy's (NOTES.md,
+runs 37-39). ``--inner 10`` times 10 calls a sample whatever they last (the timer of runs 1-36).
+After warm-up (which also compiles), the median of ``REPS`` samples is reported. Every op gets its
+arrays as jit arguments (no closed-over constants) and random, non-zero data. ``--cases a,b``:
+only the cases whose name contains ``a`` or ``b``.
 
 Bytes: each row counts what the op must read and write once: forward ``x + y`` (``+ argmax`` when
 it writes one), backward ``dy + argmax + dx`` (for XLA's select_and_scatter, which recomputes the
@@ -31,6 +32,7 @@ import math
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 
@@ -49,6 +51,7 @@ from jaxpool._src.pallas import triton as pk  # noqa: E402
 INNER = 10
 SAMPLE_MS = 5.0  # (0 with --inner: INNER calls a sample)
 REPS = 30
+NO_TORCH = False  # (--no-torch)
 # The Pallas kernels' rows (each one kernel); the summary lists those below 0.8 of copy.
 KERNELS = ("pallas_fwd", "pallas_fwd_argmax", "pallas_bwd", "pallas_avg_fwd")
 CASES = [
@@ -71,10 +74,11 @@ def _median_ms(call, sync) -> float:
     call()
   sync()
   t0 = time.perf_counter()
-  call()
+  for _ in range(INNER):
+    call()
   sync()
-  one = time.perf_counter() - t0
-  calls = max(INNER, math.ceil(SAMPLE_MS / 1e3 / max(one, 1e-6)))
+  each = (time.perf_counter() - t0) / INNER
+  calls = max(INNER, math.ceil(SAMPLE_MS / 1e3 / max(each, 1e-6)))
   samples = []
   for _ in range(REPS):
     t0 = time.perf_counter()
@@ -104,6 +108,14 @@ def copy_bandwidth() -> float:
   x = jax.random.normal(jax.random.key(0), (256 * 1024 * 1024,), jnp.float32)
   ms = time_jax(jax.jit(lambda a: a + 1), x)
   return 2 * x.size * 4 / ms / 1e6
+
+
+def torch_available() -> bool:
+  try:
+    import torch  # noqa: F401
+  except ImportError:
+    return False
+  return True
 
 
 def torch_case(shape, window, strides, padding, dtype, data_format):
@@ -199,21 +211,41 @@ def run_case(name, shape, window, strides, padding, data_format, dtype, copy_gbs
   # Same bits as the XLA path, checked here on the benchmark's own data.
   same = bool(jnp.array_equal(vjp_of(mp("pallas"))(x, dy)[1], vjp_of(mp("xla"))(x, dy)[1]))
   del x, dy, idx, xla_vjp
-  t = torch_case(shape, window, strides, padding if isinstance(padding, int) else 0, dtype,
-                 data_format)
-  if t is not None:
-    row("torch_fwd", t["torch_fwd"], nx + ny)
-    row("torch_fwd_bwd", t["torch_fwd_bwd"], nx + ny + ny + nx)
   r = {k: v["ms"] for k, v in rows.items()}
   ratios = {
       "bwd_speedup_vs_xla": r["xla_bwd"] / r["pallas_bwd"],
-      "fwd_bwd_speedup_vs_torch": (r["torch_fwd_bwd"] / r["pallas_fwd_bwd"]
-                                   if "torch_fwd_bwd" in r else None),
+      "fwd_bwd_speedup_vs_torch": None,  # (add_torch)
       "fwd_bwd_speedup_vs_jaxpool_xla": r["jaxpool_xla_fwd_bwd"] / r["pallas_fwd_bwd"],
       "avg_speedup_vs_xla": r["xla_avg_fwd_bwd"] / r["pallas_avg_fwd_bwd"],
   }
   return {"case": name, "dtype": dtype, "rows": rows, "ratios": ratios,
-          "grad_bits_equal_xla_path": same}
+          "grad_bits_equal_xla_path": same, "bytes": {"x": nx, "y": ny}}
+
+
+def torch_rows(path: str, cases) -> None:
+  """PyTorch's rows of ``cases``, timed in a process of their own, saved to ``path``.
+
+  (With PyTorch's cached memory in the process, the JAX ops timed after it ran up to 15%
+  slower: NOTES.md, run 40.)"""
+  out = {}
+  for name, shape, window, strides, padding, data_format, dtypes in cases:
+    for dtype in dtypes:
+      out[f"{name}|{dtype}"] = torch_case(shape, window, strides,
+                                          padding if isinstance(padding, int) else 0, dtype,
+                                          data_format)
+  with open(path, "w") as f:
+    json.dump(out, f)
+
+
+def add_torch(res, t) -> None:
+  """Adds PyTorch's rows ``t`` (ms) to a case's result."""
+  nx, ny, copy_gbs = res["bytes"]["x"], res["bytes"]["y"], res["copy_GBps"]
+  for key, nbytes in (("torch_fwd", nx + ny), ("torch_fwd_bwd", nx + ny + ny + nx)):
+    ms = t[key]
+    res["rows"][key] = {"ms": ms, "bytes": nbytes, "GBps": nbytes / ms / 1e6,
+                        "of_copy": nbytes / ms / 1e6 / copy_gbs}
+  res["ratios"]["fwd_bwd_speedup_vs_torch"] = (t["torch_fwd_bwd"]
+                                               / res["rows"]["pallas_fwd_bwd"]["ms"])
 
 
 def plot(results, path):
@@ -244,8 +276,17 @@ def main():
   ap.add_argument("--inner", type=int, default=None,
                   help="calls a sample, whatever they last (default: at least %(prog)s's "
                        "INNER calls and SAMPLE_MS)")
+  ap.add_argument("--cases", default="",
+                  help="only the cases whose name contains one of these (comma-separated)")
+  ap.add_argument("--no-torch", action="store_true", help="leave PyTorch's rows out")
+  ap.add_argument("--torch-rows", default=None, help=argparse.SUPPRESS)  # (the child process)
   args = ap.parse_args()
-  global INNER, SAMPLE_MS
+  cases = [c for c in CASES if any(w in c[0] for w in args.cases.split(","))]
+  if args.torch_rows:
+    torch_rows(args.torch_rows, cases)
+    return
+  global INNER, SAMPLE_MS, NO_TORCH
+  NO_TORCH = args.no_torch
   if args.inner:
     INNER, SAMPLE_MS = args.inner, 0.0
   dev = jax.devices()[0]
@@ -253,16 +294,30 @@ def main():
   copy_gbs = copy_bandwidth()
   print(f"copy bandwidth (x + 1, 1 GiB f32, read + write): {copy_gbs:.0f} GB/s", flush=True)
   results = []
-  for name, shape, window, strides, padding, data_format, dtypes in CASES:
+  for name, shape, window, strides, padding, data_format, dtypes in cases:
     for dtype in dtypes:
       res = run_case(name, shape, window, strides, padding, data_format, dtype, copy_gbs)
+      res["copy_GBps"] = copy_gbs
       results.append(res)
-      print(f"\n{name} {dtype}  (grad bits == jaxpool XLA path: {res['grad_bits_equal_xla_path']})")
-      print(f"  {'row':24s} {'ms':>8s} {'GB/s':>8s} {'of copy':>8s}")
-      for k, v in res["rows"].items():
-        print(f"  {k:24s} {v['ms']:8.3f} {v['GBps']:8.0f} {v['of_copy']:8.2f}")
-      print("  " + ", ".join(f"{k}={v:.2f}" for k, v in res["ratios"].items() if v is not None),
-            flush=True)
+  if not NO_TORCH and torch_available():
+    path = os.path.join(os.path.dirname(args.json), ".gpu_torch_rows.json")
+    subprocess.run([sys.executable, os.path.abspath(__file__), "--torch-rows", path,
+                    "--cases", args.cases], check=True)
+    with open(path) as f:
+      torch_times = json.load(f)
+    os.remove(path)
+    for res in results:
+      t = torch_times.get(f"{res['case']}|{res['dtype']}")
+      if t is not None:
+        add_torch(res, t)
+  for res in results:
+    print(f"\n{res['case']} {res['dtype']}  (grad bits == jaxpool XLA path: "
+          f"{res['grad_bits_equal_xla_path']})")
+    print(f"  {'row':24s} {'ms':>8s} {'GB/s':>8s} {'of copy':>8s}")
+    for k, v in res["rows"].items():
+      print(f"  {k:24s} {v['ms']:8.3f} {v['GBps']:8.0f} {v['of_copy']:8.2f}")
+    print("  " + ", ".join(f"{k}={v:.2f}" for k, v in res["ratios"].items() if v is not None),
+          flush=True)
   meta = {"device": dev.device_kind, "jax": jax.__version__, "copy_GBps": copy_gbs,
           "timer": f"median of {REPS} samples, each at least {INNER} calls and {SAMPLE_MS} ms "
                    "of calls, then block_until_ready",
