@@ -515,8 +515,9 @@ def _backward_kernel(*refs, g: Geometry, bw: int, bl: int, lanes: int, mode: str
     interior = inside if interior is None else interior & inside
   dtype = dy_ref.dtype
   # Max pooling sums in the cotangents' dtype, rounding after every add as the XLA path does
-  # (a 16-bit sum taken in float32 and rounded is the same bits: float32 holds more than twice
-  # a 16-bit float's digits, so the double rounding is exact); average pooling in float32.
+  # (a 16-bit sum taken in float32 and rounded is the same bits: float32's 24 digits are at
+  # least 2p + 2 for a 16-bit float's p, so rounding twice gives the correctly rounded sum);
+  # average pooling in float32.
   acc_t = dtype if mode == "max" else accumulator_dtype(dtype)
   zero = jnp.zeros(tile.shape, acc_t)
 
@@ -552,14 +553,18 @@ def _backward_kernel(*refs, g: Geometry, bw: int, bl: int, lanes: int, mode: str
     uses: dict[tuple[int, int, int], list[tuple[int, int]]] = {}  # offset -> [(phase, tap)]
     lane_oks: dict[tuple[int, int, int], Any] = {}
     cols: dict[tuple[int, int, int], Any] = {}
+    every_tap = []  # whether each phase visits every tap of the window
     for p, (rd, rh, gi) in enumerate(phases):
       _, m, jtaps = groups[gi]
+      n = 0
       for a, qd in phase_taps(g, 0, rd):
         for i, qh in phase_taps(g, 1, rh):
           for j, qw, lane_ok in jtaps:
             key = (qd, qh, qw if lane_ok is None else -j)
             uses.setdefault(key, []).append((p, (a * g.window[1] + i) * g.window[2] + j))
             lane_oks[key], cols[key] = lane_ok, m + qw
+            n += 1
+      every_tap.append(n == g.num_taps)
     accs: list[Any] = [None] * len(phases)
     for key in sorted(uses):
       od, oh, ow = md + key[0], mh + key[1], cols[key]
@@ -577,10 +582,12 @@ def _backward_kernel(*refs, g: Geometry, bw: int, bl: int, lanes: int, mode: str
         it = _load(idx_ref, where, ok, None if ok is None else np.array(-1, idx_ref.dtype))
         for p, t in uses[key]:
           c = jnp.where(it == t, dyt, np.array(0, dtype))
-          if accs[p] is None:  # (the XLA path adds the skipped taps' zeros first: -0.0 -> +0.0)
-            accs[p] = c if t == g.num_taps - 1 else zero + c
+          if accs[p] is None and not every_tap[p]:
+            # The XLA path adds a zero for each tap this phase skips, so its sums are never
+            # -0.0: -0.0 + 0.0 is +0.0. (A select: XLA:CPU would simplify zero + c to c.)
+            accs[p] = jnp.where(c == 0, zero, c)
           else:
-            accs[p] = accs[p] + c
+            accs[p] = c if accs[p] is None else accs[p] + c
       else:
         c = dyt.astype(acc_t) / divisor_of((od, oh, ow))
         if ok is not None:
