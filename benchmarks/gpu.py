@@ -34,6 +34,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -111,11 +112,8 @@ def copy_bandwidth() -> float:
 
 
 def torch_available() -> bool:
-  try:
-    import torch  # noqa: F401
-  except ImportError:
-    return False
-  return True
+  import importlib.util
+  return importlib.util.find_spec("torch") is not None
 
 
 def torch_case(shape, window, strides, padding, dtype, data_format):
@@ -233,6 +231,8 @@ def torch_rows(path: str, cases) -> None:
       out[f"{name}|{dtype}"] = torch_case(shape, window, strides,
                                           padding if isinstance(padding, int) else 0, dtype,
                                           data_format)
+  import torch
+  out["version"] = torch.__version__
   with open(path, "w") as f:
     json.dump(out, f)
 
@@ -274,21 +274,23 @@ def main():
   ap.add_argument("--json", default=os.path.join(root, "benchmarks/results/gpu.json"))
   ap.add_argument("--png", default=os.path.join(root, "docs/img/bench_gpu.png"))
   ap.add_argument("--inner", type=int, default=None,
-                  help="calls a sample, whatever they last (default: at least %(prog)s's "
-                       "INNER calls and SAMPLE_MS)")
+                  help="calls a sample, whatever they last (default: at least INNER calls "
+                       "and SAMPLE_MS of them)")
   ap.add_argument("--cases", default="",
                   help="only the cases whose name contains one of these (comma-separated)")
   ap.add_argument("--no-torch", action="store_true", help="leave PyTorch's rows out")
   ap.add_argument("--torch-rows", default=None, help=argparse.SUPPRESS)  # (the child process)
   args = ap.parse_args()
   cases = [c for c in CASES if any(w in c[0] for w in args.cases.split(","))]
+  global INNER, SAMPLE_MS, NO_TORCH
+  NO_TORCH = args.no_torch
+  if args.inner is not None:
+    if args.inner < 1:
+      ap.error(f"--inner must be at least 1, got {args.inner}")
+    INNER, SAMPLE_MS = args.inner, 0.0
   if args.torch_rows:
     torch_rows(args.torch_rows, cases)
     return
-  global INNER, SAMPLE_MS, NO_TORCH
-  NO_TORCH = args.no_torch
-  if args.inner:
-    INNER, SAMPLE_MS = args.inner, 0.0
   dev = jax.devices()[0]
   print(f"device {dev.device_kind}; jax {jax.__version__}; python {platform.python_version()}")
   copy_gbs = copy_bandwidth()
@@ -299,17 +301,24 @@ def main():
       res = run_case(name, shape, window, strides, padding, data_format, dtype, copy_gbs)
       res["copy_GBps"] = copy_gbs
       results.append(res)
+  torch_version = None
   if not NO_TORCH and torch_available():
-    path = os.path.join(os.path.dirname(args.json), ".gpu_torch_rows.json")
-    subprocess.run([sys.executable, os.path.abspath(__file__), "--torch-rows", path,
-                    "--cases", args.cases], check=True)
-    with open(path) as f:
-      torch_times = json.load(f)
+    fd, path = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    timer = ["--inner", str(args.inner)] if args.inner is not None else []
+    child = subprocess.run([sys.executable, os.path.abspath(__file__), "--torch-rows", path,
+                            "--cases", args.cases, *timer])
+    if child.returncode == 0:
+      with open(path) as f:
+        torch_times = json.load(f)
+      for res in results:
+        t = torch_times.get(f"{res['case']}|{res['dtype']}")
+        if t is not None:
+          add_torch(res, t)
+      torch_version = torch_times.get("version")
+    else:
+      print(f"PyTorch's rows failed (exit {child.returncode}); left out", flush=True)
     os.remove(path)
-    for res in results:
-      t = torch_times.get(f"{res['case']}|{res['dtype']}")
-      if t is not None:
-        add_torch(res, t)
   for res in results:
     print(f"\n{res['case']} {res['dtype']}  (grad bits == jaxpool XLA path: "
           f"{res['grad_bits_equal_xla_path']})")
@@ -322,16 +331,13 @@ def main():
           "timer": f"median of {REPS} samples, each at least {INNER} calls and {SAMPLE_MS} ms "
                    "of calls, then block_until_ready",
           "time": time.strftime("%Y-%m-%d %H:%M:%S")}
-  try:
-    import torch
-    meta["torch"] = torch.__version__
-  except ImportError:
-    pass
-  os.makedirs(os.path.dirname(args.json), exist_ok=True)
+  if torch_version:
+    meta["torch"] = torch_version
+  os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
   with open(args.json, "w") as f:
     json.dump({"meta": meta, "results": results}, f, indent=1)
   try:
-    os.makedirs(os.path.dirname(args.png), exist_ok=True)
+    os.makedirs(os.path.dirname(args.png) or ".", exist_ok=True)
     plot(results, args.png)
   except Exception as e:  # the numbers matter more than the picture
     print("plot failed:", e)
