@@ -6,7 +6,7 @@ Run on a GPU machine from the repository root::
 
 Timer: each sample runs the op back to back, then blocks until the device is done
 (``block_until_ready`` / ``torch.cuda.synchronize``); the sample is the elapsed wall time over the
-calls. A sample makes at least ``INNER`` calls and lasts at least ``SAMPLE_MS`` (the calls are
+calls. A sample makes at least ``INNER`` calls and about ``SAMPLE_MS`` of them (the calls are
 counted from the time of ``INNER`` warm-up calls), so that the wait before a sample's first call
 costs every op about the same share: with a fixed 10 calls, a 0.1 ms op lost 10-20% of its
 bandwidth to it, and a plain copy of 0.23 GB measured 0.81-0.91 of the 1 GiB copy's (NOTES.md,
