@@ -540,31 +540,31 @@ def _backward_kernel(*refs, g: Geometry, bw: int, bl: int, lanes: int, mode: str
       mask = rows if mask is None else (mask & rows)
     tile.store(dx_ref, tile.index(b, d, h, w), acc.astype(dtype), mask)
 
+  # Every phase (``rd, rh`` and a column group) sums its taps in descending tap order. A tap's
+  # windows are a tile at a static offset ``(qd, qh, qw)`` from the block (``j``, not ``qw``,
+  # where each lane has its own column phase), and phases share offsets (a 3x3/s2 block's four
+  # phases read four tiles, for nine taps): so the tiles are loaded once each, in ascending
+  # offset order, which is every phase's descending tap order, and added into every phase
+  # that reads them.
+  phases = [(rd, rh, gi) for rd, rh in itertools.product(range(g.strides[0]), range(g.strides[1]))
+            for gi in range(len(groups))]
+  uses: dict[tuple[int, int, int], list[tuple[int, int]]] = {}  # offset -> [(phase, tap)]
+  lane_oks: dict[tuple[int, int, int], Any] = {}
+  cols: dict[tuple[int, int, int], Any] = {}
+  every_tap = []  # whether each phase visits every tap of the window
+  for p, (rd, rh, gi) in enumerate(phases):
+    _, m, jtaps = groups[gi]
+    n = 0
+    for a, qd in phase_taps(g, 0, rd):
+      for i, qh in phase_taps(g, 1, rh):
+        for j, qw, lane_ok in jtaps:
+          key = (qd, qh, qw if lane_ok is None else -j)
+          uses.setdefault(key, []).append((p, (a * g.window[1] + i) * g.window[2] + j))
+          lane_oks[key], cols[key] = lane_ok, m + qw
+          n += 1
+    every_tap.append(n == g.num_taps)
+
   def body(edge: bool):
-    # Every phase (``rd, rh`` and a column group) sums its taps in descending tap order. A tap's
-    # windows are a tile at a static offset ``(qd, qh, qw)`` from the block (``j``, not ``qw``,
-    # where each lane has its own column phase), and phases share offsets (a 3x3/s2 block's four
-    # phases read four tiles, for nine taps): so the tiles are loaded once each, in ascending
-    # offset order, which is every phase's descending tap order, and added into every phase
-    # that reads them.
-    phases = [(rd, rh, gi) for rd, rh in itertools.product(range(g.strides[0]),
-                                                           range(g.strides[1]))
-              for gi in range(len(groups))]
-    uses: dict[tuple[int, int, int], list[tuple[int, int]]] = {}  # offset -> [(phase, tap)]
-    lane_oks: dict[tuple[int, int, int], Any] = {}
-    cols: dict[tuple[int, int, int], Any] = {}
-    every_tap = []  # whether each phase visits every tap of the window
-    for p, (rd, rh, gi) in enumerate(phases):
-      _, m, jtaps = groups[gi]
-      n = 0
-      for a, qd in phase_taps(g, 0, rd):
-        for i, qh in phase_taps(g, 1, rh):
-          for j, qw, lane_ok in jtaps:
-            key = (qd, qh, qw if lane_ok is None else -j)
-            uses.setdefault(key, []).append((p, (a * g.window[1] + i) * g.window[2] + j))
-            lane_oks[key], cols[key] = lane_ok, m + qw
-            n += 1
-      every_tap.append(n == g.num_taps)
     accs: list[Any] = [None] * len(phases)
     for key in sorted(uses):
       od, oh, ow = md + key[0], mh + key[1], cols[key]
