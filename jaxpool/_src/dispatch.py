@@ -126,11 +126,9 @@ def _pallas_unsupported(op: str, x: jax.Array, geom: Geometry,
     return f"Pallas cannot be imported ({e})"
   reason = ops.unsupported(op, x.shape, x.dtype, geom)
   if reason is None:
-    explicit = xla.explicit_sharding(x)
-    if explicit is not None:
-      spec = explicit[1]
-      if any(ax < len(spec) and spec[ax] is not None for ax in geom.spatial_axes(x.ndim)):
-        reason = "a spatial dim is sharded over an Explicit mesh axis (that needs halos)"
+    from jaxpool._src.pallas import partition
+    shape = geom.input_shape(x.shape) if op == "max_pool_grad_from_taps" else x.shape
+    reason = partition.explicit_unsupported(geom, shape, x)
   return reason
 
 
@@ -143,27 +141,10 @@ def _pallas_not_default() -> str | None:
 
 
 def _pallas_run(op: str, x: jax.Array, geom: Geometry, **config):
-  """Calls a Pallas op; with Explicit sharding, once per shard inside ``shard_map``.
-
-  Pooling never mixes batch or channel elements, so a block of them is pooled on its own device
-  (a sharded spatial dim is refused above: that needs halos).
-  """
-  # An array in the config (the taps of max_pool_grad_from_taps, of x's shape) is an operand
-  # too: each shard takes its block of it.
-  arrays = {k: v for k, v in config.items() if isinstance(v, jax.Array)}
-  static = {k: v for k, v in config.items() if k not in arrays}
-  op_fn = functools.partial(getattr(_pallas(), op), geom=geom,
-                            interpret=jax.default_backend() == "cpu", **static)
-  fn = lambda x, arrays: op_fn(x, **arrays)
-  explicit = xla.explicit_sharding(x)
-  if explicit is None:
-    return fn(x, arrays)
-  mesh, spec = explicit
-  spec = jax.sharding.PartitionSpec(*spec, *([None] * (x.ndim - len(spec))))
-  out_specs = (spec, spec) if op == "max_pool_with_taps" else spec
-  in_specs = (spec, {k: spec for k in arrays})
-  return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
-                       check_vma=False)(x, arrays)
+  """Calls a Pallas op. Each kernel call inside it splits over the devices its operands live on
+  (``jaxpool._src.pallas.partition``), under every kind of mesh and inside ``shard_map``."""
+  return getattr(_pallas(), op)(x, geom=geom, interpret=jax.default_backend() == "cpu",
+                                **config)
 
 
 PALLAS = Backend("pallas", unsupported=_pallas_unsupported, not_default=_pallas_not_default,

@@ -25,8 +25,9 @@ import numpy as np
 from jax.custom_batching import custom_vmap
 
 from jaxpool._src import autodiff, xla
-from jaxpool._src.pallas import triton as _triton
 from jaxpool._src.linear import LinearPair
+from jaxpool._src.pallas import partition
+from jaxpool._src.pallas import triton as _triton
 from jaxpool._src.windows import Geometry
 
 OPS = ("max_pool", "max_pool_with_taps", "max_pool_grad_from_taps", "min_pool", "avg_pool")
@@ -124,22 +125,84 @@ def _gather(taps, t, *, geom, interpret, kernels, activation):
 
 def _scatter(taps, ct, *, geom, interpret, kernels, activation):
   del activation  # a tap of -1 (no winner, or a non-positive maximum) sends nothing
-  return _kernels(kernels).max_backward(taps, ct, geom.input_shape(taps.shape), geom,
-                                        interpret=interpret)
+  kc = partition.kernel_call(_max_backward, _max_backward_xla, geom, backward=True,
+                             kernels=kernels, interpret=interpret)
+  return partition.call(kc, taps, ct)
 
 
 # ``gather(taps, t)`` is t at each window's winner; its transpose is the backward kernel.
 GATHER = LinearPair("max_pool_gather", _gather, _scatter,
                     forward_shape=lambda taps, t, **p: taps,
                     transpose_shape=lambda taps, ct, **p: p["geom"].input_shape(taps))
+partition.needs_devices(GATHER.transpose_p)
+
+
+# The kernels as partitioned calls (``partition.call``): ``fn(*operands, geom, **options)``.
+
+
+def _max_forward(x, geom, *, kernels, interpret, activation):
+  return _kernels(kernels).max_forward(x, geom, interpret=interpret, activation=activation)
+
+
+def _max_forward_taps(x, geom, *, kernels, interpret, activation):
+  return _kernels(kernels).max_forward_taps(x, geom, interpret=interpret, activation=activation)
+
+
+def _max_backward(taps, dy, geom, *, kernels, interpret):
+  return _kernels(kernels).max_backward(taps, dy, geom.input_shape(dy.shape), geom,
+                                        interpret=interpret)
+
+
+def _avg_forward_kernel(x, geom, *, kernels, interpret, count_include_pad, divisor_override):
+  return _kernels(kernels).avg_forward(x, geom, interpret=interpret,
+                                       count_include_pad=count_include_pad,
+                                       divisor_override=divisor_override)
+
+
+def _avg_backward_kernel(dy, geom, *, kernels, interpret, count_include_pad, divisor_override):
+  return _kernels(kernels).avg_backward(dy, geom.input_shape(dy.shape), geom,
+                                        interpret=interpret, count_include_pad=count_include_pad,
+                                        divisor_override=divisor_override)
+
+
+# The same computations in XLA ops (what ``jax.export`` serialises; ``partition.KernelCall``).
+
+
+def _max_forward_xla(x, geom, *, kernels, interpret, activation):
+  del kernels, interpret
+  return autodiff.apply_activation(xla.max_pool_forward(x, geom), None, activation)[0]
+
+
+def _max_forward_taps_xla(x, geom, *, kernels, interpret, activation):
+  del kernels, interpret
+  return autodiff.apply_activation(*xla.max_pool_taps(x, geom), activation)
+
+
+def _max_backward_xla(taps, dy, geom, *, kernels, interpret):
+  del kernels, interpret
+  return xla.scatter_to_taps(taps, dy, geom)
+
+
+def _avg_forward_xla(x, geom, *, kernels, interpret, count_include_pad, divisor_override):
+  del kernels, interpret
+  return xla.avg_pool(x, geom, count_include_pad, divisor_override)
+
+
+def _avg_backward_xla(dy, geom, *, kernels, interpret, count_include_pad, divisor_override):
+  del kernels, interpret
+  zeros = jax.lax.full_like(dy, 0, shape=geom.input_shape(dy.shape))
+  _, vjp = jax.vjp(lambda v: xla.avg_pool(v, geom, count_include_pad, divisor_override), zeros)
+  return vjp(dy)[0]
 
 
 @functools.cache
 def _forward_fns(geom: Geometry, activation: str | None, interpret: bool, kernels: str):
-  k = _kernels(kernels)
-  cfg = dict(geom=geom, interpret=interpret, activation=activation)
-  return (_batched(functools.partial(k.max_forward, **cfg)),
-          _batched(functools.partial(k.max_forward_taps, **cfg)))
+  cfg = dict(kernels=kernels, interpret=interpret, activation=activation)
+  plain = partition.kernel_call(_max_forward, _max_forward_xla, geom, **cfg)
+  with_taps = partition.kernel_call(_max_forward_taps, _max_forward_taps_xla, geom, n_out=2,
+                                    **cfg)
+  return (_batched(functools.partial(partition.call, plain)),
+          _batched(functools.partial(partition.call, with_taps)))
 
 
 @functools.cache
@@ -193,21 +256,24 @@ def max_pool_grad_from_taps(dy: jax.Array, geom: Geometry, *, taps: jax.Array,
 
 
 def _avg_forward(x, *, geom, interpret, kernels, count_include_pad, divisor_override):
-  return _kernels(kernels).avg_forward(x, geom, interpret=interpret,
-                                       count_include_pad=count_include_pad,
-                                       divisor_override=divisor_override)
+  return partition.call(partition.kernel_call(
+      _avg_forward_kernel, _avg_forward_xla, geom, kernels=kernels, interpret=interpret,
+      count_include_pad=count_include_pad, divisor_override=divisor_override), x)
 
 
 def _avg_backward(ct, *, geom, interpret, kernels, count_include_pad, divisor_override):
-  return _kernels(kernels).avg_backward(ct, geom.input_shape(ct.shape), geom,
-                                        interpret=interpret, count_include_pad=count_include_pad,
-                                        divisor_override=divisor_override)
+  return partition.call(partition.kernel_call(
+      _avg_backward_kernel, _avg_backward_xla, geom, backward=True, kernels=kernels,
+      interpret=interpret, count_include_pad=count_include_pad,
+      divisor_override=divisor_override), ct)
 
 
 # Average pooling is linear in x: the forward kernel, with the backward kernel as its transpose.
 AVG = LinearPair("avg_pool", _avg_forward, _avg_backward,
                  forward_shape=lambda x, **p: p["geom"].output_shape(x),
                  transpose_shape=lambda ct, **p: p["geom"].input_shape(ct))
+partition.needs_devices(AVG.forward_p)
+partition.needs_devices(AVG.transpose_p)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5))

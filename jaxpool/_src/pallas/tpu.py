@@ -40,6 +40,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from jaxpool._src.pallas.partition import out_struct
 from jaxpool._src.windows import Geometry, phase_taps, taps_dtype
 from jaxpool._src.autodiff import apply_activation
 from jaxpool._src.dtypes import accumulator_dtype, beats, lowest
@@ -298,9 +299,9 @@ def _forward_call(x: jax.Array, geom: Geometry, mode: str, interpret: bool | str
   cb, grid, in_spec = _specs(nb, c, g.H, g.W)
   _, _, out_spec = _specs(nb, c, g.Ho, g.Wo)
   shape4 = (nb, g.Ho, g.Wo, c)
-  outs = [jax.ShapeDtypeStruct(shape4, x.dtype)]
+  outs = [out_struct(shape4, x.dtype, x)]
   if mode == "argmax":
-    outs.append(jax.ShapeDtypeStruct(shape4, taps_dtype(g.taps)))
+    outs.append(out_struct(shape4, taps_dtype(g.taps), x))
   if mode == "avg":
     kernel = functools.partial(_avg_kernel, g=g, include_pad=include_pad, divisor=divisor)
   else:
@@ -440,7 +441,7 @@ def _backward_call(operands, in_shape, geom: Geometry, mode: str, interpret: boo
   n_bytes = sum(o.size * o.dtype.itemsize for o in operands) + int(np.prod(shape4)) * \
       dy.dtype.itemsize
   dx = pl.pallas_call(
-      kernel, out_shape=jax.ShapeDtypeStruct(shape4, dy.dtype), grid=grid,
+      kernel, out_shape=out_struct(shape4, dy.dtype, dy), grid=grid,
       in_specs=[in_spec] * len(ops4), out_specs=out_spec, scratch_shapes=scratch,
       compiler_params=_compiler_params(2, vmem_bytes(g, c, dy.dtype.itemsize)),
       interpret=_interpret_arg(interpret), name=f"jaxpool_{mode}_pool_bwd_tpu",

@@ -42,6 +42,7 @@ try:
 except ImportError:  # pragma: no cover - jaxlib without the Triton backend
   plgpu = None
 
+from jaxpool._src.pallas.partition import out_struct
 from jaxpool._src.windows import Geometry, phase_taps, real_taps, taps_dtype, window_count
 from jaxpool._src.autodiff import apply_activation
 from jaxpool._src.platforms import platform
@@ -413,9 +414,9 @@ def _window_call(x: jax.Array, geom: Geometry, mode: str, interpret: bool,
   bw, bl, warps = launch or launch_config(Wo, lanes, x.dtype.itemsize, g.channels_last)
   grid = (nb * Do * Ho, pl.cdiv(Wo, bw), pl.cdiv(lanes, bl))
   shape4 = _view_shape(out_shape, g.out_spatial, g.channels_last)
-  outs = [jax.ShapeDtypeStruct(shape4, x.dtype)]
+  outs = [out_struct(shape4, x.dtype, x)]
   if mode == "argmax":
-    outs.append(jax.ShapeDtypeStruct(shape4, taps_dtype(g.num_taps)))
+    outs.append(out_struct(shape4, taps_dtype(g.num_taps), x))
   kernel = functools.partial(_window_kernel, g=g, bw=bw, bl=bl, lanes=lanes, mode=mode,
                              include_pad=include_pad, divisor=divisor, interpret=interpret,
                              activation=activation)
@@ -628,7 +629,7 @@ def _backward_call(operands, in_shape, geom: Geometry, mode: str, interpret: boo
   nbytes = sum(o.size * o.dtype.itemsize for o in operands) + math.prod(shape4) * \
       dy.dtype.itemsize
   dx = pl.pallas_call(
-      kernel, out_shape=jax.ShapeDtypeStruct(shape4, dy.dtype), grid=grid, interpret=interpret,
+      kernel, out_shape=out_struct(shape4, dy.dtype, dy), grid=grid, interpret=interpret,
       name=f"jaxpool_{mode}_pool_bwd",
       cost_estimate=pl.CostEstimate(flops=math.prod(shape4) * g.num_taps, transcendentals=0,
                                     bytes_accessed=nbytes),
