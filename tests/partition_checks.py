@@ -300,5 +300,24 @@ def _():
   assert not [c for c in collectives(compiled.as_text()) if c[1] > 1]
 
 
+@check("export/sharded")
+def _():
+  # jax.export serialises the XLA ops in place of the kernels (a Pallas kernel, and the
+  # partitioning callback, are no stable part of an exported program): the exported sharded
+  # gradient runs and equals the kernels'.
+  from jax import export
+  spec = NamedSharding(AUTO, P("a"))
+  dy = tie_rich(12, (8, 8, 6, 4))
+
+  def grad(v, d):
+    return jax.vjp(lambda u: jaxpool.max_pool(u, **K3S2, implementation="pallas"), v)[1](d)[0]
+
+  placed = [jax.device_put(a, spec) for a in (x2, dy)]
+  exported = export.export(jax.jit(grad))(*placed)
+  text = exported.mlir_module()
+  assert "CustomSPMDPartitioning" not in text and "triton" not in text.lower()
+  assert_equal(exported.call(*placed), jax.jit(grad)(*placed), "exported vs kernels")
+
+
 print(json.dumps(dict(name="summary", ok=all(r["ok"] for r in RESULTS),
                       detail=f"{sum(r['ok'] for r in RESULTS)} of {len(RESULTS)} passed")))
