@@ -10,12 +10,17 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import os
 import pickle
 import re
 import stat
+import subprocess
+import sys
 import time
 
+import hypothesis
+import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -278,3 +283,188 @@ def test_save_params_is_atomic_and_durable(tmp_path, monkeypatch):
     jg.save_params(path, {"new": {"w": jnp.zeros(3)}})
   _same(jg.load_params(path), _params())  # the old file, whole
   assert [p.name for p in tmp_path.iterdir()] == ["p.npz"]  # no temp file left
+
+
+# ----------------------------------------------------------------------------- sizes
+
+LIMIT = 2**31 - 1  # docs/semantics.md, "Bad input": every size, and every plane a call makes
+SMALL_PLANE = 2**22  # accepted calls at most this big are run (or traced) in the child
+
+# A size: mostly one that breaks the limit (cheap to refuse), else a small one, else one below the
+# limit that only a product (a plane) can break.
+SIZES = st.one_of(st.integers(2**31, 2**40), st.integers(LIMIT - 2, LIMIT + 2),
+                  st.integers(2**16, LIMIT), st.integers(2, 6))
+
+
+def _refused(fn, *names):
+  """``fn()`` raises a ValueError naming one of ``names`` and the limit, or a TypeError naming
+  one of them; nothing else."""
+  try:
+    fn()
+  except (ValueError, TypeError) as e:
+    msg = str(e)
+    assert any(n in msg for n in names), msg
+    assert isinstance(e, TypeError) or "2**31 - 1" in msg, msg
+    return
+  raise AssertionError(f"no error naming {names}")
+
+
+def _ok_or_refused(sizes, fn, shape_fn, *names):
+  """Refused (named) where a size or the product of ``sizes`` passes the limit; else ``fn()``
+  gives an array of shape ``shape_fn()`` (run only where it is small)."""
+  if max(sizes) > LIMIT or math.prod(sizes) > LIMIT:
+    _refused(fn, *names)
+  else:
+    hypothesis.assume(math.prod(sizes) <= SMALL_PLANE)
+    assert fn().shape == shape_fn()
+
+
+# The issue's examples (the first killed a 24 GiB machine: 16 GiB of bin tables), run by the child
+# under its memory limit: in this process a regression could take pytest down with it.
+ISSUE_SIZES = [
+    (lambda x: jaxpool.adaptive_avg_pool(x, (2**31, 2)), "output_size"),
+    (lambda x: jaxpool.adaptive_max_pool(x, (2**16, 2**15)), "output_size"),
+    (lambda x: jaxpool.adaptive_max_pool_with_indices(x, (2**40, 2)), "output_size"),
+    (lambda x: jaxpool.max_unpool(*jaxpool.max_pool_with_indices(x, (2, 2), (2, 2)),
+                                  (2**16, 2**16)), "output_size"),
+    (lambda x: jax.eval_shape(lambda dy: jaxpool.avg_pool_grad(dy, (1, 2**16, 2**16, 1), (2, 2),
+                                                               (2, 2)),
+                              jax.ShapeDtypeStruct((1, 2**15, 2**15, 1), jnp.float32)),
+     "input_shape"),
+]
+
+
+def _size_properties(max_examples: int) -> None:
+  """The properties, each a hypothesis test; run by the child process under a memory limit."""
+  run = hypothesis.settings(max_examples=max_examples, deadline=None, database=None,
+                            derandomize=True, suppress_health_check=list(hypothesis.HealthCheck))
+  x = jnp.arange(16.0).reshape(1, 4, 4, 1)
+  for call, name in ISSUE_SIZES:
+    with pytest.raises(ValueError, match=f"{name}.*2\\*\\*31 - 1|2\\*\\*31 - 1.*{name}"):
+      call(x)
+  y, idx = jaxpool.max_pool_with_indices(x, (2, 2), (2, 2))
+
+  @run
+  @hypothesis.given(st.lists(SIZES, min_size=1, max_size=2),
+                    st.sampled_from(["adaptive_avg_pool", "adaptive_max_pool",
+                                     "adaptive_max_pool_with_indices"]))
+  def adaptive(size, op):
+    x3 = x if len(size) == 2 else x[..., 0, :]
+    f = lambda: np.asarray(jax.tree.leaves(getattr(jaxpool, op)(x3, tuple(size)))[0])
+    _ok_or_refused(size, f, lambda: (1, *size, 1), "output_size")
+
+  @run
+  @hypothesis.given(SIZES, SIZES)
+  def unpool(a, b):
+    f = lambda: jaxpool.max_unpool(y, idx, (a, b))
+    if a * b < 16 and max(a, b) <= LIMIT:  # the indices of a 4x4 plane do not fit
+      with pytest.raises(ValueError, match="indices must lie in"):
+        f()
+    elif max(a, b) <= LIMIT and a * b <= LIMIT:  # traced only: nothing is allocated
+      assert jax.eval_shape(lambda y, i: jaxpool.max_unpool(y, i, (a, b)), y, idx).shape == (
+          1, a, b, 1)
+    else:
+      _refused(f, "output_size")
+
+  @run
+  @hypothesis.given(SIZES, SIZES, SIZES, st.sampled_from(["avg", "taps"]))
+  def gradients(n, a, b, op):
+    shape = (n, a, b, 1)
+    out = (n, (a - 2) // 2 + 1, (b - 2) // 2 + 1, 1)
+    dy = jax.ShapeDtypeStruct(out, jnp.float32)
+    taps = jax.ShapeDtypeStruct(out, jnp.int8)
+    if op == "avg":
+      f = lambda: jax.eval_shape(lambda d: jaxpool.avg_pool_grad(d, shape, (2, 2), (2, 2)), dy)
+    else:
+      f = lambda: jax.eval_shape(lambda d, t: jaxpool.max_pool_grad_from_taps(
+          d, t, shape, (2, 2), (2, 2)), dy, taps)
+    _ok_or_refused((a, b), f, lambda: shape, "input_shape")
+
+  @run
+  @hypothesis.given(st.lists(SIZES, min_size=4, max_size=4),
+                    st.sampled_from(["window_shape", "strides", "dilation", "padding"]))
+  def pool_arguments(sizes, name):
+    v = x[..., :1]
+    kw = dict(window_shape=(2, 2), strides=None, dilation=None, padding="VALID")
+    kw[name] = ((sizes[0], sizes[1]), (sizes[2], sizes[3])) if name == "padding" else tuple(
+        sizes[:2])
+    if max(sizes if name == "padding" else sizes[:2]) > LIMIT:
+      _refused(lambda: jaxpool.max_pool(v, **kw), name)
+    else:  # a result (no larger than the input), or a size too large for this input
+      try:
+        assert jaxpool.max_pool(v, **kw).size <= v.size
+      except ValueError:
+        pass
+
+  @run
+  @hypothesis.given(SIZES, SIZES, st.sampled_from(["Upsample", "Pad", "Input"]))
+  def graph(a, b, node):
+    image = jg.Input("image", shape=(4, 4, 1))
+    if node == "Upsample":
+      out, build = (4 * a, 4 * b), lambda: jg.Graph(jg.Upsample("n", image, scale=(a, b)))
+    elif node == "Pad":
+      out, build = (4 + 2 * a, 4 + b), lambda: jg.Graph(
+          jg.Pad("n", image, padding=((a, a), (0, b))))
+    else:
+      out, build = (a, b), lambda: jg.Graph(jg.MaxPool("n", jg.Input("image", shape=(a, b, 1))))
+    if node == "Input":  # any shape within the limit: the graph is built, nothing allocated
+      if max(a, b) > LIMIT:
+        _refused(build, "shape")
+      else:
+        assert build().specs["n"].shape == (a // 2, b // 2, 1)
+      return
+    name = "scale" if node == "Upsample" else "padding"
+    _ok_or_refused(out, lambda: build().apply({}, image=jnp.ones((1, 4, 4, 1))),
+                   lambda: (1, *out, 1), name)
+
+  for prop in (adaptive, unpool, gradients, pool_arguments, graph):
+    prop()
+
+
+def _child(max_examples: int, headroom: int) -> None:  # pragma: no cover - in a subprocess
+  """Runs :func:`_size_properties` with the address space limited to what the process holds
+  now plus ``headroom`` bytes: a call that builds anything of a refused size fails."""
+  import resource  # (POSIX only)
+  vm = int(open("/proc/self/status").read().split("VmSize:")[1].split()[0]) * 1024
+  resource.setrlimit(resource.RLIMIT_AS, (vm + headroom, vm + headroom))
+  _size_properties(max_examples)
+  print("size properties passed")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_AS, /proc: Linux")
+def test_sizes_up_to_2_40_give_a_result_or_a_named_error_within_a_memory_bound():
+  code = ("import sys; sys.path.insert(0, sys.argv[1]); import test_reliability_sizes as t; "
+          "t._child(int(sys.argv[2]), 2 << 30)")
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  proc = subprocess.run([sys.executable, "-c", code, os.path.dirname(__file__), "30"],
+                        capture_output=True, text=True, timeout=600, env=env)
+  assert proc.returncode == 0 and "size properties passed" in proc.stdout, (
+      f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+
+
+def test_float_and_bool_sizes_are_refused():
+  for shape in [(1, 8.5, 8, 1), (1, 8, np.float32(8), 1), (1, True, 8, 1), "1881", 8]:
+    with pytest.raises(TypeError, match="x_shape"):
+      jaxpool.make_geometry(shape, (3, 3))
+  assert jaxpool.make_geometry((1, np.int64(8), np.int32(8), 1), (3, 3)).out_spatial == (6, 6)
+  dy = jnp.ones((1, 3, 3, 1))
+  for shape in [(1, 8.0, 8, 1), (1, True, 8, 1), (np.bool_(True), 8, 8, 1)]:
+    with pytest.raises(TypeError, match="input_shape"):
+      jaxpool.avg_pool_grad(dy, shape, (2, 2), (2, 2))
+  x = jnp.ones((1, 4, 4, 1))
+  y, i = jaxpool.max_pool_with_indices(x, (2, 2), (2, 2))
+  for size in [(4.0, 4), (True, 4)]:
+    with pytest.raises(TypeError, match="output_size"):
+      jaxpool.max_unpool(y, i, size)
+    with pytest.raises(TypeError, match="output_size"):
+      jaxpool.adaptive_avg_pool(x, size)
+
+
+def test_indices_of_a_plane_beyond_int32_are_refused():
+  big = jax.ShapeDtypeStruct((1, 2**16, 2**15 + 1, 1), jnp.float32)  # traced: nothing allocated
+  for op in (lambda v: jaxpool.max_pool_with_indices(v, (2, 2), (2, 2)),
+             lambda v: jaxpool.adaptive_max_pool_with_indices(v, (3, 3))):
+    with pytest.raises(ValueError, match=r"x of shape \(1, 65536, 32769, 1\).*2147549184"):
+      jax.eval_shape(op, big)
+  assert jax.eval_shape(lambda v: jaxpool.max_pool(v, (2, 2), (2, 2)), big).shape == (
+      1, 2**15, 2**14, 1)  # no indices, no limit on the plane
