@@ -468,3 +468,13 @@ def test_indices_of_a_plane_beyond_int32_are_refused():
       jax.eval_shape(op, big)
   assert jax.eval_shape(lambda v: jaxpool.max_pool(v, (2, 2), (2, 2)), big).shape == (
       1, 2**15, 2**14, 1)  # no indices, no limit on the plane
+
+
+def test_lp_second_order_is_zero_outside_the_window():
+  x = jnp.array([jnp.inf, 1., 3., 4., jnp.nan, 2.]).reshape(1, 6, 1)
+  h = np.asarray(jax.hessian(lambda v: jaxpool.lp_pool(v, 3, (2,), (2,))[0, 1, 0])(x))
+  h = h[0, :, 0, 0, :, 0]
+  assert np.isfinite(h).all()
+  outside = np.ones((6, 6), bool)
+  outside[2:4, 2:4] = False
+  assert (h[outside] == 0).all() and (h[2:4, 2:4] != 0).all()
