@@ -50,4 +50,5 @@ from jaxpool._src.graph import Dropout as Dropout
 from jaxpool._src.graph import DropoutGradient as DropoutGradient
 from jaxpool._src.graph import DropoutGradientState as DropoutGradientState
 from jaxpool._src.graph import load_params as load_params
+from jaxpool._src.graph.serialization import ParamsFileError as ParamsFileError
 from jaxpool._src.graph import save_params as save_params

@@ -58,7 +58,7 @@ from jaxpool._src import api, dispatch
 from jaxpool._src.api import (DataFormat, FloatIn, FloatOut, Implementation, IndicesOut, PoolIn,
                               PoolOut)
 from jaxpool._src.dtypes import accumulator_dtype, beats, check_dtype, lowest, order_key
-from jaxpool._src.windows import DATA_FORMATS, check_choice, taps_dtype
+from jaxpool._src.windows import DATA_FORMATS, MAX_SIZE, check_choice, taps_dtype
 
 # Evenly dividing sizes whose bins hold at most this many elements go to the fixed-window ops
 # (tap loops, Pallas kernels); larger bins to the reshape-and-reduce stages, whose program does
@@ -94,6 +94,9 @@ def _output_size(output_size: Any) -> tuple[int | None, ...]:
     if v is not None and v < 1:
       raise ValueError(
           f"output_size entries must be ints >= 1 or None; got {v!r} in {output_size!r}.")
+    if v is not None and v > MAX_SIZE:
+      raise ValueError(
+          f"output_size entries must be at most 2**31 - 1; got {v!r} in {output_size!r}.")
   return tuple(None if v is None else int(v) for v in items)
 
 
@@ -156,6 +159,8 @@ def _make_plan(x: jax.Array, output_size: Any, data_format: str) -> _Plan:
   _check_nonempty(x, axes)
   in_spatial = tuple(int(x.shape[a]) for a in axes)
   out_spatial = tuple(L if o is None else o for L, o in zip(in_spatial, sizes))
+  # Before any bin table (whose size grows with output_size) is built.
+  api.check_plane(f"output_size={output_size!r}", out_spatial, "the output plane")
   return _Plan(in_spatial, out_spatial, channels_last)
 
 
@@ -563,7 +568,8 @@ def adaptive_max_pool(x: PoolIn, output_size: Sequence[int | None], *,
     x: ``(*batch, *spatial, C)`` (``channels_last``) or ``(*batch, C, *spatial)``
       (``channels_first``); float or integer dtype; spatial dims non-empty.
     output_size: one entry per spatial dim (its length is the number of spatial dims): an int
-      ``>= 1``, or ``None`` to keep that dim's input size.
+      ``>= 1``, or ``None`` to keep that dim's input size. Each entry and the output plane
+      ``prod(output_size)`` are at most ``2**31 - 1`` (a ValueError before anything is built).
     data_format: ``"channels_last"`` or ``"channels_first"``.
     implementation: as :func:`jaxpool.max_pool`, for evenly dividing sizes (``L % O == 0`` on
       every dim), which run as fixed-window pooling; other sizes always run on XLA.
@@ -623,6 +629,8 @@ def adaptive_max_pool_with_indices(
   x = api._as_array("x", x)
   check_dtype("x", x, allow_int=True)
   plan = _make_plan(x, output_size, data_format)
+  api.check_plane(f"x of shape {tuple(x.shape)}", plan.in_spatial,
+                  "the input plane that indices address")
   route = _route(plan)
   if route == "fixed":
     w = _fixed_window(plan)

@@ -18,8 +18,8 @@ from jaxtyping import Array, ArrayLike, Bool, Float, Int, Num, Real, Shaped
 from jaxpool._src import dispatch, xla
 from jaxpool._src.autodiff import ACTIVATIONS
 from jaxpool._src.dtypes import average_dtype, check_avg_dtype, check_dtype
-from jaxpool._src.windows import (Geometry, check_choice, check_rank, int_tuple, make_geometry,
-                                  spatial_rank, taps_dtype)
+from jaxpool._src.windows import (MAX_SIZE, Geometry, check_choice, check_rank, int_tuple,
+                                  make_geometry, spatial_rank, taps_dtype)
 
 Padding = Union[str, int, Sequence[tuple[int, int]]]
 
@@ -116,9 +116,22 @@ def _check_input_shape(input_shape: Any) -> tuple[int, ...]:
     shape = tuple(operator.index(s) for s in input_shape)  # no silent int(1.5) or int("1")
   except TypeError:
     raise TypeError(f"input_shape must be a tuple of ints; got {input_shape!r}.") from None
+  if any(isinstance(s, (bool, np.bool_)) for s in input_shape):
+    raise TypeError(f"input_shape must be a tuple of ints, not bools; got {input_shape!r}.")
   if any(s < 0 for s in shape):
     raise ValueError(f"input_shape entries must be >= 0; got {input_shape!r}.")
   return shape
+
+
+def check_plane(shown: str, spatial: Sequence[int], what: str) -> None:
+  """A spatial plane that a call indexes or creates holds at most ``MAX_SIZE`` (2**31 - 1)
+  elements, as flat indices are int32: checked before anything of that size is built.
+  ``shown`` names the argument and its value, e.g. ``"output_size=(4, 4)"``."""
+  plane = math.prod(spatial)
+  if plane > MAX_SIZE:
+    raise ValueError(
+        f"{what} must hold at most 2**31 - 1 elements (flat indices are int32); {shown} gives "
+        f"the spatial plane {tuple(spatial)} of {plane} elements.")
 
 
 # ----------------------------------------------------------------------------- max
@@ -260,6 +273,8 @@ def max_pool_with_indices(x: PoolIn, window_shape: Sequence[int],
   """
   x, mask, geom = _max_args(x, window_shape, strides, padding, dilation, ceil_mode, data_format,
                             mask)
+  check_plane(f"x of shape {tuple(x.shape)}", geom.in_spatial,
+              "the input plane that indices address")
   y, taps = dispatch.run("max_pool_with_taps", implementation, x, geom, activation=None,
                          mask=mask)
   return y, _flat_indices(taps, geom)
@@ -354,6 +369,7 @@ def max_pool_grad_from_taps(dy: FloatOutIn, taps: TapsIn, input_shape: Sequence[
   input_shape = _check_input_shape(input_shape)
   geom = make_geometry(input_shape, window_shape, strides, padding, dilation, ceil_mode,
                        data_format, name="input_shape")
+  check_plane(f"input_shape={input_shape!r}", geom.in_spatial, "the gradient's plane")
   _check_dy(dy, geom.output_shape(input_shape), f" for input_shape {input_shape}")
   if tuple(taps.shape) != tuple(dy.shape):
     raise ValueError(f"taps must have dy's shape {tuple(dy.shape)} (the forward output's); got "
@@ -420,7 +436,9 @@ def max_unpool(y: PooledIn, indices: IndicesIn,
       by :func:`max_pool_with_indices`; ``-1`` (a window with no real element) is dropped. An
       index outside ``[-1, prod(output_size))`` raises a ValueError when the call runs eagerly;
       under ``jit`` (where the values are not known when the call is traced) it is dropped.
-    output_size: the unpooled spatial shape (PyTorch's ``output_size``), e.g. ``(H, W)``.
+    output_size: the unpooled spatial shape (PyTorch's ``output_size``), e.g. ``(H, W)``; its
+      plane, ``prod(output_size)``, holds at most ``2**31 - 1`` elements (the indices are
+      int32): a larger one is a ValueError, raised before anything is allocated.
     data_format: ``"channels_last"`` or ``"channels_first"``.
 
   Returns:
@@ -443,6 +461,7 @@ def max_unpool(y: PooledIn, indices: IndicesIn,
   check_choice("data_format", data_format, ("channels_last", "channels_first"))
   n = spatial_rank(output_size, "output_size")
   size = int_tuple("output_size", output_size, n)
+  check_plane(f"output_size={output_size!r}", size, "the unpooled plane")
   check_rank("y", y.shape, n, data_format)
   if indices.dtype != jnp.int32:
     raise TypeError(
@@ -580,6 +599,7 @@ def avg_pool_grad(dy: FloatOutIn, input_shape: Sequence[int],
   input_shape = _check_input_shape(input_shape)
   geom = make_geometry(input_shape, window_shape, strides, padding, dilation, ceil_mode,
                        data_format, name="input_shape")
+  check_plane(f"input_shape={input_shape!r}", geom.in_spatial, "the gradient's plane")
   _check_dy(dy, geom.output_shape(input_shape))
   fwd = functools.partial(avg_pool, window_shape=window_shape, strides=strides, padding=padding,
                           dilation=dilation, ceil_mode=ceil_mode,

@@ -263,10 +263,30 @@ def check_window_fits(dim: int, size: int, pads: tuple[int, int], eff: int, wind
         f"dilation={dilation!r}.")
 
 
+def _shape(name: str, shape: Any) -> tuple[int, ...]:
+  """Checks a shape: a sequence of ints >= 0 (NumPy integers too; not bools, floats or str)."""
+  if isinstance(shape, (str, bytes)):
+    raise TypeError(f"{name} must be a shape, a tuple of ints >= 0; got {shape!r}.")
+  try:
+    items = tuple(shape)
+  except TypeError:
+    raise TypeError(f"{name} must be a shape, a tuple of ints >= 0; got {shape!r}.") from None
+  if not all(is_int(v) for v in items):
+    bad = next(v for v in items if not is_int(v))
+    raise TypeError(f"{name} must be a shape, a tuple of ints >= 0; got {shape!r}, whose entry "
+                    f"{bad!r} is a {type(bad).__name__}.")
+  if any(v < 0 for v in items):
+    raise ValueError(f"{name} entries must be >= 0; got {shape!r}.")
+  return tuple(int(v) for v in items)
+
+
 def make_geometry(x_shape: Sequence[int], window_shape: Any, strides: Any = None,
                   padding: Any = "VALID", dilation: Any = None, ceil_mode: bool = False,
                   data_format: str = "channels_last", *, name: str = "x") -> Geometry:
   """Checks a pooling configuration against an input shape and resolves it.
+
+  ``x_shape`` (named ``name`` in errors) must be a tuple of ints >= 0: a float such as ``8.5``
+  or a bool is refused, not truncated.
 
   Raises:
     TypeError, ValueError: naming the argument, the value received and what is allowed.
@@ -278,11 +298,16 @@ def make_geometry(x_shape: Sequence[int], window_shape: Any, strides: Any = None
   window = int_tuple("window_shape", window_shape, n)
   strides_t = int_tuple("strides", strides, n, default=1)
   dilation_t = int_tuple("dilation", dilation, n, default=1)
+  # (An array's shape is always ints: a bad one is an x_shape passed to make_geometry itself.)
+  x_shape = _shape("x_shape" if name == "x" else name, x_shape)
   check_rank(name, x_shape, n, data_format)
   channels_last = data_format == "channels_last"
   ndim = len(x_shape)
   axes = (tuple(range(ndim - 1 - n, ndim - 1)) if channels_last else tuple(range(ndim - n, ndim)))
   in_spatial = tuple(int(x_shape[a]) for a in axes)
+  if any(L > MAX_SIZE for L in in_spatial):
+    raise ValueError(f"{name}'s spatial sizes must each be at most 2**31 - 1; got shape "
+                     f"{x_shape} (spatial {in_spatial}).")
   eff = tuple(d * (k - 1) + 1 for k, d in zip(window, dilation_t))
   pads = _resolve_padding(padding, in_spatial, window, strides_t, dilation_t)
   out_spatial, extra = [], []

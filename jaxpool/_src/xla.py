@@ -574,6 +574,14 @@ def _real(dtype) -> np.dtype:
 # ``y = m * (sum (|x|/m)^p)^(1/p)``, where every term is at most 1 and the largest is 1, so y is
 # right to rounding wherever it is representable. The gradient is written the same way,
 # ``dy = sum sign(x) (|x|/y)^(p-1) dx``, whose factors are at most 1.
+#
+# Infinities and NaN. A window with a NaN outputs NaN; else one with an infinite element outputs
+# inf. Its weights (the factor of each element's tangent) are finite, so that a zero cotangent
+# always sends exactly 0 (a NaN or infinite weight would make 0 * w = NaN in the transpose):
+# NaN counts as larger than every number, infinities included (as in the max pool), and the
+# window's largest elements, its NaNs or else its infinities, get ``sign(x)`` (1 for NaN), the
+# limit of ``sign(x) (|x|/y)^(p-1)`` as they grow; every other element of the window gets that
+# limit too, ``(|x|/y)^(p-1) -> 0`` for p > 1 and ``sign(x)`` for p == 1.
 
 
 def _lp_sum_scaled(x: jax.Array, m: jax.Array, geom: Geometry, p: float) -> jax.Array:
@@ -597,7 +605,8 @@ def _lp_forward(xa: jax.Array, geom: Geometry, p: float) -> jax.Array:
   scale = jnp.where(finite, m, 1)
   s = _lp_sum_scaled(xa, scale, geom, p)
   y = scale * (jnp.sqrt(s) if p == 2 else s ** (1.0 / p))
-  return jnp.where(finite, y, jnp.where(m > 0, m, 0))  # inf and NaN pass through; 0 stays 0
+  # inf and NaN pass through (m is NaN where the window holds one); 0 and empty windows give 0.
+  return jnp.where(finite, y, jnp.where(jnp.isnan(m) | (m > 0), m, 0))
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))
@@ -606,18 +615,31 @@ def lp_pool(x: jax.Array, geom: Geometry, p: float) -> jax.Array:
   return _lp_forward(x.astype(accumulator_dtype(x.dtype)), geom, p).astype(x.dtype)
 
 
-def _lp_tangent(xa: jax.Array, y: jax.Array, t: jax.Array, geom: Geometry, p: float):
-  """``sum sign(x) (|x|/y)^(p-1) t`` over each window (linear in ``t``; ``y > 0``)."""
+def _lp_weight(xt: jax.Array, d: jax.Array, p: float) -> jax.Array:
+  """The finite weight ``sign(x) (|x|/y)^(p-1)`` of element ``xt`` in a window whose output
+  is ``d`` (1 where the output is 0), with the limits for inf and NaN (see above)."""
+  finite = jnp.isfinite(d)
+  # The formula on finite values only (a finite window holds finite elements), so that neither
+  # this value nor its derivative (second order) is NaN where the select below drops it.
+  xs = jnp.where(finite, xt, jnp.zeros((), xt.dtype))
+  r = jnp.abs(xs) / jnp.where(finite, d, jnp.ones((), d.dtype))
+  regular = jnp.sign(xs) * (r if p == 2 else r ** (p - 1))
+  # A window whose output is NaN or inf: its largest elements (its NaNs, else its infinities).
+  top = jnp.where(jnp.isnan(d), jnp.isnan(xt), jnp.isinf(xt))
+  signs = jnp.where(jnp.isnan(xt), jnp.ones((), xt.dtype), jnp.sign(xt))
+  return jnp.where(finite, regular, jnp.where(top, signs, jnp.zeros((), xt.dtype)))
+
+
+def _lp_tangent(xa: jax.Array, d: jax.Array, t: jax.Array, geom: Geometry, p: float):
+  """``sum w t`` over each window, ``w`` the finite weights of :func:`_lp_weight` (linear in
+  ``t``; ``d``: the output, with 1 where it is 0)."""
   xread = _reader(xa, geom, phase=geom.num_taps > UNROLL_SUM_TAPS)
   tread = _reader(t, geom, phase=geom.num_taps > UNROLL_SUM_TAPS)
 
   def step(j, tap, acc):
-    xt = xread(tap)
-    r = jnp.abs(xt) / y
-    w = jnp.sign(xt) * (r if p == 2 else r ** (p - 1))
-    return acc + w * tread(tap)
+    return acc + _lp_weight(xread(tap), d, p) * tread(tap)
 
-  return _fold_taps(geom, step, lambda: jnp.zeros_like(y), limit=UNROLL_SUM_TAPS)
+  return _fold_taps(geom, step, lambda: jnp.zeros_like(d), limit=UNROLL_SUM_TAPS)
 
 
 @lp_pool.defjvp
@@ -627,10 +649,13 @@ def _lp_pool_jvp(geom, p, primals, tangents):
   xa, ta = x.astype(acc), t.astype(acc)
   y = _lp_forward(xa, geom, p)
   if p == 1:
-    dy = window_sum_linear(jnp.sign(xa) * ta, geom)
+    # Each element's weight is its own sign whatever the window holds (1 for NaN: finite).
+    one = jnp.ones((), acc)
+    dy = window_sum_linear(jnp.sign(jnp.where(jnp.isnan(xa), one, xa)) * ta, geom)
   else:
-    # 0 where y == 0 (never NaN), and where y overflowed to inf (every |x|/y is 0 there).
+    # 0 where y == 0 (never NaN), and where y overflowed to inf from finite elements (every
+    # |x|/y is 0 there); finite weights where the window holds inf or NaN (see above).
     # Rematerialised: reverse mode keeps x and y, not one weight per tap and output.
     tangent = jax.checkpoint(functools.partial(_lp_tangent, geom=geom, p=p), prevent_cse=False)
-    dy = tangent(xa, jnp.where(y > 0, y, 1), ta)
+    dy = tangent(xa, jnp.where(y == 0, jnp.ones((), acc), y), ta)
   return y.astype(x.dtype), dy.astype(x.dtype)

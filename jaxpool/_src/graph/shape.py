@@ -22,6 +22,18 @@ PAD_MODES = ("constant", "edge", "reflect", "symmetric")
 UPSAMPLE_METHODS = ("nearest", "bilinear")
 
 
+def _check_out_spatial(node: Node, name: str, value: Any, in_spatial: tuple[int, ...],
+                       out_spatial: tuple[int, ...]) -> None:
+  """The spatial sizes a node makes from ``value`` (its ``padding`` or ``scale``): each, and
+  their plane, at most ``windows.MAX_SIZE`` (2**31 - 1) elements, as the pooling ops' planes;
+  checked when the graph is built, before any array of that size exists."""
+  plane = math.prod(out_spatial)
+  if max(out_spatial) > windows.MAX_SIZE or plane > windows.MAX_SIZE:
+    raise node._fail(
+        f"{name}={value!r} turns the spatial shape {in_spatial} into {out_spatial} ({plane} "
+        f"elements); each size and the plane must be at most 2**31 - 1.")
+
+
 def _check_choice(node: Node, name: str, value: Any, allowed: tuple[str, ...]) -> str:
   if not isinstance(value, str):
     raise node._fail(f"{name} must be one of {allowed}; got {value!r}.", TypeError)
@@ -144,6 +156,9 @@ class Pad(Node):
   def check_inputs(self, in_specs):
     (x,) = in_specs
     check_image(self, x, self.padding, self.data_format, "padding")
+    in_spatial = spatial_shape(x.shape, self.data_format)
+    _check_out_spatial(self, "padding", self.padding, in_spatial,
+                       tuple(L + lo + hi for L, (lo, hi) in zip(in_spatial, self.padding)))
     if self.mode in ("reflect", "symmetric"):
       limit = 0 if self.mode == "reflect" else 1
       for i, (L, (lo, hi)) in enumerate(zip(spatial_shape(x.shape, self.data_format),
@@ -248,6 +263,9 @@ class Upsample(Node):
 
   def check_inputs(self, in_specs):
     check_image(self, in_specs[0], self.scale, self.data_format, "scale")
+    in_spatial = spatial_shape(in_specs[0].shape, self.data_format)
+    _check_out_spatial(self, "scale", self.scale, in_spatial,
+                       tuple(L * s for L, s in zip(in_spatial, self.scale)))
 
   def forward(self, params, xs, in_specs):
     (x,), (spec,) = xs, in_specs
