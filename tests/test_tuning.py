@@ -561,3 +561,36 @@ def test_tuning_on_the_gpu(tmp_path, monkeypatch, rng):
   with tuning.using(tuning.Tuner(table={})) as again:
     launch = triton.launch_for("argmax_fwd", shape, jnp.float32, geom, interpret=False)
   assert again.records[-1].source == "cache" and launch == rec.launch
+
+
+def test_tuning_while_a_gradient_is_traced_and_lowered(monkeypatch, tmp_path):
+  """The kernels' launch is chosen where they are traced or lowered (the backward kernel in
+  the gradient primitive's lowering): tuning runs eagerly there, threads included. (On a CPU
+  the trials run an interpret-mode kernel; the program is lowered for CUDA, not run.)"""
+  from jaxpool._src.pallas import ops
+  small = (1, 7, 11, 6)
+  geom_small = windows.make_geometry(small, (3, 3), (2, 2), 1)
+  aval = jax.ShapeDtypeStruct(small, jnp.float32)
+
+  class InterpretTrials(tuning.Tuner):
+    def choose(self, key, heuristic, cands, trial, *, tune=True, budget=None):
+      args = trial.args()  # (the real operands, made eagerly)
+      assert all(isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer) for a in args)
+      interp = tuning.Trial(
+          lambda launch: jax.jit(lambda v: triton._window_call(
+              v, geom_small, "argmax", True, launch=launch)).lower(aval).compile(),
+          lambda: (jnp.ones(small, jnp.float32),))
+      return super().choose(key, heuristic, cands[:1], interp, tune=tune, budget=budget)
+
+  monkeypatch.setattr(triton, "platform", lambda: "cuda")
+  tuner = InterpretTrials(cache=str(tmp_path), env=ENV, table={},
+                          measure=lambda f, a: tuning.time_ms(f, a, samples=1, sample_ms=0.0))
+  shape = (2, 9, 10, 4)
+  geom = windows.make_geometry(shape, (3, 3), (2, 2), 1)
+  loss = lambda v: jnp.sum(ops.max_pool(v, geom, interpret=False) ** 2)
+  with tuning.using(tuner):
+    text = jax.jit(jax.grad(loss)).trace(jax.ShapeDtypeStruct(shape, jnp.float32)).lower(
+        lowering_platforms=("cuda",)).as_text()
+  assert "xla.gpu.triton" in text
+  ops_tuned = {r.key.split("|")[0] for r in tuner.records if r.source == "tuned"}
+  assert {"max_fwd", "argmax_fwd", "max_bwd"} <= ops_tuned

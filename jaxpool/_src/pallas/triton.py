@@ -720,12 +720,13 @@ def launch_for(op: str, in_shape, dtype, geom: Geometry, *, interpret: bool,
     return jax.jit(functools.partial(call, launch)).lower(*operand_types).compile()
 
   def args():
-    k1, k2 = jax.random.split(jax.random.key(0))
-    data = jax.random.normal(k1, operand_types[-1].shape, jnp.float32).astype(dtype)
-    if forward or kind == "avg":
-      return (data,)
-    taps = jax.random.randint(k2, out_shape, -1, n_taps, jnp.int32).astype(taps_dtype(n_taps))
-    return (taps, data)
+    with jax.ensure_compile_time_eval():  # (concrete arrays, even inside a trace)
+      k1, k2 = jax.random.split(jax.random.key(0))
+      data = jax.random.normal(k1, operand_types[-1].shape, jnp.float32).astype(dtype)
+      if forward or kind == "avg":
+        return (data,)
+      taps = jax.random.randint(k2, out_shape, -1, n_taps, jnp.int32).astype(taps_dtype(n_taps))
+      return (taps, data)
 
   return tuning.default_tuner().choose(key, heuristic, cands,
                                        tuning.Trial(compile_launch, args),
