@@ -195,6 +195,14 @@ def test_tuner_ties_go_to_the_heuristic_then_the_earlier(tmp_path):
   assert _tuner(tmp_path / "b", fake).choose(KEY, H, CANDS, fake.trial()) == H
 
 
+def test_tuner_keeps_the_heuristic_within_the_margin(tmp_path):
+  fake = FakeTrial({H: 1.0, (16, 64, 8): 1.0 / (1 + tuning.MARGIN / 2), (8, 32, 8): 2.0,
+                    (8, 64, 4): 2.0})
+  assert _tuner(tmp_path / "a", fake).choose(KEY, H, CANDS, fake.trial()) == H
+  fake.times[(16, 64, 8)] = 1.0 / (1 + 2 * tuning.MARGIN)
+  assert _tuner(tmp_path / "b", fake).choose(KEY, H, CANDS, fake.trial()) == (16, 64, 8)
+
+
 def test_tuner_skips_candidates_that_fail_to_compile(tmp_path):
   fake = FakeTrial({H: 1.0, (16, 64, 8): 0.1, (8, 32, 8): 0.9, (8, 64, 4): 0.8},
                    compile_error=[(16, 64, 8)])

@@ -64,6 +64,7 @@ THREADS_ENV = "JAXPOOL_TUNE_THREADS"
 MODES = ("auto", "cached", "off")
 DEFAULT_BUDGET_S = 10.0
 DEFAULT_MAX_CANDIDATES = 6
+MARGIN = 0.02  # a candidate must beat the heuristic by more than this fraction to replace it
 TABLES = "launch_tables"  # the shipped tables: a package folder beside this module
 
 log = logging.getLogger("jaxpool.tune")
@@ -234,8 +235,8 @@ def _valid_launch(v: Any) -> bool:
 # ----------------------------------------------------------------------------- timing
 
 
-def time_ms(fn: Callable[..., Any], args: tuple, *, samples: int = 5,
-            sample_ms: float = 1.0) -> float:
+def time_ms(fn: Callable[..., Any], args: tuple, *, samples: int = 7,
+            sample_ms: float = 2.0) -> float:
   """The median over ``samples`` samples of ``fn(*args)``'s time (ms), after warm-up; each
   sample at least one call and about ``sample_ms`` of them, then blocks until done."""
   jax.block_until_ready(fn(*args))
@@ -445,8 +446,11 @@ class Tuner:
             raise
           log.info("jaxpool: %s %s failed to run: %s", key.name(), launch, e)
       del args
-    # The fastest; on equal times the earlier candidate (the heuristic first).
+    # The fastest (on equal times the earlier candidate), unless the heuristic is within
+    # MARGIN of it: timing noise alone never moves a key off today's configuration.
     best = min(times, key=lambda c: (times[c], order.index(c))) if times else heuristic
+    if heuristic in times and times[heuristic] <= times[best] * (1 + MARGIN):
+      best = heuristic
     seconds = time.perf_counter() - start
     record = Record(key.name(), best, "tuned", seconds,
                     {"x".join(map(str, c)): t for c, t in times.items()})
