@@ -422,7 +422,7 @@ def test_tuning_inside_a_jit_trace_runs_eagerly_with_the_real_timer(tmp_path, rn
 
   @jax.jit
   def user_fn(v):
-    chosen.append(tuner.choose(KEY, heuristic, tiles, trial))
+    chosen.append(tuner.choose(KEY, heuristic, tiles, trial, budget=300))
     return v * 2
 
   x = _tied_data(rng, shape, jnp.float32)
@@ -452,6 +452,7 @@ def test_launch_for_modes(monkeypatch, op):
   # On a CPU, or compiled for CUDA from a CPU (the lowering tests): the heuristic, untouched.
   fake = RecordingTuner()
   with tuning.using(fake):  # type: ignore[arg-type]
+    monkeypatch.setattr(triton, "platform", lambda: "cpu")
     assert triton.launch_for(op, shape, jnp.float32, geom, interpret=False) == heuristic
     monkeypatch.setattr(triton, "platform", lambda: "cuda")
     assert triton.launch_for(op, shape, jnp.float32, geom, interpret=True) == heuristic
@@ -605,3 +606,36 @@ def test_tuning_while_a_gradient_is_traced_and_lowered(monkeypatch, tmp_path):
   assert "xla.gpu.triton" in text
   ops_tuned = {r.key.split("|")[0] for r in tuner.records if r.source == "tuned"}
   assert {"max_fwd", "argmax_fwd", "max_bwd"} <= ops_tuned
+
+
+def test_tune_command_writes_the_cache_the_table_and_a_report(monkeypatch, tmp_path, capsys):
+  """The command's whole path, with a fake device and timer (the GPU run: tune_gpu.sh)."""
+  fast = {}
+
+  class FakeDevice(tuning.Tuner):
+    def __init__(self, **kw):
+      super().__init__(env=ENV, measure=lambda fn, args: fn(*args), **kw)
+
+    def choose(self, key, heuristic, cands, trial, *, tune=True, budget=None):
+      fast[key.name()] = cands[-1]
+      times = {c: (0.5 if c == cands[-1] else 1.0) for c in cands}
+      fake = tuning.Trial(lambda c: (lambda: times[c]), lambda: ())
+      return super().choose(key, heuristic, cands, fake, tune=tune, budget=budget)
+
+  monkeypatch.setenv(tuning.CACHE_ENV, str(tmp_path / "cache"))
+  monkeypatch.setattr(tune_cmd, "platform", lambda: "cuda")
+  monkeypatch.setattr(triton, "platform", lambda: "cuda")
+  monkeypatch.setattr(tuning, "Tuner", FakeDevice)
+  table, report = tmp_path / "t" / "table.json", tmp_path / "report.json"
+  argv = ["--case", "4x20x20x16:3x3:2x2:1:float32,bfloat16:channels_last", "--ops",
+          "argmax_fwd,max_bwd", "--retune", "--write-table", str(table), "--json", str(report)]
+  assert tune_cmd.main(argv) == 0
+  out = capsys.readouterr().out
+  assert "4 kernels, 4 tuned" in out and "2.00x the heuristic" in out
+  data = _entry(table)
+  assert data["format"] == tuning.FORMAT and data["device_kind"] == ENV["device_kind"]
+  assert {k: tuple(v) for k, v in data["entries"].items()} == fast and len(fast) == 4
+  assert len(_entry(report)["rows"]) == 4
+  # A second run reads the cache (no --retune): nothing tuned.
+  assert tune_cmd.main(argv[:4]) == 0
+  assert "4 kernels, 0 tuned" in capsys.readouterr().out
