@@ -226,6 +226,17 @@ def test_tuner_budget_bounds_the_time(tmp_path):
   assert took < 0.25 + 0.3 and "x".join(map(str, H)) in rec.times_ms
 
 
+def test_tuner_drops_candidates_that_compile_past_the_budget(tmp_path):
+  fake = FakeTrial({H: 1.0, (16, 64, 8): 0.1, (8, 32, 8): 0.9, (8, 64, 4): 0.8})
+  trial = fake.trial()
+  slow = tuning.Trial(lambda c: (time.sleep(2.0), trial.compile(c))[1] if c == (16, 64, 8)
+                      else trial.compile(c), trial.args)
+  tuner = _tuner(tmp_path, fake)
+  t0 = time.perf_counter()
+  assert tuner.choose(KEY, H, CANDS, slow, budget=0.5) == (8, 64, 4)
+  assert time.perf_counter() - t0 < 1.5 and len(tuner.records[-1].times_ms) == 3
+
+
 def test_shipped_table_is_used_and_the_cache_wins(tmp_path):
   fake = FakeTrial({})
   tuner = _tuner(tmp_path, fake, table={KEY.name(): (4, 64, 2)})

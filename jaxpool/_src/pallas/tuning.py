@@ -65,6 +65,7 @@ MODES = ("auto", "cached", "off")
 DEFAULT_BUDGET_S = 10.0
 DEFAULT_MAX_CANDIDATES = 6
 MARGIN = 0.02  # a candidate must beat the heuristic by more than this fraction to replace it
+COMPILE_SHARE = 0.8  # of a key's budget, the most its candidates' compiles take
 TABLES = "launch_tables"  # the shipped tables: a package folder beside this module
 
 log = logging.getLogger("jaxpool.tune")
@@ -431,7 +432,9 @@ class Tuner:
     order = [heuristic] + [c for c in dict.fromkeys(cands) if c != heuristic]
     times: dict[Launch, float] = {}
     with jax.ensure_compile_time_eval():  # eager, even inside a jit trace
-      compiled = self._compile_all(order, trial, start + budget)
+      # Compiling takes at most COMPILE_SHARE of the budget; timing (milliseconds a
+      # candidate) the rest.
+      compiled = self._compile_all(order, trial, start + COMPILE_SHARE * budget)
       args = trial.args()
       for launch in order:
         fn = compiled.get(launch)
