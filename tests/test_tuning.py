@@ -103,7 +103,10 @@ def _check_every_candidate(rng, case, dtype, interpret, ops=triton.OPS):
     heuristic, cands, tiles = _launches(op, shape, dtype, geom)
     assert len(cands) > 1, (op, cands)
     want = _run(op, heuristic, x, dy, taps, shape, geom, interpret)
-    for launch in (tiles if interpret else cands):
+    # (interpret mode: every tile; compiled: every configuration the tuner tries)
+    for launch in (tiles if interpret else cands[:tuning.DEFAULT_MAX_CANDIDATES]):
+      if launch == heuristic or (interpret and launch[:2] == heuristic[:2]):
+        continue  # (itself)
       got = _run(op, launch, x, dy, taps, shape, geom, interpret)
       for a, b in zip(got, want, strict=True):
         bits_equal(a, b)
@@ -114,7 +117,7 @@ def _check_every_candidate(rng, case, dtype, interpret, ops=triton.OPS):
 def test_every_candidate_gives_the_same_bits_interpret_max(rng):
   # (the tie rule and the backward's order; every kernel and layout: the slow tests below)
   assert _check_every_candidate(rng, BIT_CASES[0], jnp.float32, True,
-                                ("argmax_fwd", "max_bwd")) >= 6
+                                ("argmax_fwd", "max_bwd")) >= 4
 
 
 @pytest.mark.slow
