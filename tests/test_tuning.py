@@ -272,8 +272,9 @@ def test_the_packaged_tables_parse():
 
 
 @pytest.mark.parametrize("content", ["", "{\"format\": 1, \"launch\": [16, 6", "not json",
-                                     "[1, 2]", "{\"format\": 1, \"launch\": [16, 3, 8]}"],
-                         ids=["empty", "truncated", "garbage", "list", "bad_launch"])
+                                     "[1, 2]", "{\"format\": 1, \"launch\": [16, 3, 8]}",
+                                     "{\"format\": 1, \"launch\": [64, 1024, 8]}"],
+                         ids=["empty", "truncated", "garbage", "list", "bad_launch", "huge_tile"])
 def test_corrupt_entry_is_ignored_retuned_and_warned_once(tmp_path, content):
   fake = FakeTrial({H: 1.0, (16, 64, 8): 0.5, (8, 32, 8): 0.9, (8, 64, 4): 0.8})
   tuner = _tuner(tmp_path, fake)

@@ -174,7 +174,7 @@ def candidates(heuristic: Launch, cols: int, lanes: int, itemsize: int, channels
       for warps in (w0 // 2, w0, w0 * 2):
         if not (1 <= bw <= max(top_w, bw0) and 1 <= bl <= max(top_l, bl0) and 1 <= warps <= 8):
           continue
-        if bw * bl > 8192 and (bw, bl) != (bw0, bl0):
+        if bw * bl > MAX_TILE and (bw, bl) != (bw0, bl0):
           continue
         cand = (bw, bl, warps)
         steps = [abs(math.log2(a / b)) for a, b in zip(cand, heuristic)]
@@ -228,9 +228,15 @@ def shipped_table(device_kind: str) -> dict[str, Launch]:
   return {k: (v[0], v[1], v[2]) for k, v in entries.items() if _valid_launch(v)}
 
 
+MAX_TILE = 8192  # elements: the largest tile a candidate (or the heuristic) has
+MAX_WARPS = 32  # Triton's limit
+
+
 def _valid_launch(v: Any) -> bool:
+  """Three powers of two, a tile of at most ``MAX_TILE`` elements, at most ``MAX_WARPS``."""
   return (isinstance(v, (list, tuple)) and len(v) == 3
-          and all(isinstance(n, int) and n >= 1 and n & (n - 1) == 0 for n in v))
+          and all(isinstance(n, int) and n >= 1 and n & (n - 1) == 0 for n in v)
+          and v[0] * v[1] <= MAX_TILE and v[2] <= MAX_WARPS)
 
 
 # ----------------------------------------------------------------------------- timing
