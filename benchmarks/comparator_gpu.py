@@ -39,6 +39,9 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# The variants run the launch configurations they name (or the heuristic), not the tuner's
+# (docs/tuning.md), unless JAXPOOL_TUNE is set.
+os.environ.setdefault("JAXPOOL_TUNE", "off")
 from jaxpool._src import windows  # noqa: E402
 from jaxpool._src.pallas import triton as pk  # noqa: E402
 

@@ -48,6 +48,7 @@ from jax import lax  # noqa: E402
 import jaxpool  # noqa: E402
 from jaxpool._src import windows  # noqa: E402
 from jaxpool._src.pallas import triton as pk  # noqa: E402
+from jaxpool._src.pallas import tuning  # noqa: E402
 
 INNER = 10
 SAMPLE_MS = 5.0  # (0 with --inner: INNER calls a sample)
@@ -151,6 +152,29 @@ def torch_case(shape, window, strides, padding, dtype, data_format):
   return out
 
 
+# The kernels each Pallas row runs.
+ROW_KERNELS = {
+    "pallas_fwd": ("max_fwd",), "pallas_fwd_argmax": ("argmax_fwd",), "pallas_bwd": ("max_bwd",),
+    "pallas_fwd_bwd": ("argmax_fwd", "max_bwd"), "pallas_avg_fwd": ("avg_fwd",),
+    "pallas_avg_fwd_bwd": ("avg_fwd", "avg_bwd"),
+}
+
+
+def launches(shape, dtype, geom) -> dict[str, str]:
+  """Each kernel's launch configuration on this case, ``bw x bl x num_warps (source)``: the
+  source is where the tuner first found it (tuned, cache, table, heuristic)."""
+  out = {}
+  records = tuning.default_tuner().records
+  for op in pk.OPS:
+    n0 = len(records)
+    launch = pk.launch_for(op, shape, dtype, geom, interpret=False)
+    key = records[-1].key if len(records) > n0 else None  # (none: JAXPOOL_TUNE=off)
+    first = next((r for r in records if r.key == key and r.source != "memory"), None)
+    source = first.source if first else ("heuristic" if key is None else "memory")
+    out[op] = f"{'x'.join(map(str, launch))} ({source})"
+  return out
+
+
 def run_case(name, shape, window, strides, padding, data_format, dtype, copy_gbs):
   dt = jnp.dtype(dtype)
   kx, kd = jax.random.split(jax.random.key(hash((name, dtype)) % 2**31))
@@ -206,6 +230,9 @@ def run_case(name, shape, window, strides, padding, data_format, dtype, copy_gbs
   row("pallas_avg_fwd", time_jax(jax.jit(ap("pallas")), x), nx + ny)
   row("xla_avg_fwd_bwd", time_jax(vjp_of(ap("xla")), x, dy), nx + ny + ny + nx)
   row("pallas_avg_fwd_bwd", time_jax(vjp_of(ap("pallas")), x, dy), nx + ny + ny + nx)
+  configs = launches(shape, dt, geom)
+  for key, ops in ROW_KERNELS.items():
+    rows[key]["launch"] = {op: configs[op] for op in ops}
   # Same bits as the XLA path, checked here on the benchmark's own data.
   same = bool(jnp.array_equal(vjp_of(mp("pallas"))(x, dy)[1], vjp_of(mp("xla"))(x, dy)[1]))
   del x, dy, idx, xla_vjp
@@ -216,7 +243,7 @@ def run_case(name, shape, window, strides, padding, data_format, dtype, copy_gbs
       "fwd_bwd_speedup_vs_jaxpool_xla": r["jaxpool_xla_fwd_bwd"] / r["pallas_fwd_bwd"],
       "avg_speedup_vs_xla": r["xla_avg_fwd_bwd"] / r["pallas_avg_fwd_bwd"],
   }
-  return {"case": name, "dtype": dtype, "rows": rows, "ratios": ratios,
+  return {"case": name, "dtype": dtype, "rows": rows, "ratios": ratios, "launch": configs,
           "grad_bits_equal_xla_path": same, "bytes": {"x": nx, "y": ny}}
 
 
@@ -293,6 +320,9 @@ def main():
     return
   dev = jax.devices()[0]
   print(f"device {dev.device_kind}; jax {jax.__version__}; python {platform.python_version()}")
+  print(f"launch configurations: {tuning.TUNE_ENV}={tuning.mode()}, cache "
+        f"{tuning.cache_dir()}, shipped table entries for this device: "
+        f"{len(tuning.shipped_table(dev.device_kind))}", flush=True)
   copy_gbs = copy_bandwidth()
   print(f"copy bandwidth (x + 1, 1 GiB f32, read + write): {copy_gbs:.0f} GB/s", flush=True)
   results = []
@@ -324,13 +354,15 @@ def main():
           f"{res['grad_bits_equal_xla_path']})")
     print(f"  {'row':24s} {'ms':>8s} {'GB/s':>8s} {'of copy':>8s}")
     for k, v in res["rows"].items():
-      print(f"  {k:24s} {v['ms']:8.3f} {v['GBps']:8.0f} {v['of_copy']:8.2f}")
+      launch = " ".join(f"{op} {c}" for op, c in v.get("launch", {}).items())
+      print(f"  {k:24s} {v['ms']:8.3f} {v['GBps']:8.0f} {v['of_copy']:8.2f}  {launch}")
     print("  " + ", ".join(f"{k}={v:.2f}" for k, v in res["ratios"].items() if v is not None),
           flush=True)
   meta = {"device": dev.device_kind, "jax": jax.__version__, "copy_GBps": copy_gbs,
           "timer": f"median of {REPS} samples, each at least {INNER} calls and {SAMPLE_MS} ms "
                    "of calls, then block_until_ready",
-          "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+          "time": time.strftime("%Y-%m-%d %H:%M:%S"), "tuning": tuning.mode(),
+          "tuning_seconds": sum(r.seconds for r in tuning.report() if r.source == "tuned")}
   if torch_version:
     meta["torch"] = torch_version
   os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
@@ -357,6 +389,12 @@ def main():
               if r[k]["of_copy"] < 0.8]
   print(f"kernels below 0.8 of copy: {len(below)} of {len(KERNELS) * len(results)}"
         + "".join(f"\n  {b}" for b in below))
+  under = [f"{res['case']} {res['dtype']} {k} {res['rows'][k]['of_copy']:.2f}"
+           for res in results for k in KERNELS if res["rows"][k]["of_copy"] < 0.85]
+  print(f"kernels below 0.85 of copy: {len(under)} of {len(KERNELS) * len(results)}"
+        + "".join(f"\n  {b}" for b in under))
+  tuned = [r for r in tuning.report() if r.source == "tuned"]
+  print(f"tuned in this run: {len(tuned)} kernels, {sum(r.seconds for r in tuned):.1f} s")
 
 
 if __name__ == "__main__":

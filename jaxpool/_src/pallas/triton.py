@@ -45,13 +45,14 @@ except ImportError:  # pragma: no cover - jaxlib without the Triton backend
 from jaxpool._src.pallas.partition import out_struct
 from jaxpool._src.windows import Geometry, phase_taps, real_taps, taps_dtype, window_count
 from jaxpool._src.autodiff import apply_activation
+from jaxpool._src.pallas import tuning
 from jaxpool._src.platforms import platform
 from jaxpool._src.dtypes import accumulator_dtype, beats, lowest
 
 # Older Pallas had ``load``/``store`` at the top level; newer jax (and its type hints) has not.
 _pl_legacy: ModuleType = pl
 
-Launch = tuple[int, int, int]  # (bw, bl, num_warps)
+Launch = tuning.Launch  # (bw, bl, num_warps)
 
 
 def _next_pow2(n: int) -> int:
@@ -411,7 +412,9 @@ def _window_call(x: jax.Array, geom: Geometry, mode: str, interpret: bool,
   x4 = _view(x, g.in_spatial, g.channels_last)
   lanes, nb = _lanes_and_batch(x4, g.channels_last)
   (Do, Ho, Wo) = g.out_spatial
-  bw, bl, warps = launch or launch_config(Wo, lanes, x.dtype.itemsize, g.channels_last)
+  bw, bl, warps = launch or launch_for(f"{mode}_fwd", x.shape, x.dtype, geom,
+                                       interpret=interpret, include_pad=include_pad,
+                                       divisor=divisor, activation=activation)
   grid = (nb * Do * Ho, pl.cdiv(Wo, bw), pl.cdiv(lanes, bl))
   shape4 = _view_shape(out_shape, g.out_spatial, g.channels_last)
   outs = [out_struct(shape4, x.dtype, x)]
@@ -610,6 +613,14 @@ def _backward_kernel(*refs, g: Geometry, bw: int, bl: int, lanes: int, mode: str
   _both_paths(interior, body)
 
 
+def _backward_cols(g: Geometry) -> int:
+  """The backward's columns (``g`` lifted to 3-D): phase columns ``m``, or, channels_first
+  with a stride that does not interleave, input columns."""
+  if g.channels_last or _interleaves(g.strides[2]):
+    return -(-g.in_spatial[2] // g.strides[2])
+  return g.in_spatial[2]
+
+
 def _backward_call(operands, in_shape, geom: Geometry, mode: str, interpret: bool,
                    include_pad: bool = False, divisor: int | None = None,
                    launch: Launch | None = None) -> jax.Array:
@@ -620,8 +631,10 @@ def _backward_call(operands, in_shape, geom: Geometry, mode: str, interpret: boo
   mcount = [-(-n // s) for n, s in zip(g.in_spatial, g.strides)]
   # The column block counts phase columns ``m`` (or, channels_first with a stride that does not
   # interleave, input columns).
-  cols = mcount[2] if g.channels_last or _interleaves(g.strides[2]) else g.in_spatial[2]
-  bw, bl, warps = launch or launch_config(cols, lanes, dy.dtype.itemsize, g.channels_last)
+  cols = _backward_cols(g)
+  bw, bl, warps = launch or launch_for(f"{mode}_bwd", in_shape, dy.dtype, geom,
+                                       interpret=interpret, include_pad=include_pad,
+                                       divisor=divisor)
   grid = (nb * mcount[0] * mcount[1], pl.cdiv(cols, bw), pl.cdiv(lanes, bl))
   kernel = functools.partial(_backward_kernel, g=g, bw=bw, bl=bl, lanes=lanes, mode=mode,
                              include_pad=include_pad, divisor=divisor, interpret=interpret)
@@ -655,3 +668,67 @@ def avg_backward(dy: jax.Array, in_shape, geom: Geometry, *, interpret: bool,
   """``dx``: each input element sums ``dy / divisor`` of the windows that hold it."""
   return _backward_call((dy,), in_shape, geom, "avg", interpret, count_include_pad,
                         divisor_override)
+
+
+# ----------------------------------------------------------------------------- launch
+
+
+OPS = ("max_fwd", "argmax_fwd", "avg_fwd", "max_bwd", "avg_bwd")
+
+
+def launch_for(op: str, in_shape, dtype, geom: Geometry, *, interpret: bool,
+               include_pad: bool = False, divisor: int | None = None,
+               activation: str | None = None) -> Launch:
+  """The launch configuration of kernel ``op`` (:data:`OPS`) on an input of ``in_shape``.
+
+  Interpret mode, platforms other than CUDA and ``JAXPOOL_TUNE=off``: :func:`launch_config`
+  (the heuristic constants). Otherwise the tuner's choice (``tuning.py``): from memory, the
+  disk cache or the shipped table, else tuned now among :func:`tuning.candidates` (unless
+  ``JAXPOOL_TUNE=cached``). Every configuration computes the same bits.
+  """
+  if op not in OPS:
+    raise ValueError(f"op must be one of {OPS}, got {op!r}")
+  g = geom.lift(3)
+  dtype = np.dtype(dtype)
+  in_shape = tuple(int(n) for n in in_shape)
+  forward = op.endswith("_fwd")
+  kind = op[:-4]
+  out_shape = geom.output_shape(in_shape)
+  spatial = g.out_spatial if forward else g.in_spatial
+  view = _view_shape(out_shape if forward else in_shape, spatial, g.channels_last)
+  lanes = view[-1] if g.channels_last else view[0]
+  cols = g.out_spatial[2] if forward else _backward_cols(g)
+  heuristic = launch_config(cols, lanes, dtype.itemsize, g.channels_last)
+  if interpret or tuning.mode() == "off" or platform() != "cuda":
+    return heuristic
+  key = tuning.Key(op, dtype.name, "channels_last" if g.channels_last else "channels_first",
+                   tuning.geometry_class(g.window, g.strides, g.dilation, cols, lanes,
+                                         math.prod(view)))
+  cands = tuning.candidates(heuristic, cols, lanes, dtype.itemsize, g.channels_last,
+                            tuning.max_candidates())
+
+  def call(launch: Launch, *ops):
+    if forward:
+      return _window_call(ops[0], geom, kind, False, include_pad, divisor, launch, activation)
+    return _backward_call(ops, in_shape, geom, kind, False, include_pad, divisor, launch)
+
+  n_taps = g.num_taps
+  operand_types = ([jax.ShapeDtypeStruct(in_shape, dtype)] if forward else
+                   ([jax.ShapeDtypeStruct(out_shape, taps_dtype(n_taps))] if kind == "max" else [])
+                   + [jax.ShapeDtypeStruct(out_shape, dtype)])
+
+  def compile_launch(launch: Launch):
+    return jax.jit(functools.partial(call, launch)).lower(*operand_types).compile()
+
+  def args():
+    with jax.ensure_compile_time_eval():  # (concrete arrays, even inside a trace)
+      k1, k2 = jax.random.split(jax.random.key(0))
+      data = jax.random.normal(k1, operand_types[-1].shape, jnp.float32).astype(dtype)
+      if forward or kind == "avg":
+        return (data,)
+      taps = jax.random.randint(k2, out_shape, -1, n_taps, jnp.int32).astype(taps_dtype(n_taps))
+      return (taps, data)
+
+  return tuning.default_tuner().choose(key, heuristic, cands,
+                                       tuning.Trial(compile_launch, args),
+                                       tune=tuning.mode() == "auto")

@@ -1,0 +1,530 @@
+"""Launch configurations chosen per GPU: a small autotuner, a disk cache and shipped tables.
+
+The GPU kernels (``triton.py``) take a launch configuration ``(bw, bl, num_warps)``: the
+tile's columns and lanes and the warps a program. Every configuration computes the same bits
+(each output element's arithmetic and order do not depend on the tile), so the choice is only
+a matter of speed, and the best one depends on the GPU. For a call that compiles for a CUDA GPU,
+:meth:`Tuner.choose` looks the configuration up, in this order:
+
+1. this process's memory;
+2. the disk cache (``$JAXPOOL_CACHE_DIR``, else ``$XDG_CACHE_HOME/jaxpool``, else
+   ``~/.cache/jaxpool``; one JSON file an entry under ``tune/``), an entry being used only when
+   the jaxpool, jax and jaxlib versions, the device kind and the CUDA platform and driver
+   versions it was tuned with are this process's;
+3. the table shipped with the package for this device kind (``launch_tables/*.json``);
+4. tuning: each candidate (:func:`candidates` around today's heuristic, at most
+   ``JAXPOOL_TUNE_MAX_CANDIDATES``) is compiled (in parallel threads) and timed on random data
+   of the call's shape, for at most ``JAXPOOL_TUNE_BUDGET_S`` seconds a key; the fastest is
+   written to the disk cache (atomic rename: a reader never sees a partial entry, and of
+   several processes tuning the same key at once one file wins, each complete).
+
+``JAXPOOL_TUNE=off`` (or ``0``) uses the heuristic constants only (no cache, no table, no
+tuning); ``JAXPOOL_TUNE=cached`` uses the cache and the tables but never tunes (a key that has
+neither gets the heuristic). Interpret mode and non-CUDA platforms never tune.
+
+A key (:class:`Key`) is the op, dtype, layout and a geometry class (window, strides, dilation,
+the columns and lanes rounded up to powers of two, and a size class of the work), not the exact
+shape: shapes of one class share one configuration.
+
+Tuning happens where the kernel is first traced, which is usually inside a ``jit`` trace: it
+runs the candidates eagerly there (``jax.ensure_compile_time_eval``), logs its cost on the
+``jaxpool.tune`` logger and keeps it in :func:`report`.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import dataclasses
+import hashlib
+import importlib.resources
+import json
+import logging
+import math
+import os
+import re
+import statistics
+import tempfile
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import jax
+
+Launch = tuple[int, int, int]  # (bw, bl, num_warps)
+
+FORMAT = 1
+TUNE_ENV = "JAXPOOL_TUNE"
+CACHE_ENV = "JAXPOOL_CACHE_DIR"
+BUDGET_ENV = "JAXPOOL_TUNE_BUDGET_S"
+CANDIDATES_ENV = "JAXPOOL_TUNE_MAX_CANDIDATES"
+THREADS_ENV = "JAXPOOL_TUNE_THREADS"
+MODES = ("auto", "cached", "off")
+DEFAULT_BUDGET_S = 10.0
+DEFAULT_MAX_CANDIDATES = 6
+MARGIN = 0.02  # a candidate must beat the heuristic by more than this fraction to replace it
+COMPILE_SHARE = 0.8  # of a key's budget, the most its candidates' compiles take
+TABLES = "launch_tables"  # the shipped tables: a package folder beside this module
+
+log = logging.getLogger("jaxpool.tune")
+
+
+class TuningWarning(UserWarning):
+  """The tuning cache could not be read or written (the configuration is still chosen)."""
+
+
+# ----------------------------------------------------------------------------- settings
+
+
+def mode() -> str:
+  """``JAXPOOL_TUNE``: ``"auto"`` (default; also ``1``/``on``), ``"cached"``, ``"off"`` (``0``)."""
+  raw = os.environ.get(TUNE_ENV, "").strip().lower()
+  name = {"": "auto", "1": "auto", "on": "auto", "true": "auto", "0": "off", "false": "off",
+          "no": "off"}.get(raw, raw)
+  if name not in MODES:
+    raise ValueError(f"{TUNE_ENV} must be one of {MODES} (or 1/0, on/off), got {raw!r}")
+  return name
+
+
+def _positive(env: str, default: float, kind: type) -> Any:
+  raw = os.environ.get(env, "").strip()
+  if not raw:
+    return default
+  try:
+    value = kind(raw)
+  except ValueError:
+    value = None
+  if value is None or value <= 0:
+    raise ValueError(f"{env} must be a positive {kind.__name__}, got {raw!r}")
+  return value
+
+
+def budget_s() -> float:
+  """``JAXPOOL_TUNE_BUDGET_S``: the most seconds one key's tuning takes (default 10)."""
+  return float(_positive(BUDGET_ENV, DEFAULT_BUDGET_S, float))
+
+
+def max_candidates() -> int:
+  """``JAXPOOL_TUNE_MAX_CANDIDATES``: the most configurations tried a key (default 6)."""
+  return int(_positive(CANDIDATES_ENV, DEFAULT_MAX_CANDIDATES, int))
+
+
+def cache_dir() -> str:
+  """``$JAXPOOL_CACHE_DIR``, else ``$XDG_CACHE_HOME/jaxpool``, else ``~/.cache/jaxpool``."""
+  explicit = os.environ.get(CACHE_ENV, "").strip()
+  if explicit:
+    return os.path.expanduser(explicit)
+  base = os.environ.get("XDG_CACHE_HOME", "").strip() or os.path.join("~", ".cache")
+  return os.path.join(os.path.expanduser(base), "jaxpool")
+
+
+# ----------------------------------------------------------------------------- keys
+
+
+@dataclasses.dataclass(frozen=True)
+class Key:
+  """What one tuned configuration serves: an op on a dtype, layout and geometry class."""
+
+  op: str  # "max_fwd", "argmax_fwd", "avg_fwd", "max_bwd", "avg_bwd"
+  dtype: str
+  layout: str  # "channels_last" or "channels_first"
+  geometry: str  # geometry_class(...)
+
+  def name(self) -> str:
+    return f"{self.op}|{self.dtype}|{self.layout}|{self.geometry}"
+
+
+def _pow2_ceil(n: int) -> int:
+  return 1 << (max(int(n), 1) - 1).bit_length()
+
+
+def geometry_class(window: Sequence[int], strides: Sequence[int], dilation: Sequence[int],
+                   cols: int, lanes: int, work: int) -> str:
+  """The shapes that share a configuration: same window, strides and dilation; ``cols``
+  (the kernel's columns) and ``lanes`` rounded up to powers of two (at most 256 and 1024);
+  ``work`` (elements the kernel writes) in three classes: below 2^20, below 2^24, more."""
+  size = "S" if work < 2**20 else ("M" if work < 2**24 else "L")
+  fmt = lambda t: "x".join(str(int(v)) for v in t)
+  return (f"k{fmt(window)}s{fmt(strides)}d{fmt(dilation)}"
+          f"w{_pow2_ceil(min(cols, 256))}l{_pow2_ceil(min(lanes, 1024))}{size}")
+
+
+# ----------------------------------------------------------------------------- candidates
+
+
+def candidates(heuristic: Launch, cols: int, lanes: int, itemsize: int, channels_last: bool,
+               limit: int) -> list[Launch]:
+  """Up to ``limit`` configurations around ``heuristic``, ``heuristic`` first, then the others
+  by how far they are from it (fewest changed factors, then smallest changes).
+
+  Columns ``bw`` from half to four times the heuristic's (at most the columns rounded up to
+  a power of two), lanes ``bl`` from half to twice (at most the lanes so rounded, and 1024
+  bytes a channel row in channels_last), warps from half to twice (1 to 8), tiles of at most
+  8192 elements: all powers of two, as Triton's blocks must be.
+  """
+  bw0, bl0, w0 = heuristic
+  top_w, top_l = _pow2_ceil(cols), _pow2_ceil(lanes)
+  if channels_last:
+    top_l = min(top_l, max(1024 // itemsize, 1))
+  found = []
+  for bw in (bw0 // 2, bw0, bw0 * 2, bw0 * 4):
+    for bl in (bl0 // 2, bl0, bl0 * 2):
+      for warps in (w0 // 2, w0, w0 * 2):
+        if not (1 <= bw <= max(top_w, bw0) and 1 <= bl <= max(top_l, bl0) and 1 <= warps <= 8):
+          continue
+        if bw * bl > MAX_TILE and (bw, bl) != (bw0, bl0):
+          continue
+        cand = (bw, bl, warps)
+        steps = [abs(math.log2(a / b)) for a, b in zip(cand, heuristic)]
+        found.append(((sum(s > 0 for s in steps), sum(steps), cand), cand))
+  found.sort()
+  return [c for _, c in found][:max(int(limit), 1)]
+
+
+# ----------------------------------------------------------------------------- environment
+
+
+def _driver_version() -> str:
+  try:
+    with open("/proc/driver/nvidia/version", encoding="utf-8") as f:
+      line = f.readline()
+  except OSError:
+    return ""
+  m = re.search(r"Kernel Module\s+(\S+)", line) or re.search(r"(\d+\.\d+(\.\d+)?)", line)
+  return m.group(1) if m else line.strip()
+
+
+def environment(device: Any = None) -> dict[str, str]:
+  """What an entry is valid for: versions, device kind, CUDA platform and driver versions."""
+  import jaxlib
+
+  from jaxpool import __version__ as jaxpool_version
+  dev = device if device is not None else jax.devices()[0]
+  platform_version = ""
+  with contextlib.suppress(Exception):
+    platform_version = str(dev.client.platform_version)
+  return {"jaxpool": jaxpool_version, "jax": jax.__version__,
+          "jaxlib": getattr(jaxlib, "__version__", ""), "device_kind": str(dev.device_kind),
+          "platform_version": platform_version, "driver": _driver_version()}
+
+
+def table_name(device_kind: str) -> str:
+  """The shipped table's file name for a device kind: ``NVIDIA_H100_80GB_HBM3.json``."""
+  return re.sub(r"[^A-Za-z0-9]+", "_", device_kind).strip("_") + ".json"
+
+
+def shipped_table(device_kind: str) -> dict[str, Launch]:
+  """The shipped table of ``device_kind`` (empty when none ships): key name -> launch."""
+  try:
+    text = importlib.resources.files(__package__).joinpath(TABLES, table_name(device_kind))
+    data = json.loads(text.read_text(encoding="utf-8"))
+  except (OSError, ValueError):
+    return {}
+  if not isinstance(data, dict) or data.get("format") != FORMAT:
+    return {}
+  entries = data.get("entries", {})
+  return {k: (v[0], v[1], v[2]) for k, v in entries.items() if _valid_launch(v)}
+
+
+MAX_TILE = 8192  # elements: the largest tile a candidate (or the heuristic) has
+MAX_WARPS = 32  # Triton's limit
+
+
+def _valid_launch(v: Any) -> bool:
+  """Three powers of two, a tile of at most ``MAX_TILE`` elements, at most ``MAX_WARPS``."""
+  return (isinstance(v, (list, tuple)) and len(v) == 3
+          and all(isinstance(n, int) and n >= 1 and n & (n - 1) == 0 for n in v)
+          and v[0] * v[1] <= MAX_TILE and v[2] <= MAX_WARPS)
+
+
+# ----------------------------------------------------------------------------- timing
+
+
+def time_ms(fn: Callable[..., Any], args: tuple, *, samples: int = 7,
+            sample_ms: float = 2.0) -> float:
+  """The median over ``samples`` samples of ``fn(*args)``'s time (ms), after warm-up; each
+  sample at least one call and about ``sample_ms`` of them, then blocks until done."""
+  jax.block_until_ready(fn(*args))
+  t0 = time.perf_counter()
+  jax.block_until_ready(fn(*args))
+  each = time.perf_counter() - t0
+  calls = max(1, math.ceil(sample_ms / 1e3 / max(each, 1e-6)))
+  times = []
+  for _ in range(samples):
+    out = None
+    t0 = time.perf_counter()
+    for _ in range(calls):
+      out = fn(*args)
+    jax.block_until_ready(out)
+    times.append((time.perf_counter() - t0) / calls)
+  return statistics.median(times) * 1e3
+
+
+@dataclasses.dataclass
+class Trial:
+  """How to try a configuration: ``compile(launch)`` gives a callable, ``args()`` its inputs."""
+
+  compile: Callable[[Launch], Callable[..., Any]]
+  args: Callable[[], tuple]
+
+
+@dataclasses.dataclass
+class Record:
+  """One key's tuning: what was tried, what won, and what it cost."""
+
+  key: str
+  launch: Launch
+  source: str  # "memory", "cache", "table", "tuned", "heuristic"
+  seconds: float = 0.0
+  times_ms: dict[str, float] = dataclasses.field(default_factory=dict)
+
+
+# ----------------------------------------------------------------------------- the tuner
+
+
+class Tuner:
+  """Chooses, caches and reports launch configurations (see the module docstring).
+
+  Args:
+    cache: the cache folder (default :func:`cache_dir`, read when first needed).
+    env: what entries must match (default :func:`environment` of the default device).
+    table: the shipped table (default :func:`shipped_table` of ``env``'s device kind).
+    measure: ``measure(fn, args) -> ms`` (default :func:`time_ms`).
+    fresh: tune every key once, whatever the cache and the table hold (``--retune``).
+  """
+
+  MAX_RECORDS = 10000
+
+  def __init__(self, cache: str | None = None, env: Mapping[str, str] | None = None,
+               table: Mapping[str, Launch] | None = None,
+               measure: Callable[[Callable[..., Any], tuple], float] | None = None,
+               fresh: bool = False):
+    self.fresh = fresh
+    self._cache = cache
+    self._env = dict(env) if env is not None else None
+    self._table = dict(table) if table is not None else None
+    self.measure = measure or time_ms
+    self.memory: dict[str, Launch] = {}
+    self.records: list[Record] = []
+    self._writable = True
+    self._warned: set[str] = set()
+    self._lock = threading.RLock()
+
+  @property
+  def env(self) -> dict[str, str]:
+    if self._env is None:
+      self._env = environment()
+    return self._env
+
+  @property
+  def cache(self) -> str:
+    if self._cache is None:
+      self._cache = cache_dir()
+    return self._cache
+
+  @property
+  def table(self) -> dict[str, Launch]:
+    if self._table is None:
+      self._table = shipped_table(self.env["device_kind"])
+    return self._table
+
+  def path(self, key: Key) -> str:
+    """The cache file of ``key`` (its name hashes the key and the environment)."""
+    ident = json.dumps({"key": key.name(), "env": self.env}, sort_keys=True)
+    digest = hashlib.sha256(ident.encode()).hexdigest()[:32]
+    return os.path.join(self.cache, "tune", f"{digest}.json")
+
+  def _warn_once(self, tag: str, message: str) -> None:
+    if tag not in self._warned:
+      self._warned.add(tag)
+      warnings.warn(message, TuningWarning, stacklevel=3)
+
+  def read(self, key: Key) -> Launch | None:
+    """The cached launch of ``key``, or None (missing, corrupt: warned once, other env)."""
+    path = self.path(key)
+    try:
+      with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    except (FileNotFoundError, NotADirectoryError):
+      return None
+    except (OSError, ValueError) as e:
+      self._warn_once(f"corrupt:{path}", f"jaxpool: ignoring the unreadable tuning cache entry "
+                      f"{path} ({type(e).__name__}: {e}); the configuration is tuned again")
+      return None
+    launch = data.get("launch") if isinstance(data, dict) else None
+    if (not isinstance(data, dict) or data.get("format") != FORMAT
+        or not _valid_launch(launch)):
+      self._warn_once(f"corrupt:{path}", f"jaxpool: ignoring the malformed tuning cache entry "
+                      f"{path}; the configuration is tuned again")
+      return None
+    if data.get("key") != key.name() or data.get("env") != self.env:
+      return None  # another jaxlib, driver, device kind or jaxpool: not used
+    assert isinstance(launch, list)  # (_valid_launch)
+    return (launch[0], launch[1], launch[2])
+
+  def write(self, key: Key, launch: Launch, extra: Mapping[str, Any]) -> bool:
+    """Writes ``key``'s entry (a temporary file renamed over the entry); False where the
+    cache cannot be written (warned once; the entry stays in memory)."""
+    if not self._writable:
+      return False
+    path = self.path(key)
+    entry = {"format": FORMAT, "key": key.name(), "env": self.env, "launch": list(launch),
+             **extra}
+    tmp = None
+    try:
+      os.makedirs(os.path.dirname(path), exist_ok=True)
+      fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=os.path.dirname(path))
+      with os.fdopen(fd, "w", encoding="utf-8") as f:
+        json.dump(entry, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+      os.replace(tmp, path)
+      return True
+    except OSError as e:
+      if tmp is not None:
+        with contextlib.suppress(OSError):
+          os.remove(tmp)
+      self._writable = False
+      self._warn_once("readonly", f"jaxpool: cannot write the tuning cache in {self.cache} "
+                      f"({type(e).__name__}: {e}); tuned configurations are kept in memory "
+                      f"for this process (set {CACHE_ENV} to a writable folder)")
+      return False
+
+  def lookup(self, key: Key) -> tuple[Launch, str] | None:
+    """``(launch, source)`` from memory, the cache or the shipped table, or None."""
+    name = key.name()
+    if name in self.memory:
+      return self.memory[name], "memory"
+    if self.fresh:
+      return None
+    cached = self.read(key)
+    if cached is not None:
+      return cached, "cache"
+    if name in self.table:
+      return self.table[name], "table"
+    return None
+
+  def choose(self, key: Key, heuristic: Launch, cands: Sequence[Launch], trial: Trial, *,
+             tune: bool = True, budget: float | None = None) -> Launch:
+    """The configuration for ``key``: looked up, else tuned (``tune``), else ``heuristic``."""
+    with self._lock:
+      found = self.lookup(key)
+      if found is not None:
+        launch, source = found
+        self.memory[key.name()] = launch
+        self._add(Record(key.name(), launch, source))
+        return launch
+      if not tune:
+        self._add(Record(key.name(), heuristic, "heuristic"))
+        return heuristic
+      record = self.tune(key, heuristic, cands, trial, budget=budget)
+      self.memory[key.name()] = record.launch
+      self._add(record)
+      return record.launch
+
+  def _add(self, record: Record) -> None:
+    self.records.append(record)
+    if len(self.records) > self.MAX_RECORDS:  # (a long process: the newest half is kept)
+      del self.records[:self.MAX_RECORDS // 2]
+
+  def tune(self, key: Key, heuristic: Launch, cands: Sequence[Launch], trial: Trial, *,
+           budget: float | None = None) -> Record:
+    """Compiles ``cands`` (``heuristic`` always among them), times them within ``budget``
+    seconds and writes the fastest to the cache."""
+    budget = budget_s() if budget is None else budget
+    start = time.perf_counter()
+    order = [heuristic] + [c for c in dict.fromkeys(cands) if c != heuristic]
+    times: dict[Launch, float] = {}
+    with jax.ensure_compile_time_eval():  # eager, even inside a jit trace
+      # Compiling takes at most COMPILE_SHARE of the budget; timing (milliseconds a
+      # candidate) the rest.
+      compiled = self._compile_all(order, trial, start + COMPILE_SHARE * budget)
+      args = trial.args()
+      for launch in order:
+        fn = compiled.get(launch)
+        if fn is None:
+          continue
+        if launch != heuristic and time.perf_counter() - start > budget:
+          break
+        try:
+          times[launch] = float(self.measure(fn, args))
+        except Exception as e:  # (a candidate that fails to run is skipped)
+          if launch == heuristic:
+            raise
+          log.info("jaxpool: %s %s failed to run: %s", key.name(), launch, e)
+      del args
+    # The fastest (on equal times the earlier candidate), unless the heuristic is within
+    # MARGIN of it: timing noise alone never moves a key off today's configuration.
+    best = min(times, key=lambda c: (times[c], order.index(c))) if times else heuristic
+    if heuristic in times and times[heuristic] <= times[best] * (1 + MARGIN):
+      best = heuristic
+    seconds = time.perf_counter() - start
+    record = Record(key.name(), best, "tuned", seconds,
+                    {"x".join(map(str, c)): t for c, t in times.items()})
+    self.write(key, best, {"times_ms": record.times_ms, "seconds": seconds,
+                           "tuned_at": time.strftime("%Y-%m-%dT%H:%M:%S")})
+    log.info("jaxpool: tuned %s on %s in %.1f s (%d of %d candidates timed): %s, %.4f ms "
+             "(heuristic %s, %.4f ms)", key.name(), self.env.get("device_kind"), seconds,
+             len(times), len(order), best, times.get(best, math.nan), heuristic,
+             times.get(heuristic, math.nan))
+    return record
+
+  def _compile_all(self, order: Sequence[Launch], trial: Trial,
+                   deadline: float) -> dict[Launch, Callable[..., Any]]:
+    """Compiles the candidates in threads; those not compiled by ``deadline`` are dropped
+    (the heuristic, first, is always waited for)."""
+    threads = int(_positive(THREADS_ENV, min(8, os.cpu_count() or 1), int))
+    out: dict[Launch, Callable[..., Any]] = {}
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=threads)
+    try:
+      futures = {pool.submit(trial.compile, c): c for c in order}
+      for fut, launch in futures.items():
+        remaining = deadline - time.perf_counter()
+        if launch == order[0]:
+          out[launch] = fut.result()
+          continue
+        try:
+          out[launch] = fut.result(timeout=max(remaining, 0.0))
+        except concurrent.futures.TimeoutError:
+          continue
+        except Exception as e:  # (Triton may reject a tile: out of registers, shared memory)
+          log.info("jaxpool: %s failed to compile: %s", launch, e)
+    finally:
+      pool.shutdown(wait=False, cancel_futures=True)
+    return out
+
+
+# ----------------------------------------------------------------------------- the default
+
+
+_DEFAULT: Tuner | None = None
+_DEFAULT_LOCK = threading.Lock()
+
+
+def default_tuner() -> Tuner:
+  """This process's tuner (created on first use)."""
+  global _DEFAULT
+  with _DEFAULT_LOCK:
+    if _DEFAULT is None:
+      _DEFAULT = Tuner()
+    return _DEFAULT
+
+
+@contextlib.contextmanager
+def using(tuner: Tuner) -> Iterator[Tuner]:
+  """Makes ``tuner`` this process's tuner inside the block (tests, the ``tune`` command)."""
+  global _DEFAULT
+  with _DEFAULT_LOCK:
+    previous, _DEFAULT = _DEFAULT, tuner
+  try:
+    yield tuner
+  finally:
+    with _DEFAULT_LOCK:
+      _DEFAULT = previous
+
+
+def report(tuner: Tuner | None = None) -> list[Record]:
+  """The configurations chosen so far (each lookup or tuning, in order) and their cost."""
+  return list((tuner or default_tuner()).records)
