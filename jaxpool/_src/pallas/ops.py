@@ -197,10 +197,10 @@ def _avg_backward_xla(dy, geom, *, kernels, interpret, count_include_pad, diviso
 
 @functools.cache
 def _forward_fns(geom: Geometry, activation: str | None, interpret: bool, kernels: str):
-  cfg = dict(kernels=kernels, interpret=interpret, activation=activation)
-  plain = partition.kernel_call(_max_forward, _max_forward_xla, geom, **cfg)
+  plain = partition.kernel_call(_max_forward, _max_forward_xla, geom, kernels=kernels,
+                                interpret=interpret, activation=activation)
   with_taps = partition.kernel_call(_max_forward_taps, _max_forward_taps_xla, geom, n_out=2,
-                                    **cfg)
+                                    kernels=kernels, interpret=interpret, activation=activation)
   return (_batched(functools.partial(partition.call, plain)),
           _batched(functools.partial(partition.call, with_taps)))
 

@@ -45,6 +45,7 @@ from jax.interpreters import mlir
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxpool._src.pallas import tuning
 from jaxpool._src.windows import Geometry, taps_dtype
 
 # ----------------------------------------------------------------------------- out_struct
@@ -66,7 +67,7 @@ def out_struct(shape, dtype, like: jax.Array) -> jax.ShapeDtypeStruct:
   vma = getattr(aval, "vma", None)
   if vma is not None:  # pragma: no cover - older JAX
     try:
-      return jax.ShapeDtypeStruct(shape, dtype, vma=vma)
+      return jax.ShapeDtypeStruct(shape, dtype, vma=vma)  # type: ignore[call-arg]
     except TypeError:
       pass
   return jax.ShapeDtypeStruct(shape, dtype)
@@ -161,7 +162,9 @@ def _lowering(ctx, *operands, kc: KernelCall):
   elif _one_device(ctx):
     fn = functools.partial(_whole, kc)  # nothing to split
   else:
-    fn = functools.partial(_partitioned, kc)
+    with tuning.cached_only():  # (the whole problem's kernel is traced, never run)
+      return mlir.lower_fun(functools.partial(_partitioned, kc),
+                            multiple_results=True)(ctx, *operands)
   return mlir.lower_fun(fn, multiple_results=True)(ctx, *operands)
 
 
@@ -169,8 +172,9 @@ def needs_devices(p: jex_core.Primitive) -> None:
   """Tells JAX that lowering ``p`` needs the program's devices, as ``custom_partitioning``'s
   own primitive does (JAX lowers nested ``jit`` bodies without their devices otherwise, and
   ``custom_partitioning`` then fails). Every primitive whose lowering runs a kernel call
-  (:data:`kernel_p`, and the Pallas backend's linear primitives) is marked. JAX keeps that list in a private module, the one private
-  name the kernels use; tests/test_partitioning.py fails if a JAX release moves it."""
+  (:data:`kernel_p`, and the Pallas backend's linear primitives) is marked. JAX keeps that
+  list in a private module, the one private name the kernels use; tests/test_partitioning.py
+  fails if a JAX release moves it."""
   from jax._src import dispatch as jax_dispatch  # noqa: PLC0415
   jax_dispatch.prim_requires_devices_during_lowering.add(p)
 
@@ -430,8 +434,14 @@ def _partition(kc: KernelCall, mesh, arg_shapes, result_shape):
   plans = _plan(kc, dims, dict(mesh.shape), ndim)
   sharding = NamedSharding(mesh, P(*[d if d else None for d in dims]))
   results = (sharding,) * kc.n_out  # (``_whole`` returns a tuple, one array too)
-  lower = functools.partial(_per_device, kc, plans)
+  lower = functools.partial(_per_device_cached, kc, plans)
   return mesh, lower, results, (sharding,) * len(arg_shapes)
+
+
+def _per_device_cached(kc: KernelCall, plans, *operands):
+  """:func:`_per_device`, traced while XLA compiles: no launch configuration is tuned then."""
+  with tuning.cached_only():
+    return _per_device(kc, plans, *operands)
 
 
 def _partition_unnamed(kc: KernelCall, mesh, arg_shapes, result_shape):
@@ -445,7 +455,7 @@ def _partition_unnamed(kc: KernelCall, mesh, arg_shapes, result_shape):
   if any(block[ax] != base.shape[ax] for ax in kc.geom.spatial_axes(ndim)):
     sharding = _replicated_like(sharding)
   results = (sharding,) * kc.n_out
-  lower = functools.partial(_per_device, kc, ())
+  lower = functools.partial(_per_device_cached, kc, ())
   return mesh, lower, results, (sharding,) * len(arg_shapes)
 
 

@@ -85,7 +85,26 @@ def mode() -> str:
           "no": "off"}.get(raw, raw)
   if name not in MODES:
     raise ValueError(f"{TUNE_ENV} must be one of {MODES} (or 1/0, on/off), got {raw!r}")
+  if name == "auto" and getattr(_LOCAL, "cached_only", False):
+    return "cached"
   return name
+
+
+_LOCAL = threading.local()
+
+
+@contextlib.contextmanager
+def cached_only() -> Iterator[None]:
+  """Inside the block (this thread), ``"auto"`` acts as ``"cached"``: configurations come
+  from memory, the cache or the table, never from a new tuning run. The kernels' partitioning
+  rule traces each device's kernels while XLA compiles a program: no kernel is compiled and
+  timed from inside that."""
+  previous = getattr(_LOCAL, "cached_only", False)
+  _LOCAL.cached_only = True
+  try:
+    yield
+  finally:
+    _LOCAL.cached_only = previous
 
 
 def _positive(env: str, default: float, kind: type) -> Any:
