@@ -1,0 +1,287 @@
+"""jaxpool on several GPUs: pooling gradients and training steps, split over the devices.
+
+Parts (``--parts``, comma-separated):
+
+* ``pool``: the gradient of a 3x3x3/s2/p1 max pool and average pool on 2x128x128x128x32
+  (float32 and bfloat16): one GPU, the batch split over every GPU, the depth split over every
+  GPU; ``lax.reduce_window`` (``implementation="xla"``) beside jaxpool's kernels; the compiled
+  program's collectives listed.
+* ``vgg``: an unmodified Flax VGG-16 training step (224x224, bfloat16, ``--per-gpu`` images per
+  GPU) with and without ``jaxpool.optimize``: the global batch on one GPU, and split over every
+  GPU on an Auto mesh, on an Explicit mesh and inside ``shard_map``; losses compared with one GPU.
+* ``unet``: a 3-D U-Net-style training step (Flax) on a volume split along depth over every GPU,
+  with and without ``jaxpool.optimize``.
+
+Prints a table and writes JSON (``--out``). With ``--cpu-devices N`` it runs on N forced CPU
+devices at toy sizes (a smoke test of the script, not a measurement).
+
+    python benchmarks/multi_gpu.py --out benchmarks/results/multi_gpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+
+
+def parse(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--parts", default="pool,vgg,unet")
+  p.add_argument("--per-gpu", type=int, default=64, help="VGG images per GPU")
+  p.add_argument("--reps", type=int, default=20)
+  p.add_argument("--out", default="")
+  p.add_argument("--cpu-devices", type=int, default=0)
+  return p.parse_args(argv)
+
+
+ARGS = parse()
+if ARGS.cpu_devices:
+  os.environ["JAX_PLATFORMS"] = "cpu"
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                             + f" --xla_force_host_platform_device_count={ARGS.cpu_devices}")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import AxisType, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+import jaxpool  # noqa: E402
+
+SMOKE = bool(ARGS.cpu_devices)
+N = jax.device_count()
+ROWS: list[dict] = []
+COLLECTIVES = ("all-gather", "all-to-all", "all-reduce", "collective-permute", "reduce-scatter")
+
+
+def timed(fn, *args, reps=ARGS.reps) -> float:
+  """Median milliseconds of one call (after two warm-up calls)."""
+  for _ in range(2):
+    jax.block_until_ready(fn(*args))
+  samples = []
+  for _ in range(3 if SMOKE else reps):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    samples.append(time.perf_counter() - t0)
+  return 1e3 * statistics.median(samples)
+
+
+def collectives(compiled) -> dict[str, int]:
+  """How many collectives of each kind, and the largest one's elements."""
+  out: dict[str, int] = {}
+  pattern = r"= \(?(\w+)\[([\d,]*)\][^ ]* (" + "|".join(COLLECTIVES) + r")(-start)?\("
+  for m in re.finditer(pattern, compiled.as_text()):
+    n = int(np.prod([int(d) for d in m.group(2).split(",") if d]))
+    out[m.group(3)] = out.get(m.group(3), 0) + 1
+    out[m.group(3) + " max elems"] = max(out.get(m.group(3) + " max elems", 0), n)
+  return out
+
+
+def mesh(kind=AxisType.Auto):
+  return jax.make_mesh((N,), ("d",), axis_types=(kind,))
+
+
+# ----------------------------------------------------------------------------- pool
+
+
+def pool_part():
+  shape = (2, 16, 16, 16, 4) if SMOKE else (2, 128, 128, 128, 32)
+  kw = dict(window_shape=(3, 3, 3), strides=(2, 2, 2), padding=1)
+  rng = np.random.default_rng(0)
+  m = mesh()
+  for dtype in (jnp.float32, jnp.bfloat16):
+    x = jnp.asarray(rng.standard_normal(shape), dtype)
+    y_shape = jax.eval_shape(lambda v: jaxpool.max_pool(v, **kw), x).shape
+    dy = jnp.asarray(rng.standard_normal(y_shape), dtype)
+    for op in ("max_pool", "avg_pool"):
+      for impl in ("xla", None):
+        pool = getattr(jaxpool, op)
+
+        def grad(v, d, pool=pool, impl=impl):
+          return jax.vjp(lambda u: pool(u, **kw, implementation=impl), v)[1](d)[0]
+
+        fn = jax.jit(grad)
+        ref = None
+        for split, spec in (("one GPU", None), ("batch", P("d")), ("depth", P(None, "d"))):
+          if spec is None:
+            args = [jax.device_put(a, jax.devices()[0]) for a in (x, dy)]
+          else:
+            args = [jax.device_put(a, NamedSharding(m, spec)) for a in (x, dy)]
+          compiled = fn.lower(*args).compile()
+          out = compiled(*args)
+          if ref is None:
+            ref = np.asarray(out.astype(jnp.float32))
+          same = bool(np.array_equal(np.asarray(out.astype(jnp.float32)), ref))
+          ROWS.append(dict(part="pool", dtype=jnp.dtype(dtype).name, op=op,
+                           impl="jaxpool" if impl is None else "reduce_window", split=split,
+                           devices=1 if spec is None else N, ms=timed(compiled, *args),
+                           equal_to_one_gpu=same,
+                           out_spec=str(getattr(out.sharding, "spec", "")),
+                           collectives=collectives(compiled)))
+          print(json.dumps(ROWS[-1]), flush=True)
+
+
+# ----------------------------------------------------------------------------- VGG
+
+
+def vgg_part():
+  import flax_vgg
+  import optax
+  per = 2 if SMOKE else ARGS.per_gpu
+  size = 32 if SMOKE else 224
+  model = flax_vgg.VGG(flax_vgg.SMALL if SMOKE else flax_vgg.VGG16, 128 if SMOKE else 4096,
+                       10 if SMOKE else 1000, jnp.bfloat16)
+  rng = np.random.default_rng(0)
+  images = jnp.asarray(rng.standard_normal((per * N, size, size, 3)), jnp.float32)
+  labels = jnp.asarray(rng.integers(0, model.classes, per * N), jnp.int32)
+  params = jax.jit(model.init)(jax.random.key(0), images[:1])
+  optimizer = optax.sgd(0.01, momentum=0.9)
+  opt_state = optimizer.init(params)
+
+  def loss_fn(apply):
+    def loss(p, x, y):
+      logits = apply(p, x).astype(jnp.float32)
+      return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+    return loss
+
+  def make_step(apply, pmean_axis=None):
+    loss = loss_fn(apply)
+
+    def step(p, s, x, y):
+      value, grads = jax.value_and_grad(loss)(p, x, y)
+      if pmean_axis is not None:
+        value, grads = jax.lax.pmean((value, grads), pmean_axis)
+      updates, s = optimizer.update(grads, s, p)
+      return optax.apply_updates(p, updates), s, value
+    return step
+
+  for variant in ("plain", "optimize"):
+    apply = model.apply if variant == "plain" else jaxpool.optimize(model.apply)
+    ref_loss = None
+    for mode in ("one GPU", "auto", "explicit", "shard_map"):
+      step = make_step(apply, "d" if mode == "shard_map" else None)
+      try:
+        if mode == "one GPU":
+          one = jax.devices()[0]
+          args = jax.device_put((params, opt_state, images, labels), one)
+          fn = jax.jit(step)
+        elif mode in ("auto", "explicit"):
+          m = mesh(AxisType.Auto if mode == "auto" else AxisType.Explicit)
+          rep, data = NamedSharding(m, P()), NamedSharding(m, P("d"))
+          args = (jax.device_put(params, rep), jax.device_put(opt_state, rep),
+                  jax.device_put(images, data), jax.device_put(labels, data))
+          fn = jax.jit(step)
+          if mode == "explicit":
+            with jax.set_mesh(m):
+              compiled = fn.lower(*args).compile()
+          else:
+            compiled = None
+          fn = compiled or fn
+        else:
+          m = mesh()
+          rep, data = NamedSharding(m, P()), NamedSharding(m, P("d"))
+          args = (jax.device_put(params, rep), jax.device_put(opt_state, rep),
+                  jax.device_put(images, data), jax.device_put(labels, data))
+          fn = jax.jit(jax.shard_map(step, mesh=m, in_specs=(P(), P(), P("d"), P("d")),
+                                     out_specs=(P(), P(), P())))
+        t0 = time.perf_counter()
+        out = jax.block_until_ready(fn(*args))
+        first_s = time.perf_counter() - t0
+        loss = float(out[2])
+        ref_loss = loss if ref_loss is None else ref_loss
+        ms = timed(lambda fn=fn, args=args: fn(*args)[2])
+        row = dict(part="vgg", variant=variant, mode=mode, devices=1 if mode == "one GPU" else N,
+                   global_batch=per * N, ms=ms, first_step_s=first_s, loss=loss,
+                   loss_vs_one_gpu=abs(loss - ref_loss))
+      except Exception as e:  # noqa: BLE001 - reported in the table
+        row = dict(part="vgg", variant=variant, mode=mode, error=f"{type(e).__name__}: {e}"[:300])
+      ROWS.append(row)
+      print(json.dumps(row), flush=True)
+
+
+# ----------------------------------------------------------------------------- U-Net
+
+
+def unet_part():
+  import flax.linen as nn
+  import optax
+
+  class UNet3D(nn.Module):
+    width: int = 8 if SMOKE else 16
+
+    @nn.compact
+    def __call__(self, x):
+      w = self.width
+      a = nn.relu(nn.Conv(w, (3, 3, 3), dtype=jnp.bfloat16)(x))
+      b = nn.max_pool(a, (2, 2, 2), (2, 2, 2))
+      b = nn.relu(nn.Conv(2 * w, (3, 3, 3), dtype=jnp.bfloat16)(b))
+      c = nn.max_pool(b, (2, 2, 2), (2, 2, 2))
+      c = nn.relu(nn.Conv(4 * w, (3, 3, 3), dtype=jnp.bfloat16)(c))
+      u = jax.image.resize(c, b.shape[:-1] + (c.shape[-1],), "nearest")
+      b = nn.relu(nn.Conv(2 * w, (3, 3, 3), dtype=jnp.bfloat16)(jnp.concatenate([b, u], -1)))
+      u = jax.image.resize(b, a.shape[:-1] + (b.shape[-1],), "nearest")
+      a = nn.relu(nn.Conv(w, (3, 3, 3), dtype=jnp.bfloat16)(jnp.concatenate([a, u], -1)))
+      return nn.Conv(2, (1, 1, 1), dtype=jnp.bfloat16)(a)
+
+  side = 16 if SMOKE else 128
+  model = UNet3D()
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.standard_normal((1, side * N, side, side, 1)), jnp.float32)
+  y = jnp.asarray(rng.integers(0, 2, (1, side * N, side, side)), jnp.int32)
+  params = jax.jit(model.init)(jax.random.key(0), x[:, :side])
+
+  def loss(p, apply, v, t):
+    logits = apply(p, v).astype(jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, t).mean()
+
+  m = mesh()
+  rep, depth = NamedSharding(m, P()), NamedSharding(m, P(None, "d"))
+  args = (jax.device_put(params, rep), jax.device_put(x, depth), jax.device_put(y, depth))
+  for variant in ("plain", "optimize"):
+    apply = model.apply if variant == "plain" else jaxpool.optimize(model.apply)
+    fn = jax.jit(lambda p, v, t, apply=apply: jax.value_and_grad(loss)(p, apply, v, t))
+    try:
+      compiled = fn.lower(*args).compile()
+      value = float(compiled(*args)[0])
+      row = dict(part="unet", variant=variant, devices=N, volume=list(x.shape[1:4]),
+                 split="depth", ms=timed(compiled, *args), loss=value,
+                 collectives=collectives(compiled))
+    except Exception as e:  # noqa: BLE001
+      row = dict(part="unet", variant=variant, error=f"{type(e).__name__}: {e}"[:300])
+    ROWS.append(row)
+    print(json.dumps(row), flush=True)
+
+
+def table() -> str:
+  lines = [f"devices: {N} x {jax.devices()[0].device_kind}"]
+  for r in ROWS:
+    if "error" in r:
+      lines.append(f"{r['part']:5} {r.get('variant', '')} {r.get('mode', '')}: {r['error']}")
+    elif r["part"] == "pool":
+      lines.append(f"pool  {r['dtype']:8} {r['op']:8} {r['impl']:13} {r['split']:8} "
+                   f"{r['ms']:8.3f} ms  equal={r['equal_to_one_gpu']} {r['collectives']}")
+    elif r["part"] == "vgg":
+      lines.append(f"vgg   {r['variant']:8} {r['mode']:9} x{r['devices']} {r['ms']:8.2f} ms  "
+                   f"loss {r['loss']:.5f} (|d| vs 1 GPU {r['loss_vs_one_gpu']:.1e})")
+    else:
+      lines.append(f"unet  {r['variant']:8} depth x{r['devices']} {r['ms']:8.2f} ms  "
+                   f"{r['collectives']}")
+  return "\n".join(lines)
+
+
+if __name__ == "__main__":
+  parts = ARGS.parts.split(",")
+  for name in parts:
+    {"pool": pool_part, "vgg": vgg_part, "unet": unet_part}[name]()
+  print(table())
+  if ARGS.out:
+    Path(ARGS.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(ARGS.out).write_text(json.dumps(dict(device=jax.devices()[0].device_kind, devices=N,
+                                              jax=jax.__version__, rows=ROWS), indent=1))
