@@ -14,6 +14,7 @@ import numpy as np
 from jax.extend import core
 
 from jaxpool._src import api
+from jaxpool._src.optimize import state
 from jaxpool._src.optimize.interpreter import Rules, eval_jaxpr, is_tracer
 from jaxpool._src.optimize.planner import Planner
 from jaxpool._src.optimize.report import OptimizeReport
@@ -28,6 +29,9 @@ class _Entry:
   rules: Rules
   out_tree: Any
   report: OptimizeReport
+  written: tuple[int, ...] = ()  # the arguments' nnx.Variables that fn writes (state.py)
+
+
 def _is_array(leaf: Any) -> bool:
   return isinstance(leaf, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct))
 
@@ -78,12 +82,16 @@ class Optimized:
       for i, v in zip(dyn_idx, values):
         full[i] = v
       a, k = jax.tree.unflatten(treedef, full)
-      return self._fn(*a, **k)
-    closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*dyn)
+      before = state.snapshot((a, k))
+      out = self._fn(*a, **k)
+      written[:], values = state.traced_writes((a, k), before, self._name)
+      return out, values
+    written: list[int] = []
+    closed, (out_shape, _) = jax.make_jaxpr(flat_fn, return_shape=True)(*dyn)
     planner = Planner(self._implementation, self._fold_relu)
     rules = planner.plan(closed.jaxpr, closed.consts, self._name)
     entry = _Entry(closed, rules, jax.tree.structure(out_shape),
-                   OptimizeReport(self._name, tuple(planner.findings)))
+                   OptimizeReport(self._name, tuple(planner.findings)), tuple(written))
     if self._print:
       print(entry.report, flush=True)
     if key is not None and not any(is_tracer(c) for c in closed.consts):
@@ -95,7 +103,9 @@ class Optimized:
   def __call__(self, *args, **kwargs):
     entry, dyn = self._entry(args, kwargs)
     outs = eval_jaxpr(entry.closed.jaxpr, entry.closed.consts, dyn, entry.rules)
-    return jax.tree.unflatten(entry.out_tree, outs)
+    n = entry.out_tree.num_leaves
+    state.write_back((args, kwargs), entry.written, outs[n:])
+    return jax.tree.unflatten(entry.out_tree, outs[:n])
 
   def report(self, *args, **kwargs) -> OptimizeReport:
     """What a call with these arguments replaces, and what it leaves alone and why.
