@@ -77,7 +77,9 @@ def layout(shape: Sequence[int], window: Sequence[int], strides: Sequence[int],
     expand = not other
   pick = lambda v: tuple(int(v[i]) for i in spatial)
   out = Layout(perm=perm, expand=expand, data_format=data_format, window=pick(window),
-               strides=pick(strides), padding=tuple(padding[i] for i in spatial),
+               strides=pick(strides), padding=tuple(_trim(shape[i], window[i], strides[i],
+                                                          padding[i], dilation[i])
+                                                    for i in spatial),
                dilation=pick(dilation))
   try:
     make_geometry(out.shape(shape), out.window, out.strides, out.padding, out.dilation, False,
@@ -85,3 +87,14 @@ def layout(shape: Sequence[int], window: Sequence[int], strides: Sequence[int],
   except (TypeError, ValueError) as e:
     return f"jaxpool does not take this window: {e}"
   return out
+
+
+def _trim(size: int, k: int, s: int, pad: tuple[int, int], d: int) -> tuple[int, int]:
+  """``pad`` without the end padding that no window reaches (Equinox's ``use_ceil`` pads a
+  whole stride more than its last window needs): the same windows, so the same results."""
+  lo, hi = pad
+  eff = d * (k - 1) + 1
+  if size + lo + hi < eff:
+    return pad
+  n = (size + lo + hi - eff) // s + 1
+  return lo, min(hi, max(0, (n - 1) * s + eff - size - lo))

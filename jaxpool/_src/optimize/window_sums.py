@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import math
 
+import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.extend.core import primitives as prims
 
 from jaxpool._src import api
@@ -21,19 +23,34 @@ def window_sum(ctx: Context, g: Dataflow, i: int, rules: Rules, where: str) -> b
 
 
 def avg_pool(ctx: Context, g: Dataflow, i: int, rules: Rules, where: str) -> bool:
-  """``div(layout(reduce_window_sum(x)), c)`` or ``div(rws(x), rws(ones))``."""
+  """``div(f(reduce_window_sum(x)), c)`` or ``div(f(rws(x)), h(rws(ones)))``.
+
+  ``f`` is a chain of element-moving ops (:data:`~.dataflow.LAYOUT_OPS`, each read once) and
+  float-to-float ``convert_element_type`` (a weak type dropped, a precision change: applied to
+  jaxpool's result in the same order); ``h`` is a chain of broadcasts and conversions of the
+  window counts (Flax's and Keras's counts have size-1 batch and channel dims).
+  """
   eqn = g.eqns[i]
   p = eqn.params
   x = eqn.invars[0]
   cur = eqn.outvars[0]
   readers = g.readers.get(cur, [])
   div_idx = None
+  moved: list = []  # the element-moving ops between the sum and the division
+  converts: list = []  # the dtypes of the float conversions on the way
+  int_to = None  # an integer sum converted to this float dtype (Equinox on integer input)
   while len(readers) == 1 and readers[0] >= 0:
     nxt = g.eqns[readers[0]]
     if nxt.primitive is prims.div_p and nxt.invars[0] is cur:
       div_idx = readers[0]
       break
-    if not g.is_layout(nxt):
+    if int_to is None and not converts and _int_to_float(nxt):
+      int_to = nxt.outvars[0].aval.dtype
+    elif _float_convert(nxt):
+      converts.append(nxt.outvars[0].aval.dtype)
+    elif g.is_layout(nxt):
+      moved.append((nxt.primitive, nxt.params))
+    else:
       break
     cur = nxt.outvars[0]
     readers = g.readers.get(cur, [])
@@ -41,9 +58,9 @@ def avg_pool(ctx: Context, g: Dataflow, i: int, rules: Rules, where: str) -> boo
     return False
   div = g.eqns[div_idx]
   den = div.invars[1]
-  chained = cur is not eqn.outvars[0]
-  lay = window_layout(p, x, allow_int=False)
-  count_include_pad, divisor, drop = True, None, None
+  lay = window_layout(p, x, allow_int=int_to is not None)
+  count_include_pad, divisor = True, None
+  drop: list[int] = []
   c = uniform(g.value(den))
   if c is not None:
     nwin = math.prod(lay.window) if not isinstance(lay, str) else None
@@ -53,10 +70,10 @@ def avg_pool(ctx: Context, g: Dataflow, i: int, rules: Rules, where: str) -> boo
       divisor, how = int(c), f"divisor_override={int(c)}"
     else:
       lay, how = f"divided by {c!r}, not a positive int: not an average pool", ""
-  elif not chained and is_count(g, den, eqn):
+  elif (counts := count_chain(g, den, eqn, moved)) is not None:
     count_include_pad = False
-    if g.only_reader(den, div_idx):
-      drop = g.producer[den]
+    if all(g.only_reader(g.eqns[k].outvars[0], r) for k, r in zip(counts, [div_idx, *counts])):
+      drop = counts
     how = "count_include_pad=False: divided by the window count of ones"
   else:
     return False
@@ -66,29 +83,74 @@ def avg_pool(ctx: Context, g: Dataflow, i: int, rules: Rules, where: str) -> boo
   impl = ctx.implementation
 
   def run(x):
+    if int_to is not None:
+      x = lax.convert_element_type(x, int_to)
     y = api.avg_pool(lay.to(x), lay.window, lay.strides, lay.padding, dilation=lay.dilation,
                      count_include_pad=count_include_pad, divisor_override=divisor,
                      data_format=lay.data_format, implementation=impl)
-    return [lay.back(y)]
+    y = lay.back(y)
+    for dtype in converts:
+      y = lax.convert_element_type(y, dtype)
+    return [y]
   new = {i: Rule((x,), run), div_idx: alias(div.invars[0])}
-  if drop is not None:
-    new[drop] = DROP
+  for k in drop:
+    new[k] = DROP
+  if int_to is not None:
+    how += f"; the integer input converted to {np.dtype(int_to).name} first"
+  if converts:
+    how += f", then converted to {np.dtype(converts[-1]).name}"
   ctx.offer(where, eqn, make_site("avg_pool", lay, x), rules, new,
             f"jaxpool.avg_pool({lay.describe()}; {how})")
   return True
 
 
-def is_count(g: Dataflow, den, num_eqn) -> bool:
-  """Whether ``den`` is the same window sum over ones (the window counts)."""
-  j = g.producer.get(den)
-  if j is None:
+def _float_convert(eqn) -> bool:
+  """A ``convert_element_type`` from a float dtype to a float dtype."""
+  if eqn.primitive is not prims.convert_element_type_p or len(eqn.invars) != 1:
     return False
-  e = g.eqns[j]
+  a, b = eqn.invars[0].aval, eqn.outvars[0].aval
+  return (jnp.issubdtype(a.dtype, jnp.floating) and jnp.issubdtype(b.dtype, jnp.floating)
+          and a.shape == b.shape)
+
+
+def _int_to_float(eqn) -> bool:
+  """A ``convert_element_type`` from an integer dtype to a float dtype."""
+  if eqn.primitive is not prims.convert_element_type_p or len(eqn.invars) != 1:
+    return False
+  a, b = eqn.invars[0].aval, eqn.outvars[0].aval
+  return jnp.issubdtype(a.dtype, jnp.integer) and jnp.issubdtype(b.dtype, jnp.floating)
+
+
+def count_chain(g: Dataflow, den, num_eqn, moved: list) -> list[int] | None:
+  """The equations (last first, the window sum of ones at the end) that make ``den`` the window
+  counts of ``num_eqn``: the same window sum over ones, then broadcasts, conversions and the
+  same element-moving ops as the sum went through (``moved``: Flax squeezes both when the
+  input has no batch dim)."""
+  chain: list[int] = []
+  layout_ops: list = []
+  cur = den
+  while True:
+    j = g.producer.get(cur)
+    if j is None:
+      return None
+    e = g.eqns[j]
+    chain.append(j)
+    if e.primitive is prims.reduce_window_sum_p:
+      break
+    if g.is_layout(e):
+      layout_ops.append((e.primitive, e.params))
+    elif e.primitive not in (prims.broadcast_in_dim_p, prims.convert_element_type_p):
+      return None
+    cur = e.invars[0]
+  if layout_ops[::-1] != moved:
+    return None
+  e = g.eqns[chain[-1]]
   if not counts_ones(g, e) or e.params != num_eqn.params:
-    return False
+    return None
   num_shape, den_shape = shape(num_eqn.outvars[0]), shape(e.outvars[0])
-  return len(num_shape) == len(den_shape) and all(
+  ok = len(num_shape) == len(den_shape) and all(
       d == n or d == 1 for d, n in zip(den_shape, num_shape))
+  return chain if ok else None
 
 
 def counts_ones(g: Dataflow, eqn) -> bool:
