@@ -55,6 +55,14 @@ def _platform_from_env(monkeypatch):
     monkeypatch.setattr(dispatch, "platform", lambda: name)
 
 
+@pytest.fixture(autouse=True)
+def _replace_every_site(monkeypatch):
+  """This file checks what the rewrites compute, so every recognised site is replaced, small
+  ones on a GPU included (the cost decision is tested in tests/test_optimize_cost.py)."""
+  from jaxpool._src.optimize import cost, wrapper
+  monkeypatch.setattr(wrapper, "default_cost", cost.always)
+
+
 def kernels_by_default() -> bool:
   """Whether ``implementation=None`` picks the Pallas kernels (where they serve the call)."""
   return dispatch.default_implementation() is None and dispatch.PALLAS.not_default() is None

@@ -17,6 +17,14 @@ import jaxpool
 nn = pytest.importorskip("flax.linen")
 eqx = pytest.importorskip("equinox")
 
+@pytest.fixture(autouse=True)
+def _replace_every_site(monkeypatch):
+  """Recognition is tested here: every recognised site is replaced, small ones on a GPU
+  included (the cost decision is tested in tests/test_optimize_cost.py)."""
+  from jaxpool._src.optimize import cost, wrapper
+  monkeypatch.setattr(wrapper, "default_cost", cost.always)
+
+
 POOLING_OPS = ("reduce_window_max", "reduce_window_sum", "reduce_window", "select_and_scatter_add",
                "select_and_gather_add")
 
@@ -26,7 +34,7 @@ def unrecognised(report) -> list[str]:
   constant, not a pool) and windows of one element (nothing is pooled)."""
   return [f"{d.op}: {d.detail}" for d in report.left_alone
           if d.op in POOLING_OPS and "window counts" not in d.detail
-          and "single element" not in d.detail]
+          and "single element" not in d.detail and not d.cost]
 
 
 def check(f, x, *, grad=True, tol=1e-6):

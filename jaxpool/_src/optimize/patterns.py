@@ -22,29 +22,11 @@ from jax.extend.core import primitives as prims
 
 from jaxpool._src import api
 from jaxpool._src import relu_fold
+from jaxpool._src.optimize.cost import kernels_by_default
 from jaxpool._src.optimize.dataflow import Dataflow, shape
 from jaxpool._src.optimize.interpreter import Rule, Rules, alias, src_info
 from jaxpool._src.optimize.layout import Layout, layout
-
-
-@dataclasses.dataclass(frozen=True)
-class Site:
-  """One pooling site that jaxpool can take over, as the cost decision sees it.
-
-  Attributes:
-    op: the jaxpool call: ``"max_pool"``, ``"avg_pool"``, ``"max_pool_grad"``,
-      ``"max_pool_jvp"`` or ``"avg_pool_grad"``.
-    shape: the input's shape in ``layout`` (what jaxpool is called on).
-    dtype: the input's dtype name.
-    layout: the window, strides, padding, dilation and data format.
-    fused_relu: whether a ReLU is folded into it.
-  """
-
-  op: str
-  shape: tuple[int, ...]
-  dtype: str
-  layout: Layout
-  fused_relu: bool = False
+from jaxpool._src.optimize.site import Site
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,8 +80,44 @@ def window_layout(p: dict, x, *, allow_int: bool, dilation: bool = True) -> Layo
       p["window_dilation"] if dilation else None)
 
 
-def make_site(op: str, lay: Layout, x, fused_relu: bool = False) -> Site:
-  return Site(op, lay.shape(shape(x)), str(x.aval.dtype), lay, fused_relu)
+def _passes(g: Dataflow, eqn) -> bool:
+  return g.is_layout(eqn) or (eqn.primitive is prims.convert_element_type_p)
+
+
+def producer(g: Dataflow, atom) -> str:
+  """The primitive that makes ``atom``, through element-moving ops and conversions."""
+  while isinstance(atom, core.Var) and atom in g.producer:
+    e = g.eqns[g.producer[atom]]
+    if not _passes(g, e):
+      return e.primitive.name
+    atom = e.invars[0]
+  return ""
+
+
+def readers(g: Dataflow, atom) -> tuple[str, ...]:
+  """The primitives that read ``atom``, through element-moving ops and conversions."""
+  out: list[str] = []
+  todo = [atom]
+  while todo and len(out) < 8:
+    for r in g.readers.get(todo.pop(), []):
+      if r < 0:
+        out.append("")  # an output of the jaxpr
+        continue
+      e = g.eqns[r]
+      if _passes(g, e):
+        todo.append(e.outvars[0])
+      else:
+        out.append(e.primitive.name)
+  return tuple(out)
+
+
+def make_site(ctx: Context, g: Dataflow, i: int, op: str, lay: Layout, x, fused_relu=False,
+              full: tuple[int, ...] | None = None, out=None) -> Site:
+  """The :class:`Site` of equation ``i`` (``full``: the shape jaxpool is called on, where it is
+  not ``x``'s; ``out``: the site's output, where it is not equation ``i``'s)."""
+  return Site(op, full or lay.shape(shape(x)), str(x.aval.dtype), lay, fused_relu,
+              ctx.implementation, kernels_by_default(ctx.implementation),
+              producer(g, x), readers(g, g.eqns[i].outvars[0] if out is None else out))
 
 
 # ----------------------------------------------------------------------------- activations
@@ -205,7 +223,7 @@ def max_pool(ctx: Context, g: Dataflow, i: int, rules: Rules, where: str) -> boo
     y = lay.back(y)
     return [post(y) if post is not None else y]
   new = {**new, i: Rule((x,), run)}
-  ctx.offer(where, eqn, make_site("max_pool", lay, x, fused), rules, new,
+  ctx.offer(where, eqn, make_site(ctx, g, i, "max_pool", lay, x, fused), rules, new,
             f"jaxpool.max_pool({lay.describe()}){how}", notes)
   return True
 
@@ -229,7 +247,8 @@ def max_pool_grad(ctx: Context, g: Dataflow, i: int, rules: Rules, where: str) -
                            dilation=lay.dilation, data_format=lay.data_format,
                            implementation=impl)
     return [lay.back(dx)]
-  ctx.offer(where, eqn, make_site("max_pool_grad", lay, x), rules, {i: Rule((dy, x), run)},
+  site = make_site(ctx, g, i, "max_pool_grad", lay, x)
+  ctx.offer(where, eqn, site, rules, {i: Rule((dy, x), run)},
             f"jaxpool.max_pool_grad({lay.describe()})")
   return True
 
@@ -254,7 +273,8 @@ def max_pool_jvp(ctx: Context, g: Dataflow, i: int, rules: Rules, where: str) ->
                              data_format=lay.data_format, implementation=impl)
     _, ty = jax.jvp(pool, (lay.to(x),), (lay.to(t),))
     return [lay.back(ty)]
-  ctx.offer(where, eqn, make_site("max_pool_jvp", lay, x), rules, {i: Rule((t, x), run)},
+  site = make_site(ctx, g, i, "max_pool_jvp", lay, x)
+  ctx.offer(where, eqn, site, rules, {i: Rule((t, x), run)},
             f"the JVP of jaxpool.max_pool({lay.describe()})")
   return True
 

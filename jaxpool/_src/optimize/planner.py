@@ -15,9 +15,11 @@ from jax.extend import core
 from jax.extend.core import primitives as prims
 
 from jaxpool._src.optimize import patterns, window_sums
+from jaxpool._src.optimize.cost import Cost, default_cost
 from jaxpool._src.optimize.dataflow import Dataflow
 from jaxpool._src.optimize.interpreter import HIGHER_ORDER, Rules, src_info
-from jaxpool._src.optimize.patterns import Note, Recogniser, Site
+from jaxpool._src.optimize.patterns import Note, Recogniser
+from jaxpool._src.optimize.site import Site
 from jaxpool._src.optimize.report import JAXPOOL_DIR, Finding, source_line
 
 PATTERNS: dict[core.Primitive, Recogniser] = {
@@ -52,19 +54,32 @@ def holds_pooling(jaxpr: core.Jaxpr) -> bool:
 class Planner:
   """Walks a jaxpr (and the sub-jaxprs it enters), deciding the rewrites and the report."""
 
-  def __init__(self, implementation, fold_relu: bool):
+  def __init__(self, implementation, fold_relu: bool, cost: Cost = default_cost):
     self.implementation = implementation
     self.fold_relu = fold_relu
+    self.cost = cost
     self.findings: list[Finding] = []
 
-  def note(self, where: str, eqn, replaced: bool, detail: str, op: str | None = None) -> None:
+  def note(self, where: str, eqn, replaced: bool, detail: str, op: str | None = None,
+           cost: str = "") -> None:
     self.findings.append(Finding(where=where, op=op or eqn.primitive.name, replaced=replaced,
-                                 detail=detail, source=source_line(eqn)))
+                                 detail=detail, source=source_line(eqn), cost=cost))
 
   def offer(self, where: str, eqn, site: Site, rules: Rules, new: Rules, detail: str,
             notes: tuple[Note, ...] = ()) -> bool:
-    """A recogniser's replacement for ``site``: ``new`` joins ``rules`` (True) or the site is
-    left to XLA and the report says why (False)."""
+    """A recogniser's replacement for ``site``: the cost decision. ``new`` joins ``rules``
+    (True), or the site and the equations it absorbs (a folded ReLU) stay XLA's and the report
+    says why (False)."""
+    reason = self.cost(site)
+    if reason is not None:
+      if not isinstance(reason, str):
+        raise TypeError(f"a cost function must return None or a str (the reason XLA keeps the "
+                        f"site); got {reason!r} for {site}.")
+      for n in notes:
+        self.note(where, n.eqn, False, "not folded: the max pool after it is left to XLA",
+                  op=n.op)
+      self.note(where, eqn, False, f"left to XLA: {reason} (would be {detail})", cost=reason)
+      return False
     rules.update(new)
     for n in notes:
       self.note(where, n.eqn, n.replaced, n.detail, op=n.op)

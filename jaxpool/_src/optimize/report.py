@@ -21,6 +21,7 @@ class Finding:
     replaced: whether it now runs as jaxpool.
     detail: what it became (``replaced``) or why it was left alone.
     source: the user's source line that produced it, as JAX records it.
+    cost: for a recognised site that the cost decision left to XLA, why (else ``""``).
   """
 
   where: str
@@ -28,6 +29,7 @@ class Finding:
   replaced: bool
   detail: str
   source: str = ""
+  cost: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,13 +48,21 @@ class OptimizeReport:
 
   @property
   def left_alone(self) -> tuple[Finding, ...]:
+    """Everything not replaced: not recognised, or recognised and left to XLA."""
     return tuple(f for f in self.findings if not f.replaced)
 
+  @property
+  def left_to_xla(self) -> tuple[Finding, ...]:
+    """The recognised sites that the cost decision left to XLA."""
+    return tuple(f for f in self.findings if f.cost)
+
   def __str__(self) -> str:
+    kept = len(self.left_to_xla)
     lines = [f"jaxpool.optimize({self.function}): {len(self.replaced)} replaced, "
-             f"{len(self.left_alone)} left alone"]
+             f"{len(self.left_alone)} left alone"
+             + (f" ({kept} of them left to XLA by the cost decision)" if kept else "")]
     for f in self.findings:
-      tag = "replaced  " if f.replaced else "left alone"
+      tag = "replaced  " if f.replaced else ("left to XLA" if f.cost else "left alone")
       src = f"  [{f.source}]" if f.source else ""
       lines.append(f"  {tag}  {f.where}: {f.op} -> {f.detail}{src}")
     return "\n".join(lines)

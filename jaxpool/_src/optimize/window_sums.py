@@ -13,7 +13,7 @@ from jaxpool._src import api
 from jaxpool._src.optimize.dataflow import Dataflow, shape, uniform
 from jaxpool._src.optimize.interpreter import DROP, Rule, Rules, alias
 from jaxpool._src.optimize.layout import layout
-from jaxpool._src.optimize.patterns import Context, Site, common_checks, make_site, window_layout
+from jaxpool._src.optimize.patterns import Context, common_checks, make_site, window_layout
 
 
 def window_sum(ctx: Context, g: Dataflow, i: int, rules: Rules, where: str) -> bool:
@@ -99,7 +99,7 @@ def avg_pool(ctx: Context, g: Dataflow, i: int, rules: Rules, where: str) -> boo
     how += f"; the integer input converted to {np.dtype(int_to).name} first"
   if converts:
     how += f", then converted to {np.dtype(converts[-1]).name}"
-  ctx.offer(where, eqn, make_site("avg_pool", lay, x), rules, new,
+  ctx.offer(where, eqn, make_site(ctx, g, i, "avg_pool", lay, x, out=div.outvars[0]), rules, new,
             f"jaxpool.avg_pool({lay.describe()}; {how})")
   return True
 
@@ -202,7 +202,7 @@ def sum_transpose(ctx: Context, g: Dataflow, i: int, rules: Rules, where: str) -
                            dilation=lay.dilation, divisor_override=1,
                            data_format=lay.data_format, implementation=impl)
     return [lay.back(dx)]
-  site = Site("avg_pool_grad", full, str(ct.aval.dtype), lay)
+  site = make_site(ctx, g, i, "avg_pool_grad", lay, ct, full=full)
   ctx.offer(where, eqn, site, rules, {i: Rule((ct,), run), j: DROP},
             "(the transpose of a window sum) "
             f"jaxpool.avg_pool_grad({lay.describe()}; divisor_override=1)")

@@ -15,6 +15,7 @@ from jax.extend import core
 
 from jaxpool._src import api
 from jaxpool._src.optimize import state
+from jaxpool._src.optimize.cost import Cost, default_cost
 from jaxpool._src.optimize.interpreter import Rules, eval_jaxpr, is_tracer
 from jaxpool._src.optimize.planner import Planner
 from jaxpool._src.optimize.report import OptimizeReport
@@ -51,12 +52,14 @@ class Optimized:
   replaces. Its ``__wrapped__`` is ``fn``.
   """
 
-  def __init__(self, fn: Callable, implementation, report: bool, fold_relu: bool):
+  def __init__(self, fn: Callable, implementation, report: bool, fold_relu: bool,
+               cost: Cost = default_cost):
     functools.update_wrapper(self, fn)
     self._fn = fn
     self._implementation = implementation
     self._print = report
     self._fold_relu = fold_relu
+    self._cost = cost
     self._cache: collections.OrderedDict = collections.OrderedDict()
     self._name = getattr(fn, "__name__", type(fn).__name__)
 
@@ -88,7 +91,7 @@ class Optimized:
       return out, values
     written: list[int] = []
     closed, (out_shape, _) = jax.make_jaxpr(flat_fn, return_shape=True)(*dyn)
-    planner = Planner(self._implementation, self._fold_relu)
+    planner = Planner(self._implementation, self._fold_relu, self._cost)
     rules = planner.plan(closed.jaxpr, closed.consts, self._name)
     entry = _Entry(closed, rules, jax.tree.structure(out_shape),
                    OptimizeReport(self._name, tuple(planner.findings)), tuple(written))
@@ -117,7 +120,7 @@ class Optimized:
 
 
 def optimize(fn: Callable, *, implementation: api.Implementation = None, report: bool = False,
-             fold_relu: bool = True) -> Optimized:
+             fold_relu: bool = True, cost: Cost | None = None) -> Optimized:
   """Returns ``fn`` computing the same thing with jaxpool's pooling.
 
   ``fn`` is traced to a jaxpr on each new combination of argument structure, static leaves and
@@ -135,6 +138,10 @@ def optimize(fn: Callable, *, implementation: api.Implementation = None, report:
     report: print the report (what was replaced, what was left alone and why) each time a new
       signature is traced.
     fold_relu: move a ReLU whose only reader is a max pool after the pool.
+    cost: decides per recognised site whether jaxpool's call pays off: a function of the site
+      (op, shape, dtype, window, neighbours, whether the kernels run) that returns ``None``
+      (replace) or the reason XLA keeps it. ``None``: jaxpool's cost model (docs/optimize.md,
+      "Never slower"). It must give the same answer in every process of a job.
 
   Returns:
     An :class:`Optimized` function with ``fn``'s signature; ``.report(*args)`` returns the
@@ -144,7 +151,7 @@ def optimize(fn: Callable, *, implementation: api.Implementation = None, report:
     order, the first NaN), where XLA's may differ on ties and NaN.
 
   Raises:
-    TypeError: ``fn`` is not callable, or ``report``/``fold_relu`` is not a bool.
+    TypeError: ``fn`` or ``cost`` is not callable, or ``report``/``fold_relu`` is not a bool.
     ValueError: ``implementation`` is not ``None``, ``"xla"`` or ``"pallas"``.
 
   Example:
@@ -167,4 +174,7 @@ def optimize(fn: Callable, *, implementation: api.Implementation = None, report:
     raise TypeError(f"report must be a bool; got {report!r}.")
   if not isinstance(fold_relu, (bool, np.bool_)):
     raise TypeError(f"fold_relu must be a bool; got {fold_relu!r}.")
-  return Optimized(fn, implementation, bool(report), bool(fold_relu))
+  if cost is not None and not callable(cost):
+    raise TypeError(f"cost must be None or a function of a site; got {cost!r}.")
+  return Optimized(fn, implementation, bool(report), bool(fold_relu),
+                   default_cost if cost is None else cost)
