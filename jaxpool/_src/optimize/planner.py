@@ -20,7 +20,7 @@ from jaxpool._src.optimize.dataflow import Dataflow
 from jaxpool._src.optimize.interpreter import HIGHER_ORDER, Rules, src_info
 from jaxpool._src.optimize.patterns import Note, Recogniser
 from jaxpool._src.optimize.site import Site
-from jaxpool._src.optimize.report import JAXPOOL_DIR, Finding, source_line
+from jaxpool._src.optimize.report import JAXPOOL_DIR, Finding, layer, source_line
 
 PATTERNS: dict[core.Primitive, Recogniser] = {
     prims.reduce_window_max_p: patterns.max_pool,
@@ -59,11 +59,13 @@ class Planner:
     self.fold_relu = fold_relu
     self.cost = cost
     self.findings: list[Finding] = []
+    self.scope = ""  # the layer path of the equation whose sub-jaxpr is being planned
 
   def note(self, where: str, eqn, replaced: bool, detail: str, op: str | None = None,
            cost: str = "") -> None:
     self.findings.append(Finding(where=where, op=op or eqn.primitive.name, replaced=replaced,
-                                 detail=detail, source=source_line(eqn), cost=cost))
+                                 detail=detail, source=source_line(eqn), cost=cost,
+                                 layer=layer(eqn, self.scope)))
 
   def offer(self, where: str, eqn, site: Site, rules: Rules, new: Rules, detail: str,
             notes: tuple[Note, ...] = ()) -> bool:
@@ -130,7 +132,11 @@ class Planner:
     if calls and is_jaxpool(bodies[0][1].jaxpr) or (custom and patterns.activation(eqn)):
       return  # jaxpool's own ops, and an activation that a max pool may fold
     before = len(self.findings)
-    subs = [self.plan(b.jaxpr, b.consts, f"{where}/{label}") for label, b in bodies]
+    outer, self.scope = self.scope, layer(eqn, self.scope)
+    try:
+      subs = [self.plan(b.jaxpr, b.consts, f"{where}/{label}") for label, b in bodies]
+    finally:
+      self.scope = outer
     if not any(subs):
       return
     rules[i] = entry.rebuild(eqn, subs)
@@ -139,4 +145,4 @@ class Planner:
       self.findings.insert(before, Finding(
           where, eqn.primitive.name, False, f"its custom {rule} rule is the user's and runs "
           "unchanged; only its primal (no differentiation) uses what is replaced below",
-          source_line(eqn)))
+          source_line(eqn), layer=layer(eqn, self.scope)))

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
+import re
+import sys
 
 from jaxpool._src.optimize import _jax_private
 
@@ -22,6 +25,9 @@ class Finding:
     detail: what it became (``replaced``) or why it was left alone.
     source: the user's source line that produced it, as JAX records it.
     cost: for a recognised site that the cost decision left to XLA, why (else ``""``).
+    layer: the layer that made it, where the trace knows it (the name stack of JAX's
+      ``named_scope``: a Flax linen module path such as ``"Net/block1"``, a Keras layer's
+      name, Equinox's ``"eqx.nn.MaxPool2d"``), transformations such as ``jvp(...)`` removed.
   """
 
   where: str
@@ -30,6 +36,7 @@ class Finding:
   detail: str
   source: str = ""
   cost: str = ""
+  layer: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,21 +70,60 @@ class OptimizeReport:
              + (f" ({kept} of them left to XLA by the cost decision)" if kept else "")]
     for f in self.findings:
       tag = "replaced  " if f.replaced else ("left to XLA" if f.cost else "left alone")
-      src = f"  [{f.source}]" if f.source else ""
+      where = "; ".join(p for p in (f"layer {f.layer}" if f.layer else "", f.source) if p)
+      src = f"  [{where}]" if where else ""
       lines.append(f"  {tag}  {f.where}: {f.op} -> {f.detail}{src}")
     return "\n".join(lines)
 
 
+LIBRARIES = ("jax", "jaxlib", "jaxpool", "flax", "keras", "equinox", "optax")
+"""Packages whose frames are never the user's own code."""
+
+
+@functools.cache
+def _library_dirs(loaded: frozenset[str]) -> tuple[str, ...]:
+  dirs = [JAXPOOL_DIR]
+  for name in sorted(loaded):
+    file = getattr(sys.modules.get(name), "__file__", None)
+    if file:
+      dirs.append(os.path.dirname(os.path.abspath(file)) + os.sep)
+  return tuple(dirs)
+
+
+def _is_library(file_name: str) -> bool:
+  loaded = frozenset(n for n in LIBRARIES if n in sys.modules)
+  path = os.path.abspath(file_name)
+  return any(path.startswith(d) for d in _library_dirs(loaded))
+
+
 def source_line(eqn) -> str:
-  """The line of the user's own code that made ``eqn`` (not Flax's or Equinox's)."""
+  """The first frame of the user's own code that made ``eqn``: not JAX's, jaxpool's, Flax's,
+  Keras's or Equinox's (the innermost of the library frames when there is none)."""
   try:
     frames = list(_jax_private.user_frames(eqn.source_info.traceback))
   except Exception:  # noqa: BLE001  (a report line, never an error)
     return ""
   frames = [f for f in frames if not f.file_name.startswith(JAXPOOL_DIR)]
-  own = [f for f in frames if "site-packages" not in f.file_name
-         and "dist-packages" not in f.file_name]
   if not frames:
     return ""
+  own = [f for f in frames if not _is_library(f.file_name)]
   f = (own or frames)[0]
   return f"{f.file_name}:{f.start_line} ({f.function_name})"
+
+
+_JAX_SCOPES = frozenset({"rematted_computation"})  # scopes that JAX's transformations add
+_TRANSFORM = re.compile(r"^[\w-]+\((.*)\)$")
+
+
+def layer(eqn, scope: str = "") -> str:
+  """The layer path of ``eqn`` (``scope``: that of the equations that hold its jaxpr)."""
+  outer = [p for p in scope.split("/") if p]
+  parts: list[str] = []
+  for name in str(eqn.source_info.name_stack).split("/"):
+    while (m := _TRANSFORM.match(name)) is not None:
+      name = m.group(1)  # jvp(eqx.nn.MaxPool2d) -> eqx.nn.MaxPool2d
+    if name and name not in _JAX_SCOPES and (not parts or parts[-1] != name):
+      parts.append(name)  # (transpose(jvp(Net))/jvp(Net) is one layer, Net)
+  if parts[:len(outer)] != outer:  # a sub-jaxpr's names may already hold the outer ones
+    parts = outer + parts[1:] if parts[:1] == outer[-1:] else outer + parts
+  return "/".join(parts)
