@@ -69,7 +69,7 @@ class OptimizeReport:
              f"{len(self.left_alone)} left alone"
              + (f" ({kept} of them left to XLA by the cost decision)" if kept else "")]
     for f in self.findings:
-      tag = "replaced  " if f.replaced else ("left to XLA" if f.cost else "left alone")
+      tag = "replaced   " if f.replaced else ("left to XLA" if f.cost else "left alone ")
       where = "; ".join(p for p in (f"layer {f.layer}" if f.layer else "", f.source) if p)
       src = f"  [{where}]" if where else ""
       lines.append(f"  {tag}  {f.where}: {f.op} -> {f.detail}{src}")

@@ -130,7 +130,10 @@ def optimize(fn: Callable, *, implementation: api.Implementation = None, report:
   count), XLA's max-pool gradient (``select_and_scatter_add``) and JVP, the transpose of a
   window sum, inside ``jit``, ``custom_jvp``/``custom_vjp`` primals, ``remat``, ``cond``,
   ``scan`` and ``while``. ``jax.nn.relu`` (or ``relu6``) whose only reader is a max pool runs
-  after the pool instead (same values and gradients). See docs/optimize.md.
+  after the pool instead (same values and gradients). ``cost`` decides per recognised site
+  whether jaxpool's call pays off; a site it declines stays XLA's and the report says why.
+  Writes into the Flax NNX variables of the arguments (batch statistics, RNG counters) reach
+  the caller's module as without optimize. See docs/optimize.md.
 
   Args:
     fn: a function of pytrees of arrays (Flax ``apply``, an Equinox model, a loss, a gradient).
@@ -155,6 +158,7 @@ def optimize(fn: Callable, *, implementation: api.Implementation = None, report:
     ValueError: ``implementation`` is not ``None``, ``"xla"`` or ``"pallas"``.
 
   Example:
+    >>> import jax.numpy as jnp
     >>> def f(x):  # x: (batch, H, W, C)
     ...   y = jax.nn.relu(x)
     ...   return jax.lax.reduce_window(y, -jnp.inf, jax.lax.max, (1, 2, 2, 1), (1, 2, 2, 1),
