@@ -98,7 +98,8 @@ def _is_library(file_name: str) -> bool:
 
 def source_line(eqn) -> str:
   """The first frame of the user's own code that made ``eqn``: not JAX's, jaxpool's, Flax's,
-  Keras's or Equinox's (the innermost of the library frames when there is none)."""
+  Keras's or Equinox's, and not another installed package's where there is one (else the first
+  frame outside those libraries, else the innermost frame)."""
   try:
     frames = list(_jax_private.user_frames(eqn.source_info.traceback))
   except Exception:  # noqa: BLE001  (a report line, never an error)
@@ -106,8 +107,11 @@ def source_line(eqn) -> str:
   frames = [f for f in frames if not f.file_name.startswith(JAXPOOL_DIR)]
   if not frames:
     return ""
-  own = [f for f in frames if not _is_library(f.file_name)]
-  f = (own or frames)[0]
+  outside = [f for f in frames if not _is_library(f.file_name)]
+  # The user's own code, before other installed packages (a model zoo's module).
+  own = [f for f in outside if "site-packages" not in f.file_name
+         and "dist-packages" not in f.file_name]
+  f = (own or outside or frames)[0]
   return f"{f.file_name}:{f.start_line} ({f.function_name})"
 
 
