@@ -118,3 +118,22 @@ def test_mutation_that_cannot_be_carried_raises():
 
   with pytest.raises(TypeError, match="not an array"):
     jaxpool.optimize(lambda m, x: m(x))(ToPython(), jnp.ones(3))
+
+
+def test_writes_into_a_module_that_the_function_carries_raise():
+  """``optimize(model)``: the module is the function, not an argument; its writes cannot be
+  carried (Flax refuses them inside the trace), and the error says what to do."""
+  model = Net(nnx.Rngs(0, dropout=1))
+  x = jnp.asarray(RNG.standard_normal((4, 8, 8, 3)), jnp.float32)
+  mean = np.asarray(model.bn.mean.value)
+  for fn in (model, model.__call__):
+    with pytest.raises(ValueError, match="Pass the module as an argument"):
+      jaxpool.optimize(fn)(x)
+    np.testing.assert_array_equal(model.bn.mean.value, mean)  # untouched
+    assert int(model.calls.value) == 0
+  # A module that writes nothing (BatchNorm in evaluation mode) may be the function.
+  rngs = nnx.Rngs(0)
+  plain = nnx.Sequential(nnx.Conv(3, 4, (3, 3), rngs=rngs), nnx.BatchNorm(4, rngs=rngs),
+                         lambda x: nnx.max_pool(x, (2, 2), (2, 2)))
+  plain.eval()
+  np.testing.assert_allclose(jaxpool.optimize(plain)(x), plain(x), rtol=1e-6, atol=1e-6)

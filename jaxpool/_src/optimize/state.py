@@ -6,7 +6,8 @@ counter, any ``Variable`` set inside) lands in the copy. :func:`traced_writes` f
 writes after the trace; their values become extra outputs of the jaxpr, and :func:`write_back`
 puts them into the caller's own ``Variable``\\ s after each call, as the function without optimize
 would have left them. A write that cannot be carried (a ``Variable`` added, removed or replaced,
-or set to something that is not an array) raises.
+or set to something that is not an array, or a write into a module that the function carries
+rather than takes as an argument) raises.
 
 Flax is never imported here: without ``flax.nnx`` loaded, no argument holds a ``Variable``.
 """
@@ -82,6 +83,20 @@ def traced_writes(tree: Any, before: tuple[list[Any], list[Any]], name: str
     idx.append(i)
     values.append(new)
   return tuple(idx), values
+
+
+def carried_write_error(error: BaseException, name: str) -> ValueError | None:
+  """Flax's error for a write into a ``Variable`` created outside the trace: the function wrote
+  into a module it carries (``optimize(model)``, a bound method, a closure), not into one of its
+  arguments. optimize cannot carry that write out; the error says how to pass the module."""
+  if type(error).__name__ != "TraceContextError" or not type(error).__module__.startswith(
+      "flax"):
+    return None
+  return ValueError(
+      f"jaxpool.optimize({name}): the function writes nnx.Variables of a module that it carries "
+      "(the function is the module, a bound method or a closure over it), not of its arguments: "
+      "optimize can carry out writes into its arguments only. Pass the module as an argument: "
+      "jaxpool.optimize(lambda model, x: model(x))(model, x).")
 
 
 def write_back(tree: Any, written: Sequence[int], values: Sequence[Any]) -> None:

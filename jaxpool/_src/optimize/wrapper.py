@@ -86,7 +86,13 @@ class Optimized:
         full[i] = v
       a, k = jax.tree.unflatten(treedef, full)
       before = state.snapshot((a, k))
-      out = self._fn(*a, **k)
+      try:
+        out = self._fn(*a, **k)
+      except Exception as e:
+        carried = state.carried_write_error(e, self._name)
+        if carried is None:
+          raise
+        raise carried from e
       written[:], values = state.traced_writes((a, k), before, self._name)
       return out, values
     written: list[int] = []
