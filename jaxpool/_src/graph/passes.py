@@ -20,6 +20,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from jaxpool._src import relu_fold
 from jaxpool._src.graph.activation import Activation
 from jaxpool._src.graph.base import Node
 from jaxpool._src.graph.gradients import GradientNode, GradientState
@@ -94,10 +95,13 @@ def fold_relu_into_max_pool(nodes: tuple[Node, ...], outputs: tuple[str, ...]
     if not (isinstance(n, MaxPool) and n.activation is None and n.name not in has_gradient):
       continue
     relu = by_name.get(n.inputs[0])
-    if not (isinstance(relu, Activation) and relu.fn == "relu" and relu.name not in outputs
-            and [r.name for r in readers[relu.name]] == [n.name]):
+    if not isinstance(relu, Activation):
       continue
-    changed[n.name] = dataclasses.replace(n, source=relu.source, activation="relu")
+    fold = relu_fold.fold(relu.fn, only_reader=[r.name for r in readers[relu.name]] == [n.name],
+                          is_output=relu.name in outputs)
+    if isinstance(fold, str) or fold.fused is None:  # the node folds only into activation=
+      continue
+    changed[n.name] = dataclasses.replace(n, source=relu.source, activation=fold.fused)
     removed.add(relu.name)
     notes.append(f"{relu.name} -> {n.name}: ReLU folded into the max pool (activation='relu'); "
                  f"{n.name} reads {relu.inputs[0]}")

@@ -1,0 +1,46 @@
+"""The JAX internals that ``jaxpool.optimize`` needs and ``jax.extend`` does not offer.
+
+Everything else in this package uses JAX's public surface and ``jax.extend`` (``jax.extend.core``
+for jaxprs, primitives and ``jaxprs_in_params``, ``jax.extend.linear_util.wrap_init``,
+``jax.extend.source_info_util`` for the name stack and user context). The names below are
+imported from ``jax._src`` because nothing public does their job; each JAX release can move
+them, and ``tests/test_optimize_jax_private.py`` checks every one (it exists and does what this
+package relies on), so an incompatible release fails there first, with the name.
+
+* ``trace_to_jaxpr_dynamic``: traces a Python function on abstract values (``ShapedArray``
+  avals, which may carry a weak type, a sharding or, under ``shard_map``, varying manual axes)
+  to a jaxpr in the current trace context. ``jax.make_jaxpr`` takes only concrete or
+  ``ShapeDtypeStruct`` arguments and drops what the avals of an enclosing ``shard_map`` carry.
+  Used to rebuild a sub-jaxpr (of ``jit``, ``cond``, ``scan``, ...) around rewritten equations.
+* ``convert_constvars_jaxpr``: turns a jaxpr's constants into leading inputs, the form in which
+  ``scan``, ``while``, ``cond`` and ``remat`` take closed-over values (JAX's own control-flow
+  rules do the same).
+* ``user_frames``: the frames of a traceback that are not JAX's, for the report's source line.
+  ``jax.extend.source_info_util.summarize`` gives only one line and no frame objects.
+* ``flattree`` (JAX 0.11 and later only): ``scan`` describes its operands as a flat tree
+  (``ft_in``); a rebuilt scan that takes new constants must extend that tree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from jax._src import source_info_util as _siu
+from jax._src.interpreters import partial_eval as _pe
+
+trace_to_jaxpr_dynamic = _pe.trace_to_jaxpr_dynamic
+convert_constvars_jaxpr = _pe.convert_constvars_jaxpr
+
+
+def user_frames(traceback: Any) -> Iterator[Any]:
+  """The frames of ``traceback`` outside JAX, innermost first (each has ``file_name``,
+  ``start_line`` and ``function_name``)."""
+  return _siu.user_frames(traceback)
+
+
+def scan_operands_with_new_consts(ft_in: Any, n: int) -> Any:
+  """``scan``'s flat operand tree (JAX >= 0.11) with ``n`` new leading constants."""
+  from jax._src import flattree  # type: ignore[attr-defined,unused-ignore]  # JAX >= 0.11
+  old, carry, xs = ft_in.unpack()
+  return flattree.pack(((flattree.nones(n), old), carry, xs))

@@ -1,0 +1,285 @@
+"""The pooling patterns that :func:`jaxpool.optimize` recognises, as a table of recognisers.
+
+:data:`PATTERNS` maps each pooling primitive (the object) to its recogniser. A recogniser reads
+one equation of a :class:`~.dataflow.Dataflow`, and either offers its replacement to the planner
+(:meth:`Context.offer`: a :class:`Site`, the rules that replace the equation and the equations
+it absorbs, and what it becomes) or notes why it left the equation alone. The planner decides
+whether an offered site is replaced (:mod:`.planner`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend import core
+from jax.extend.core import primitives as prims
+
+from jaxpool._src import api
+from jaxpool._src import relu_fold
+from jaxpool._src.optimize.cost import kernels_by_default
+from jaxpool._src.optimize.dataflow import Dataflow, shape
+from jaxpool._src.optimize.interpreter import Rule, Rules, alias, src_info
+from jaxpool._src.optimize.layout import Layout, layout
+from jaxpool._src.optimize.site import Site
+
+
+@dataclasses.dataclass(frozen=True)
+class Note:
+  """A finding that belongs to an offered site (a folded ReLU), kept or dropped with it."""
+
+  eqn: Any
+  replaced: bool
+  detail: str
+  op: str
+
+
+class Context(Protocol):
+  """What a recogniser needs from the planner."""
+
+  implementation: Any
+  fold_relu: bool
+
+  def note(self, where: str, eqn, replaced: bool, detail: str, op: str | None = None) -> None:
+    ...
+
+  def offer(self, where: str, eqn, site: Site, rules: Rules, new: Rules, detail: str,
+            notes: tuple[Note, ...] = ()) -> bool:
+    ...
+
+
+Recogniser = Callable[[Context, Dataflow, int, Rules, str], bool]
+
+
+def _lowest(dtype) -> Any:
+  dtype = np.dtype(dtype)
+  if jnp.issubdtype(dtype, jnp.floating):
+    return -np.inf
+  if jnp.issubdtype(dtype, jnp.integer):
+    return np.iinfo(dtype).min
+  return None
+
+
+def common_checks(p: dict, x, *, allow_int: bool) -> str | None:
+  if any(b != 1 for b in p.get("base_dilation", ())):
+    return f"base_dilation {p['base_dilation']} (input dilation) is not covered"
+  dt = x.aval.dtype
+  if not (jnp.issubdtype(dt, jnp.floating) or (allow_int and jnp.issubdtype(dt, jnp.integer))):
+    return f"dtype {dt} is not covered"
+  return None
+
+
+def window_layout(p: dict, x, *, allow_int: bool, dilation: bool = True) -> Layout | str:
+  return common_checks(p, x, allow_int=allow_int) or layout(
+      shape(x), p["window_dimensions"], p["window_strides"], p["padding"],
+      p["window_dilation"] if dilation else None)
+
+
+def _passes(g: Dataflow, eqn) -> bool:
+  return g.is_layout(eqn) or (eqn.primitive is prims.convert_element_type_p)
+
+
+def producer(g: Dataflow, atom) -> str:
+  """The primitive that makes ``atom``, through element-moving ops and conversions."""
+  while isinstance(atom, core.Var) and atom in g.producer:
+    e = g.eqns[g.producer[atom]]
+    if not _passes(g, e):
+      return e.primitive.name
+    atom = e.invars[0]
+  return ""
+
+
+def readers(g: Dataflow, atom) -> tuple[str, ...]:
+  """The primitives that read ``atom``, through element-moving ops and conversions."""
+  out: list[str] = []
+  todo = [atom]
+  while todo and len(out) < 8:
+    for r in g.readers.get(todo.pop(), []):
+      if r < 0:
+        out.append("")  # an output of the jaxpr
+        continue
+      e = g.eqns[r]
+      if _passes(g, e):
+        todo.append(e.outvars[0])
+      else:
+        out.append(e.primitive.name)
+  return tuple(out)
+
+
+def make_site(ctx: Context, g: Dataflow, i: int, op: str, lay: Layout, x, fused_relu=False,
+              full: tuple[int, ...] | None = None, out=None) -> Site:
+  """The :class:`Site` of equation ``i`` (``full``: the shape jaxpool is called on, where it is
+  not ``x``'s; ``out``: the site's output, where it is not equation ``i``'s)."""
+  return Site(op, full or lay.shape(shape(x)), str(x.aval.dtype), lay, fused_relu,
+              ctx.implementation, kernels_by_default(ctx.implementation),
+              producer(g, x), readers(g, g.eqns[i].outvars[0] if out is None else out))
+
+
+# ----------------------------------------------------------------------------- activations
+
+
+@functools.cache
+def _activation_sources() -> dict[str, str]:
+  """The source info that JAX records for ``jax.nn.relu`` and ``relu6``: identifies them."""
+  out = {}
+  for name in relu_fold.FOLDABLE:
+    jaxpr = jax.make_jaxpr(getattr(jax.nn, name))(np.float32(1)).jaxpr
+    eqn = jaxpr.eqns[0]
+    if eqn.primitive is prims.custom_jvp_call_p:
+      out[src_info(eqn.params["call_jaxpr"].jaxpr)] = name
+  return out
+
+
+def activation(eqn) -> str | None:
+  """The name of the ``jax.nn`` activation that ``eqn`` calls, if it is a foldable one."""
+  if eqn.primitive is not prims.custom_jvp_call_p or eqn.params.get("num_consts", 0):
+    return None
+  if len(eqn.invars) != 1 or len(eqn.outvars) != 1:
+    return None
+  return _activation_sources().get(src_info(eqn.params["call_jaxpr"].jaxpr))
+
+
+def _relu_before(ctx: Context, g: Dataflow, i: int, x, where: str):
+  """Folds a ReLU whose only reader is this pool: ``(post, fused, text, rules, notes)``."""
+  none: tuple = (None, False, "", {}, ())
+  if not ctx.fold_relu:
+    return none
+  cur, reader, alone = x, i, True
+  while isinstance(cur, core.Var) and cur in g.producer:
+    alone = alone and g.only_reader(cur, reader)
+    j = g.producer[cur]
+    src = g.eqns[j]
+    act = activation(src)
+    if act is not None:
+      fold = relu_fold.fold(act, only_reader=alone)
+      if isinstance(fold, str):
+        ctx.note(where, src, False, f"jax.nn.{act} before a max pool: {fold}",
+                 op=f"custom_jvp_call({act})")
+        return none
+      notes = (Note(src, True, f"folded: the max pool after it reads its input and "
+                    f"jax.nn.{act} runs on the pooled values", f"custom_jvp_call({act})"),)
+      rules = {j: alias(src.invars[-1])}
+      if fold.fused is not None:
+        return None, True, f" with activation='{fold.fused}' (ReLU folded)", rules, notes
+      return fold.after_pool, False, f" then jax.nn.{act} ({act} folded)", rules, notes
+    if g.raw_relu(src):
+      ctx.note(where, src, False, "max(x, 0) before a max pool: not folded (its gradient at "
+               "x == 0 is 1/2, which a pool that moved before it would send to another "
+               "element; jax.nn.relu's is 0)")
+      return none
+    if not g.is_layout(src):
+      break
+    cur, reader = src.invars[0], j
+  return none
+
+
+# ----------------------------------------------------------------------------- max pooling
+
+
+def _generic_max(g: Dataflow, eqn) -> str | None:
+  """Why a generic ``reduce_window`` is not a max pool (None: it is one)."""
+  comp = eqn.params["jaxpr"]
+  comp = comp.jaxpr if isinstance(comp, core.ClosedJaxpr) else comp
+  if len(eqn.invars) != 2:
+    return "a reduce_window over several operands"
+  body = comp.eqns
+  if not (len(body) == 1 and body[0].primitive is prims.max_p
+          and list(body[0].invars) == list(comp.invars) and
+          list(comp.outvars) == list(body[0].outvars)):
+    return "its computation is not max(a, b)"
+  init = g.value(eqn.invars[1])
+  lowest = _lowest(eqn.invars[0].aval.dtype)
+  if init is None or lowest is None or not np.all(init == lowest):
+    return (f"init value {init if init is None else init.item()!r} is not max's identity "
+            f"{lowest!r}: not a max pool")
+  return None
+
+
+def max_pool(ctx: Context, g: Dataflow, i: int, rules: Rules, where: str) -> bool:
+  """``reduce_window_max``, or a generic ``reduce_window`` of ``max`` from max's identity."""
+  eqn = g.eqns[i]
+  x = eqn.invars[0]
+  if eqn.primitive is prims.reduce_window_p:
+    reason = _generic_max(g, eqn)
+    if reason:
+      ctx.note(where, eqn, False, reason)
+      return True
+  lay = window_layout(eqn.params, x, allow_int=True)
+  if isinstance(lay, str):
+    ctx.note(where, eqn, False, lay)
+    return True
+  post, fused, how, new, notes = _relu_before(ctx, g, i, x, where)
+  impl = ctx.implementation
+  kw = {"activation": "relu"} if fused else {}
+
+  def run(x):
+    y = api.max_pool(lay.to(x), lay.window, lay.strides, lay.padding, dilation=lay.dilation,
+                     data_format=lay.data_format, implementation=impl, **kw)
+    y = lay.back(y)
+    return [post(y) if post is not None else y]
+  new = {**new, i: Rule((x,), run)}
+  ctx.offer(where, eqn, make_site(ctx, g, i, "max_pool", lay, x, fused), rules, new,
+            f"jaxpool.max_pool({lay.describe()}){how}", notes)
+  return True
+
+
+def max_pool_grad(ctx: Context, g: Dataflow, i: int, rules: Rules, where: str) -> bool:
+  """``select_and_scatter_add`` with ``ge``: XLA's max-pool gradient."""
+  eqn = g.eqns[i]
+  p = eqn.params
+  dy, x = eqn.invars
+  if getattr(p["select_prim"], "name", None) != "ge":
+    ctx.note(where, eqn, False, f"select_prim {p['select_prim']} (not a max pool's gradient)")
+    return True
+  lay = window_layout(p, x, allow_int=False, dilation=False)
+  if isinstance(lay, str):
+    ctx.note(where, eqn, False, lay)
+    return True
+  impl = ctx.implementation
+
+  def run(dy, x):
+    dx = api.max_pool_grad(lay.to(x), lay.to(dy), lay.window, lay.strides, lay.padding,
+                           dilation=lay.dilation, data_format=lay.data_format,
+                           implementation=impl)
+    return [lay.back(dx)]
+  site = make_site(ctx, g, i, "max_pool_grad", lay, x)
+  ctx.offer(where, eqn, site, rules, {i: Rule((dy, x), run)},
+            f"jaxpool.max_pool_grad({lay.describe()})")
+  return True
+
+
+def max_pool_jvp(ctx: Context, g: Dataflow, i: int, rules: Rules, where: str) -> bool:
+  """``select_and_gather_add`` with ``ge``: the JVP of XLA's max pool."""
+  eqn = g.eqns[i]
+  p = eqn.params
+  t, x = eqn.invars
+  if getattr(p["select_prim"], "name", None) != "ge":
+    ctx.note(where, eqn, False, f"select_prim {p['select_prim']} (not a max pool's JVP)")
+    return True
+  lay = window_layout(p, x, allow_int=False)
+  if isinstance(lay, str):
+    ctx.note(where, eqn, False, lay)
+    return True
+  impl = ctx.implementation
+
+  def run(t, x):
+    pool = functools.partial(api.max_pool, window_shape=lay.window, strides=lay.strides,
+                             padding=lay.padding, dilation=lay.dilation,
+                             data_format=lay.data_format, implementation=impl)
+    _, ty = jax.jvp(pool, (lay.to(x),), (lay.to(t),))
+    return [lay.back(ty)]
+  site = make_site(ctx, g, i, "max_pool_jvp", lay, x)
+  ctx.offer(where, eqn, site, rules, {i: Rule((t, x), run)},
+            f"the JVP of jaxpool.max_pool({lay.describe()})")
+  return True
+
+
+def min_pool(ctx: Context, g: Dataflow, i: int, rules: Rules, where: str) -> bool:
+  """``reduce_window_min``: left alone."""
+  ctx.note(where, g.eqns[i], False, "min pooling: jaxpool has none")
+  return True

@@ -1,0 +1,109 @@
+"""The JAX internals that ``jaxpool.optimize`` uses (``jaxpool/_src/optimize/_jax_private.py``)
+and the primitives its registries are keyed by: each exists and does what optimize relies on.
+
+A JAX release that moves or changes one of them fails here, naming it, before optimize's own
+tests fail in a less telling way.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.extend import core
+from jax.extend import linear_util as lu
+from jax.extend.core import primitives as prims
+
+from jaxpool._src.optimize import _jax_private, interpreter, planner
+
+
+def test_trace_to_jaxpr_dynamic_keeps_avals():
+  """A function traced on avals (a weak type kept) to ``(jaxpr, out_avals, consts)``."""
+  k = np.arange(3.0, dtype=np.float32)
+  fun = lu.wrap_init(lambda x: [x * 2 + k], debug_info=jax.make_jaxpr(jnp.sin)(1.0).jaxpr
+                     .debug_info)
+  aval = core.ClosedJaxpr(jax.make_jaxpr(lambda x: x)(1.0).jaxpr, ()).in_avals[0]
+  assert aval.weak_type
+  jaxpr, out_avals, consts = _jax_private.trace_to_jaxpr_dynamic(fun, [aval])
+  assert isinstance(jaxpr, core.Jaxpr)
+  assert [v.aval for v in jaxpr.invars] == [aval]
+  assert out_avals[0].shape == (3,) and len(consts) == len(jaxpr.constvars)
+  out = core.jaxpr_as_fun(core.ClosedJaxpr(jaxpr, consts))(np.float32(1.5))
+  np.testing.assert_array_equal(out[0], 3.0 + k)
+
+
+def test_convert_constvars_jaxpr_makes_constants_leading_inputs():
+  k = np.arange(3.0, dtype=np.float32)
+  closed = jax.make_jaxpr(lambda x: x + k)(np.ones(3, np.float32))
+  assert len(closed.jaxpr.constvars) == 1
+  open_ = _jax_private.convert_constvars_jaxpr(closed.jaxpr)
+  assert not open_.constvars and len(open_.invars) == 2
+  assert open_.invars[0].aval.shape == (3,)
+  out = core.jaxpr_as_fun(core.ClosedJaxpr(open_, ()))(k, np.ones(3, np.float32))
+  np.testing.assert_array_equal(out[0], k + 1)
+
+
+def test_user_frames_name_this_file():
+  eqn = jax.make_jaxpr(lambda x: jnp.sin(x))(1.0).jaxpr.eqns[0]
+  frames = list(_jax_private.user_frames(eqn.source_info.traceback))
+  assert frames, "no user frames"
+  f = frames[0]
+  assert f.file_name == __file__ and isinstance(f.start_line, int) and f.function_name
+
+
+def test_scan_operands_with_new_consts():
+  """JAX >= 0.11 describes scan's operands as a flat tree; older JAX counts ``num_consts``."""
+  params = jax.make_jaxpr(lambda x: lax.scan(lambda c, _: (c + x, None), x, None, length=2)[0])(
+      1.0).jaxpr.eqns[0].params
+  if "ft_in" not in params:
+    assert isinstance(params["num_consts"], int)
+    pytest.skip("this JAX has no flat-tree scan operands (num_consts is used instead)")
+  tree = _jax_private.scan_operands_with_new_consts(params["ft_in"], 2)
+  old, carry, xs = tree.unpack()
+  assert len(jax.tree.leaves(old, is_leaf=lambda v: v is None)) >= 2
+
+
+def test_higher_order_registry_matches_what_jax_emits():
+  """The interpreter's registry is keyed by the primitive objects that tracing produces."""
+  ck = jax.checkpoint(jnp.sin)
+  relu = jax.nn.relu
+
+  @jax.custom_vjp
+  def ident(x):
+    return x
+  ident.defvjp(lambda x: (x, None), lambda _, g: (g,))
+  cases = {
+      prims.jit_p: jax.jit(jnp.sin),
+      prims.remat_p: ck,
+      prims.custom_jvp_call_p: relu,
+      prims.custom_vjp_call_p: ident,
+      prims.scan_p: lambda x: lax.scan(lambda c, _: (c, None), x, None, length=2)[0],
+      prims.while_p: lambda x: lax.while_loop(lambda c: c < 1, lambda c: c + 1, x),
+      prims.cond_p: lambda x: lax.cond(x > 0, jnp.sin, jnp.cos, x),
+  }
+  assert set(cases) == set(interpreter.HIGHER_ORDER)
+  for prim, fn in cases.items():
+    eqn = jax.make_jaxpr(fn)(1.0).jaxpr.eqns[-1]
+    assert eqn.primitive is prim, (prim, eqn.primitive)
+    bodies = interpreter.HIGHER_ORDER[prim].bodies(eqn)
+    assert bodies and all(isinstance(b, core.ClosedJaxpr) for _, b in bodies), prim
+
+
+def test_pattern_registry_matches_what_jax_emits():
+  x = jnp.ones((1, 4, 4, 1))
+  made = {
+      prims.reduce_window_max_p: lambda x: lax.reduce_window(x, -jnp.inf, lax.max, (1, 2, 2, 1),
+                                                             (1, 2, 2, 1), "VALID"),
+      prims.reduce_window_sum_p: lambda x: lax.reduce_window(x, 0.0, lax.add, (1, 2, 2, 1),
+                                                             (1, 2, 2, 1), "VALID"),
+      prims.reduce_window_min_p: lambda x: lax.reduce_window(x, jnp.inf, lax.min, (1, 2, 2, 1),
+                                                             (1, 2, 2, 1), "VALID"),
+  }
+  for prim, fn in made.items():
+    assert prim in planner.PATTERNS
+    assert jax.make_jaxpr(fn)(x).jaxpr.eqns[-1].primitive is prim
+  names = [e.primitive for e in jax.make_jaxpr(jax.grad(lambda x: made[
+      prims.reduce_window_max_p](x).sum()))(x).jaxpr.eqns]
+  assert prims.select_and_scatter_add_p in names
