@@ -8,6 +8,9 @@ runs in a fresh interpreter so that nothing else has imported jaxpool.
 
 No module of jaxpool imports one that imports it back, directly or through others, at the top or
 lazily inside a function (the graph package's base node types sit in ``base.py`` for this).
+Nothing under ``jaxpool/`` imports the public package itself (``jaxpool/__init__.py``, the
+face): the graph, the interop layers and ``optimize`` take the public functions from
+``jaxpool._src``, so that the layers drawn in docs/architecture.md are the layers of the imports.
 """
 
 from __future__ import annotations
@@ -224,3 +227,68 @@ def test_fused_relu_is_relu_after_the_pool(rng, kw, implementation):
 def test_fused_relu_bad_name():
   with pytest.raises(ValueError, match="activation must be one of .*'gelu'"):
     jaxpool.max_pool(jnp.ones((1, 4, 1)), (2,), activation="gelu")
+
+
+# ----------------------------------------------------------------------------- layers
+
+
+def _face_names(init: pathlib.Path) -> set[str]:
+  """The names ``jaxpool/__init__.py`` (the face) defines: its imports and assignments."""
+  names = set()
+  for node in ast.parse(init.read_text(), str(init)).body:
+    if isinstance(node, (ast.Import, ast.ImportFrom)):
+      names |= {a.asname or a.name.split(".")[0] for a in node.names}
+    elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+      targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+      names |= {t.id for t in targets if isinstance(t, ast.Name)}
+  return names
+
+
+def _face_imports(root: pathlib.Path, package: str) -> list[str]:
+  """Every import, in a module under ``root`` (the package ``package``) other than the face
+  ``root/__init__.py`` itself, that binds the face: ``import jaxpool``, ``import jaxpool.x``
+  (which binds ``jaxpool``), ``from jaxpool import <a name the face defines>``, or the same
+  written relatively. ``from jaxpool import graph`` (a module, not one of the face's names)
+  passes."""
+  face = _face_names(root / "__init__.py") - {p.stem for p in root.iterdir()}
+  found = []
+  for path in sorted(root.rglob("*.py")):
+    if path == root / "__init__.py":
+      continue
+    parts = [package, *path.relative_to(root).with_suffix("").parts]
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+      if isinstance(node, ast.Import):
+        found += [f"{path}:{node.lineno}: import {a.name}" for a in node.names
+                  if a.name == package or (a.name.startswith(package + ".") and not a.asname)]
+      elif isinstance(node, ast.ImportFrom):
+        base = node.module or ""
+        if node.level:
+          keep = len(parts) - node.level
+          base = ".".join(parts[:keep] + ([base] if base else []))
+        if base == package:
+          found += [f"{path}:{node.lineno}: from {package} import {a.name}" for a in node.names
+                    if a.name in face or a.name == "*"]
+  return found
+
+
+def test_nothing_under_jaxpool_imports_the_face():
+  root = pathlib.Path(jaxpool.__file__).parent
+  assert {"max_pool", "optimize", "Geometry"} <= _face_names(root / "__init__.py")
+  found = _face_imports(root, "jaxpool")
+  assert not found, ("modules under jaxpool/ import the public package (the face); import the "
+                     "functions from jaxpool._src instead:\n" + "\n".join(found))
+
+
+def test_face_import_check_sees_every_form(tmp_path):
+  pkg = tmp_path / "pkg"
+  (pkg / "_src").mkdir(parents=True)
+  (pkg / "__init__.py").write_text("from pkg._src.api import f as f\n__version__ = '1'\n")
+  (pkg / "sub.py").write_text("")
+  (pkg / "_src" / "__init__.py").write_text("")
+  (pkg / "_src" / "api.py").write_text("def f():\n  import pkg\n  return pkg\n")
+  (pkg / "_src" / "b.py").write_text("from pkg import f\nfrom pkg import sub\n")
+  (pkg / "_src" / "c.py").write_text("from .. import __version__\nimport pkg._src.api\n"
+                                     "import pkg._src.api as ok\nfrom pkg._src import api\n")
+  found = sorted(line.split(": ", 1)[1] for line in _face_imports(pkg, "pkg"))
+  assert found == ["from pkg import __version__", "from pkg import f", "import pkg",
+                   "import pkg._src.api"]

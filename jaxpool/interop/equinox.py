@@ -41,7 +41,7 @@ import equinox as eqx
 import jax
 import numpy as np
 
-import jaxpool
+from jaxpool._src import api
 from jaxpool._src.windows import check_rank
 from jaxpool.interop._args import (check_bool, check_divisor, check_implementation, check_norm,
                                    eqx_padding, eqx_per_dim)
@@ -111,7 +111,7 @@ class _MaxPool(_Pool):
 
   def __call__(self, x: jax.Array, *, key: Any = None) -> jax.Array:
     """``(channels, *spatial)`` -> ``(channels, *out_spatial)``; ``key`` is ignored."""
-    return jaxpool.max_pool(self._check(x), **self._kwargs())
+    return api.max_pool(self._check(x), **self._kwargs())
 
 
 class _AvgPool(_Pool):
@@ -132,7 +132,7 @@ class _AvgPool(_Pool):
     divisor = self.divisor_override
     if divisor is None and self.count_include_pad:
       divisor = math.prod(self.kernel_size)  # Equinox's divisor, the ceil overhang included
-    return jaxpool.avg_pool(self._check(x), count_include_pad=self.count_include_pad,
+    return api.avg_pool(self._check(x), count_include_pad=self.count_include_pad,
                             divisor_override=divisor, **self._kwargs())
 
 
@@ -149,7 +149,7 @@ class _LPPool(_Pool):
 
   def __call__(self, x: jax.Array, *, key: Any = None) -> jax.Array:
     """``(channels, *spatial)`` -> ``(channels, *out_spatial)``; ``key`` is ignored."""
-    return jaxpool.lp_pool(self._check(x), self.norm_type, **self._kwargs())
+    return api.lp_pool(self._check(x), self.norm_type, **self._kwargs())
 
 
 def _fixed(base: type, n: int, name: str, doc: str) -> type:

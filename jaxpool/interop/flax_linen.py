@@ -37,7 +37,7 @@ import flax.linen as nn
 import jax
 import numpy as np
 
-import jaxpool
+from jaxpool._src import api
 from jaxpool._src.windows import check_rank
 from jaxpool.interop._args import check_bool, check_divisor, check_norm, flax_config
 
@@ -75,7 +75,7 @@ def max_pool(inputs: jax.typing.ArrayLike, window_shape: Sequence[int],
   """
   cfg = flax_config(window_shape, strides, padding, dilation=dilation, ceil_mode=ceil_mode,
                     data_format=data_format, implementation=implementation)
-  return jaxpool.max_pool(_checked(inputs, cfg), **cfg)
+  return api.max_pool(_checked(inputs, cfg), **cfg)
 
 
 def min_pool(inputs: jax.typing.ArrayLike, window_shape: Sequence[int],
@@ -91,7 +91,7 @@ def min_pool(inputs: jax.typing.ArrayLike, window_shape: Sequence[int],
   """
   cfg = flax_config(window_shape, strides, padding, dilation=dilation, ceil_mode=ceil_mode,
                     data_format=data_format, implementation=implementation)
-  return jaxpool.min_pool(_checked(inputs, cfg), **cfg)
+  return api.min_pool(_checked(inputs, cfg), **cfg)
 
 
 def avg_pool(inputs: jax.typing.ArrayLike, window_shape: Sequence[int],
@@ -114,7 +114,7 @@ def avg_pool(inputs: jax.typing.ArrayLike, window_shape: Sequence[int],
   """
   cfg = flax_config(window_shape, strides, padding, dilation=dilation, ceil_mode=ceil_mode,
                     data_format=data_format, implementation=implementation)
-  return jaxpool.avg_pool(_checked(inputs, cfg), **cfg,
+  return api.avg_pool(_checked(inputs, cfg), **cfg,
                           count_include_pad=check_bool("count_include_pad", count_include_pad),
                           divisor_override=check_divisor("divisor_override", divisor_override))
 
@@ -135,7 +135,7 @@ def lp_pool(inputs: jax.typing.ArrayLike, p: float, window_shape: Sequence[int],
   p = check_norm("p", p)
   cfg = flax_config(window_shape, strides, padding, dilation=dilation, ceil_mode=ceil_mode,
                     data_format=data_format, implementation=implementation)
-  return jaxpool.lp_pool(_checked(inputs, cfg), p, **cfg)
+  return api.lp_pool(_checked(inputs, cfg), p, **cfg)
 
 
 class _ExtremumPool(nn.Module):

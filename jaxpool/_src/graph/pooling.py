@@ -17,8 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-import jaxpool
-from jaxpool._src import windows
+from jaxpool._src import api, windows
 from jaxpool._src.autodiff import ACTIVATIONS
 from jaxpool._src.graph.base import (POOL_PADDING_POLICIES, Node, Ref, Spec, check_bool,
                                      check_image, check_padding, check_window, input_field,
@@ -143,7 +142,7 @@ class _Pool(Node):
     for ax, (a, b) in zip(self.spatial_axes(len(cropped)), crop):
       cropped[ax] -= a + b
     try:  # the core checks the window against the padded input, naming the argument
-      jaxpool.make_geometry(cropped, **self._kw(pads))
+      windows.make_geometry(cropped, **self._kw(pads))
     except (TypeError, ValueError) as e:
       raise self._fail(f"{e} (padding policy {self.padding!r}, offset {self.offset})") from None
     return super().infer(in_specs)
@@ -203,18 +202,18 @@ class MaxPool(_Pool):
 
   def forward(self, params, xs, in_specs):
     x, pads = self._crop(xs[0], in_specs[0])
-    return self._call(jaxpool.max_pool, x, pads=pads, activation=self.activation)
+    return self._call(api.max_pool, x, pads=pads, activation=self.activation)
 
   def forward_with_state(self, params, xs, in_specs):
     x, pads = self._crop(xs[0], in_specs[0])
-    return self._call(jaxpool.max_pool_with_taps, x, pads=pads, activation=self.activation)
+    return self._call(api.max_pool_with_taps, x, pads=pads, activation=self.activation)
 
   def backward(self, xs, state, dy, in_specs, wrt):
     if not wrt[0]:
       return (None,), None
     x, pads = self._crop(xs[0], in_specs[0])
     dy = jnp.asarray(dy).astype(x.dtype)
-    dx = self._call(jaxpool.max_pool_grad_from_taps, dy, state, x.shape, pads=pads)
+    dx = self._call(api.max_pool_grad_from_taps, dy, state, x.shape, pads=pads)
     return (self._uncrop(dx, in_specs[0]),), None
 
 
@@ -253,13 +252,13 @@ class AvgPool(_Pool):
 
   def forward(self, params, xs, in_specs):
     x, pads = self._crop(xs[0], in_specs[0])
-    return self._call(jaxpool.avg_pool, x, pads=pads, count_include_pad=self.count_include_pad)
+    return self._call(api.avg_pool, x, pads=pads, count_include_pad=self.count_include_pad)
 
   def backward(self, xs, state, dy, in_specs, wrt):
     if not wrt[0]:
       return (None,), None
     x, pads = self._crop(xs[0], in_specs[0])
-    dx = self._call(jaxpool.avg_pool_grad, jnp.asarray(dy).astype(x.dtype), x.shape, pads=pads,
+    dx = self._call(api.avg_pool_grad, jnp.asarray(dy).astype(x.dtype), x.shape, pads=pads,
                     count_include_pad=self.count_include_pad)
     return (self._uncrop(dx, in_specs[0]),), None
 
@@ -278,11 +277,11 @@ class L2Pool(_Pool):
 
   def forward(self, params, xs, in_specs):
     x, pads = self._crop(xs[0], in_specs[0])
-    return self._call(jaxpool.l2_pool, x, pads=pads)
+    return self._call(api.l2_pool, x, pads=pads)
 
   def backward(self, xs, state, dy, in_specs, wrt):
     if not wrt[0]:
       return (None,), None
     x, pads = self._crop(xs[0], in_specs[0])
-    dx = self._call(jaxpool.lp_pool_grad, x, jnp.asarray(dy).astype(x.dtype), 2, pads=pads)
+    dx = self._call(api.lp_pool_grad, x, jnp.asarray(dy).astype(x.dtype), 2, pads=pads)
     return (self._uncrop(dx, in_specs[0]),), None
