@@ -49,8 +49,6 @@ DataFormat = Literal["channels_last", "channels_first"]
 # and config does not retrace.
 _flat_indices = jax.jit(xla.flat_indices, static_argnums=(1,))
 
-DEFAULT_ENV = dispatch.ENV
-
 
 def _as_array(name: str, x: Any) -> jax.Array:
   if x is None:
