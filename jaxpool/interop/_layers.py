@@ -18,8 +18,9 @@ import jax
 import numpy as np
 
 from jaxpool._src import api
+from jaxpool._src.checks import check_bool, check_divisor, check_norm
 from jaxpool._src.windows import check_rank
-from jaxpool.interop._args import check_bool, check_divisor, check_norm, flax_config
+from jaxpool.interop._args import flax_config
 
 
 def checked_inputs(inputs: Any, cfg: dict[str, Any]) -> Any:

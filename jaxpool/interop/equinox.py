@@ -42,9 +42,9 @@ import jax
 import numpy as np
 
 from jaxpool._src import api
-from jaxpool._src.windows import check_rank
-from jaxpool.interop._args import (check_bool, check_divisor, check_implementation, check_norm,
-                                   eqx_padding, eqx_per_dim)
+from jaxpool._src.checks import check_bool, check_divisor, check_name, check_norm
+from jaxpool._src.windows import IMPLEMENTATIONS, check_rank, effective_window
+from jaxpool.interop._args import eqx_padding, eqx_per_dim
 
 __all__ = ["MaxPool1d", "MaxPool2d", "MaxPool3d", "AvgPool1d", "AvgPool2d", "AvgPool3d",
            "LPPool1d", "LPPool2d", "LPPool3d"]
@@ -77,9 +77,9 @@ class _Pool(eqx.Module):
     self.padding = eqx_padding(padding, n)
     self.use_ceil = check_bool("use_ceil", use_ceil)
     self.dilation = eqx_per_dim("dilation", dilation, n)
-    self.implementation = check_implementation(implementation)
+    self.implementation = check_name("implementation", implementation, IMPLEMENTATIONS)
     for i, ((lo, hi), k, d) in enumerate(zip(self.padding, self.kernel_size, self.dilation)):
-      e = d * (k - 1) + 1
+      e = effective_window(k, d)
       if lo >= e or hi >= e:
         kernel = f"kernel_size {k}" if d == 1 else f"dilation*(kernel_size-1)+1 = {e}"
         raise ValueError(
@@ -94,7 +94,7 @@ class _Pool(eqx.Module):
     check_rank("x", shape, n, "channels_first")
     for i, (L, (lo, hi), k, d) in enumerate(zip(shape[-n:], self.padding, self.kernel_size,
                                                  self.dilation)):
-      if L + lo + hi < d * (k - 1) + 1:
+      if L + lo + hi < effective_window(k, d):
         raise ValueError(
             f"kernel_size {self.kernel_size} (dilation {self.dilation}) is larger than the "
             f"padded input in spatial dim {i}: size {L} plus padding {(lo, hi)}; x has shape "

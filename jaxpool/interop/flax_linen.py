@@ -36,7 +36,8 @@ import flax.linen as nn
 import jax
 
 from jaxpool._src import api
-from jaxpool.interop._args import check_bool, check_divisor, check_norm, flax_config
+from jaxpool._src.checks import check_bool, check_divisor, check_norm
+from jaxpool.interop._args import flax_config
 from jaxpool.interop._layers import (AvgPoolBody, LPPoolBody, MaxPoolBody, MinPoolBody,
                                      checked_inputs)
 

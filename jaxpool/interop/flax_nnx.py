@@ -27,7 +27,8 @@ from typing import Any
 import jax
 from flax import nnx
 
-from jaxpool.interop._args import check_bool, check_divisor, check_norm, flax_config
+from jaxpool._src.checks import check_bool, check_divisor, check_norm
+from jaxpool.interop._args import flax_config
 from jaxpool.interop._layers import AvgPoolBody, LPPoolBody, MaxPoolBody, MinPoolBody
 from jaxpool.interop.flax_linen import Padding, avg_pool, lp_pool, max_pool, min_pool
 

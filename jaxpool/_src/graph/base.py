@@ -13,7 +13,8 @@ caller passes (none under ``vmap``, as MPS's ``encodeBatch``).
 Every node module imports this one and none imports a node module back. The gradient module
 (``gradients.py``) registers its classes here (:func:`register_gradient_class`), so that
 ``node.gradient_filter()`` finds them without importing it. Window, stride, dilation and padding
-arguments are checked by the core's rules (``jaxpool._src.windows``), with errors naming the node.
+arguments are checked by the core's rules (``jaxpool._src.checks`` and ``jaxpool._src.windows``),
+with errors naming the node.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpool._src import windows
+from jaxpool._src import checks, windows
 
 Ref = Union["Node", str]
 Spec = jax.ShapeDtypeStruct
@@ -37,6 +38,7 @@ N = TypeVar("N", bound="Node")
 
 PADDING_POLICIES = ("VALID", "SAME", "FULL")
 POOL_PADDING_POLICIES = (*PADDING_POLICIES, "SAME_LOWER")  # the pooling nodes' (as the core's)
+BOOL_HINT = " (True or False)"  # the graph's messages say what a bool is
 
 
 def input_field(compare: bool = False, **kw: Any) -> Any:
@@ -269,9 +271,13 @@ def batch_shape(x: jax.Array, spec: Spec) -> tuple[int, ...]:
 
 
 def check_bool(node: Node, name: str, value: Any) -> bool:
-  if not isinstance(value, (bool, np.bool_)):
-    raise node._fail(f"{name} must be a bool (True or False); got {value!r}.", TypeError)
-  return bool(value)
+  """A bool (``checks.check_bool``), the error naming ``node``."""
+  return node._check(checks.check_bool, name, value, hint=BOOL_HINT)
+
+
+def check_choice(node: Node, name: str, value: Any, allowed: Sequence[Any]) -> Any:
+  """One of the names ``allowed`` (``checks.check_name``), the error naming ``node``."""
+  return node._check(checks.check_name, name, value, allowed)
 
 
 def check_bools(node: Node, name: str, value: Any) -> tuple[bool, ...]:
@@ -320,7 +326,7 @@ def check_dtype(node: Node, name: str, value: Any) -> np.dtype:
 def check_window(node: Node, window: Any) -> tuple[int, ...]:
   """A windowed node's ``window``: one int >= 1 per spatial dim, at least one dim."""
   n = node._check(windows.spatial_rank, window, "window")
-  return node._check(windows.int_tuple, "window", window, n)
+  return node._check(checks.int_tuple, "window", window, n)
 
 
 def check_image(node: Node, spec: Spec, window: tuple[Any, ...],
@@ -337,11 +343,7 @@ def check_image(node: Node, spec: Spec, window: tuple[Any, ...],
 def check_data_format(node: Node, value: Any) -> str:
   """``"channels_last"`` (``(*spatial, C)`` per example) or ``"channels_first"``
   (``(C, *spatial)``), the core's ``data_format`` (``jaxpool._src.windows.DATA_FORMATS``)."""
-  if not isinstance(value, str):
-    raise node._fail(f"data_format must be one of {windows.DATA_FORMATS}; got {value!r}.",
-                     TypeError)
-  node._check(windows.check_choice, "data_format", value, windows.DATA_FORMATS)
-  return value
+  return check_choice(node, "data_format", value, windows.DATA_FORMATS)
 
 
 def spatial_shape(shape: Sequence[int], data_format: str) -> tuple[int, ...]:
@@ -357,8 +359,7 @@ def channel_axis(data_format: str) -> int:
 
 def spatial_axes(x: jax.Array, spec: Spec, data_format: str) -> tuple[int, ...]:
   """The axes of ``x`` (``(*batch, *spec.shape)``) that are spatial."""
-  first = x.ndim - len(spec.shape) + (data_format == "channels_first")
-  return tuple(range(first, first + len(spec.shape) - 1))
+  return windows.spatial_axes(x.ndim, len(spec.shape) - 1, data_format == "channels_last")
 
 
 def array_axis(x: jax.Array, spec: Spec, axis: int) -> int:
@@ -378,7 +379,7 @@ def flatten_example(x: jax.Array, spec: Spec, data_format: str) -> jax.Array:
 
 def check_axis(node: Node, name: str, axis: Any) -> int:
   """A per-example axis: an int (NumPy ints taken, bools not), negative from the end."""
-  if not windows.is_int(axis):
+  if not checks.is_int(axis):
     raise node._fail(f"{name} must be an int; got {axis!r}.", TypeError)
   return int(axis)
 

@@ -11,9 +11,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from jaxpool._src.graph.base import Node
+from jaxpool._src.checks import check_bool
+from jaxpool._src.graph.base import BOOL_HINT, Node
 from jaxpool._src.graph.gradients import Cotangents, GradientNode, GradientState
 from jaxpool._src.graph.inputs import Input
 from jaxpool._src.graph.passes import DEFAULT_PASSES, Pass, run_passes
@@ -289,8 +289,7 @@ class Graph:
     if reserved:
       raise ValueError(f"input node(s) {reserved}: the names {RESERVED_INPUT_NAMES} are the "
                        "keyword arguments of apply, evaluate and run; rename the Input.")
-    if not isinstance(training, (bool, np.bool_)):
-      raise TypeError(f"training must be a bool (True or False); got {training!r}.")
+    check_bool("training", training, hint=BOOL_HINT)
     self._check_params(params)
     if state is None:
       for n in self.nodes:

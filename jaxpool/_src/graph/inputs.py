@@ -8,7 +8,7 @@ from typing import Any, ClassVar
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpool._src import windows
+from jaxpool._src import checks
 from jaxpool._src.graph.base import Node, Spec, check_dtype
 
 
@@ -26,7 +26,7 @@ class Input(Node):
   _input_fields: ClassVar[tuple[str, ...]] = ()
 
   def _normalize(self):
-    self._set("shape", self._check(windows.int_tuple, "shape", self.shape, None, minimum=0))
+    self._set("shape", self._check(checks.int_tuple, "shape", self.shape, None, minimum=0))
     self._set("dtype", check_dtype(self, "dtype", self.dtype))
 
   def infer(self, in_specs):

@@ -9,10 +9,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxpool._src.graph.base import (Node, Ref, Spec, batch_shape, check_bool, check_float_dtype,
-                                     check_real, input_field)
-
-DATA_FORMATS = ("channels_last", "channels_first")
+from jaxpool._src.graph.base import (Node, Ref, Spec, batch_shape, check_bool, check_data_format,
+                                     check_float_dtype, check_real, input_field)
 
 
 @dataclass(frozen=True)
@@ -74,9 +72,7 @@ class BatchNorm(Node):
     self._set("epsilon", check_real(self, "epsilon", self.epsilon, 0.0, None, open_low=True))
     self._set("use_scale", check_bool(self, "use_scale", self.use_scale))
     self._set("use_bias", check_bool(self, "use_bias", self.use_bias))
-    if not isinstance(self.data_format, str) or self.data_format not in DATA_FORMATS:
-      raise self._fail(f"data_format must be one of {DATA_FORMATS}; got {self.data_format!r}.",
-                       ValueError if isinstance(self.data_format, str) else TypeError)
+    check_data_format(self, self.data_format)
     self._set("param_dtype", check_float_dtype(self, "param_dtype", self.param_dtype))
 
   def check_inputs(self, in_specs):

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxpool._src import api, windows
+from jaxpool._src import api, checks, windows
 from jaxpool._src.autodiff import ACTIVATIONS
 from jaxpool._src.graph.base import (POOL_PADDING_POLICIES, Node, Ref, Spec, check_bool,
                                      check_image, check_padding, check_window, input_field,
@@ -46,16 +46,16 @@ class _Pool(Node):
     n = len(self.window)
     # MPS's init(source:filterSize:) sets the stride to the filter size.
     strides = self.window if self.strides is None else self.strides
-    self._set("strides", self._check(windows.int_tuple, "strides", strides, n))
+    self._set("strides", self._check(checks.int_tuple, "strides", strides, n))
     self._set("padding", check_padding(self, self.padding, n, POOL_PADDING_POLICIES))
     self._set("ceil_mode", check_bool(self, "ceil_mode", self.ceil_mode))
-    self._check(windows.check_choice, "data_format", self.data_format, windows.DATA_FORMATS)
-    self._check(windows.check_choice, "implementation", self.implementation,
+    self._check(checks.check_choice, "data_format", self.data_format, windows.DATA_FORMATS)
+    self._check(checks.check_choice, "implementation", self.implementation,
                 windows.IMPLEMENTATIONS)
-    self._set("offset", self._check(windows.int_tuple, "offset", self.offset, n, default=0,
+    self._set("offset", self._check(checks.int_tuple, "offset", self.offset, n, default=0,
                                     minimum=-(2 ** 31)))
     if hasattr(self, "dilation"):
-      self._set("dilation", self._check(windows.int_tuple, "dilation", self.dilation, n,
+      self._set("dilation", self._check(checks.int_tuple, "dilation", self.dilation, n,
                                         default=1))
 
   @property
@@ -66,11 +66,9 @@ class _Pool(Node):
   def dilation_(self) -> tuple[int, ...]:
     return getattr(self, "dilation", None) or (1,) * self.nspatial
 
-  def spatial_axes(self, ndim: int) -> range:
+  def spatial_axes(self, ndim: int) -> tuple[int, ...]:
     """The spatial axes of a ``(*batch, *per_example)`` array of ``ndim`` dims."""
-    n = self.nspatial
-    return range(ndim - 1 - n, ndim - 1) if self.data_format == "channels_last" else range(
-        ndim - n, ndim)
+    return windows.spatial_axes(ndim, self.nspatial, self.data_format == "channels_last")
 
   def spatial(self, spec: Spec) -> tuple[int, ...]:
     """The per-example spatial sizes of an input spec, ``(*spatial, C)`` or ``(C, *spatial)``."""
@@ -198,7 +196,7 @@ class MaxPool(_Pool):
 
   def _normalize(self):
     super()._normalize()
-    self._check(windows.check_choice, "activation", self.activation, ACTIVATIONS)
+    self._check(checks.check_choice, "activation", self.activation, ACTIVATIONS)
 
   def forward(self, params, xs, in_specs):
     x, pads = self._crop(xs[0], in_specs[0])
