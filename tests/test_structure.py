@@ -352,3 +352,48 @@ def test_each_rule_has_one_home():
   root = pathlib.Path(jaxpool.__file__).parent
   found = _rule_copies(root)
   assert not found, "a rule restated outside its home:\n" + "\n".join(found)
+
+
+# ------------------------------------------------------------------------ graph: gradient classes
+
+
+def test_graph_nodes_name_their_gradient_classes_by_reference():
+  """A forward node holds its gradient and gradient-state classes themselves (no table of class
+  names), and a gradient node's forward node is a field of its own name, so that ``forward``
+  stays every node's forward method."""
+  import dataclasses
+
+  import jaxpool.graph as jg
+  from jaxpool._src.graph import base
+
+  assert jg.MaxPool.gradient_class is jg.PoolingGradient
+  assert jg.DilatedMaxPool.gradient_class is jg.PoolingGradient
+  assert jg.Conv.gradient_class is jg.ConvolutionGradient
+  assert jg.BatchNorm.gradient_class is jg.BatchNormalizationGradient
+  assert jg.BatchNorm.state_class is jg.BatchNormalizationState
+  assert jg.Dropout.gradient_class is jg.DropoutGradient
+  assert jg.Dropout.state_class is jg.DropoutGradientState
+  assert jg.Activation.gradient_class is jg.Gradient
+  assert jg.Activation.state_class is jg.GradientState
+  forward = [c for c in vars(jg).values()
+             if isinstance(c, type) and issubclass(c, jg.Node) and c.is_filter]
+  assert len(forward) > 15
+  for cls in forward:
+    assert issubclass(cls.gradient_class, jg.GradientNode), cls
+    assert issubclass(cls.state_class, jg.GradientState), cls
+  assert not any(hasattr(c, "gradient_kind") or hasattr(c, "state_kind") for c in forward)
+  assert not hasattr(base, "register_gradient_class")
+
+  x = jg.Input("x", shape=(6, 6, 2))
+  pool = jg.MaxPool("pool", x, window=(2, 2))
+  grad = pool.gradient_filter(jg.Input("dy", shape=(3, 3, 2)))
+  assert type(grad) is jg.PoolingGradient and grad.forward_node is pool
+  state = grad.gradient_state
+  assert isinstance(state, jg.GradientState) and state.forward_node is pool
+  for node in (grad, state):
+    assert "forward" not in {f.name for f in dataclasses.fields(node)}
+    assert type(node).forward is jg.Node.forward  # the method, not shadowed by a field
+  same = jg.PoolingGradient("pool.grad", pool, "dy", x, state)  # MPS's initializer, positional
+  assert same == grad
+  with pytest.raises(TypeError, match="forward_node must be a forward filter node"):
+    jg.PoolingGradient("g", x, "dy", x, None)

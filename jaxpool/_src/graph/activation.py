@@ -9,8 +9,8 @@ from dataclasses import KW_ONLY, dataclass
 import jax
 import jax.numpy as jnp
 
-from jaxpool._src.graph.base import (Node, Ref, array_axis, axis_in_range, check_axis, check_choice,
-                                     input_field)
+from jaxpool._src.graph.base import Node, Ref, input_field
+from jaxpool._src.graph.common import array_axis, axis_in_range, check_axis, check_choice
 
 
 def _leaky_relu(x):

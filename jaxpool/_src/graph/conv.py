@@ -15,10 +15,11 @@ import numpy as np
 from jax import lax
 
 from jaxpool._src import checks, windows
-from jaxpool._src.graph.base import (Initializer, Node, Ref, Spec, batch_shape, check_bool,
-                                     check_choice, check_data_format, check_float_dtype,
-                                     check_image, check_padding, check_window, flatten_example,
-                                     input_field, resolve_padding, spatial_shape)
+from jaxpool._src.graph.base import GradientNode, Node, Ref, Spec, input_field
+from jaxpool._src.graph.common import (Initializer, batch_shape, check_bool, check_choice,
+                                       check_data_format, check_float_dtype, check_image,
+                                       check_padding, check_window, flatten_example,
+                                       resolve_padding, spatial_shape)
 from jaxpool._src.windows import effective_window
 
 ACCUMULATOR_PRECISIONS = ("float", "half")
@@ -58,6 +59,13 @@ HE_NORMAL = Initializer("he_normal")
 
 
 @dataclass(frozen=True)
+class ConvolutionGradient(GradientNode):
+  """A convolution's gradient (MPS's ``MPSCNNConvolutionGradientNode``): the input cotangent
+  and the weight and bias cotangents (``jax.vjp`` of the convolution, with the weights its
+  gradient state kept)."""
+
+
+@dataclass(frozen=True)
 class _Convolution(Node):
   """What :class:`Conv` and :class:`ConvTranspose` share: config, checks, parameters, layout."""
 
@@ -78,7 +86,7 @@ class _Convolution(Node):
   has_params: ClassVar[bool] = True
   keeps_state: ClassVar[bool] = True
   state_doc: ClassVar[str] = "weights, bias"
-  gradient_kind: ClassVar[str] = "ConvolutionGradient"
+  gradient_class: ClassVar[type[GradientNode]] = ConvolutionGradient
 
   def _normalize(self):
     self._set("window", check_window(self, self.window))
@@ -189,7 +197,7 @@ class Conv(_Convolution):
       ``"half"`` (MPS's ``.half``): ``lax.Precision.DEFAULT``, the backend's fastest (TF32/bf16
       passes on GPUs and TPUs).
     weights_init, bias_init: initializers, as ``jax.nn.initializers`` (the default
-      ``he_normal`` is an :class:`~jaxpool._src.graph.base.Initializer`, which pickles).
+      ``he_normal`` is an :class:`~jaxpool._src.graph.common.Initializer`, which pickles).
     param_dtype: dtype of the parameters.
     data_format: ``"channels_last"`` (default) or ``"channels_first"``.
   """

@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpool._src import checks
-from jaxpool._src.graph.base import Node, Spec, check_dtype
+from jaxpool._src.graph.base import Node, Spec
+from jaxpool._src.graph.common import check_dtype
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,7 @@ class Input(Node):
   shape: tuple[int, ...] = ()
   dtype: Any = jnp.float32
   _input_fields: ClassVar[tuple[str, ...]] = ()
+  is_filter: ClassVar[bool] = False  # an image node: it has no gradient node
 
   def _normalize(self):
     self._set("shape", self._check(checks.int_tuple, "shape", self.shape, None, minimum=0))

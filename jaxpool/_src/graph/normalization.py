@@ -9,8 +9,22 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxpool._src.graph.base import (Node, Ref, Spec, batch_shape, check_bool, check_data_format,
-                                     check_float_dtype, check_real, input_field)
+from jaxpool._src.graph.base import GradientNode, GradientState, Node, Ref, Spec, input_field
+from jaxpool._src.graph.common import (batch_shape, check_bool, check_data_format,
+                                       check_float_dtype, check_real)
+
+
+@dataclass(frozen=True)
+class BatchNormalizationState(GradientState):
+  """A BatchNorm's gradient state (MPS's ``MPSCNNBatchNormalizationState``): the batch mean and
+  inverse standard deviation its training forward used, ``(C,)`` each, and its ``scale``."""
+
+
+@dataclass(frozen=True)
+class BatchNormalizationGradient(GradientNode):
+  """A BatchNorm's gradient (MPS's ``MPSCNNBatchNormalizationGradientNode``): ``dx``,
+  ``dscale`` and ``dbias`` from the source gradient, the source image and the gradient state
+  (the batch mean and inverse std), in closed form (``BatchNorm.backward``)."""
 
 
 @dataclass(frozen=True)
@@ -64,8 +78,8 @@ class BatchNorm(Node):
   has_model_state: ClassVar[bool] = True
   keeps_state: ClassVar[bool] = True
   state_doc: ClassVar[str] = "batch mean, inverse std, scale"
-  gradient_kind: ClassVar[str] = "BatchNormalizationGradient"
-  state_kind: ClassVar[str] = "BatchNormalizationState"
+  gradient_class: ClassVar[type[GradientNode]] = BatchNormalizationGradient
+  state_class: ClassVar[type[GradientState]] = BatchNormalizationState
 
   def _normalize(self):
     self._set("momentum", check_real(self, "momentum", self.momentum, 0.0, 1.0))

@@ -19,9 +19,61 @@ from jax import lax
 
 from jaxpool._src import api, checks, windows
 from jaxpool._src.autodiff import ACTIVATIONS
-from jaxpool._src.graph.base import (POOL_PADDING_POLICIES, Node, Ref, Spec, check_bool,
-                                     check_image, check_padding, check_window, input_field,
-                                     resolve_padding)
+from jaxpool._src.graph.base import GradientNode, Node, Ref, Spec, input_field
+from jaxpool._src.graph.common import (POOL_PADDING_POLICIES, check_bool, check_image,
+                                       check_padding, check_window, resolve_padding)
+
+
+@dataclass(frozen=True)
+class PoolingGradient(GradientNode):
+  """A pooling node's gradient (MPS's ``MPSCNNPoolingGradientNode``): source gradient, source
+  image, gradient state, and the forward's window, strides and padding."""
+
+  def _pool(self) -> _Pool:
+    fwd = self.forward_node
+    if not isinstance(fwd, _Pool):
+      raise self._fail(f"forward must be a pooling node; got {fwd!r}.", TypeError)
+    return fwd
+
+  @property
+  def window(self) -> tuple[int, ...]:
+    return self._pool().window
+
+  @property
+  def strides(self) -> tuple[int, ...]:
+    strides = self._pool().strides
+    if strides is None:  # set by the pooling node's _normalize
+      raise self._fail("its forward node has no strides.")
+    return strides
+
+  @property
+  def padding(self) -> Any:
+    return self._pool().padding
+
+  @property
+  def offset(self) -> tuple[int, ...]:
+    offset = self._pool().offset
+    if offset is None:  # set by the pooling node's _normalize
+      raise self._fail("its forward node has no offset.")
+    return offset
+
+  @property
+  def dilation(self) -> tuple[int, ...]:
+    return self._pool().dilation_
+
+  @property
+  def ceil_mode(self) -> bool:
+    return self._pool().ceil_mode
+
+  @property
+  def data_format(self) -> str:
+    return self._pool().data_format
+
+  def describe(self):
+    f = self._pool()
+    pad = f.padding if isinstance(f.padding, str) else f"pad {f.padding}"
+    return (f"{type(f).__name__}Gradient {'x'.join(map(str, f.window))}/"
+            f"{'x'.join(map(str, f.strides))} {pad}")
 
 
 @dataclass(frozen=True)
@@ -37,7 +89,7 @@ class _Pool(Node):
   ceil_mode: bool = False
   data_format: str = "channels_last"
   implementation: str | None = None
-  gradient_kind: ClassVar[str] = "PoolingGradient"
+  gradient_class: ClassVar[type[GradientNode]] = PoolingGradient
   # MPS's pooling gradient node takes a gradient state for every pooling type.
   accepts_state: ClassVar[bool] = True
 

@@ -13,10 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpool._src import checks, windows
-from jaxpool._src.graph.base import (Node, Ref, Spec, array_axis, axis_in_range, batch_shape,
-                                     channel_axis, check_axis, check_choice, check_data_format,
-                                     check_image, flatten_example, input_field, spatial_axes,
-                                     spatial_shape)
+from jaxpool._src.graph.base import Node, Ref, Spec, input_field
+from jaxpool._src.graph.common import (array_axis, axis_in_range, batch_shape, channel_axis,
+                                       check_axis, check_choice, check_data_format, check_image,
+                                       flatten_example, spatial_axes, spatial_shape)
 
 PAD_MODES = ("constant", "edge", "reflect", "symmetric")
 UPSAMPLE_METHODS = ("nearest", "bilinear")
