@@ -142,7 +142,7 @@ def test_relu_folded_into_max_pool_bit_for_bit(pool_cls, rng):
   # the training graph runs the rewritten forward: no ReLU node, no ReLU gradient
   names = [n.name for n in train.nodes]
   assert "relu" not in names and "relu.grad" not in names
-  assert train.node("pool.grad").forward.activation == "relu"
+  assert train.node("pool.grad").forward_node.activation == "relu"
   # the summary shows the move
   note = ("relu -> pool: ReLU folded into the max pool (activation='relu'); pool reads conv")
   for graph in (g, train):

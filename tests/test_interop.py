@@ -8,6 +8,7 @@ difference.
 
 from __future__ import annotations
 
+import inspect
 import subprocess
 import sys
 
@@ -250,6 +251,33 @@ def test_equinox_layer_extras_and_errors():
     jpe.MaxPool2d((2, 2, 2))
   with pytest.raises(ValueError, match="padding"):
     jpe.MaxPool2d(2, padding=2)(x)  # padding must be below the window on each side
+
+
+@pytest.mark.parametrize("name", [f"{kind}Pool{n}d" for kind in ("Max", "Avg", "LP")
+                                  for n in (1, 2, 3)])
+def test_equinox_layers_are_written_out(name):
+  """Each Equinox layer is a class in the module's source (as Equinox writes its own), with its
+  own signature, and its call runs under a named scope of its name."""
+  cls = getattr(jpe, name)
+  assert cls.__module__ == jpe.__name__ and cls.__qualname__ == name
+  assert f"class {name}(" in inspect.getsource(cls)  # OSError for a class made by type(...)
+  params = inspect.signature(cls.__init__).parameters
+  assert "num_spatial_dims" not in params and "kernel_size" in params
+  n = int(name[-2])
+  layer = cls(2, 2) if name.startswith("LP") else cls(2)
+  hlo = jax.jit(layer).lower(jnp.ones((1,) + (4,) * n)).as_text(debug_info=True)
+  assert f"jaxpool.equinox.{name}" in hlo
+
+
+@pytest.mark.parametrize("kind", ["MaxPool", "MinPool", "AvgPool", "LPPool", "L2Pool"])
+def test_flax_linen_and_nnx_layers_share_one_body(kind):
+  from jaxpool.interop import _layers
+  body = {"MaxPool": _layers.MaxPoolBody, "MinPool": _layers.MinPoolBody,
+          "AvgPool": _layers.AvgPoolBody}.get(kind, _layers.LPPoolBody)
+  linen, nnx_layer = getattr(jpl, kind), getattr(jpn, kind)
+  assert issubclass(linen, body) and issubclass(nnx_layer, body)
+  assert "__call__" in vars(linen) and "_apply_pool" not in vars(linen)
+  assert "_apply_pool" not in vars(nnx_layer)
 
 
 def test_core_imports_no_framework():

@@ -58,7 +58,10 @@ from jaxpool._src import api, dispatch
 from jaxpool._src.api import (DataFormat, FloatIn, FloatOut, Implementation, IndicesOut, PoolIn,
                               PoolOut)
 from jaxpool._src.dtypes import accumulator_dtype, beats, check_dtype, lowest, order_key
-from jaxpool._src.windows import DATA_FORMATS, MAX_SIZE, check_choice, taps_dtype
+from jaxpool._src.checks import check_choice
+from jaxpool._src.checks import is_int as _is_int
+from jaxpool._src.windows import DATA_FORMATS, MAX_SIZE, taps_dtype
+from jaxpool._src.windows import spatial_axes as _spatial_axes
 
 # Evenly dividing sizes whose bins hold at most this many elements go to the fixed-window ops
 # (tap loops, Pallas kernels); larger bins to the reshape-and-reduce stages, whose program does
@@ -68,10 +71,6 @@ FIXED_WINDOW_MAX_TAPS = 16
 
 
 # ----------------------------------------------------------------------------- arguments
-
-
-def _is_int(v: Any) -> bool:
-  return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
 
 
 def _output_size(output_size: Any) -> tuple[int | None, ...]:
@@ -98,12 +97,6 @@ def _output_size(output_size: Any) -> tuple[int | None, ...]:
       raise ValueError(
           f"output_size entries must be at most 2**31 - 1; got {v!r} in {output_size!r}.")
   return tuple(None if v is None else int(v) for v in items)
-
-
-def _spatial_axes(ndim: int, n: int, channels_last: bool) -> tuple[int, ...]:
-  if channels_last:
-    return tuple(range(ndim - 1 - n, ndim - 1))
-  return tuple(range(ndim - n, ndim))
 
 
 def _check_nonempty(x: jax.Array, axes: tuple[int, ...]) -> None:

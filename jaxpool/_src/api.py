@@ -18,8 +18,9 @@ from jaxtyping import Array, ArrayLike, Bool, Float, Int, Num, Real, Shaped
 from jaxpool._src import dispatch, xla
 from jaxpool._src.autodiff import ACTIVATIONS
 from jaxpool._src.dtypes import average_dtype, check_avg_dtype, check_dtype
-from jaxpool._src.windows import (MAX_SIZE, Geometry, check_choice, check_rank, int_tuple,
-                                  make_geometry, spatial_rank, taps_dtype)
+from jaxpool._src.checks import check_bool, check_choice, check_divisor, check_norm, int_tuple
+from jaxpool._src.windows import (MAX_SIZE, Geometry, check_rank, make_geometry, spatial_rank,
+                                  taps_dtype)
 
 Padding = Union[str, int, Sequence[tuple[int, int]]]
 
@@ -48,8 +49,6 @@ DataFormat = Literal["channels_last", "channels_first"]
 # Each backend jits its ops once per static config: calling an op again with the same shapes
 # and config does not retrace.
 _flat_indices = jax.jit(xla.flat_indices, static_argnums=(1,))
-
-DEFAULT_ENV = dispatch.ENV
 
 
 def _as_array(name: str, x: Any) -> jax.Array:
@@ -90,24 +89,8 @@ def _check_mask(mask: Any, x: jax.Array) -> jax.Array | None:
   return mask
 
 
-def _check_divisor(divisor_override: Any) -> None:
-  if divisor_override is None:
-    return
-  if not isinstance(divisor_override, (int, np.integer)) or isinstance(divisor_override, bool):
-    raise TypeError(f"divisor_override must be a positive int or None; got {divisor_override!r}.")
-  if divisor_override <= 0:
-    raise ValueError(f"divisor_override must be a positive int or None; got {divisor_override!r}.")
-
-
 def _check_p(p: Any) -> float:
-  if isinstance(p, bool) or not isinstance(p, (int, float, np.integer, np.floating)):
-    raise TypeError(f"p must be a finite number >= 1; got {p!r}.")
-  p = float(p)
-  if math.isinf(p):
-    raise ValueError(f"p must be finite (for p=inf use max_pool of |x|); got {p!r}.")
-  if not p >= 1:
-    raise ValueError(f"p must be a finite number >= 1; got {p!r}.")
-  return p
+  return check_norm("p", p)
 
 
 def _check_input_shape(input_shape: Any) -> tuple[int, ...]:
@@ -565,15 +548,13 @@ def avg_pool(x: AvgIn, window_shape: Sequence[int],
   """
   x = _as_array("x", x)
   check_avg_dtype("x", x)
-  if not isinstance(count_include_pad, (bool, np.bool_)):
-    raise TypeError(f"count_include_pad must be a bool; got {count_include_pad!r}.")
-  _check_divisor(divisor_override)
+  count_include_pad = check_bool("count_include_pad", count_include_pad)
+  divisor_override = check_divisor("divisor_override", divisor_override)
   mask = _check_mask(mask, x)
   geom = make_geometry(x.shape, window_shape, strides, padding, dilation, ceil_mode, data_format)
   x = x.astype(average_dtype(x.dtype))
   return dispatch.run("avg_pool", implementation, x, geom, mask=mask,
-                      count_include_pad=bool(count_include_pad),
-                      divisor_override=None if divisor_override is None else int(divisor_override))
+                      count_include_pad=count_include_pad, divisor_override=divisor_override)
 
 
 def avg_pool_grad(dy: FloatOutIn, input_shape: Sequence[int],

@@ -1,26 +1,39 @@
-"""Window and padding arithmetic: the one place that checks and normalises arguments.
+"""Window and padding arithmetic: the one place that normalises the window arguments.
 
-Every public op calls :func:`make_geometry` (or one of the small checkers here) first; the
-result, :class:`Geometry`, is a frozen, hashable description of one pooling configuration that
-the implementations (XLA, Pallas) take as a static argument.
+Every public op calls :func:`make_geometry` first (its single values go through the checks of
+``checks.py``); the result, :class:`Geometry`, is a frozen, hashable description of one pooling
+configuration that the implementations (XLA, Pallas) take as a static argument. The formulas
+that the rest of the package shares live here once: :func:`spatial_axes` (which dims of an array
+are spatial) and :func:`effective_window` (the span ``d * (k - 1) + 1`` of a dilated window).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import operator
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
+from jaxpool._src.checks import MAX_SIZE, check_bool, check_choice, int_tuple, is_int
+
 DATA_FORMATS = ("channels_last", "channels_first")
-# Sizes, strides, dilations, padding, the padded extent and the number of taps must each fit in
-# int32: XLA and the kernels index with it, and a larger value is a mistake, not a pool.
-MAX_SIZE = 2**31 - 1
 IMPLEMENTATIONS = (None, "xla", "pallas")
 PADDING_STRINGS = ("VALID", "SAME", "SAME_LOWER")
+
+
+def effective_window(k: int, d: int) -> int:
+  """The span of a window of ``k`` taps ``d`` elements apart: ``d * (k - 1) + 1``."""
+  return d * (k - 1) + 1
+
+
+def spatial_axes(ndim: int, n: int, channels_last: bool) -> tuple[int, ...]:
+  """The ``n`` spatial axes of an ``ndim``-dim array: ``(*batch, *spatial, C)`` (channels
+  last) or ``(*batch, C, *spatial)``."""
+  if channels_last:
+    return tuple(range(ndim - 1 - n, ndim - 1))
+  return tuple(range(ndim - n, ndim))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +68,7 @@ class Geometry:
 
   @property
   def effective_window(self) -> tuple[int, ...]:
-    return tuple(d * (k - 1) + 1 for k, d in zip(self.window, self.dilation))
+    return tuple(effective_window(k, d) for k, d in zip(self.window, self.dilation))
 
   @property
   def full_padding(self) -> tuple[tuple[int, int], ...]:
@@ -88,10 +101,7 @@ class Geometry:
                     out_spatial=ones + self.out_spatial, channels_last=self.channels_last)
 
   def spatial_axes(self, ndim: int) -> tuple[int, ...]:
-    n = self.nspatial
-    if self.channels_last:
-      return tuple(range(ndim - 1 - n, ndim - 1))
-    return tuple(range(ndim - n, ndim))
+    return spatial_axes(ndim, self.nspatial, self.channels_last)
 
   def taps(self) -> list[tuple[int, ...]]:
     """Window offsets (in taps, not elements) in row-major order: the tie-break order."""
@@ -117,48 +127,6 @@ class Geometry:
     for ax, n in zip(self.spatial_axes(len(shape)), self.in_spatial):
       shape[ax] = n
     return tuple(shape)
-
-
-def is_int(v: Any) -> bool:
-  """An int or a NumPy integer, not a bool."""
-  return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
-
-
-def check_choice(name: str, value: Any, allowed: Sequence[Any]) -> None:
-  if value not in allowed:
-    raise ValueError(f"{name} must be one of {tuple(allowed)}; got {value!r}.")
-
-
-def int_tuple(name: str, value: Any, n: int | None, *, default: int | None = None,
-              minimum: int = 1) -> tuple[int, ...]:
-  """Checks a per-spatial-dim tuple of ints (``window_shape``, ``strides``, ``dilation``).
-
-  ``n`` is the number of entries; ``None`` takes any number (a shape), and then ``value`` is
-  required.
-  """
-  if value is None:
-    if default is None or n is None:
-      raise TypeError(f"{name} is required; got None.")
-    return (default,) * n
-  if is_int(value):
-    one_each = "ints" if n is None else f"{n} ints, one per spatial dim"
-    raise TypeError(f"{name} must be a tuple of {one_each}; got the int {value!r}.")
-  try:
-    items = tuple(value)
-  except TypeError:
-    raise TypeError(f"{name} must be a tuple of ints; got {value!r}.") from None
-  if not all(is_int(v) for v in items):
-    raise TypeError(f"{name} must be a tuple of ints; got {value!r}.")
-  if n is not None and len(items) != n:
-    raise ValueError(
-        f"{name} must have one entry per spatial dim ({n}); got {value!r} of length "
-        f"{len(items)}.")
-  items = tuple(operator.index(v) for v in items)
-  if any(v < minimum for v in items):
-    raise ValueError(f"{name} entries must be >= {minimum}; got {value!r}.")
-  if any(v > MAX_SIZE for v in items):
-    raise ValueError(f"{name} entries must be at most 2**31 - 1; got {value!r}.")
-  return items
 
 
 def spatial_rank(window_shape: Any, name: str = "window_shape") -> int:
@@ -194,7 +162,7 @@ def resolve_string_padding(padding: str, in_spatial: Sequence[int], window: Sequ
   that touches a real element.
   """
   check_choice("padding", padding, (*PADDING_STRINGS, "FULL"))
-  eff = [d * (k - 1) + 1 for k, d in zip(window, dilation)]
+  eff = [effective_window(k, d) for k, d in zip(window, dilation)]
   if padding == "VALID":
     return ((0, 0),) * len(eff)
   if padding == "FULL":
@@ -292,8 +260,7 @@ def make_geometry(x_shape: Sequence[int], window_shape: Any, strides: Any = None
     TypeError, ValueError: naming the argument, the value received and what is allowed.
   """
   check_choice("data_format", data_format, DATA_FORMATS)
-  if not isinstance(ceil_mode, (bool, np.bool_)):
-    raise TypeError(f"ceil_mode must be a bool; got {ceil_mode!r}.")
+  check_bool("ceil_mode", ceil_mode)
   n = spatial_rank(window_shape)
   window = int_tuple("window_shape", window_shape, n)
   strides_t = int_tuple("strides", strides, n, default=1)
@@ -302,13 +269,11 @@ def make_geometry(x_shape: Sequence[int], window_shape: Any, strides: Any = None
   x_shape = _shape("x_shape" if name == "x" else name, x_shape)
   check_rank(name, x_shape, n, data_format)
   channels_last = data_format == "channels_last"
-  ndim = len(x_shape)
-  axes = (tuple(range(ndim - 1 - n, ndim - 1)) if channels_last else tuple(range(ndim - n, ndim)))
-  in_spatial = tuple(int(x_shape[a]) for a in axes)
+  in_spatial = tuple(int(x_shape[a]) for a in spatial_axes(len(x_shape), n, channels_last))
   if any(L > MAX_SIZE for L in in_spatial):
     raise ValueError(f"{name}'s spatial sizes must each be at most 2**31 - 1; got shape "
                      f"{x_shape} (spatial {in_spatial}).")
-  eff = tuple(d * (k - 1) + 1 for k, d in zip(window, dilation_t))
+  eff = tuple(effective_window(k, d) for k, d in zip(window, dilation_t))
   pads = _resolve_padding(padding, in_spatial, window, strides_t, dilation_t)
   out_spatial, extra = [], []
   for i, (L, (lo, hi), e, s) in enumerate(zip(in_spatial, pads, eff, strides_t)):

@@ -1,29 +1,25 @@
 """Argument checks of the interop layers: each framework's forms, under its argument names.
 
-The core (``jaxpool._src.windows``) checks jaxpool's own forms. A layer that mirrors Flax or
-Equinox takes that framework's forms instead (Equinox: an int for every spatial dim) and must
-name the arguments as its user wrote them (``use_ceil``, not the core's ``ceil_mode``), so it
-checks and normalises here, at construction, and hands the core plain tuples of Python ints.
+The core (``jaxpool._src.windows``, with the shared checks of ``jaxpool._src.checks``) checks
+jaxpool's own forms. A layer that mirrors Flax or Equinox takes that framework's forms instead
+(Equinox: an int for every spatial dim) and must name the arguments as its user wrote them
+(``use_ceil``, not the core's ``ceil_mode``), so it checks and normalises here, at
+construction, and hands the core plain tuples of Python ints.
 Every error is a ``TypeError`` (wrong kind of value) or ``ValueError`` (wrong size or length)
 that names the argument and repeats the value received.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import numpy as np
 
-from jaxpool._src.windows import DATA_FORMATS, IMPLEMENTATIONS, PADDING_STRINGS, check_choice
+from jaxpool._src.checks import check_bool, check_name, is_int
+from jaxpool._src.windows import DATA_FORMATS, IMPLEMENTATIONS, PADDING_STRINGS
 
 
 _NO_CROP = "negative padding, which lax.reduce_window reads as cropping, is not supported"
-
-
-def is_int(v: Any) -> bool:
-  """A Python or NumPy int; ``bool`` (``True`` is 1 to Python) is not one."""
-  return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
 
 
 def _items(name: str, value: Any, what: str) -> tuple[Any, ...]:
@@ -50,51 +46,6 @@ def _ints(name: str, value: Any, n: int | None, what: str, minimum: int) -> tupl
   if any(v < minimum for v in items):
     raise ValueError(f"{name} entries must be >= {minimum}; got {value!r}.")
   return tuple(int(v) for v in items)
-
-
-def check_bool(name: str, value: Any) -> bool:
-  if not isinstance(value, (bool, np.bool_)):
-    raise TypeError(f"{name} must be a bool; got {value!r}.")
-  return bool(value)
-
-
-def check_data_format(value: Any) -> str:
-  if not isinstance(value, str):
-    raise TypeError(f"data_format must be one of {DATA_FORMATS}; got {value!r}.")
-  check_choice("data_format", value, DATA_FORMATS)
-  return value
-
-
-def check_implementation(value: Any) -> str | None:
-  if value is not None and not isinstance(value, str):
-    raise TypeError(f"implementation must be one of {IMPLEMENTATIONS}; got {value!r}.")
-  check_choice("implementation", value, IMPLEMENTATIONS)
-  return value
-
-
-def check_divisor(name: str, value: Any) -> int | None:
-  if value is None:
-    return None
-  if not is_int(value):
-    raise TypeError(f"{name} must be a positive int or None; got {value!r}.")
-  if value < 1:
-    raise ValueError(f"{name} must be a positive int or None; got {value!r}.")
-  return int(value)
-
-
-def check_norm(name: str, value: Any) -> float:
-  """The order of an Lp norm: a finite real number ``>= 1`` (``p`` in Flax's terms, PyTorch's
-  ``norm_type`` in Equinox's)."""
-  if isinstance(value, (bool, np.bool_)) or not isinstance(
-      value, (int, float, np.integer, np.floating)):
-    raise TypeError(f"{name} must be a finite number >= 1; got {value!r}.")
-  p = float(value)
-  if math.isinf(p):
-    raise ValueError(f"{name} must be finite (for {name}=inf, max pool |x| instead); got "
-                     f"{value!r}.")
-  if not p >= 1:  # NaN fails too
-    raise ValueError(f"{name} must be a finite number >= 1; got {value!r}.")
-  return p
 
 
 # ----------------------------------------------------------------------------- Flax's forms
@@ -179,8 +130,8 @@ def flax_config(window_shape: Any, strides: Any = None, padding: Any = "VALID", 
   return dict(window_shape=window, strides=flax_per_dim("strides", strides, n),
               padding=flax_padding(padding, n), dilation=flax_per_dim("dilation", dilation, n),
               ceil_mode=check_bool("ceil_mode", ceil_mode),
-              data_format=check_data_format(data_format),
-              implementation=check_implementation(implementation))
+              data_format=check_name("data_format", data_format, DATA_FORMATS),
+              implementation=check_name("implementation", implementation, IMPLEMENTATIONS))
 
 
 # ----------------------------------------------------------------------------- Equinox's forms

@@ -41,10 +41,10 @@ import equinox as eqx
 import jax
 import numpy as np
 
-import jaxpool
-from jaxpool._src.windows import check_rank
-from jaxpool.interop._args import (check_bool, check_divisor, check_implementation, check_norm,
-                                   eqx_padding, eqx_per_dim)
+from jaxpool._src import api
+from jaxpool._src.checks import check_bool, check_divisor, check_name, check_norm
+from jaxpool._src.windows import IMPLEMENTATIONS, check_rank, effective_window
+from jaxpool.interop._args import eqx_padding, eqx_per_dim
 
 __all__ = ["MaxPool1d", "MaxPool2d", "MaxPool3d", "AvgPool1d", "AvgPool2d", "AvgPool3d",
            "LPPool1d", "LPPool2d", "LPPool3d"]
@@ -77,9 +77,9 @@ class _Pool(eqx.Module):
     self.padding = eqx_padding(padding, n)
     self.use_ceil = check_bool("use_ceil", use_ceil)
     self.dilation = eqx_per_dim("dilation", dilation, n)
-    self.implementation = check_implementation(implementation)
+    self.implementation = check_name("implementation", implementation, IMPLEMENTATIONS)
     for i, ((lo, hi), k, d) in enumerate(zip(self.padding, self.kernel_size, self.dilation)):
-      e = d * (k - 1) + 1
+      e = effective_window(k, d)
       if lo >= e or hi >= e:
         kernel = f"kernel_size {k}" if d == 1 else f"dilation*(kernel_size-1)+1 = {e}"
         raise ValueError(
@@ -94,7 +94,7 @@ class _Pool(eqx.Module):
     check_rank("x", shape, n, "channels_first")
     for i, (L, (lo, hi), k, d) in enumerate(zip(shape[-n:], self.padding, self.kernel_size,
                                                  self.dilation)):
-      if L + lo + hi < d * (k - 1) + 1:
+      if L + lo + hi < effective_window(k, d):
         raise ValueError(
             f"kernel_size {self.kernel_size} (dilation {self.dilation}) is larger than the "
             f"padded input in spatial dim {i}: size {L} plus padding {(lo, hi)}; x has shape "
@@ -108,13 +108,21 @@ class _Pool(eqx.Module):
 
 
 class _MaxPool(_Pool):
+  """The body of :class:`MaxPool1d`, :class:`MaxPool2d` and :class:`MaxPool3d`."""
 
-  def __call__(self, x: jax.Array, *, key: Any = None) -> jax.Array:
-    """``(channels, *spatial)`` -> ``(channels, *out_spatial)``; ``key`` is ignored."""
-    return jaxpool.max_pool(self._check(x), **self._kwargs())
+  def __init__(self, num_spatial_dims: int, kernel_size: IntOrSeq, stride: IntOrSeq = 1,
+               padding: PaddingArg = 0, use_ceil: bool = False, *, dilation: IntOrSeq = 1,
+               implementation: str | None = None):
+    super().__init__(num_spatial_dims, kernel_size, stride, padding, use_ceil,
+                     dilation=dilation, implementation=implementation)
+
+  def _pool(self, x: jax.Array) -> jax.Array:
+    return api.max_pool(self._check(x), **self._kwargs())
 
 
 class _AvgPool(_Pool):
+  """The body of :class:`AvgPool1d`, :class:`AvgPool2d` and :class:`AvgPool3d`."""
+
   count_include_pad: bool = eqx.field(static=True)
   divisor_override: int | None = eqx.field(static=True)
 
@@ -127,16 +135,17 @@ class _AvgPool(_Pool):
     self.count_include_pad = check_bool("count_include_pad", count_include_pad)
     self.divisor_override = check_divisor("divisor_override", divisor_override)
 
-  def __call__(self, x: jax.Array, *, key: Any = None) -> jax.Array:
-    """``(channels, *spatial)`` -> ``(channels, *out_spatial)``; ``key`` is ignored."""
+  def _pool(self, x: jax.Array) -> jax.Array:
     divisor = self.divisor_override
     if divisor is None and self.count_include_pad:
       divisor = math.prod(self.kernel_size)  # Equinox's divisor, the ceil overhang included
-    return jaxpool.avg_pool(self._check(x), count_include_pad=self.count_include_pad,
-                            divisor_override=divisor, **self._kwargs())
+    return api.avg_pool(self._check(x), count_include_pad=self.count_include_pad,
+                        divisor_override=divisor, **self._kwargs())
 
 
 class _LPPool(_Pool):
+  """The body of :class:`LPPool1d`, :class:`LPPool2d` and :class:`LPPool3d`."""
+
   norm_type: float = eqx.field(static=True)
 
   def __init__(self, num_spatial_dims: int, norm_type: float, kernel_size: IntOrSeq,
@@ -147,53 +156,220 @@ class _LPPool(_Pool):
                      dilation=dilation, implementation=implementation)
     self.norm_type = p
 
-  def __call__(self, x: jax.Array, *, key: Any = None) -> jax.Array:
-    """``(channels, *spatial)`` -> ``(channels, *out_spatial)``; ``key`` is ignored."""
-    return jaxpool.lp_pool(self._check(x), self.norm_type, **self._kwargs())
+  def _pool(self, x: jax.Array) -> jax.Array:
+    return api.lp_pool(self._check(x), self.norm_type, **self._kwargs())
 
 
-def _fixed(base: type, n: int, name: str, doc: str) -> type:
-  """A subclass of ``base`` with ``num_spatial_dims`` fixed to ``n`` (Equinox's signature)."""
-
-  def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-    base.__init__(self, n, *args, **kwargs)  # type: ignore[misc]
-
-  return type(name, (base,), {"__init__": __init__, "__doc__": doc, "__module__": __name__})
+# The layers, written out as Equinox writes its own (equinox/nn/_pool.py): each with its
+# signature (num_spatial_dims fixed) and a __call__ under its own named scope, so that docs,
+# IDEs and profiles see them.
 
 
-_MAX_DOC = """{n}-D max pooling, as ``equinox.nn.MaxPool{n}d`` (channels first).
+class MaxPool1d(_MaxPool):
+  """1-D max pooling, as ``equinox.nn.MaxPool1d`` (channels first).
 
   Args:
-    kernel_size: an int or {n} ints.
-    stride: an int or {n} ints; default 1 (as Equinox; PyTorch's default is the kernel).
-    padding: an int, {n} ints, or {n} ``(lo, hi)`` pairs.
+    kernel_size: an int or 1 ints.
+    stride: an int or 1 ints; default 1 (as Equinox; PyTorch's default is the kernel).
+    padding: an int, 1 ints, or 1 ``(lo, hi)`` pairs.
     use_ceil: round the output size up (PyTorch's ``ceil_mode`` rule).
-    dilation: an int or {n} ints (keyword; not in Equinox).
+    dilation: an int or 1 ints (keyword; not in Equinox).
     implementation: ``None``, ``"xla"`` or ``"pallas"`` (keyword).
   """
-_AVG_DOC = """{n}-D average pooling, as ``equinox.nn.AvgPool{n}d`` (channels first).
+
+  def __init__(self, kernel_size: IntOrSeq, stride: IntOrSeq = 1, padding: PaddingArg = 0,
+               use_ceil: bool = False, *, dilation: IntOrSeq = 1,
+               implementation: str | None = None):
+    super().__init__(1, kernel_size, stride, padding, use_ceil, dilation=dilation,
+                     implementation=implementation)
+
+  def __call__(self, x: jax.Array, *, key: Any = None) -> jax.Array:
+    """``(channels, *spatial)`` -> ``(channels, *out_spatial)``; ``key`` is ignored."""
+    with jax.named_scope("jaxpool.equinox.MaxPool1d"):
+      return self._pool(x)
+
+
+class MaxPool2d(_MaxPool):
+  """2-D max pooling, as ``equinox.nn.MaxPool2d`` (channels first).
 
   Args:
-    kernel_size, stride, padding, use_ceil: as ``MaxPool{n}d``.
-    dilation, implementation: as ``MaxPool{n}d`` (keywords).
+    kernel_size: an int or 2 ints.
+    stride: an int or 2 ints; default 1 (as Equinox; PyTorch's default is the kernel).
+    padding: an int, 2 ints, or 2 ``(lo, hi)`` pairs.
+    use_ceil: round the output size up (PyTorch's ``ceil_mode`` rule).
+    dilation: an int or 2 ints (keyword; not in Equinox).
+    implementation: ``None``, ``"xla"`` or ``"pallas"`` (keyword).
+  """
+
+  def __init__(self, kernel_size: IntOrSeq, stride: IntOrSeq = 1, padding: PaddingArg = 0,
+               use_ceil: bool = False, *, dilation: IntOrSeq = 1,
+               implementation: str | None = None):
+    super().__init__(2, kernel_size, stride, padding, use_ceil, dilation=dilation,
+                     implementation=implementation)
+
+  def __call__(self, x: jax.Array, *, key: Any = None) -> jax.Array:
+    """``(channels, *spatial)`` -> ``(channels, *out_spatial)``; ``key`` is ignored."""
+    with jax.named_scope("jaxpool.equinox.MaxPool2d"):
+      return self._pool(x)
+
+
+class MaxPool3d(_MaxPool):
+  """3-D max pooling, as ``equinox.nn.MaxPool3d`` (channels first).
+
+  Args:
+    kernel_size: an int or 3 ints.
+    stride: an int or 3 ints; default 1 (as Equinox; PyTorch's default is the kernel).
+    padding: an int, 3 ints, or 3 ``(lo, hi)`` pairs.
+    use_ceil: round the output size up (PyTorch's ``ceil_mode`` rule).
+    dilation: an int or 3 ints (keyword; not in Equinox).
+    implementation: ``None``, ``"xla"`` or ``"pallas"`` (keyword).
+  """
+
+  def __init__(self, kernel_size: IntOrSeq, stride: IntOrSeq = 1, padding: PaddingArg = 0,
+               use_ceil: bool = False, *, dilation: IntOrSeq = 1,
+               implementation: str | None = None):
+    super().__init__(3, kernel_size, stride, padding, use_ceil, dilation=dilation,
+                     implementation=implementation)
+
+  def __call__(self, x: jax.Array, *, key: Any = None) -> jax.Array:
+    """``(channels, *spatial)`` -> ``(channels, *out_spatial)``; ``key`` is ignored."""
+    with jax.named_scope("jaxpool.equinox.MaxPool3d"):
+      return self._pool(x)
+
+
+class AvgPool1d(_AvgPool):
+  """1-D average pooling, as ``equinox.nn.AvgPool1d`` (channels first).
+
+  Args:
+    kernel_size, stride, padding, use_ceil: as :class:`MaxPool1d`.
+    dilation, implementation: as :class:`MaxPool1d` (keywords).
     count_include_pad: divide by ``prod(kernel_size)`` (default, as Equinox, the ceil-mode
       overhang included) or by the real elements (keyword).
     divisor_override: a positive int replacing the divisor (keyword).
   """
-_LP_DOC = """{n}-D Lp-norm pooling (PyTorch's ``LPPool{n}d``, Equinox's layout).
+
+  def __init__(self, kernel_size: IntOrSeq, stride: IntOrSeq = 1, padding: PaddingArg = 0,
+               use_ceil: bool = False, *, dilation: IntOrSeq = 1,
+               count_include_pad: bool = True, divisor_override: int | None = None,
+               implementation: str | None = None):
+    super().__init__(1, kernel_size, stride, padding, use_ceil, dilation=dilation,
+                     count_include_pad=count_include_pad, divisor_override=divisor_override,
+                     implementation=implementation)
+
+  def __call__(self, x: jax.Array, *, key: Any = None) -> jax.Array:
+    """``(channels, *spatial)`` -> ``(channels, *out_spatial)``; ``key`` is ignored."""
+    with jax.named_scope("jaxpool.equinox.AvgPool1d"):
+      return self._pool(x)
+
+
+class AvgPool2d(_AvgPool):
+  """2-D average pooling, as ``equinox.nn.AvgPool2d`` (channels first).
+
+  Args:
+    kernel_size, stride, padding, use_ceil: as :class:`MaxPool2d`.
+    dilation, implementation: as :class:`MaxPool2d` (keywords).
+    count_include_pad: divide by ``prod(kernel_size)`` (default, as Equinox, the ceil-mode
+      overhang included) or by the real elements (keyword).
+    divisor_override: a positive int replacing the divisor (keyword).
+  """
+
+  def __init__(self, kernel_size: IntOrSeq, stride: IntOrSeq = 1, padding: PaddingArg = 0,
+               use_ceil: bool = False, *, dilation: IntOrSeq = 1,
+               count_include_pad: bool = True, divisor_override: int | None = None,
+               implementation: str | None = None):
+    super().__init__(2, kernel_size, stride, padding, use_ceil, dilation=dilation,
+                     count_include_pad=count_include_pad, divisor_override=divisor_override,
+                     implementation=implementation)
+
+  def __call__(self, x: jax.Array, *, key: Any = None) -> jax.Array:
+    """``(channels, *spatial)`` -> ``(channels, *out_spatial)``; ``key`` is ignored."""
+    with jax.named_scope("jaxpool.equinox.AvgPool2d"):
+      return self._pool(x)
+
+
+class AvgPool3d(_AvgPool):
+  """3-D average pooling, as ``equinox.nn.AvgPool3d`` (channels first).
+
+  Args:
+    kernel_size, stride, padding, use_ceil: as :class:`MaxPool3d`.
+    dilation, implementation: as :class:`MaxPool3d` (keywords).
+    count_include_pad: divide by ``prod(kernel_size)`` (default, as Equinox, the ceil-mode
+      overhang included) or by the real elements (keyword).
+    divisor_override: a positive int replacing the divisor (keyword).
+  """
+
+  def __init__(self, kernel_size: IntOrSeq, stride: IntOrSeq = 1, padding: PaddingArg = 0,
+               use_ceil: bool = False, *, dilation: IntOrSeq = 1,
+               count_include_pad: bool = True, divisor_override: int | None = None,
+               implementation: str | None = None):
+    super().__init__(3, kernel_size, stride, padding, use_ceil, dilation=dilation,
+                     count_include_pad=count_include_pad, divisor_override=divisor_override,
+                     implementation=implementation)
+
+  def __call__(self, x: jax.Array, *, key: Any = None) -> jax.Array:
+    """``(channels, *spatial)`` -> ``(channels, *out_spatial)``; ``key`` is ignored."""
+    with jax.named_scope("jaxpool.equinox.AvgPool3d"):
+      return self._pool(x)
+
+
+class LPPool1d(_LPPool):
+  """1-D Lp-norm pooling (PyTorch's ``LPPool1d``, Equinox's layout).
 
   Args:
     norm_type: ``p``, finite and ``>= 1`` (PyTorch's name).
-    kernel_size, stride, padding, use_ceil: as ``MaxPool{n}d``.
-    dilation, implementation: as ``MaxPool{n}d`` (keywords).
+    kernel_size, stride, padding, use_ceil: as :class:`MaxPool1d`.
+    dilation, implementation: as :class:`MaxPool1d` (keywords).
   """
 
-MaxPool1d = _fixed(_MaxPool, 1, "MaxPool1d", _MAX_DOC.format(n=1))
-MaxPool2d = _fixed(_MaxPool, 2, "MaxPool2d", _MAX_DOC.format(n=2))
-MaxPool3d = _fixed(_MaxPool, 3, "MaxPool3d", _MAX_DOC.format(n=3))
-AvgPool1d = _fixed(_AvgPool, 1, "AvgPool1d", _AVG_DOC.format(n=1))
-AvgPool2d = _fixed(_AvgPool, 2, "AvgPool2d", _AVG_DOC.format(n=2))
-AvgPool3d = _fixed(_AvgPool, 3, "AvgPool3d", _AVG_DOC.format(n=3))
-LPPool1d = _fixed(_LPPool, 1, "LPPool1d", _LP_DOC.format(n=1))
-LPPool2d = _fixed(_LPPool, 2, "LPPool2d", _LP_DOC.format(n=2))
-LPPool3d = _fixed(_LPPool, 3, "LPPool3d", _LP_DOC.format(n=3))
+  def __init__(self, norm_type: float, kernel_size: IntOrSeq, stride: IntOrSeq = 1,
+               padding: PaddingArg = 0, use_ceil: bool = False, *, dilation: IntOrSeq = 1,
+               implementation: str | None = None):
+    super().__init__(1, norm_type, kernel_size, stride, padding, use_ceil,
+                     dilation=dilation, implementation=implementation)
+
+  def __call__(self, x: jax.Array, *, key: Any = None) -> jax.Array:
+    """``(channels, *spatial)`` -> ``(channels, *out_spatial)``; ``key`` is ignored."""
+    with jax.named_scope("jaxpool.equinox.LPPool1d"):
+      return self._pool(x)
+
+
+class LPPool2d(_LPPool):
+  """2-D Lp-norm pooling (PyTorch's ``LPPool2d``, Equinox's layout).
+
+  Args:
+    norm_type: ``p``, finite and ``>= 1`` (PyTorch's name).
+    kernel_size, stride, padding, use_ceil: as :class:`MaxPool2d`.
+    dilation, implementation: as :class:`MaxPool2d` (keywords).
+  """
+
+  def __init__(self, norm_type: float, kernel_size: IntOrSeq, stride: IntOrSeq = 1,
+               padding: PaddingArg = 0, use_ceil: bool = False, *, dilation: IntOrSeq = 1,
+               implementation: str | None = None):
+    super().__init__(2, norm_type, kernel_size, stride, padding, use_ceil,
+                     dilation=dilation, implementation=implementation)
+
+  def __call__(self, x: jax.Array, *, key: Any = None) -> jax.Array:
+    """``(channels, *spatial)`` -> ``(channels, *out_spatial)``; ``key`` is ignored."""
+    with jax.named_scope("jaxpool.equinox.LPPool2d"):
+      return self._pool(x)
+
+
+class LPPool3d(_LPPool):
+  """3-D Lp-norm pooling (PyTorch's ``LPPool3d``, Equinox's layout).
+
+  Args:
+    norm_type: ``p``, finite and ``>= 1`` (PyTorch's name).
+    kernel_size, stride, padding, use_ceil: as :class:`MaxPool3d`.
+    dilation, implementation: as :class:`MaxPool3d` (keywords).
+  """
+
+  def __init__(self, norm_type: float, kernel_size: IntOrSeq, stride: IntOrSeq = 1,
+               padding: PaddingArg = 0, use_ceil: bool = False, *, dilation: IntOrSeq = 1,
+               implementation: str | None = None):
+    super().__init__(3, norm_type, kernel_size, stride, padding, use_ceil,
+                     dilation=dilation, implementation=implementation)
+
+  def __call__(self, x: jax.Array, *, key: Any = None) -> jax.Array:
+    """``(channels, *spatial)`` -> ``(channels, *out_spatial)``; ``key`` is ignored."""
+    with jax.named_scope("jaxpool.equinox.LPPool3d"):
+      return self._pool(x)

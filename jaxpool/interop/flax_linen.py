@@ -31,25 +31,20 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import flax.linen as nn
 import jax
-import numpy as np
 
-import jaxpool
-from jaxpool._src.windows import check_rank
-from jaxpool.interop._args import check_bool, check_divisor, check_norm, flax_config
+from jaxpool._src import api
+from jaxpool._src.checks import check_bool, check_divisor, check_norm
+from jaxpool.interop._args import flax_config
+from jaxpool.interop._layers import (AvgPoolBody, LPPoolBody, MaxPoolBody, MinPoolBody,
+                                     checked_inputs)
 
 __all__ = ["max_pool", "min_pool", "avg_pool", "lp_pool", "MaxPool", "MinPool", "AvgPool",
            "LPPool", "L2Pool"]
 
 Padding = str | int | Sequence[tuple[int, int]]
-
-
-def _checked(inputs: Any, cfg: dict[str, Any]) -> Any:
-  check_rank("inputs", np.shape(inputs), len(cfg["window_shape"]), cfg["data_format"])
-  return inputs
 
 
 def max_pool(inputs: jax.typing.ArrayLike, window_shape: Sequence[int],
@@ -75,7 +70,7 @@ def max_pool(inputs: jax.typing.ArrayLike, window_shape: Sequence[int],
   """
   cfg = flax_config(window_shape, strides, padding, dilation=dilation, ceil_mode=ceil_mode,
                     data_format=data_format, implementation=implementation)
-  return jaxpool.max_pool(_checked(inputs, cfg), **cfg)
+  return api.max_pool(checked_inputs(inputs, cfg), **cfg)
 
 
 def min_pool(inputs: jax.typing.ArrayLike, window_shape: Sequence[int],
@@ -91,7 +86,7 @@ def min_pool(inputs: jax.typing.ArrayLike, window_shape: Sequence[int],
   """
   cfg = flax_config(window_shape, strides, padding, dilation=dilation, ceil_mode=ceil_mode,
                     data_format=data_format, implementation=implementation)
-  return jaxpool.min_pool(_checked(inputs, cfg), **cfg)
+  return api.min_pool(checked_inputs(inputs, cfg), **cfg)
 
 
 def avg_pool(inputs: jax.typing.ArrayLike, window_shape: Sequence[int],
@@ -114,7 +109,7 @@ def avg_pool(inputs: jax.typing.ArrayLike, window_shape: Sequence[int],
   """
   cfg = flax_config(window_shape, strides, padding, dilation=dilation, ceil_mode=ceil_mode,
                     data_format=data_format, implementation=implementation)
-  return jaxpool.avg_pool(_checked(inputs, cfg), **cfg,
+  return api.avg_pool(checked_inputs(inputs, cfg), **cfg,
                           count_include_pad=check_bool("count_include_pad", count_include_pad),
                           divisor_override=check_divisor("divisor_override", divisor_override))
 
@@ -135,11 +130,20 @@ def lp_pool(inputs: jax.typing.ArrayLike, p: float, window_shape: Sequence[int],
   p = check_norm("p", p)
   cfg = flax_config(window_shape, strides, padding, dilation=dilation, ceil_mode=ceil_mode,
                     data_format=data_format, implementation=implementation)
-  return jaxpool.lp_pool(_checked(inputs, cfg), p, **cfg)
+  return api.lp_pool(checked_inputs(inputs, cfg), p, **cfg)
 
 
-class _ExtremumPool(nn.Module):
-  """The attributes of :class:`MaxPool` and :class:`MinPool`, checked at construction."""
+# The layers: Flax's attributes as fields, checked when a layer is constructed; the checks and
+# the call are the body they share with the nnx layers (jaxpool/interop/_layers.py).
+
+
+class MaxPool(MaxPoolBody, nn.Module):
+  """Max pooling as a linen module (no parameters): :func:`max_pool` with its attributes.
+
+  Attributes:
+    window_shape, strides, padding, dilation, ceil_mode, implementation, data_format: as
+      :func:`max_pool`; checked when the module is constructed.
+  """
 
   window_shape: Sequence[int]
   strides: Sequence[int] | None = None
@@ -150,28 +154,14 @@ class _ExtremumPool(nn.Module):
   data_format: str = "channels_last"
 
   def __post_init__(self) -> None:
-    flax_config(self.window_shape, self.strides, self.padding, dilation=self.dilation,
-                ceil_mode=self.ceil_mode, data_format=self.data_format,
-                implementation=self.implementation)
+    self._check_attributes()
     super().__post_init__()
 
-
-class MaxPool(_ExtremumPool):
-  """Max pooling as a linen module (no parameters): :func:`max_pool` with its attributes.
-
-  Attributes:
-    window_shape, strides, padding, dilation, ceil_mode, implementation, data_format: as
-      :func:`max_pool`; checked when the module is constructed.
-  """
-
-
   def __call__(self, inputs: jax.typing.ArrayLike) -> jax.Array:
-    return max_pool(inputs, self.window_shape, self.strides, self.padding,
-                    dilation=self.dilation, ceil_mode=self.ceil_mode,
-                    data_format=self.data_format, implementation=self.implementation)
+    return self._apply_pool(inputs)
 
 
-class MinPool(_ExtremumPool):
+class MinPool(MinPoolBody, nn.Module):
   """Min pooling as a linen module (no parameters): :func:`min_pool` with its attributes.
 
   Attributes:
@@ -179,14 +169,23 @@ class MinPool(_ExtremumPool):
       :func:`max_pool`; checked when the module is constructed.
   """
 
+  window_shape: Sequence[int]
+  strides: Sequence[int] | None = None
+  padding: Padding = "VALID"
+  dilation: Sequence[int] | None = None
+  ceil_mode: bool = False
+  implementation: str | None = None
+  data_format: str = "channels_last"
+
+  def __post_init__(self) -> None:
+    self._check_attributes()
+    super().__post_init__()
 
   def __call__(self, inputs: jax.typing.ArrayLike) -> jax.Array:
-    return min_pool(inputs, self.window_shape, self.strides, self.padding,
-                    dilation=self.dilation, ceil_mode=self.ceil_mode,
-                    data_format=self.data_format, implementation=self.implementation)
+    return self._apply_pool(inputs)
 
 
-class AvgPool(nn.Module):
+class AvgPool(AvgPoolBody, nn.Module):
   """Average pooling as a linen module (no parameters): :func:`avg_pool` with its attributes.
 
   Attributes:
@@ -206,21 +205,14 @@ class AvgPool(nn.Module):
   data_format: str = "channels_last"
 
   def __post_init__(self) -> None:
-    flax_config(self.window_shape, self.strides, self.padding, dilation=self.dilation,
-                ceil_mode=self.ceil_mode, data_format=self.data_format,
-                implementation=self.implementation)
-    check_bool("count_include_pad", self.count_include_pad)
-    check_divisor("divisor_override", self.divisor_override)
+    self._check_attributes()
     super().__post_init__()
 
   def __call__(self, inputs: jax.typing.ArrayLike) -> jax.Array:
-    return avg_pool(inputs, self.window_shape, self.strides, self.padding,
-                    self.count_include_pad, dilation=self.dilation, ceil_mode=self.ceil_mode,
-                    divisor_override=self.divisor_override, data_format=self.data_format,
-                    implementation=self.implementation)
+    return self._apply_pool(inputs)
 
 
-class LPPool(nn.Module):
+class LPPool(LPPoolBody, nn.Module):
   """Lp-norm pooling as a linen module (PyTorch's ``LPPool`` with Flax's layout).
 
   Attributes:
@@ -239,19 +231,14 @@ class LPPool(nn.Module):
   data_format: str = "channels_last"
 
   def __post_init__(self) -> None:
-    check_norm("p", self.p)
-    flax_config(self.window_shape, self.strides, self.padding, dilation=self.dilation,
-                ceil_mode=self.ceil_mode, data_format=self.data_format,
-                implementation=self.implementation)
+    self._check_attributes()
     super().__post_init__()
 
   def __call__(self, inputs: jax.typing.ArrayLike) -> jax.Array:
-    return lp_pool(inputs, self.p, self.window_shape, self.strides, self.padding,
-                   dilation=self.dilation, ceil_mode=self.ceil_mode,
-                   data_format=self.data_format, implementation=self.implementation)
+    return self._apply_pool(inputs)
 
 
-class L2Pool(nn.Module):
+class L2Pool(LPPoolBody, nn.Module):
   """L2-norm pooling (MPS's ``MPSCNNPoolingL2Norm``): :class:`LPPool` with ``p=2``.
 
   Attributes:
@@ -266,14 +253,11 @@ class L2Pool(nn.Module):
   ceil_mode: bool = False
   implementation: str | None = None
   data_format: str = "channels_last"
+  p = 2.0  # (not annotated, so not a field: the norm is fixed)
 
   def __post_init__(self) -> None:
-    flax_config(self.window_shape, self.strides, self.padding, dilation=self.dilation,
-                ceil_mode=self.ceil_mode, data_format=self.data_format,
-                implementation=self.implementation)
+    self._check_attributes()
     super().__post_init__()
 
   def __call__(self, inputs: jax.typing.ArrayLike) -> jax.Array:
-    return lp_pool(inputs, 2, self.window_shape, self.strides, self.padding,
-                   dilation=self.dilation, ceil_mode=self.ceil_mode,
-                   data_format=self.data_format, implementation=self.implementation)
+    return self._apply_pool(inputs)

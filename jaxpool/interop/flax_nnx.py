@@ -27,7 +27,9 @@ from typing import Any
 import jax
 from flax import nnx
 
-from jaxpool.interop._args import check_bool, check_divisor, check_norm, flax_config
+from jaxpool._src.checks import check_bool, check_divisor, check_norm
+from jaxpool.interop._args import flax_config
+from jaxpool.interop._layers import AvgPoolBody, LPPoolBody, MaxPoolBody, MinPoolBody
 from jaxpool.interop.flax_linen import Padding, avg_pool, lp_pool, max_pool, min_pool
 
 __all__ = ["max_pool", "min_pool", "avg_pool", "lp_pool", "MaxPool", "MinPool", "AvgPool",
@@ -50,12 +52,13 @@ class _Pool(nnx.Module):
     self.data_format: str = cfg["data_format"]
     self.implementation: str | None = cfg["implementation"]
 
-  def _kw(self) -> dict[str, Any]:
-    return dict(dilation=self.dilation, ceil_mode=self.ceil_mode, data_format=self.data_format,
-                implementation=self.implementation)
 
 
-class MaxPool(_Pool):
+# Each layer checks its arguments in __init__ and keeps the checked form; the call is the body
+# it shares with the linen layers (jaxpool/interop/_layers.py).
+
+
+class MaxPool(MaxPoolBody, _Pool):
   """Max pooling layer: :func:`jaxpool.interop.flax_linen.max_pool` with fixed arguments.
 
   Args:
@@ -75,10 +78,10 @@ class MaxPool(_Pool):
 
   def __call__(self, inputs: jax.typing.ArrayLike) -> jax.Array:
     """``(*batch, *spatial, features)`` -> ``(*batch, *out_spatial, features)``."""
-    return max_pool(inputs, self.window_shape, self.strides, self.padding, **self._kw())
+    return self._apply_pool(inputs)
 
 
-class MinPool(_Pool):
+class MinPool(MinPoolBody, _Pool):
   """Min pooling layer: :func:`jaxpool.interop.flax_linen.min_pool` with fixed arguments.
 
   Args: as :class:`MaxPool`.
@@ -93,10 +96,10 @@ class MinPool(_Pool):
 
   def __call__(self, inputs: jax.typing.ArrayLike) -> jax.Array:
     """``(*batch, *spatial, features)`` -> ``(*batch, *out_spatial, features)``."""
-    return min_pool(inputs, self.window_shape, self.strides, self.padding, **self._kw())
+    return self._apply_pool(inputs)
 
 
-class AvgPool(_Pool):
+class AvgPool(AvgPoolBody, _Pool):
   """Average pooling layer: :func:`jaxpool.interop.flax_linen.avg_pool` with fixed arguments.
 
   Args:
@@ -118,11 +121,10 @@ class AvgPool(_Pool):
 
   def __call__(self, inputs: jax.typing.ArrayLike) -> jax.Array:
     """``(*batch, *spatial, features)`` -> ``(*batch, *out_spatial, features)``."""
-    return avg_pool(inputs, self.window_shape, self.strides, self.padding,
-                    self.count_include_pad, divisor_override=self.divisor_override, **self._kw())
+    return self._apply_pool(inputs)
 
 
-class LPPool(_Pool):
+class LPPool(LPPoolBody, _Pool):
   """Lp-norm pooling layer (PyTorch's ``LPPool`` with Flax's layout).
 
   Args:
@@ -141,7 +143,7 @@ class LPPool(_Pool):
 
   def __call__(self, inputs: jax.typing.ArrayLike) -> jax.Array:
     """``(*batch, *spatial, features)`` -> ``(*batch, *out_spatial, features)``."""
-    return lp_pool(inputs, self.p, self.window_shape, self.strides, self.padding, **self._kw())
+    return self._apply_pool(inputs)
 
 
 class L2Pool(LPPool):

@@ -2,14 +2,18 @@
 
 Layout (each module imports only the ones above it in this list, never back):
 
-- ``base.py``: :class:`Node`, input fields, the checks nodes share (windows, strides and padding
-  through the core's ``jaxpool._src.windows``), and the registry of gradient classes.
-- one module per kind of layer: ``inputs.py`` (Input), ``conv.py`` (Conv, ConvTranspose,
-  Dense), ``pooling.py`` (the pools), ``activation.py`` (neurons, Softmax), ``arithmetic.py``
-  (Add), ``shape.py`` (Flatten, Reshape, Pad, Concat, Upsample), ``losses.py``
-  (SoftmaxCrossEntropy, SigmoidCrossEntropy, MeanSquaredError), ``normalization.py``
-  (BatchNorm), ``regularization.py`` (Dropout).
-- ``gradients.py``: gradient-state and gradient nodes (it registers them with ``base.py``).
+- ``base.py``: :class:`Node`, input fields, and the base types of the gradient side
+  (:class:`GradientState`, :class:`GradientNode`, :class:`Gradient`, :class:`Cotangents`).
+- ``common.py``: the checks the node modules share (windows, strides and padding through the
+  core's ``jaxpool._src.checks`` and ``jaxpool._src.windows``), image layout helpers,
+  :class:`Initializer`.
+- one module per kind of layer, each with its own gradient and gradient-state classes beside
+  the node that names them (``gradient_class``, ``state_class``): ``inputs.py`` (Input),
+  ``conv.py`` (Conv, ConvTranspose, Dense; ConvolutionGradient), ``pooling.py`` (the pools;
+  PoolingGradient), ``activation.py`` (neurons, Softmax), ``arithmetic.py`` (Add), ``shape.py``
+  (Flatten, Reshape, Pad, Concat, Upsample), ``losses.py`` (SoftmaxCrossEntropy,
+  SigmoidCrossEntropy, MeanSquaredError), ``normalization.py`` (BatchNorm and its gradient and
+  state), ``regularization.py`` (Dropout and its gradient and state).
 - ``passes.py``: the rewrite passes a graph applies before it runs (a ReLU into the max pool
   after it).
 - ``graph.py``: :class:`Graph`, :class:`TrainingGraph`, :func:`training_graph`.
@@ -18,19 +22,17 @@ Layout (each module imports only the ones above it in this list, never back):
 
 from jaxpool._src.graph.activation import ACTIVATIONS, Activation, ReLU, Softmax
 from jaxpool._src.graph.arithmetic import Add
-from jaxpool._src.graph.base import Initializer, Node, resolve_padding
-from jaxpool._src.graph.conv import Conv, ConvTranspose, Dense
-from jaxpool._src.graph.gradients import (BatchNormalizationGradient, BatchNormalizationState,
-                                          ConvolutionGradient, Cotangents, DropoutGradient,
-                                          DropoutGradientState, Gradient, GradientNode,
-                                          GradientState, PoolingGradient)
+from jaxpool._src.graph.base import Cotangents, Gradient, GradientNode, GradientState, Node
+from jaxpool._src.graph.common import Initializer, resolve_padding
+from jaxpool._src.graph.conv import Conv, ConvTranspose, ConvolutionGradient, Dense
 from jaxpool._src.graph.graph import Graph, TrainingGraph, has_graphviz, training_graph
 from jaxpool._src.graph.passes import DEFAULT_PASSES, fold_relu_into_max_pool
 from jaxpool._src.graph.inputs import Image, Input
 from jaxpool._src.graph.losses import MeanSquaredError, SigmoidCrossEntropy, SoftmaxCrossEntropy
-from jaxpool._src.graph.normalization import BatchNorm
-from jaxpool._src.graph.pooling import AvgPool, DilatedMaxPool, L2Pool, MaxPool
-from jaxpool._src.graph.regularization import Dropout
+from jaxpool._src.graph.normalization import (BatchNorm, BatchNormalizationGradient,
+                                              BatchNormalizationState)
+from jaxpool._src.graph.pooling import AvgPool, DilatedMaxPool, L2Pool, MaxPool, PoolingGradient
+from jaxpool._src.graph.regularization import Dropout, DropoutGradient, DropoutGradientState
 from jaxpool._src.graph.serialization import load_params, save_params
 from jaxpool._src.graph.shape import Concat, Flatten, Pad, Reshape, Upsample
 

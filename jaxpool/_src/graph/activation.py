@@ -9,7 +9,8 @@ from dataclasses import KW_ONLY, dataclass
 import jax
 import jax.numpy as jnp
 
-from jaxpool._src.graph.base import Node, Ref, array_axis, axis_in_range, check_axis, input_field
+from jaxpool._src.graph.base import Node, Ref, input_field
+from jaxpool._src.graph.common import array_axis, axis_in_range, check_axis, check_choice
 
 
 def _leaky_relu(x):
@@ -32,10 +33,7 @@ class Activation(Node):
   fn: str = "relu"
 
   def _normalize(self):
-    if not isinstance(self.fn, str):
-      raise self._fail(f"fn must be one of {tuple(ACTIVATIONS)}; got {self.fn!r}.", TypeError)
-    if self.fn not in ACTIVATIONS:
-      raise self._fail(f"fn must be one of {tuple(ACTIVATIONS)}; got {self.fn!r}.")
+    check_choice(self, "fn", self.fn, tuple(ACTIVATIONS))
 
   def forward(self, params, xs, in_specs):
     return ACTIVATIONS[self.fn](xs[0])

@@ -1,4 +1,4 @@
-"""The base of every node: :class:`Node`, its input fields, and the checks nodes share.
+"""The base of every node: :class:`Node`, its input fields, and the gradient nodes' base types.
 
 A node is an op, its static config and the names of its input nodes (``inputs``). It keeps the
 input node objects it was built from (``refs``, not compared, not hashed) only so that
@@ -10,33 +10,35 @@ Every array a node sees is ``(*batch, *shape)`` where ``shape`` is the per-examp
 infers at build time (images are channels-last, ``(*spatial, C)``); the batch dims are whatever the
 caller passes (none under ``vmap``, as MPS's ``encodeBatch``).
 
-Every node module imports this one and none imports a node module back. The gradient module
-(``gradients.py``) registers its classes here (:func:`register_gradient_class`), so that
-``node.gradient_filter()`` finds them without importing it. Window, stride, dilation and padding
-arguments are checked by the core's rules (``jaxpool._src.windows``), with errors naming the node.
-"""
+The gradient side (MPS's ``MPSNNGradientStateNode`` and ``MPSNNGradientFilterNode``) sits here
+too, beside :class:`Node`: a gradient-state node is produced by its forward node (when a graph
+holds the state node of a forward node, that node runs ``forward_with_state`` and what it returns
+beside its output becomes the state's value); a gradient node stands for one forward node, its
+inputs its source gradient(s) (summed in order), the source images (the forward node's inputs)
+and the gradient state, and its value a :class:`Cotangents`. A forward node names the classes of
+its gradient and gradient-state nodes itself (``gradient_class``, ``state_class``): every node's
+default is :class:`Gradient` and :class:`GradientState`; a node module that has its own (pooling:
+``PoolingGradient``; conv, normalization, regularization) defines it beside the node. The
+gradient states of the nodes whose training and inference modes differ (BatchNorm, Dropout)
+exist in training mode only: their forward keeps them then (``Node.forward_mode``).
 
+Every node module imports this one and none imports a node module back; the checks the node
+modules share (errors naming the node) are in ``common.py``.
+"""
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, ClassVar, TypeVar, Union
+from collections.abc import Callable, Sequence
+from dataclasses import KW_ONLY, dataclass, field
+from typing import Any, ClassVar, NamedTuple, TypeVar, Union
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpool._src import windows
-
 Ref = Union["Node", str]
 Spec = jax.ShapeDtypeStruct
 Params = dict[str, jax.Array]
 T = TypeVar("T")
-N = TypeVar("N", bound="Node")
-
-PADDING_POLICIES = ("VALID", "SAME", "FULL")
-POOL_PADDING_POLICIES = (*PADDING_POLICIES, "SAME_LOWER")  # the pooling nodes' (as the core's)
 
 
 def input_field(compare: bool = False, **kw: Any) -> Any:
@@ -62,8 +64,11 @@ class Node:
   keeps_state: ClassVar[bool] = False  # whether its gradient needs a gradient-state node
   accepts_state: ClassVar[bool] = False  # whether its gradient node takes one it does not need
   state_doc: ClassVar[str] = ""        # what the gradient state carries
-  gradient_kind: ClassVar[str] = "Gradient"  # the class of its gradient node (gradients.py)
-  state_kind: ClassVar[str] = "GradientState"  # the class of its gradient-state node
+  # The classes of its gradient node and of its gradient-state node: Gradient and GradientState
+  # (below) unless the node's module names its own (MaxPool: PoolingGradient).
+  gradient_class: ClassVar[type[GradientNode]]
+  state_class: ClassVar[type[GradientState]]
+  is_filter: ClassVar[bool] = True  # a forward (filter) node, which has a gradient node
   # Training mode (Graph.apply(..., training=True)); see forward_mode:
   has_model_state: ClassVar[bool] = False  # keeps a model state (BatchNorm's running statistics)
   uses_key: ClassVar[bool] = False         # draws random numbers in training mode (Dropout)
@@ -192,13 +197,13 @@ class Node:
 
   # -- MPS's gradient API ----------------------------------------------------------------------
 
-  def gradient_state(self, name: str | None = None):
+  def gradient_state(self, name: str | None = None) -> GradientState:
     """The gradient-state node that carries what this node's forward keeps for its gradient."""
-    return gradient_class(self.state_kind)(name or f"{self.name}.state", self)
+    return self.state_class(name or f"{self.name}.state", self)
 
   def gradient_filter(self, source_gradient: Ref | Sequence[Ref] | None = None, *,
                       state: Ref | None = None, name: str | None = None,
-                      wrt: Sequence[bool] | None = None):
+                      wrt: Sequence[bool] | None = None) -> GradientNode:
     """This node's gradient node, as MPS's ``gradientFilter(withSource:)``.
 
     Args:
@@ -212,9 +217,9 @@ class Node:
     """
     if state is None and self.keeps_state:
       state = self.gradient_state()
-    cls = gradient_class(self.gradient_kind)
-    return cls(name or f"{self.name}.grad", self, source_gradient, self.refs_or_names(), state,
-               wrt=None if wrt is None else check_bools(self, "wrt", wrt))
+    return self.gradient_class(name or f"{self.name}.grad", self, source_gradient,
+                               self.refs_or_names(), state,
+                               wrt=None if wrt is None else check_bools(self, "wrt", wrt))
 
   def refs_or_names(self) -> tuple[Ref, ...]:
     """The inputs as node objects where known, else as names."""
@@ -224,26 +229,6 @@ class Node:
   def describe(self) -> str:
     """A short description of the op for summaries and pictures."""
     return type(self).__name__
-
-
-# Gradient-state and gradient-node classes by name, filled by gradients.py (which imports this
-# module; this module never imports it back).
-_GRADIENT_CLASSES: dict[str, type[Any]] = {}
-
-
-def register_gradient_class(cls: type[N]) -> type[N]:
-  """Class decorator: makes ``cls`` the class a forward node's ``gradient_kind`` names."""
-  _GRADIENT_CLASSES[cls.__name__] = cls
-  return cls
-
-
-def gradient_class(kind: str) -> type[Any]:
-  """The registered gradient class called ``kind``: ``"GradientState"``, ``"Gradient"``..."""
-  try:
-    return _GRADIENT_CLASSES[kind]
-  except KeyError:
-    raise LookupError(f"no gradient class {kind!r} is registered (it is defined in "
-                      "jaxpool._src.graph.gradients, which jaxpool.graph imports).") from None
 
 
 def as_refs(value: Any) -> tuple[Any, ...]:
@@ -264,16 +249,6 @@ def ref_name(owner: str, field_name: str, ref: Any) -> str:
   raise TypeError(f"node {owner!r}: {field_name} must be a node or a node name; got {ref!r}.")
 
 
-def batch_shape(x: jax.Array, spec: Spec) -> tuple[int, ...]:
-  return tuple(x.shape[:x.ndim - len(spec.shape)])
-
-
-def check_bool(node: Node, name: str, value: Any) -> bool:
-  if not isinstance(value, (bool, np.bool_)):
-    raise node._fail(f"{name} must be a bool (True or False); got {value!r}.", TypeError)
-  return bool(value)
-
-
 def check_bools(node: Node, name: str, value: Any) -> tuple[bool, ...]:
   """A sequence of bools (``wrt``), as a tuple; anything else is a TypeError naming ``node``."""
   try:
@@ -285,173 +260,207 @@ def check_bools(node: Node, name: str, value: Any) -> tuple[bool, ...]:
   return tuple(bool(w) for w in items)
 
 
-def check_float_dtype(node: Node, name: str, value: Any) -> np.dtype:
-  dt = check_dtype(node, name, value)
-  if not jnp.issubdtype(dt, jnp.floating):
-    raise node._fail(f"{name} must be a float dtype; got {value!r}.", TypeError)
-  return dt
+# ----------------------------------------------------------------------------- gradient nodes
 
 
-def check_real(node: Node, name: str, value: Any, low: float, high: float | None, *,
-               open_low: bool = False, open_high: bool = False) -> float:
-  """A real number (not a bool) in ``[low, high]`` (``(`` / ``)`` where open; ``high`` None: no
-  bound), as a Python float; a TypeError or ValueError naming ``node`` otherwise."""
-  interval = (f"{'(' if open_low else '['}{low:g}, "
-              f"{'inf)' if high is None else f'{high:g}' + (')' if open_high else ']')}")
-  if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer,
-                                                                   np.floating)):
-    raise node._fail(f"{name} must be a number in {interval}; got {value!r}.", TypeError)
-  v = float(value)
-  if not (v > low if open_low else v >= low) or (
-      high is not None and not (v < high if open_high else v <= high)):
-    raise node._fail(f"{name} must be a number in {interval}; got {value!r}.")
-  return v
+class Cotangents(NamedTuple):
+  """The value of a gradient node.
 
-
-def check_dtype(node: Node, name: str, value: Any) -> np.dtype:
-  if value is None:  # np.dtype(None) is float64: never what was meant
-    raise node._fail(f"{name} must be a dtype; got None.", TypeError)
-  try:
-    return np.dtype(value)
-  except TypeError:
-    raise node._fail(f"{name} must be a dtype; got {value!r}.", TypeError) from None
-
-
-def check_window(node: Node, window: Any) -> tuple[int, ...]:
-  """A windowed node's ``window``: one int >= 1 per spatial dim, at least one dim."""
-  n = node._check(windows.spatial_rank, window, "window")
-  return node._check(windows.int_tuple, "window", window, n)
-
-
-def check_image(node: Node, spec: Spec, window: tuple[Any, ...],
-                data_format: str = "channels_last", what: str = "window") -> None:
-  """A windowed node's input: ``(*spatial, C)`` per example (``(C, *spatial)`` channels-first),
-  one spatial dim per entry of ``window`` (or of the argument ``what`` names)."""
-  if len(spec.shape) != len(window) + 1:
-    layout = "(*spatial, C)" if data_format == "channels_last" else "(C, *spatial)"
-    raise node._fail(
-        f"input {node.inputs[0]!r} must be {layout} with {len(window)} spatial dims "
-        f"({what} {window}); got shape {spec.shape}.")
-
-
-def check_data_format(node: Node, value: Any) -> str:
-  """``"channels_last"`` (``(*spatial, C)`` per example) or ``"channels_first"``
-  (``(C, *spatial)``), the core's ``data_format`` (``jaxpool._src.windows.DATA_FORMATS``)."""
-  if not isinstance(value, str):
-    raise node._fail(f"data_format must be one of {windows.DATA_FORMATS}; got {value!r}.",
-                     TypeError)
-  node._check(windows.check_choice, "data_format", value, windows.DATA_FORMATS)
-  return value
-
-
-def spatial_shape(shape: Sequence[int], data_format: str) -> tuple[int, ...]:
-  """The spatial dims of a per-example image shape."""
-  return tuple(shape[:-1] if data_format == "channels_last" else shape[1:])
-
-
-def channel_axis(data_format: str) -> int:
-  """The channel axis of an image, counted from the end (per-example and batched alike) for
-  channels-last, from the start of the per-example dims for channels-first."""
-  return -1 if data_format == "channels_last" else 0
-
-
-def spatial_axes(x: jax.Array, spec: Spec, data_format: str) -> tuple[int, ...]:
-  """The axes of ``x`` (``(*batch, *spec.shape)``) that are spatial."""
-  first = x.ndim - len(spec.shape) + (data_format == "channels_first")
-  return tuple(range(first, first + len(spec.shape) - 1))
-
-
-def array_axis(x: jax.Array, spec: Spec, axis: int) -> int:
-  """A per-example ``axis`` (negative from the end) as an axis of ``x`` (``(*batch, *shape)``)."""
-  return axis if axis < 0 else x.ndim - len(spec.shape) + axis
-
-
-def flatten_example(x: jax.Array, spec: Spec, data_format: str) -> jax.Array:
-  """``(*batch, *spec.shape) -> (*batch, prod(spec.shape))`` in channels-last order: a
-  channels-first image ``(C, *spatial)`` is flattened as ``(*spatial, C)``, so that the result
-  equals the channels-last graph's."""
-  batch = batch_shape(x, spec)
-  if data_format == "channels_first" and len(spec.shape) > 1:
-    x = jnp.moveaxis(x, len(batch), -1)
-  return x.reshape((*batch, math.prod(spec.shape)))
-
-
-def check_axis(node: Node, name: str, axis: Any) -> int:
-  """A per-example axis: an int (NumPy ints taken, bools not), negative from the end."""
-  if not windows.is_int(axis):
-    raise node._fail(f"{name} must be an int; got {axis!r}.", TypeError)
-  return int(axis)
-
-
-def axis_in_range(node: Node, name: str, axis: int, spec: Spec, input_name: str) -> int:
-  """``axis`` as a non-negative per-example axis of ``spec``; ValueError if out of range."""
-  rank = len(spec.shape)
-  if not -rank <= axis < rank:
-    raise node._fail(f"{name} {axis} is out of range for input {input_name!r} of per-example "
-                     f"shape {spec.shape}.")
-  return axis % rank
-
-
-def check_padding(node: Node, padding: Any, n: int, policies: tuple[str, ...] = PADDING_POLICIES
-                  ) -> str | tuple[tuple[int, int], ...]:
-  """A padding policy (one of ``policies``) as given, or ``n`` explicit ``(lo, hi)`` pairs."""
-  if isinstance(padding, str) and padding in policies:
-    return padding
-  if isinstance(padding, str) or not isinstance(padding, Iterable):
-    raise node._fail(f"padding must be one of {policies} or (lo, hi) pairs; got "
-                     f"{padding!r}.", ValueError if isinstance(padding, str) else TypeError)
-  return node._check(windows.padding_pairs, padding, n)
-
-
-def resolve_padding(policy: str | tuple[tuple[int, int], ...], in_spatial: Sequence[int],
-                    window: Sequence[int], strides: Sequence[int], dilation: Sequence[int]
-                    ) -> tuple[tuple[int, int], ...]:
-  """A padding policy as ``(lo, hi)`` pairs, one per spatial dim.
-
-  ``"VALID"``: none. ``"SAME"``: ``ceil(L / s)`` outputs, the odd element of padding at the end
-  (ONNX SAME_UPPER, as :func:`jaxpool.max_pool`); ``"SAME_LOWER"`` (pooling nodes) puts it at
-  the start. ``"FULL"``: ``e - 1`` on both sides (``e`` the
-  effective window ``d * (k - 1) + 1``): every window that touches a real element. The core
-  computes them (``jaxpool._src.windows.resolve_string_padding``).
-
-  Example:
-    >>> resolve_padding("SAME", (7,), (3,), (2,), (1,))
-    ((1, 1),)
+  Attributes:
+    inputs: one cotangent per input of the forward node, ``None`` where not differentiated.
+    params: the cotangents of the forward node's parameters (same structure), or ``None``.
   """
-  if isinstance(policy, str):
-    if policy not in POOL_PADDING_POLICIES:
-      raise ValueError(f"padding must be one of {POOL_PADDING_POLICIES} or (lo, hi) pairs; got "
-                       f"{policy!r}.")
-    return windows.resolve_string_padding(policy, in_spatial, window, strides, dilation)
-  return tuple(policy)
+
+  inputs: tuple[jax.Array | None, ...]
+  params: dict[str, jax.Array] | None
 
 
 @dataclass(frozen=True)
-class Initializer:
-  """A ``jax.nn.initializers`` factory by name, with its arguments, called when used.
+class GradientState(Node):
+  """What a forward node keeps for its gradient (MPS's ``MPSNNGradientStateNode``).
 
-  ``Initializer("he_normal")(key, shape, dtype)`` is
-  ``jax.nn.initializers.he_normal()(key, shape, dtype)``. Unlike the closure the factory
-  returns, it pickles (by name and arguments) and compares equal to an equal config, so nodes
-  that hold one do too. Nodes take any initializer function as well.
-
-  Example:
-    >>> init = Initializer("variance_scaling", (1.0, "fan_in", "normal"))
-    >>> init(jax.random.key(0), (3, 2), jnp.float32).shape
-    (3, 2)
+  Build it with ``forward.gradient_state()``. Its only input is its forward node
+  (``forward_node``), which produces its value; see ``forward.state_doc`` for what it carries
+  (a pooling node's that needs none, ``AvgPool``'s and ``L2Pool``'s, carries ``None``: MPS's
+  pooling gradient takes a state for every pooling type).
   """
 
-  name: str
-  args: tuple[Any, ...] = ()
-  kwargs: tuple[tuple[str, Any], ...] = ()
+  forward_node: Node = input_field(compare=True)
+  _input_fields: ClassVar[tuple[str, ...]] = ("forward_node",)
+  is_filter: ClassVar[bool] = False
 
-  def __post_init__(self):
-    if not callable(getattr(jax.nn.initializers, self.name, None)):
-      raise ValueError(f"Initializer: jax.nn.initializers has no factory {self.name!r}.")
-    object.__setattr__(self, "args", tuple(self.args))
-    object.__setattr__(self, "kwargs", tuple(sorted(dict(self.kwargs).items())))
+  def _normalize(self):
+    if not isinstance(self.forward_node, Node) or not self.forward_node.is_filter:
+      raise self._fail(f"forward_node must be a forward filter node; got "
+                       f"{self.forward_node!r}.", TypeError)
+    if not (self.forward_node.keeps_state or self.forward_node.accepts_state):
+      raise self._fail(f"{type(self.forward_node).__name__} {self.forward_node.name!r} keeps no "
+                       "gradient state (its gradient needs only its source images).")
 
-  def __call__(self, key: jax.Array, shape: Sequence[int], dtype: Any = jnp.float32
-               ) -> jax.Array:
-    factory = getattr(jax.nn.initializers, self.name)
-    return factory(*self.args, **dict(self.kwargs))(key, shape, dtype)
+  def infer_in_graph(self, specs: dict[str, Any], nodes: dict[str, Node]) -> Any:
+    fwd = nodes[self.forward_node.name]
+    if fwd != self.forward_node:
+      raise self._fail(f"the graph's node {fwd.name!r} is not the forward node this state was "
+                       "built from.")
+    return self.forward_node.state_spec(tuple(specs[i] for i in self.forward_node.inputs))
+
+  def describe(self):
+    return f"GradientState ({self.forward_node.state_doc})"
+
+
+@dataclass(frozen=True)
+class GradientNode(Node):
+  """The gradient of one forward node (MPS's ``MPSNNGradientFilterNode``).
+
+  Attributes:
+    forward_node: the forward node; its config (window, strides, padding...) is the
+      gradient's. (Not ``forward``, which is every node's forward method.)
+    source_gradient: node(s) giving the cotangent of the forward output (summed in order); a
+      gradient node contributes its cotangent for ``forward``. Empty for a scalar forward
+      output (a loss): the seed is 1.
+    source_image: the forward node's inputs, in order (MPS's ``sourceImage``).
+    gradient_state: the forward node's :class:`GradientState` (where it keeps one).
+    wrt: which forward inputs to differentiate; default every float input.
+  """
+
+  # _normalize rejects anything but a forward node, the None default included, so a built
+  # gradient node always holds one.
+  forward_node: Node = field(default=None, repr=False)  # type: ignore[assignment]
+  source_gradient: Any = input_field(default=None)
+  source_image: Any = input_field(default=None)
+  gradient_state: Any = input_field(default=None)
+  _: KW_ONLY
+  wrt: tuple[bool, ...] | None = None
+  forward_name: str = field(init=False, default="")
+  source_gradients: tuple[str, ...] = field(init=False, default=())
+  source_images: tuple[str, ...] = field(init=False, default=())
+  state: str | None = field(init=False, default=None)
+  _input_fields: ClassVar[tuple[str, ...]] = ("source_gradient", "source_image",
+                                              "gradient_state")
+  is_filter: ClassVar[bool] = False
+
+  def _normalize(self):
+    fwd = self.forward_node
+    if not isinstance(fwd, Node) or not fwd.is_filter:
+      raise self._fail(f"forward_node must be a forward filter node; got {fwd!r}.", TypeError)
+    self._set("forward_name", fwd.name)
+    n_sg = len(as_refs(self.source_gradient))
+    n_si = len(as_refs(self.source_image))
+    self._set("source_gradients", self.inputs[:n_sg])
+    self._set("source_images", self.inputs[n_sg:n_sg + n_si])
+    states = self.inputs[n_sg + n_si:]
+    if len(states) > 1:
+      raise self._fail(f"gradient_state must be one node; got {self.gradient_state!r}.")
+    self._set("state", states[0] if states else None)
+    if self.source_images != fwd.inputs:
+      raise self._fail(f"source_image {self.source_images} must be the inputs of its forward "
+                       f"node {fwd.name!r}: {fwd.inputs}.")
+    if fwd.keeps_state and self.state is None:
+      raise self._fail(f"{type(fwd).__name__} {fwd.name!r} needs its gradient state "
+                       f"({fwd.name!r}.gradient_state()).")
+    if not (fwd.keeps_state or fwd.accepts_state) and self.state is not None:
+      raise self._fail(f"{type(fwd).__name__} {fwd.name!r} keeps no gradient state; got "
+                       f"gradient_state {self.state!r}.")
+    st = self.gradient_state
+    if isinstance(st, GradientState) and st.forward_node.name != fwd.name:
+      raise self._fail(f"gradient_state {st.name!r} belongs to forward node "
+                       f"{st.forward_node.name!r}, not to {fwd.name!r}.")
+    if self.wrt is not None:
+      self._set("wrt", check_bools(self, "wrt", self.wrt))
+      if len(self.wrt) != len(fwd.inputs):
+        raise self._fail(f"wrt must have one bool per input of {fwd.name!r} "
+                         f"({len(fwd.inputs)}); got {self.wrt!r}.")
+
+  # -- build time ------------------------------------------------------------------------------
+
+  def resolved_wrt(self, in_specs: tuple[Spec, ...]) -> tuple[bool, ...]:
+    if self.wrt is not None:
+      return self.wrt
+    return tuple(bool(jnp.issubdtype(s.dtype, jnp.floating)) for s in in_specs)
+
+  def infer_in_graph(self, specs: dict[str, Any], nodes: dict[str, Node]) -> Cotangents:
+    fwd = self.forward_node
+    if fwd.name in nodes and nodes[fwd.name] != fwd:
+      raise self._fail(f"the graph's node {fwd.name!r} is not the forward node this gradient "
+                       "was built from.")
+    if self.state is not None:
+      st = nodes[self.state]
+      if not isinstance(st, GradientState) or st.forward_node.name != fwd.name:
+        owner = st.forward_node.name if isinstance(st, GradientState) else "no forward node"
+        raise self._fail(f"gradient_state {self.state!r} belongs to {owner!r}, not to its "
+                         f"forward node {fwd.name!r}.")
+    in_specs = tuple(specs[i] for i in self.source_images)
+    out = fwd.infer(in_specs)
+    if not self.source_gradients and out.shape != ():
+      raise self._fail(f"needs a source_gradient: the output of {fwd.name!r} has shape "
+                       f"{out.shape}, not a scalar.")
+    for s in self.source_gradients:
+      node = nodes[s]
+      if isinstance(node, GradientNode):
+        slots = [k for k, i in enumerate(node.forward_node.inputs) if i == fwd.name]
+        wrt = node.resolved_wrt(tuple(specs[i] for i in node.source_images))
+        if not slots or not any(wrt[k] for k in slots):
+          raise self._fail(f"source gradient {s!r} (the gradient of {node.forward_node.name!r}) "
+                           f"carries no cotangent for {fwd.name!r}.")
+      elif isinstance(node, GradientState):
+        raise self._fail(f"source gradient {s!r} is a gradient state, not an image.")
+      elif specs[s].shape != out.shape:
+        raise self._fail(f"source gradient {s!r} has shape {specs[s].shape}, but the output of "
+                         f"{fwd.name!r} has shape {out.shape}.")
+    state_spec = specs[self.state] if self.state is not None else None
+    wrt = self.resolved_wrt(in_specs)
+
+    def run(xs, st, dy):
+      return Cotangents(*fwd.backward(xs, st, dy, in_specs, wrt))
+
+    return jax.eval_shape(run, in_specs, state_spec, out)
+
+  # -- run time --------------------------------------------------------------------------------
+
+  def source_gradient_value(self, values: dict[str, Any], nodes: dict[str, Node],
+                            in_specs: tuple[Spec, ...]) -> jax.Array:
+    total = None
+    for s in self.source_gradients:
+      node, v = nodes[s], values[s]
+      if isinstance(node, GradientNode):
+        parts = [v.inputs[k] for k, i in enumerate(node.forward_node.inputs)
+                 if i == self.forward_node.name and v.inputs[k] is not None]
+      else:
+        parts = [v]
+      for p in parts:
+        total = p if total is None else total + p
+    if total is None:  # a scalar output: d out / d out = 1
+      out = self.forward_node.infer(in_specs)
+      if self.forward_node.name in values:
+        # (full_like of the loss itself, so that inside shard_map the seed varies as it does)
+        total = jax.lax.full_like(values[self.forward_node.name], 1, out.dtype)
+      else:
+        # A gradient node built by hand for a loss that its graph does not hold: the seed is
+        # made like the source images (1 plus zeros like the others), varying as the loss would.
+        total = jax.lax.full_like(values[self.source_images[0]], 1, out.dtype, out.shape)
+        for i in self.source_images[1:]:
+          total = total + jax.lax.full_like(values[i], 0, out.dtype, out.shape)
+    return total
+
+  def evaluate(self, values: dict[str, Any], nodes: dict[str, Node],
+               specs: dict[str, Any]) -> Cotangents:
+    in_specs = tuple(specs[i] for i in self.source_images)
+    dy = self.source_gradient_value(values, nodes, in_specs)
+    xs = tuple(values[i] for i in self.source_images)
+    state = values[self.state] if self.state is not None else None
+    dxs, dparams = self.forward_node.backward(xs, state, dy, in_specs, self.resolved_wrt(in_specs))
+    return Cotangents(tuple(dxs), dparams)
+
+  def describe(self):
+    return f"{type(self.forward_node).__name__}Gradient"
+
+
+@dataclass(frozen=True)
+class Gradient(GradientNode):
+  """The gradient of any other node (dense, activation, flatten, add, loss): ``jax.vjp`` of its
+  forward at the source images."""
+
+
+# Every node's default gradient classes (a class cannot name its subclasses in its own body).
+Node.gradient_class = Gradient
+Node.state_class = GradientState

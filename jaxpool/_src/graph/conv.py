@@ -14,11 +14,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxpool._src import windows
-from jaxpool._src.graph.base import (Initializer, Node, Ref, Spec, batch_shape, check_bool,
-                                     check_data_format, check_float_dtype, check_image,
-                                     check_padding, check_window, flatten_example, input_field,
-                                     resolve_padding, spatial_shape)
+from jaxpool._src import checks, windows
+from jaxpool._src.graph.base import GradientNode, Node, Ref, Spec, input_field
+from jaxpool._src.graph.common import (Initializer, batch_shape, check_bool, check_choice,
+                                       check_data_format, check_float_dtype, check_image,
+                                       check_padding, check_window, flatten_example,
+                                       resolve_padding, spatial_shape)
+from jaxpool._src.windows import effective_window
 
 ACCUMULATOR_PRECISIONS = ("float", "half")
 
@@ -26,7 +28,7 @@ ACCUMULATOR_PRECISIONS = ("float", "half")
 def _check_layer_config(node: Any) -> None:
   """``features``, ``use_bias``, ``accumulator_precision``, the initializers and ``param_dtype``
   of a :class:`Conv` or :class:`Dense`; canonicalises them in place."""
-  if not windows.is_int(node.features):
+  if not checks.is_int(node.features):
     raise node._fail(f"features must be a positive int; got {node.features!r}"
                      + (" (a bool is not an int)." if isinstance(node.features, (bool, np.bool_))
                         else "."), TypeError)
@@ -34,12 +36,8 @@ def _check_layer_config(node: Any) -> None:
     raise node._fail(f"features must be a positive int; got {node.features!r}.")
   node._set("features", int(node.features))
   node._set("use_bias", check_bool(node, "use_bias", node.use_bias))
-  if not isinstance(node.accumulator_precision, str):
-    raise node._fail(f"accumulator_precision must be one of {ACCUMULATOR_PRECISIONS}; got "
-                     f"{node.accumulator_precision!r}.", TypeError)
-  if node.accumulator_precision not in ACCUMULATOR_PRECISIONS:
-    raise node._fail(f"accumulator_precision must be one of {ACCUMULATOR_PRECISIONS}; got "
-                     f"{node.accumulator_precision!r}.")
+  check_choice(node, "accumulator_precision", node.accumulator_precision,
+               ACCUMULATOR_PRECISIONS)
   for name in ("weights_init", "bias_init"):
     if not callable(getattr(node, name)):
       raise node._fail(f"{name} must be an initializer, a function (key, shape, dtype) -> array "
@@ -58,6 +56,13 @@ def _conv_precision(acc: str, dtype) -> dict[str, Any]:
 # One shared default, so that two nodes built with the same config compare (and hash) equal; an
 # Initializer (not the closure he_normal() returns), so that graphs pickle.
 HE_NORMAL = Initializer("he_normal")
+
+
+@dataclass(frozen=True)
+class ConvolutionGradient(GradientNode):
+  """A convolution's gradient (MPS's ``MPSCNNConvolutionGradientNode``): the input cotangent
+  and the weight and bias cotangents (``jax.vjp`` of the convolution, with the weights its
+  gradient state kept)."""
 
 
 @dataclass(frozen=True)
@@ -81,19 +86,19 @@ class _Convolution(Node):
   has_params: ClassVar[bool] = True
   keeps_state: ClassVar[bool] = True
   state_doc: ClassVar[str] = "weights, bias"
-  gradient_kind: ClassVar[str] = "ConvolutionGradient"
+  gradient_class: ClassVar[type[GradientNode]] = ConvolutionGradient
 
   def _normalize(self):
     self._set("window", check_window(self, self.window))
     n = len(self.window)
     # only None means the default (ones): a 0 is an error
-    self._set("strides", self._check(windows.int_tuple, "strides", self.strides, n, default=1))
-    self._set("dilation", self._check(windows.int_tuple, "dilation", self.dilation, n, default=1))
+    self._set("strides", self._check(checks.int_tuple, "strides", self.strides, n, default=1))
+    self._set("dilation", self._check(checks.int_tuple, "dilation", self.dilation, n, default=1))
     self._set("padding", check_padding(self, self.padding, n))
     _check_layer_config(self)
-    if not windows.is_int(self.groups) or self.groups < 1:
+    if not checks.is_int(self.groups) or self.groups < 1:
       raise self._fail(f"groups must be a positive int; got {self.groups!r}.",
-                       TypeError if not windows.is_int(self.groups) else ValueError)
+                       TypeError if not checks.is_int(self.groups) else ValueError)
     self._set("groups", int(self.groups))
     if self.features % self.groups:
       raise self._fail(f"features ({self.features}) must be divisible by groups "
@@ -192,7 +197,7 @@ class Conv(_Convolution):
       ``"half"`` (MPS's ``.half``): ``lax.Precision.DEFAULT``, the backend's fastest (TF32/bf16
       passes on GPUs and TPUs).
     weights_init, bias_init: initializers, as ``jax.nn.initializers`` (the default
-      ``he_normal`` is an :class:`~jaxpool._src.graph.base.Initializer`, which pickles).
+      ``he_normal`` is an :class:`~jaxpool._src.graph.common.Initializer`, which pickles).
     param_dtype: dtype of the parameters.
     data_format: ``"channels_last"`` (default) or ``"channels_first"``.
   """
@@ -202,7 +207,7 @@ class Conv(_Convolution):
     spatial = self._spatial(in_specs[0].shape)
     pads = self._pads(in_specs[0].shape)
     for i, (L, p, k, d) in enumerate(zip(spatial, pads, self.window, self.dilation)):
-      self._check(windows.check_window_fits, i, L, p, d * (k - 1) + 1, self.window,
+      self._check(windows.check_window_fits, i, L, p, effective_window(k, d), self.window,
                   self.dilation, name="window")
 
   def _pads(self, shape):
@@ -249,7 +254,7 @@ class ConvTranspose(_Convolution):
     if self.padding == "SAME":
       out = []
       for k, s, d in zip(self.window, strides, dilation):
-        total = d * (k - 1) + 1 - s
+        total = effective_window(k, d) - s
         lo = max(total, 0) // 2
         out.append((lo, total - lo))
       return tuple(out)
@@ -260,9 +265,10 @@ class ConvTranspose(_Convolution):
     for i, (L, (lo, hi), k, s, d) in enumerate(zip(self._spatial(in_specs[0].shape),
                                                     self.pads(in_specs[0].shape), self.window,
                                                     self.strides, self.dilation)):
-      if (L - 1) * s + d * (k - 1) + 1 - lo - hi < 1:
+      e = effective_window(k, d)
+      if (L - 1) * s + e - lo - hi < 1:
         raise self._fail(f"padding {self.padding!r} crops the whole output in spatial dim {i}: "
-                         f"(L - 1) * s + e - lo - hi = ({L} - 1) * {s} + {d * (k - 1) + 1} - "
+                         f"(L - 1) * s + e - lo - hi = ({L} - 1) * {s} + {e} - "
                          f"{lo} - {hi} < 1.")
 
   def forward(self, params, xs, in_specs):

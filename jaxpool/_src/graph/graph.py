@@ -11,10 +11,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from jaxpool._src.graph.base import Node
-from jaxpool._src.graph.gradients import Cotangents, GradientNode, GradientState
+from jaxpool._src.checks import check_bool
+from jaxpool._src.graph.base import Cotangents, GradientNode, GradientState, Node
+from jaxpool._src.graph.common import BOOL_HINT
 from jaxpool._src.graph.inputs import Input
 from jaxpool._src.graph.passes import DEFAULT_PASSES, Pass, run_passes
 
@@ -83,10 +83,10 @@ class Graph:
     self._states: dict[str, str] = {}
     for n in order:
       if isinstance(n, GradientState):
-        if n.forward.name in self._states:
-          raise ValueError(f"node {n.name!r} (GradientState): forward node {n.forward.name!r} "
-                           f"already has the gradient state {self._states[n.forward.name]!r}.")
-        self._states[n.forward.name] = n.name
+        if n.forward_node.name in self._states:
+          raise ValueError(f"node {n.name!r} (GradientState): forward node {n.forward_node.name!r} "
+                           f"already has the gradient state {self._states[n.forward_node.name]!r}.")
+        self._states[n.forward_node.name] = n.name
     self.specs: dict[str, Any] = {}
     for n in order:
       self.specs[n.name] = _infer(n, self.specs, self._by_name)
@@ -289,8 +289,7 @@ class Graph:
     if reserved:
       raise ValueError(f"input node(s) {reserved}: the names {RESERVED_INPUT_NAMES} are the "
                        "keyword arguments of apply, evaluate and run; rename the Input.")
-    if not isinstance(training, (bool, np.bool_)):
-      raise TypeError(f"training must be a bool (True or False); got {training!r}.")
+    check_bool("training", training, hint=BOOL_HINT)
     self._check_params(params)
     if state is None:
       for n in self.nodes:
@@ -601,7 +600,7 @@ def _collect(outs: Sequence[Node]) -> dict[str, Node]:
     by_name[n.name] = n
     stack.extend(reversed(n.refs))
     if isinstance(n, GradientNode):  # the forward node's object, for name resolution
-      stack.extend(r for r in n.forward.refs)
+      stack.extend(r for r in n.forward_node.refs)
   return by_name
 
 

@@ -8,8 +8,9 @@ from typing import Any, ClassVar
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpool._src import windows
-from jaxpool._src.graph.base import Node, Spec, check_dtype
+from jaxpool._src import checks
+from jaxpool._src.graph.base import Node, Spec
+from jaxpool._src.graph.common import check_dtype
 
 
 @dataclass(frozen=True)
@@ -24,9 +25,10 @@ class Input(Node):
   shape: tuple[int, ...] = ()
   dtype: Any = jnp.float32
   _input_fields: ClassVar[tuple[str, ...]] = ()
+  is_filter: ClassVar[bool] = False  # an image node: it has no gradient node
 
   def _normalize(self):
-    self._set("shape", self._check(windows.int_tuple, "shape", self.shape, None, minimum=0))
+    self._set("shape", self._check(checks.int_tuple, "shape", self.shape, None, minimum=0))
     self._set("dtype", check_dtype(self, "dtype", self.dtype))
 
   def infer(self, in_specs):

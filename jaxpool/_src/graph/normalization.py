@@ -9,10 +9,22 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxpool._src.graph.base import (Node, Ref, Spec, batch_shape, check_bool, check_float_dtype,
-                                     check_real, input_field)
+from jaxpool._src.graph.base import GradientNode, GradientState, Node, Ref, Spec, input_field
+from jaxpool._src.graph.common import (batch_shape, check_bool, check_data_format,
+                                       check_float_dtype, check_real)
 
-DATA_FORMATS = ("channels_last", "channels_first")
+
+@dataclass(frozen=True)
+class BatchNormalizationState(GradientState):
+  """A BatchNorm's gradient state (MPS's ``MPSCNNBatchNormalizationState``): the batch mean and
+  inverse standard deviation its training forward used, ``(C,)`` each, and its ``scale``."""
+
+
+@dataclass(frozen=True)
+class BatchNormalizationGradient(GradientNode):
+  """A BatchNorm's gradient (MPS's ``MPSCNNBatchNormalizationGradientNode``): ``dx``,
+  ``dscale`` and ``dbias`` from the source gradient, the source image and the gradient state
+  (the batch mean and inverse std), in closed form (``BatchNorm.backward``)."""
 
 
 @dataclass(frozen=True)
@@ -66,17 +78,15 @@ class BatchNorm(Node):
   has_model_state: ClassVar[bool] = True
   keeps_state: ClassVar[bool] = True
   state_doc: ClassVar[str] = "batch mean, inverse std, scale"
-  gradient_kind: ClassVar[str] = "BatchNormalizationGradient"
-  state_kind: ClassVar[str] = "BatchNormalizationState"
+  gradient_class: ClassVar[type[GradientNode]] = BatchNormalizationGradient
+  state_class: ClassVar[type[GradientState]] = BatchNormalizationState
 
   def _normalize(self):
     self._set("momentum", check_real(self, "momentum", self.momentum, 0.0, 1.0))
     self._set("epsilon", check_real(self, "epsilon", self.epsilon, 0.0, None, open_low=True))
     self._set("use_scale", check_bool(self, "use_scale", self.use_scale))
     self._set("use_bias", check_bool(self, "use_bias", self.use_bias))
-    if not isinstance(self.data_format, str) or self.data_format not in DATA_FORMATS:
-      raise self._fail(f"data_format must be one of {DATA_FORMATS}; got {self.data_format!r}.",
-                       ValueError if isinstance(self.data_format, str) else TypeError)
+    check_data_format(self, self.data_format)
     self._set("param_dtype", check_float_dtype(self, "param_dtype", self.param_dtype))
 
   def check_inputs(self, in_specs):

@@ -22,8 +22,7 @@ from typing import Any
 
 from jaxpool._src import relu_fold
 from jaxpool._src.graph.activation import Activation
-from jaxpool._src.graph.base import Node
-from jaxpool._src.graph.gradients import GradientNode, GradientState
+from jaxpool._src.graph.base import GradientNode, GradientState, Node
 from jaxpool._src.graph.pooling import MaxPool
 
 Notes = list[str]
@@ -32,7 +31,7 @@ Pass = Callable[[tuple[Node, ...], tuple[str, ...]], tuple[tuple[Node, ...], Not
 
 def rebind(nodes: Sequence[Node], changed: dict[str, Node]) -> tuple[Node, ...]:
   """``nodes`` with ``changed`` (by name) put in, and every node that holds one of the replaced
-  node objects (as an input, or as the ``forward`` of a gradient node) rebuilt to hold the new
+  node objects (as an input, or as the ``forward_node`` of a gradient node) rebuilt to hold the new
   one, in order, so that the graph's nodes form one consistent set of objects."""
   new = dict(changed)
   out = []
@@ -84,9 +83,9 @@ def fold_relu_into_max_pool(nodes: tuple[Node, ...], outputs: tuple[str, ...]
     for i in n.inputs:
       readers.setdefault(i, []).append(n)
     if isinstance(n, GradientNode):
-      has_gradient.add(n.forward.name)
+      has_gradient.add(n.forward_node.name)
     if isinstance(n, GradientState):
-      has_gradient.add(n.forward.name)
+      has_gradient.add(n.forward_node.name)
   by_name = {n.name: n for n in nodes}
   changed: dict[str, Node] = {}
   removed: set[str] = set()

@@ -17,12 +17,63 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-import jaxpool
-from jaxpool._src import windows
+from jaxpool._src import api, checks, windows
 from jaxpool._src.autodiff import ACTIVATIONS
-from jaxpool._src.graph.base import (POOL_PADDING_POLICIES, Node, Ref, Spec, check_bool,
-                                     check_image, check_padding, check_window, input_field,
-                                     resolve_padding)
+from jaxpool._src.graph.base import GradientNode, Node, Ref, Spec, input_field
+from jaxpool._src.graph.common import (POOL_PADDING_POLICIES, check_bool, check_image,
+                                       check_padding, check_window, resolve_padding)
+
+
+@dataclass(frozen=True)
+class PoolingGradient(GradientNode):
+  """A pooling node's gradient (MPS's ``MPSCNNPoolingGradientNode``): source gradient, source
+  image, gradient state, and the forward's window, strides and padding."""
+
+  def _pool(self) -> _Pool:
+    fwd = self.forward_node
+    if not isinstance(fwd, _Pool):
+      raise self._fail(f"forward must be a pooling node; got {fwd!r}.", TypeError)
+    return fwd
+
+  @property
+  def window(self) -> tuple[int, ...]:
+    return self._pool().window
+
+  @property
+  def strides(self) -> tuple[int, ...]:
+    strides = self._pool().strides
+    if strides is None:  # set by the pooling node's _normalize
+      raise self._fail("its forward node has no strides.")
+    return strides
+
+  @property
+  def padding(self) -> Any:
+    return self._pool().padding
+
+  @property
+  def offset(self) -> tuple[int, ...]:
+    offset = self._pool().offset
+    if offset is None:  # set by the pooling node's _normalize
+      raise self._fail("its forward node has no offset.")
+    return offset
+
+  @property
+  def dilation(self) -> tuple[int, ...]:
+    return self._pool().dilation_
+
+  @property
+  def ceil_mode(self) -> bool:
+    return self._pool().ceil_mode
+
+  @property
+  def data_format(self) -> str:
+    return self._pool().data_format
+
+  def describe(self):
+    f = self._pool()
+    pad = f.padding if isinstance(f.padding, str) else f"pad {f.padding}"
+    return (f"{type(f).__name__}Gradient {'x'.join(map(str, f.window))}/"
+            f"{'x'.join(map(str, f.strides))} {pad}")
 
 
 @dataclass(frozen=True)
@@ -38,7 +89,7 @@ class _Pool(Node):
   ceil_mode: bool = False
   data_format: str = "channels_last"
   implementation: str | None = None
-  gradient_kind: ClassVar[str] = "PoolingGradient"
+  gradient_class: ClassVar[type[GradientNode]] = PoolingGradient
   # MPS's pooling gradient node takes a gradient state for every pooling type.
   accepts_state: ClassVar[bool] = True
 
@@ -47,16 +98,16 @@ class _Pool(Node):
     n = len(self.window)
     # MPS's init(source:filterSize:) sets the stride to the filter size.
     strides = self.window if self.strides is None else self.strides
-    self._set("strides", self._check(windows.int_tuple, "strides", strides, n))
+    self._set("strides", self._check(checks.int_tuple, "strides", strides, n))
     self._set("padding", check_padding(self, self.padding, n, POOL_PADDING_POLICIES))
     self._set("ceil_mode", check_bool(self, "ceil_mode", self.ceil_mode))
-    self._check(windows.check_choice, "data_format", self.data_format, windows.DATA_FORMATS)
-    self._check(windows.check_choice, "implementation", self.implementation,
+    self._check(checks.check_choice, "data_format", self.data_format, windows.DATA_FORMATS)
+    self._check(checks.check_choice, "implementation", self.implementation,
                 windows.IMPLEMENTATIONS)
-    self._set("offset", self._check(windows.int_tuple, "offset", self.offset, n, default=0,
+    self._set("offset", self._check(checks.int_tuple, "offset", self.offset, n, default=0,
                                     minimum=-(2 ** 31)))
     if hasattr(self, "dilation"):
-      self._set("dilation", self._check(windows.int_tuple, "dilation", self.dilation, n,
+      self._set("dilation", self._check(checks.int_tuple, "dilation", self.dilation, n,
                                         default=1))
 
   @property
@@ -67,11 +118,9 @@ class _Pool(Node):
   def dilation_(self) -> tuple[int, ...]:
     return getattr(self, "dilation", None) or (1,) * self.nspatial
 
-  def spatial_axes(self, ndim: int) -> range:
+  def spatial_axes(self, ndim: int) -> tuple[int, ...]:
     """The spatial axes of a ``(*batch, *per_example)`` array of ``ndim`` dims."""
-    n = self.nspatial
-    return range(ndim - 1 - n, ndim - 1) if self.data_format == "channels_last" else range(
-        ndim - n, ndim)
+    return windows.spatial_axes(ndim, self.nspatial, self.data_format == "channels_last")
 
   def spatial(self, spec: Spec) -> tuple[int, ...]:
     """The per-example spatial sizes of an input spec, ``(*spatial, C)`` or ``(C, *spatial)``."""
@@ -143,7 +192,7 @@ class _Pool(Node):
     for ax, (a, b) in zip(self.spatial_axes(len(cropped)), crop):
       cropped[ax] -= a + b
     try:  # the core checks the window against the padded input, naming the argument
-      jaxpool.make_geometry(cropped, **self._kw(pads))
+      windows.make_geometry(cropped, **self._kw(pads))
     except (TypeError, ValueError) as e:
       raise self._fail(f"{e} (padding policy {self.padding!r}, offset {self.offset})") from None
     return super().infer(in_specs)
@@ -199,22 +248,22 @@ class MaxPool(_Pool):
 
   def _normalize(self):
     super()._normalize()
-    self._check(windows.check_choice, "activation", self.activation, ACTIVATIONS)
+    self._check(checks.check_choice, "activation", self.activation, ACTIVATIONS)
 
   def forward(self, params, xs, in_specs):
     x, pads = self._crop(xs[0], in_specs[0])
-    return self._call(jaxpool.max_pool, x, pads=pads, activation=self.activation)
+    return self._call(api.max_pool, x, pads=pads, activation=self.activation)
 
   def forward_with_state(self, params, xs, in_specs):
     x, pads = self._crop(xs[0], in_specs[0])
-    return self._call(jaxpool.max_pool_with_taps, x, pads=pads, activation=self.activation)
+    return self._call(api.max_pool_with_taps, x, pads=pads, activation=self.activation)
 
   def backward(self, xs, state, dy, in_specs, wrt):
     if not wrt[0]:
       return (None,), None
     x, pads = self._crop(xs[0], in_specs[0])
     dy = jnp.asarray(dy).astype(x.dtype)
-    dx = self._call(jaxpool.max_pool_grad_from_taps, dy, state, x.shape, pads=pads)
+    dx = self._call(api.max_pool_grad_from_taps, dy, state, x.shape, pads=pads)
     return (self._uncrop(dx, in_specs[0]),), None
 
 
@@ -253,13 +302,13 @@ class AvgPool(_Pool):
 
   def forward(self, params, xs, in_specs):
     x, pads = self._crop(xs[0], in_specs[0])
-    return self._call(jaxpool.avg_pool, x, pads=pads, count_include_pad=self.count_include_pad)
+    return self._call(api.avg_pool, x, pads=pads, count_include_pad=self.count_include_pad)
 
   def backward(self, xs, state, dy, in_specs, wrt):
     if not wrt[0]:
       return (None,), None
     x, pads = self._crop(xs[0], in_specs[0])
-    dx = self._call(jaxpool.avg_pool_grad, jnp.asarray(dy).astype(x.dtype), x.shape, pads=pads,
+    dx = self._call(api.avg_pool_grad, jnp.asarray(dy).astype(x.dtype), x.shape, pads=pads,
                     count_include_pad=self.count_include_pad)
     return (self._uncrop(dx, in_specs[0]),), None
 
@@ -278,11 +327,11 @@ class L2Pool(_Pool):
 
   def forward(self, params, xs, in_specs):
     x, pads = self._crop(xs[0], in_specs[0])
-    return self._call(jaxpool.l2_pool, x, pads=pads)
+    return self._call(api.l2_pool, x, pads=pads)
 
   def backward(self, xs, state, dy, in_specs, wrt):
     if not wrt[0]:
       return (None,), None
     x, pads = self._crop(xs[0], in_specs[0])
-    dx = self._call(jaxpool.lp_pool_grad, x, jnp.asarray(dy).astype(x.dtype), 2, pads=pads)
+    dx = self._call(api.lp_pool_grad, x, jnp.asarray(dy).astype(x.dtype), 2, pads=pads)
     return (self._uncrop(dx, in_specs[0]),), None

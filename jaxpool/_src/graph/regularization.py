@@ -9,7 +9,20 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
-from jaxpool._src.graph.base import Node, Ref, Spec, check_real, input_field
+from jaxpool._src.graph.base import GradientNode, GradientState, Node, Ref, Spec, input_field
+from jaxpool._src.graph.common import check_real
+
+
+@dataclass(frozen=True)
+class DropoutGradientState(GradientState):
+  """A Dropout's gradient state (MPS's ``MPSCNNDropoutGradientState``): the keep mask its
+  training forward drew, a bool array of the input's shape."""
+
+
+@dataclass(frozen=True)
+class DropoutGradient(GradientNode):
+  """A Dropout's gradient (MPS's ``MPSCNNDropoutGradientNode``): the source gradient times the
+  kept mask, divided by ``1 - rate``."""
 
 
 @dataclass(frozen=True)
@@ -45,8 +58,8 @@ class Dropout(Node):
   uses_key: ClassVar[bool] = True
   keeps_state: ClassVar[bool] = True
   state_doc: ClassVar[str] = "the keep mask, bool"
-  gradient_kind: ClassVar[str] = "DropoutGradient"
-  state_kind: ClassVar[str] = "DropoutGradientState"
+  gradient_class: ClassVar[type[GradientNode]] = DropoutGradient
+  state_class: ClassVar[type[GradientState]] = DropoutGradientState
 
   def _normalize(self):
     self._set("rate", check_real(self, "rate", self.rate, 0.0, 1.0, open_high=True))

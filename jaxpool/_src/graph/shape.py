@@ -12,11 +12,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpool._src import windows
-from jaxpool._src.graph.base import (Node, Ref, Spec, array_axis, axis_in_range, batch_shape,
-                                     channel_axis, check_axis, check_data_format, check_image,
-                                     flatten_example, input_field, spatial_axes,
-                                     spatial_shape)
+from jaxpool._src import checks, windows
+from jaxpool._src.graph.base import Node, Ref, Spec, input_field
+from jaxpool._src.graph.common import (array_axis, axis_in_range, batch_shape, channel_axis,
+                                       check_axis, check_choice, check_data_format, check_image,
+                                       flatten_example, spatial_axes, spatial_shape)
 
 PAD_MODES = ("constant", "edge", "reflect", "symmetric")
 UPSAMPLE_METHODS = ("nearest", "bilinear")
@@ -32,13 +32,6 @@ def _check_out_spatial(node: Node, name: str, value: Any, in_spatial: tuple[int,
     raise node._fail(
         f"{name}={value!r} turns the spatial shape {in_spatial} into {out_spatial} ({plane} "
         f"elements); each size and the plane must be at most 2**31 - 1.")
-
-
-def _check_choice(node: Node, name: str, value: Any, allowed: tuple[str, ...]) -> str:
-  if not isinstance(value, str):
-    raise node._fail(f"{name} must be one of {allowed}; got {value!r}.", TypeError)
-  node._check(windows.check_choice, name, value, allowed)
-  return value
 
 
 @dataclass(frozen=True)
@@ -80,7 +73,7 @@ class Reshape(Node):
   shape: tuple[int, ...] = ()
 
   def _normalize(self):
-    shape = self._check(windows.int_tuple, "shape", self.shape, None, minimum=-1)
+    shape = self._check(checks.int_tuple, "shape", self.shape, None, minimum=-1)
     if shape.count(-1) > 1:
       raise self._fail(f"shape may hold -1 once; got {self.shape!r}.")
     self._set("shape", shape)
@@ -143,7 +136,7 @@ class Pad(Node):
     if n == 0:
       raise self._fail("padding must name at least one spatial dim; got ().")
     self._set("padding", self._check(windows.padding_pairs, self.padding, n))
-    self._set("mode", _check_choice(self, "mode", self.mode, PAD_MODES))
+    self._set("mode", check_choice(self, "mode", self.mode, PAD_MODES))
     if (not isinstance(self.value, (int, float, np.integer, np.floating))
         or isinstance(self.value, (bool, np.bool_))):
       raise self._fail(f"value must be a real number; got {self.value!r}.", TypeError)
@@ -257,8 +250,8 @@ class Upsample(Node):
 
   def _normalize(self):
     n = self._check(windows.spatial_rank, self.scale, "scale")
-    self._set("scale", self._check(windows.int_tuple, "scale", self.scale, n))
-    self._set("method", _check_choice(self, "method", self.method, UPSAMPLE_METHODS))
+    self._set("scale", self._check(checks.int_tuple, "scale", self.scale, n))
+    self._set("method", check_choice(self, "method", self.method, UPSAMPLE_METHODS))
     self._set("data_format", check_data_format(self, self.data_format))
 
   def check_inputs(self, in_specs):
