@@ -21,4 +21,4 @@ from jaxpool._src.optimize import optimize as optimize
 from jaxpool._src.windows import Geometry as Geometry
 from jaxpool._src.windows import make_geometry as make_geometry
 
-__version__ = "0.1.0"
+from jaxpool._src.version import __version__ as __version__

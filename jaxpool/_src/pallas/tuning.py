@@ -219,7 +219,7 @@ def environment(device: Any = None) -> dict[str, str]:
   """What an entry is valid for: versions, device kind, CUDA platform and driver versions."""
   import jaxlib
 
-  from jaxpool import __version__ as jaxpool_version
+  from jaxpool._src.version import __version__ as jaxpool_version
   dev = device if device is not None else jax.devices()[0]
   platform_version = ""
   with contextlib.suppress(Exception):
