@@ -188,6 +188,9 @@ def run_case(name, mesh, x, spec, kw, *, spatial_rows=None, only=None, seed=0,
       else:
         bound = halo_bound(x.shape, spec, mesh, spatial_rows)
         assert all(n <= bound for n in permutes), f"messages {permutes} above halo {bound}"
+        # Each device needs rows of its neighbours: a program without halo messages pooled
+        # something other than its own block (a replicated copy of the input, say).
+        assert permutes, "a spatial split exchanged no halos"
       return f"collective-permutes: {permutes}" if permutes else ""
 
 

@@ -126,7 +126,7 @@ def _gather(taps, t, *, geom, interpret, kernels, activation):
 def _scatter(taps, ct, *, geom, interpret, kernels, activation):
   del activation  # a tap of -1 (no winner, or a non-positive maximum) sends nothing
   kc = partition.kernel_call(_max_backward, _max_backward_xla, geom, backward=True,
-                             kernels=kernels, interpret=interpret)
+                             neutral_pads=True, kernels=kernels, interpret=interpret)
   return partition.call(kc, taps, ct)
 
 
@@ -264,6 +264,7 @@ def _avg_forward(x, *, geom, interpret, kernels, count_include_pad, divisor_over
 def _avg_backward(ct, *, geom, interpret, kernels, count_include_pad, divisor_override):
   return partition.call(partition.kernel_call(
       _avg_backward_kernel, _avg_backward_xla, geom, backward=True, kernels=kernels,
+      neutral_pads=count_include_pad or divisor_override is not None,
       interpret=interpret, count_include_pad=count_include_pad,
       divisor_override=divisor_override), ct)
 

@@ -91,6 +91,10 @@ class KernelCall:
     backward: which of the two kinds ``fn`` is.
     n_out: how many arrays ``fn`` returns (1: one array, not a tuple).
     options: ``fn``'s keyword options, as sorted ``(name, value)`` pairs.
+    neutral_pads: (a backward) a padding row changes nothing for the real rows: the gradient
+      of a real row is the same whether its window's other rows are padding or data (the max
+      pool; the average pool that counts the padding or has a fixed divisor). A device's
+      gradient block is then computed in place, its neighbours' rows standing as padding.
   """
 
   fn: Callable[..., Any]
@@ -99,6 +103,7 @@ class KernelCall:
   backward: bool
   n_out: int
   options: tuple[tuple[str, Any], ...]
+  neutral_pads: bool = False
 
   def run(self, operands, geom: Geometry, fn: Callable[..., Any] | None = None):
     out = (fn or self.fn)(*operands, geom, **dict(self.options))
@@ -106,8 +111,10 @@ class KernelCall:
 
 
 def kernel_call(fn: Callable[..., Any], xla_fn: Callable[..., Any], geom: Geometry, *,
-                backward: bool = False, n_out: int = 1, **options: Any) -> KernelCall:
-  return KernelCall(fn, xla_fn, geom, backward, n_out, tuple(sorted(options.items())))
+                backward: bool = False, n_out: int = 1, neutral_pads: bool = False,
+                **options: Any) -> KernelCall:
+  return KernelCall(fn, xla_fn, geom, backward, n_out, tuple(sorted(options.items())),
+                    neutral_pads)
 
 
 def call(kc: KernelCall, *operands: jax.Array):
@@ -354,6 +361,10 @@ def _per_device(kc: KernelCall, plans: tuple[_DimPlan, ...], *operands):
   """What each device runs: its blocks in, its result blocks out (inside a manual context)."""
   if not plans:
     return kc.run(operands, kc.geom)
+  if len(plans) == 1:
+    fast = _fast_plan(kc, plans[0])
+    if fast is not None:
+      return _fast(kc, plans[0], fast, operands)
   ext = list(operands)
   for p in plans:
     ext = [_exchange(o, p) for o in ext]
@@ -503,3 +514,184 @@ def _explicit_call(kc: KernelCall, mesh, spec, operands):
   fn = functools.partial(_per_device, kc, plans)
   return jax.shard_map(fn, mesh=mesh, in_specs=(pspec,) * len(operands),
                        out_specs=(pspec,) * kc.n_out, check_vma=False)(*operands)
+
+
+# ----------------------------------------------------------------------------- in place
+#
+# With one spatial dim split, most of a device's work needs no copy of its block. A forward runs
+# the kernel on the block itself, its neighbours' rows standing as padding, and recomputes only
+# the few outputs whose windows reach those rows from small slices with the halos (written over
+# the block's result in place). A backward whose padding rows are neutral computes its gradient
+# block in place from the cotangent's rows with their (small) halos. Where a device's part does
+# not fit this (a window starting inside the block with no output before it, an edge window
+# wider than the block, ...), every device takes the general path above.
+
+
+@dataclasses.dataclass(frozen=True)
+class _Edge:
+  """Outputs ``[first, first + count)`` of a device's block, recomputed with the halos."""
+
+  first: int  # the first output, counted in the block's outputs
+  count: int
+  halo: tuple[int, int]  # rows taken from the halo: (start, stop) in the left or right halo
+  own: tuple[int, int]  # rows taken from the block: (start, stop)
+  dim: tuple  # their local geometry (in, out, pad_lo, pad_hi, extra)
+
+
+@dataclasses.dataclass(frozen=True)
+class _InPlace:
+  """One device's in-place part along the split dim (all static)."""
+
+  rows: int  # the block's real rows (fewer than a block only where the input ends)
+  dim: tuple  # the block's local geometry (in, out, pad_lo, pad_hi, extra)
+  keep: int  # its outputs that are this device's (a forward), or the cotangent rows it reads
+  start: int  # a backward: where those cotangent rows start in the halo-extended block
+  lo: _Edge | None
+  hi: _Edge | None
+
+
+def _block_dim(geom: Geometry, j: int, first: int, rows: int, oa: int, ob: int):
+  """The local geometry of windows ``[oa, ob)`` over the block's rows ``[first, first+rows)``,
+  rows before and after it standing as padding (the input's own padding at its ends); None when
+  that geometry cannot give exactly those windows."""
+  L, s, ek = geom.in_spatial[j], geom.strides[j], geom.effective_window[j]
+  lo, hi = geom.padding[j]
+  pad_lo = first + lo - oa * s
+  over = (ob - 1) * s - lo + ek - (first + rows)
+  if first + rows == L:  # the input's end: its own padding, then the ceil-mode overhang
+    pad_hi = min(hi, max(over, 0))
+    extra = max(over, 0) - pad_hi
+  else:
+    pad_hi, extra = max(over, 0), 0
+  span = rows + pad_lo + pad_hi + extra
+  if pad_lo < 0 or span < ek:
+    return None
+  return (rows, (span - ek) // s + 1, pad_lo, pad_hi, extra)
+
+
+def _fast_plan(kc: KernelCall, p: _DimPlan) -> tuple[_InPlace | None, ...] | None:
+  if kc.backward and not kc.neutral_pads:
+    return None
+  geom, j = kc.geom, p.spatial
+  L, O = geom.in_spatial[j], geom.out_spatial[j]  # noqa: E741
+  s, lo, ek = geom.strides[j], geom.padding[j][0], geom.effective_window[j]
+  in_tile = p.out_tile if kc.backward else p.tile
+  out_tile = p.tile if kc.backward else p.out_tile
+  plans: list[_InPlace | None] = []
+  for i in range(p.n):
+    first, rows = i * in_tile, min(in_tile, L - i * in_tile)
+    if kc.backward:
+      w = p.works[i]
+      if w is None:
+        plans.append(None)
+        continue
+      oa = w.start - p.left + i * out_tile
+      ob = oa + w.rows
+      if rows <= 0:
+        return None
+      dim = _block_dim(geom, j, first, rows, oa, ob)
+      if dim is None or dim[1] != ob - oa:
+        return None
+      plans.append(_InPlace(rows, dim, ob - oa, w.start, None, None))
+      continue
+    oa, ob = min(i * out_tile, O), min((i + 1) * out_tile, O)
+    if oa >= ob:
+      plans.append(None)
+      continue
+    if rows <= 0:
+      return None
+    dim = _block_dim(geom, j, first, rows, oa, ob)
+    if dim is None or dim[1] < ob - oa:
+      return None
+    # Outputs whose windows reach rows before the block (not the input's own padding) ...
+    n_lo = 0 if first == 0 else max(0, min(ob, _cdiv(first + lo, s)) - oa)
+    # ... or after it.
+    last_inside = (first + rows + lo - ek) // s  # the last window ending inside the block
+    n_hi = 0 if first + rows == L else max(0, ob - max(oa, last_inside + 1))
+    if n_lo + n_hi > ob - oa:
+      n_hi = ob - oa - n_lo
+    edges: list[_Edge | None] = []
+    for e_first, count, left in ((0, n_lo, True), (ob - oa - n_hi, n_hi, False)):
+      if count == 0:
+        edges.append(None)
+        continue
+      a, b, edim = _local_dim(geom, j, oa + e_first, oa + e_first + count)
+      if left:
+        if b > first + rows or first - a > p.left:
+          return None
+        halo, own = (p.left - (first - a), p.left), (0, b - first)
+      else:
+        if a < first or b - (first + rows) > p.right:
+          return None
+        halo, own = (0, b - (first + rows)), (a - first, rows)
+      edges.append(_Edge(e_first, count, halo, own, edim))
+    plans.append(_InPlace(rows, dim, ob - oa, 0, edges[0], edges[1]))
+  return tuple(plans)
+
+
+def _halos(x: jax.Array, p: _DimPlan) -> tuple[jax.Array | None, jax.Array | None]:
+  """The ``p.left`` rows before ``x``'s block and the ``p.right`` rows after it."""
+  ext = _exchange(x, p)
+  left = lax.slice_in_dim(ext, 0, p.left, axis=p.axis) if p.left else None
+  right = (lax.slice_in_dim(ext, p.left + p.tile, p.left + p.tile + p.right, axis=p.axis)
+           if p.right else None)
+  return left, right
+
+
+def _fast(kc: KernelCall, p: _DimPlan, plans, operands):
+  block_shapes = _result_blocks(kc, operands, (p,))
+  if kc.backward:  # the cotangent rows with their halos (output-sized: small)
+    ext = [_exchange(o, p) for o in operands]
+    args: tuple = (ext,)
+  else:  # the block itself, and small halos beside it
+    x = operands[0]
+    left, right = _halos(x, p) if (p.left or p.right) else (None, None)
+    args = (x, left, right)
+  classes = sorted(set(plans), key=repr)
+  branches = [functools.partial(_fast_branch, kc, p, w, block_shapes) for w in classes]
+  if len(branches) == 1:
+    return branches[0](*args)
+  table = jnp.asarray([classes.index(w) for w in plans], jnp.int32)
+  return lax.switch(table[lax.axis_index(p.names)], branches, *args)
+
+
+def _with_dim(geom: Geometry, j: int, dim: tuple) -> Geometry:
+  n_in, n_out, lo, hi, ex = dim
+  in_sp, out_sp = list(geom.in_spatial), list(geom.out_spatial)
+  padding, extra = list(geom.padding), list(geom.extra)
+  in_sp[j], out_sp[j], padding[j], extra[j] = n_in, n_out, (lo, hi), ex
+  return dataclasses.replace(geom, in_spatial=tuple(in_sp), out_spatial=tuple(out_sp),
+                             padding=tuple(padding), extra=tuple(extra))
+
+
+def _fit(a: jax.Array, axis: int, size: int) -> jax.Array:
+  """``a`` cut or zero-padded to ``size`` rows along ``axis``."""
+  if a.shape[axis] == size:
+    return a
+  cfg = [(0, 0, 0)] * a.ndim
+  cfg[axis] = (0, size - a.shape[axis], 0)
+  return lax.pad(a, jnp.zeros((), a.dtype), cfg)
+
+
+def _fast_branch(kc: KernelCall, p: _DimPlan, w: _InPlace | None, block_shapes, *args):
+  if w is None:
+    return tuple(jnp.zeros(shape, dtype) for shape, dtype in block_shapes)
+  geom, ax, j = kc.geom, p.axis, p.spatial
+  if kc.backward:
+    (ext,) = args
+    pieces = [lax.slice_in_dim(o, w.start, w.start + w.keep, axis=ax) for o in ext]
+    outs = kc.run(pieces, _with_dim(geom, j, w.dim))
+    return tuple(_fit(o, ax, p.out_tile) for o in outs)
+  x, left, right = args
+  block = x if w.rows == p.tile else lax.slice_in_dim(x, 0, w.rows, axis=ax)
+  outs = [_fit(o, ax, w.keep) for o in kc.run([block], _with_dim(geom, j, w.dim))]
+  for edge, halo in ((w.lo, left), (w.hi, right)):
+    if edge is None:
+      continue
+    own = lax.slice_in_dim(x, edge.own[0], edge.own[1], axis=ax)
+    side = lax.slice_in_dim(halo, edge.halo[0], edge.halo[1], axis=ax)
+    piece = lax.concatenate([side, own] if edge is w.lo else [own, side], ax)
+    fixed = kc.run([piece], _with_dim(geom, j, edge.dim))
+    outs = [lax.dynamic_update_slice_in_dim(o, f, edge.first, axis=ax)
+            for o, f in zip(outs, fixed)]
+  return tuple(_fit(o, ax, p.out_tile) for o in outs)
