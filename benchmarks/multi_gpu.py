@@ -62,14 +62,21 @@ COLLECTIVES = ("all-gather", "all-to-all", "all-reduce", "collective-permute", "
 
 
 def timed(fn, *args, reps=ARGS.reps) -> float:
-  """Median milliseconds of one call (after two warm-up calls)."""
+  """Median milliseconds of one call: each sample runs calls back to back for at least 5 ms
+  (the wait for the first call's launch, about 0.1 ms, would otherwise count against a short
+  op), after two warm-up calls."""
   for _ in range(2):
     jax.block_until_ready(fn(*args))
+  t0 = time.perf_counter()
+  jax.block_until_ready(fn(*args))
+  inner = max(1, int(5e-3 / max(time.perf_counter() - t0, 1e-6)))
   samples = []
   for _ in range(3 if SMOKE else reps):
     t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    samples.append(time.perf_counter() - t0)
+    for _ in range(inner):
+      out = fn(*args)
+    jax.block_until_ready(out)
+    samples.append((time.perf_counter() - t0) / inner)
   return 1e3 * statistics.median(samples)
 
 

@@ -480,3 +480,11 @@ def test_lp_second_order_is_zero_outside_the_window():
   outside = np.ones((6, 6), bool)
   outside[2:4, 2:4] = False
   assert (h[outside] == 0).all() and (h[2:4, 2:4] != 0).all()
+
+
+def test_graph_refuses_a_parameter_too_large_to_index():
+  # Before this check, Graph(...).init(key) aborted the process inside XLA (a static extent
+  # overflow of the Dense kernel's (2**62, 2) shape); now the graph refuses to be built.
+  import jaxpool.graph as jg
+  with pytest.raises(ValueError, match=r"node 'd' \(Dense\): parameter 'w'.*2\*\*31 - 1"):
+    jg.Graph(jg.Dense("d", jg.Input("image", shape=(2**31 - 1, 2**31 - 1, 1)), features=2))

@@ -12,7 +12,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxpool._src.checks import check_bool
+from jaxpool._src.checks import MAX_SIZE, check_bool
 from jaxpool._src.graph.base import Cotangents, GradientNode, GradientState, Node
 from jaxpool._src.graph.common import BOOL_HINT
 from jaxpool._src.graph.inputs import Input
@@ -90,6 +90,13 @@ class Graph:
     self.specs: dict[str, Any] = {}
     for n in order:
       self.specs[n.name] = _infer(n, self.specs, self._by_name)
+    # A parameter too large to index (int32 extents) would abort XLA when built: refuse it now.
+    for name, specs in self.param_specs().items():
+      for k, spec in specs.items():
+        if math.prod(spec.shape) > MAX_SIZE:
+          raise ValueError(
+              f"node {name!r} ({type(self._by_name[name]).__name__}): parameter {k!r} would have "
+              f"shape {spec.shape} ({math.prod(spec.shape)} elements); at most 2**31 - 1.")
 
   # -- introspection ---------------------------------------------------------------------------
 
