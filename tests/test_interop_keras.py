@@ -381,12 +381,18 @@ def test_other_backend_is_refused(monkeypatch):
 
 
 def test_importing_the_module_leaves_keras_alone():
+  """Importing the module imports no Keras; enable() without KERAS_BACKEND says what to set."""
   env = {k: v for k, v in os.environ.items() if k != "KERAS_BACKEND"}
-  code = ("import sys, jaxpool.interop.keras as jk; assert 'keras' not in sys.modules; "
-          "print(jk.__name__)")
+  code = ("import sys, jaxpool.interop.keras as jk\n"
+          "assert 'keras' not in sys.modules\n"
+          "try:\n  jk.enable()\nexcept ImportError as e:\n  print('ImportError:', e)\n")
   proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                         env=dict(env, PYTHONPATH=str(ROOT)), timeout=120)
   assert proc.returncode == 0, proc.stderr
+  # Keras's default backend is TensorFlow: without it (or a keras.json choosing JAX) the import
+  # fails, and the message says what to set.
+  if "ImportError" in proc.stdout:
+    assert "set the environment variable KERAS_BACKEND=jax" in proc.stdout, proc.stdout
 
 
 # ----------------------------------------------------------------------------- model.fit
