@@ -35,6 +35,7 @@ runs in parts::
   # on a GPU machine, from the repository root (keras wheels in ./wheels, see --wheels)
   XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=$PWD python3 benchmarks/models_gpu.py \\
       --models keras_vgg16,keras_densenet121 --dtypes bfloat16,float32 --wheels wheels
+  python3 benchmarks/models_gpu.py --merge part1.json part2.json   # parts from other runs
   python3 benchmarks/models_gpu.py --table          # the table of everything measured so far
   python3 benchmarks/models_gpu.py --plot docs/img/models_gpu.png   # speed-up bars for docs
   PYTHONPATH=$PWD python3 benchmarks/models_gpu.py --smoke   # tiny sizes on a CPU, a minute
@@ -464,11 +465,17 @@ def run_child(name: str, dtype: str, args) -> dict:
                 smoke=args.smoke)
   row = json.loads(lines[-1])
   row["wall_s"] = time.perf_counter() - t0
+  _SEEN_DEVICE[0] = row["device"]
   return row
 
 
+_SEEN_DEVICE = ["unknown"]
+
+
 def _device_kind() -> str:
-  return jax.devices()[0].device_kind
+  """The device of the last child that reported one: the parent never starts a backend itself
+  (on a GPU it would hold memory that the children need)."""
+  return _SEEN_DEVICE[0]
 
 
 def _key(row) -> tuple:
@@ -568,6 +575,8 @@ def main(argv=None) -> int:
   parser.add_argument("--inline", action="store_true",
                       help="measure in this process, no children and no time limit")
   parser.add_argument("--out", default=None, help="the JSON file (rows accumulate)")
+  parser.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                      help="merge the rows of these result files into --out and exit")
   parser.add_argument("--table", action="store_true", help="print the JSON's table and exit")
   parser.add_argument("--plot", default=None, help="write a speed-up chart (PNG) and exit")
   parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -575,6 +584,13 @@ def main(argv=None) -> int:
   path = args.out or (SMOKE_RESULTS if args.smoke else RESULTS)
   if args.cache_dir:
     jax.config.update("jax_compilation_cache_dir", args.cache_dir)
+  if args.merge:
+    for part in args.merge:
+      with open(part) as f:
+        data = json.load(f)
+      merge(path, data.pop("rows"), data)
+    print(f"merged {len(args.merge)} file(s) into {path}")
+    return 0
   if args.table or args.plot:
     with open(path) as f:
       rows = json.load(f)["rows"]
@@ -599,12 +615,14 @@ def main(argv=None) -> int:
     return 0
   if args.inline and args.wheels:
     sys.path.append(unpack_wheels(args.wheels))
+  if args.inline:
+    _SEEN_DEVICE[0] = jax.devices()[0].device_kind
   meta = dict(jax=jax.__version__, jaxpool=jaxpool.__version__,
-              python=platform.python_version(), backend=jax.default_backend(),
-              xla_flags=os.environ.get("XLA_FLAGS", ""), autotune_level=args.autotune_level)
-  print(f"models_gpu on {_device_kind()} ({jax.default_backend()}), JAX {jax.__version__}"
-        f"{' (smoke)' if args.smoke else ''}: {', '.join(models)} x {', '.join(dtypes)}",
-        flush=True)
+              python=platform.python_version(), xla_flags=child_env(args)["XLA_FLAGS"],
+              autotune_level=args.autotune_level)
+  print(f"models_gpu, JAX {jax.__version__}{' (smoke)' if args.smoke else ''}"
+        f"{' (in this process)' if args.inline else ' (a child process per row)'}: "
+        f"{', '.join(models)} x {', '.join(dtypes)}", flush=True)
   rows = []
   for m in models:
     for d in dtypes:
