@@ -63,6 +63,7 @@ def test_smoke_equinox(tmp_path, capsys):
   _check_row(next(r for r in again if r["dtype"] == "float32"))
   merged = tmp_path / "merged.json"        # parts measured in other runs, merged
   assert models_gpu.main(["--merge", str(out), "--out", str(merged)]) == 0
+  capsys.readouterr()
   assert models_gpu.main(["--table", "--out", str(merged)]) == 0
   assert capsys.readouterr().out.count("| equinox_cnn |") == 2
 
