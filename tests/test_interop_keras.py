@@ -5,8 +5,8 @@ Three kinds of checks:
 * **Keras's own pooling tests** (``keras/src/ops/nn_test.py``'s pooling cases and
   ``keras/src/layers/pooling/max_pooling_test.py`` / ``average_pooling_test.py``: NumPy
   references, both data formats, 1-D to 3-D, ``"valid"`` and ``"same"``), run from the installed
-  Keras package with jaxpool enabled, in a subprocess. Keras ships its tests in its wheel from
-  3.15 on; for an older Keras that test is skipped and the grid below is the check.
+  Keras package with jaxpool enabled, in a subprocess. Keras 3.15.1's wheel ships its tests
+  (3.10 to 3.14's do not); without them that test is skipped and the grid below is the check.
 * **The grid**: ``keras.ops.max_pool`` / ``average_pool`` with jaxpool enabled against Keras's
   own functions (values and gradients) and against this suite's NumPy reference, in both data
   formats, 1-D, 2-D and 3-D, every padding Keras has, int and tuple sizes, default strides.
@@ -119,7 +119,7 @@ def _check_keras_tests(out, modules):
 
 def _skip_unless_shipped(modules):
   if not _ships_tests(modules):
-    pytest.skip(f"Keras {keras.__version__}'s wheel ships no tests (3.15 and later do); "
+    pytest.skip(f"Keras {keras.__version__}'s wheel ships no tests (3.15.1's does); "
                 f"test_backend_functions_equal_keras_and_numpy checks the same configurations "
                 f"against Keras's own functions and NumPy")
 
@@ -398,6 +398,13 @@ def test_importing_the_module_leaves_keras_alone():
 # ----------------------------------------------------------------------------- model.fit
 
 
+def test_fit_before_enable_needs_compile(subprocess_results):
+  """As docs/interop.md says: a compiled step stays; model.compile makes Keras trace anew."""
+  refit = subprocess_results["fit"]["refit"]
+  assert refit["kept"] == {}, refit
+  assert refit["recompiled"].get("max_pool", 0) >= 2, refit
+
+
 @pytest.mark.parametrize("where", ["one_device", "data_parallel"])
 def test_fit_equals_plain_keras(subprocess_results, where):
   res = subprocess_results["fit"][where]
@@ -444,7 +451,18 @@ def run_fit_checks() -> dict:
               shuffle=False, verbose=0, callbacks=[cb])
     return dict(losses=losses, calls=dict(calls)), model.get_weights()
 
-  out = {}
+  # A model whose fit ran before enable() keeps its compiled step; model.compile makes a new one.
+  model = build()
+  model.fit(images[:8], labels[:8], batch_size=8, epochs=1, verbose=0)
+  with jk.enabled():
+    calls.clear()
+    model.fit(images[:8], labels[:8], batch_size=8, epochs=1, verbose=0)
+    kept = dict(calls)
+    model.compile(keras.optimizers.SGD(0.1),
+                  keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.fit(images[:8], labels[:8], batch_size=8, epochs=1, verbose=0)
+    recompiled = dict(calls)
+  out: dict = {"refit": dict(kept=kept, recompiled=recompiled)}
   for where, batch in (("one_device", 8), ("data_parallel", 16)):
     if where == "data_parallel":
       keras.distribution.set_distribution(keras.distribution.DataParallel(
