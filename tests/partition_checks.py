@@ -303,6 +303,14 @@ def _():
   assert not [c for c in collectives(compiled.as_text()) if c[1] > 1]
 
 
+# The TPU (Mosaic) kernels, in the TPU interpreter: the same rule wraps them.
+os.environ["JAXPOOL_PALLAS_BACKEND"] = "tpu"
+run_case("tpu/batch", AUTO, x2, P("a"), K3S2, only=("max_taps", "grad_max", "avg", "grad_avg"))
+run_case("tpu/height", AUTO, x2, P(None, "a"), K3S2, spatial_rows={1: 5},
+         only=("max_taps", "grad_max", "avg", "grad_avg"))
+del os.environ["JAXPOOL_PALLAS_BACKEND"]
+
+
 @check("export/sharded")
 def _():
   # jax.export serialises the XLA ops in place of the kernels (a Pallas kernel, and the

@@ -40,6 +40,8 @@ GROUPS = [
     ("shard_map/check_vma/", 6, False),
     ("shard_map/no_check_vma/", 4, False),
     ("shard_map/partly_manual/", 5, False),
+    ("tpu/batch/", 4, False),
+    ("tpu/height/", 4, False),
     ("export/sharded", 1, False),
 ]
 
