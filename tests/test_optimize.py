@@ -118,6 +118,8 @@ def prims(jaxpr, *, skip_jaxpool=False) -> list[str]:
   out = []
   for eqn in jaxpr.eqns:
     out.append(eqn.primitive.name)
+    if eqn.primitive.name == "jaxpool_pallas_kernel":  # a kernel call: a pallas_call, lowered
+      out.append("pallas_call")
     for v in eqn.params.values():
       for sub in v if isinstance(v, tuple) else (v,):
         sub = getattr(sub, "jaxpr", sub) if hasattr(sub, "jaxpr") else sub

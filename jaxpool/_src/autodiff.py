@@ -96,6 +96,16 @@ def mirrored(ops: MaxPoolOps) -> MaxPoolOps:
   return MaxPoolOps(forward=forward, forward_with_taps=forward_with_taps, gather=ops.gather)
 
 
+def _explicit_sharding(a: jax.Array):
+  """``a``'s sharding when it is in its type (Explicit mesh axes), else None: an array of the
+  input's shape made from ``a`` keeps that split (the same dims, in either layout)."""
+  sharding = getattr(jax.typeof(a), "sharding", None)
+  spec = getattr(sharding, "spec", None)
+  if spec is None or all(p is None for p in spec):
+    return None
+  return sharding
+
+
 def grad_from_taps(dy: jax.Array, taps: jax.Array, geom: Geometry,
                    ops: MaxPoolOps) -> jax.Array:
   """``dx``: each window's ``dy`` added at its winning tap (``-1`` sends nothing), the transpose
@@ -104,7 +114,8 @@ def grad_from_taps(dy: jax.Array, taps: jax.Array, geom: Geometry,
   differentiates, batches and transposes."""
   # The primal example comes from dy (full_like) so that it carries dy's varying axes inside
   # shard_map, as avg_pool_grad's does.
-  zeros = jax.lax.full_like(dy, 0, shape=geom.input_shape(dy.shape))
+  zeros = jax.lax.full_like(dy, 0, shape=geom.input_shape(dy.shape),
+                            sharding=_explicit_sharding(dy))
   _, vjp = jax.vjp(lambda t: ops.gather(t, taps, geom, ANY_EMPTY), zeros)
   return vjp(dy)[0]
 

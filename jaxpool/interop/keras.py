@@ -53,7 +53,7 @@ from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
 
-import jaxpool
+from jaxpool._src import api as _api
 
 __all__ = ["enable", "disable", "enabled", "is_enabled", "max_pool", "average_pool"]
 
@@ -192,7 +192,7 @@ def max_pool(inputs: Any, pool_size: Any, strides: Any = None, padding: str = "v
   cfg = _config(inputs, pool_size, strides, padding, data_format)
   if cfg is None:
     return _keras_function("max_pool")(inputs, pool_size, strides, padding, data_format)
-  return jaxpool.max_pool(inputs, **cfg)
+  return _api.max_pool(inputs, **cfg)
 
 
 def average_pool(inputs: Any, pool_size: Any, strides: Any = None, padding: str = "valid",
@@ -210,7 +210,7 @@ def average_pool(inputs: Any, pool_size: Any, strides: Any = None, padding: str 
   cfg = _config(inputs, pool_size, strides, padding, data_format)
   if cfg is None:
     return _keras_function("average_pool")(inputs, pool_size, strides, padding, data_format)
-  return jaxpool.avg_pool(inputs, count_include_pad=False, **cfg)
+  return _api.avg_pool(inputs, count_include_pad=False, **cfg)
 
 
 _REPLACEMENTS: dict[str, Callable[..., Any]] = {"max_pool": max_pool,

@@ -491,8 +491,9 @@ def _explicit_spec(a: jax.Array):
 
 
 def explicit_unsupported(geom: Geometry, shape, a: jax.Array) -> str | None:
-  """Why an Explicit-sharded call cannot keep its sharding (None when it can): the output of a
-  spatially split dim must divide over the same devices, as ``shard_map`` blocks are equal."""
+  """Why an Explicit-sharded call cannot keep its sharding (None when it can): the input and
+  the output of a spatially split dim must divide over the same devices, as ``shard_map``
+  blocks are equal (a gradient's result is input-sized)."""
   explicit = _explicit_spec(a)
   if explicit is None:
     return None
@@ -500,9 +501,10 @@ def explicit_unsupported(geom: Geometry, shape, a: jax.Array) -> str | None:
   dims = _spec_dims(spec, len(shape))
   for j, ax in enumerate(geom.spatial_axes(len(shape))):
     n = int(np.prod([mesh.shape[name] for name in dims[ax]])) if dims[ax] else 1
-    if n > 1 and geom.out_spatial[j] % n:
-      return (f"spatial dim {ax} is split over {n} devices of an Explicit mesh, and its output "
-              f"size {geom.out_spatial[j]} does not divide over them")
+    for what, size in (("output", geom.out_spatial[j]), ("input", geom.in_spatial[j])):
+      if n > 1 and size % n:
+        return (f"spatial dim {ax} is split over {n} devices of an Explicit mesh, and its "
+                f"{what} size {size} does not divide over them")
   return None
 
 
