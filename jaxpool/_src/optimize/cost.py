@@ -48,23 +48,29 @@ def default_cost(site: Site) -> str | None:
 
   Only with ``implementation=None`` where the kernels are the default:
 
-  * an average pool that reads a convolution's output, or an average pool's gradient that a
-    convolution's gradient reads (DenseNet's transitions: a 1x1 convolution, then a 2x2/s2
-    average pool): XLA fuses the window sum with the convolution's epilogue. Measured: a
-    DenseNet121 training step went from 35.7 to 38.7 ms (H200) and from 29.3 to 43.7 ms (H100)
-    with these pools (and its stem's max pool) replaced (issue 23's table);
+  * an average pool or an average pool's gradient. XLA fuses a window sum with its neighbours
+    (a convolution's epilogue, an elementwise consumer), and the kernels' gain there is
+    smaller than for max pooling, whose gradient XLA computes with a slow
+    ``select_and_scatter``. Measured on one H100 (bfloat16, ``tests/optimize_cost_probe.py``,
+    one run), a training step's pooling site replaced against XLA: an average pool after no
+    convolution 0.75x; DenseNet's transitions (a 1x1 convolution, then a 2x2/s2 average pool)
+    1.13x at 56x56, 1.34x at 28x28, 0.92x at 14x14; a whole DenseNet121 step went from 29.3 to
+    43.7 ms with its average pools (and its stem's max pool) replaced. The stem's ReLU and
+    3x3/s2 max pool at 112x112: 2.8x, kept.
   * a pool of fewer than :data:`SMALL_POOL` input elements (an assumption: see there).
   """
   if site.implementation is not None or not site.kernels:
     return None
   if site.op in ("avg_pool", "avg_pool_grad"):
     conv = site.producer in _CONVS if site.op == "avg_pool" else bool(_CONVS & set(site.readers))
+    what = "an average pool" + ("" if site.op == "avg_pool" else " gradient")
     if conv:
       side = "reads a convolution's output" if site.op == "avg_pool" else (
           "feeds a convolution's gradient")
-      return (f"an average pool{'' if site.op == 'avg_pool' else ' gradient'} that {side}: XLA "
-              "fuses it with the convolution (cost model: DenseNet's transitions were slower "
-              "replaced)")
+      return (f"{what} that {side}: XLA fuses it with the convolution (cost model: DenseNet's "
+              "transitions were slower replaced)")
+    return (f"{what}: XLA fuses its window sum with its neighbours (cost model: measured "
+            "slower replaced, 0.75x on an H100)")
   n = math.prod(site.shape)
   if n < SMALL_POOL:
     return (f"{n} input elements, below {SMALL_POOL}: too small for a kernel launch to pay "
