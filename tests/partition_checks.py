@@ -270,6 +270,13 @@ def shard_map_case(name, *, check_vma, axis_names=None, spec=None, only=None):
       assert_equal(mapped(*placed), single, "shard_map vs one device")
 
 
+shard_map_case("check_vma", check_vma=True,
+               only=("max", "max_taps", "grad_max", "avg", "grad_avg") if QUICK else None)
+shard_map_case("no_check_vma", check_vma=False, only=("max", "max_taps", "grad_max", "avg"))
+shard_map_case("partly_manual", check_vma=True, axis_names=frozenset({"a"}),
+               spec=P("a"), only=("max", "max_taps", "grad_max", "avg", "grad_avg"))
+
+
 @check("shard_map/check_vma/grads")
 def _():
   dy = tie_rich(1, (8, 8, 6, 4))

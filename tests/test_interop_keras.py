@@ -161,19 +161,21 @@ def run_keras_tests(modules: list[str]) -> dict:
 
 
 def _count_jaxpool_calls(patch=setattr) -> collections.Counter[str]:
-  """Counts calls of jaxpool.max_pool / avg_pool from here on (the replacements look them up).
+  """Counts calls of jaxpool's max_pool / avg_pool from here on (the replacements look them up
+  in ``jaxpool._src.api`` at each call).
 
   ``patch`` sets the counting wrappers: ``monkeypatch.setattr`` in this process, so that the
   test restores jaxpool's own functions; ``setattr`` in a subprocess.
   """
+  from jaxpool._src import api  # what the replacements call (the module, looked up each call)
   calls: collections.Counter[str] = collections.Counter()
   for name in ("max_pool", "avg_pool"):
-    inner = getattr(jaxpool, name)
+    inner = getattr(api, name)
 
     def counted(*args, _inner=inner, _name=name, **kwargs):
       calls[_name] += 1
       return _inner(*args, **kwargs)
-    patch(jaxpool, name, counted)
+    patch(api, name, counted)
   return calls
 
 
