@@ -40,7 +40,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from jaxpool._src.pallas.partition import out_struct
+from jaxpool._src.pallas.calls import out_struct
 from jaxpool._src.windows import Geometry, phase_taps, taps_dtype
 from jaxpool._src.autodiff import apply_activation
 from jaxpool._src.dtypes import accumulator_dtype, beats, lowest

@@ -42,7 +42,7 @@ try:
 except ImportError:  # pragma: no cover - jaxlib without the Triton backend
   plgpu = None
 
-from jaxpool._src.pallas.partition import out_struct
+from jaxpool._src.pallas.calls import out_struct
 from jaxpool._src.windows import Geometry, phase_taps, real_taps, taps_dtype, window_count
 from jaxpool._src.autodiff import apply_activation
 from jaxpool._src.pallas import tuning
