@@ -33,7 +33,6 @@ partitioned.
 from __future__ import annotations
 
 import functools
-from typing import Any
 
 import jax
 import numpy as np
@@ -43,6 +42,7 @@ from jax.interpreters import mlir
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxpool._src import xla
 from jaxpool._src.pallas import tuning
 from jaxpool._src.pallas.calls import KernelCall, kernel_call, out_struct
 from jaxpool._src.pallas.halo import per_device, plan, spec_dims
@@ -57,7 +57,7 @@ def call(kc: KernelCall, *operands: jax.Array):
 
   Returns one array, or a tuple when ``kc.n_out > 1``.
   """
-  explicit = _explicit_spec(operands[-1])
+  explicit = xla.explicit_sharding(operands[-1])
   if explicit is not None:
     outs = _explicit_call(kc, explicit[0], explicit[1], operands)
   else:
@@ -214,20 +214,11 @@ _partitioned.def_partition(partition=_partition, sharding_rule=_rule)
 # ----------------------------------------------------------------------------- Explicit meshes
 
 
-def _explicit_spec(a: jax.Array):
-  """``(mesh, spec)`` when ``a`` is sharded over Explicit mesh axes (sharding in its type)."""
-  sharding: Any = getattr(jax.typeof(a), "sharding", None)
-  spec = getattr(sharding, "spec", None)
-  if spec is None or all(p is None for p in spec):
-    return None
-  return sharding.mesh, spec
-
-
 def explicit_unsupported(geom: Geometry, shape, a: jax.Array) -> str | None:
   """Why an Explicit-sharded call cannot keep its sharding (None when it can): the input and
   the output of a spatially split dim must divide over the same devices, as ``shard_map``
   blocks are equal (a gradient's result is input-sized)."""
-  explicit = _explicit_spec(a)
+  explicit = xla.explicit_sharding(a)
   if explicit is None:
     return None
   mesh, spec = explicit
