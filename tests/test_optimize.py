@@ -20,11 +20,8 @@ about four times slower); ``test_pallas_implementation`` runs both ways every ti
 from __future__ import annotations
 
 import functools
-import json
 import math
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import jax
@@ -32,6 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
+
+import device_checks
 
 import jaxpool
 from jaxpool._src import dispatch
@@ -840,21 +839,7 @@ def test_bad_arguments():
 
 @pytest.fixture(scope="module")
 def sharded():
-  env = dict(os.environ)
-  env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-  env["JAX_PLATFORMS"] = "cpu"
-  script = Path(__file__).with_name("optimize_sharding_checks.py")
-  proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
-                        timeout=300)
-  out = {}
-  for line in proc.stdout.splitlines():
-    if line.startswith("{"):
-      r = json.loads(line)
-      out[r["name"]] = r
-  if "summary" not in out:
-    pytest.fail(f"optimize_sharding_checks.py did not finish (rc {proc.returncode}):\n"
-                f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-  return out
+  return device_checks.run(Path(__file__).with_name("optimize_sharding_checks.py"), timeout=300)
 
 
 @pytest.mark.parametrize("name", ["named/Auto", "named/Explicit", "shard_map/grad",

@@ -9,7 +9,6 @@ with all-reduces and all-gathers in the program) and the ``shard_map`` groups ra
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -17,6 +16,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
+
+import device_checks
 
 SCRIPT = Path(__file__).with_name("partition_checks.py")
 
@@ -46,27 +47,10 @@ GROUPS = [
 ]
 
 
-def _quick(config) -> bool:
-  return "not slow" in (config.getoption("markexpr") or "")
-
-
 @pytest.fixture(scope="module")
 def results(request):
-  env = dict(os.environ)
-  env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-  env["JAX_PLATFORMS"] = "cpu"
-  quick = ["--quick"] if _quick(request.config) else []
-  proc = subprocess.run([sys.executable, str(SCRIPT), *quick], env=env, capture_output=True,
-                        text=True, timeout=1200)
-  out = {}
-  for line in proc.stdout.splitlines():
-    if line.startswith("{"):
-      r = json.loads(line)
-      out[r["name"]] = r
-  if "summary" not in out:
-    pytest.fail(f"partition_checks.py did not finish (rc {proc.returncode}):\n"
-                f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-  return out
+  return device_checks.run(SCRIPT, *(["--quick"] if device_checks.quick(request.config)
+                                             else []), timeout=1200)
 
 
 @pytest.mark.parametrize("prefix,minimum", [

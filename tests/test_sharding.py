@@ -6,13 +6,11 @@ pytest process keeps its single device; each test below asserts on one group of 
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+import device_checks
 
 SCRIPT = Path(__file__).with_name("sharding_checks.py")
 
@@ -35,28 +33,10 @@ GROUPS = [
 ]
 
 
-def _quick(config) -> bool:
-  """Whether this run leaves out the slow tests (then the script runs its --quick form)."""
-  return "not slow" in (config.getoption("markexpr") or "")
-
-
 @pytest.fixture(scope="module")
 def results(request):
-  env = dict(os.environ)
-  env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8")
-  env["JAX_PLATFORMS"] = "cpu"
-  quick = ["--quick"] if _quick(request.config) else []
-  proc = subprocess.run([sys.executable, str(SCRIPT), *quick], env=env, capture_output=True,
-                        text=True, timeout=600)
-  out = {}
-  for line in proc.stdout.splitlines():
-    if line.startswith("{"):
-      r = json.loads(line)
-      out[r["name"]] = r
-  if "summary" not in out:
-    pytest.fail(f"sharding_checks.py did not finish (rc {proc.returncode}):\n"
-                f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-  return out
+  return device_checks.run(SCRIPT, *(["--quick"] if device_checks.quick(request.config)
+                                             else []), timeout=600)
 
 
 @pytest.mark.parametrize("prefix,minimum", [
