@@ -228,17 +228,26 @@ def max_pool(ctx: Context, g: Dataflow, i: int, rules: Rules, where: str) -> boo
   return True
 
 
+def _max_select_layout(ctx: Context, eqn, where: str, x, what: str, **layout):
+  """The window layout of XLA's max-pool ``select_and_*`` op (``select_prim`` ``ge``), or None
+  after noting why the site is left alone."""
+  p = eqn.params
+  if getattr(p["select_prim"], "name", None) != "ge":
+    ctx.note(where, eqn, False, f"select_prim {p['select_prim']} (not a max pool's {what})")
+    return None
+  lay = window_layout(p, x, allow_int=False, **layout)
+  if isinstance(lay, str):
+    ctx.note(where, eqn, False, lay)
+    return None
+  return lay
+
+
 def max_pool_grad(ctx: Context, g: Dataflow, i: int, rules: Rules, where: str) -> bool:
   """``select_and_scatter_add`` with ``ge``: XLA's max-pool gradient."""
   eqn = g.eqns[i]
-  p = eqn.params
   dy, x = eqn.invars
-  if getattr(p["select_prim"], "name", None) != "ge":
-    ctx.note(where, eqn, False, f"select_prim {p['select_prim']} (not a max pool's gradient)")
-    return True
-  lay = window_layout(p, x, allow_int=False, dilation=False)
-  if isinstance(lay, str):
-    ctx.note(where, eqn, False, lay)
+  lay = _max_select_layout(ctx, eqn, where, x, "gradient", dilation=False)
+  if lay is None:
     return True
   impl = ctx.implementation
 
@@ -256,14 +265,9 @@ def max_pool_grad(ctx: Context, g: Dataflow, i: int, rules: Rules, where: str) -
 def max_pool_jvp(ctx: Context, g: Dataflow, i: int, rules: Rules, where: str) -> bool:
   """``select_and_gather_add`` with ``ge``: the JVP of XLA's max pool."""
   eqn = g.eqns[i]
-  p = eqn.params
   t, x = eqn.invars
-  if getattr(p["select_prim"], "name", None) != "ge":
-    ctx.note(where, eqn, False, f"select_prim {p['select_prim']} (not a max pool's JVP)")
-    return True
-  lay = window_layout(p, x, allow_int=False)
-  if isinstance(lay, str):
-    ctx.note(where, eqn, False, lay)
+  lay = _max_select_layout(ctx, eqn, where, x, "JVP")
+  if lay is None:
     return True
   impl = ctx.implementation
 
