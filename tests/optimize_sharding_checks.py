@@ -29,6 +29,9 @@ from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxpool  # noqa: E402
+from jaxpool._src.pallas.partition import kernel_p  # noqa: E402
+
+KERNEL = kernel_p.name  # the primitive of every Pallas kernel call
 
 COLLECTIVES = ("all-gather", "all-to-all", "all-reduce", "collective-permute", "reduce-scatter")
 
@@ -144,15 +147,53 @@ def _optimize_of_grad():
   return ""
 
 
-@check("shard_map/not_entered")
-def _not_entered():
-  mesh, xs = on_mesh()
-  fn = jax.shard_map(lambda x: lax.psum(loss(x), "b"), mesh=mesh, in_specs=P("b"),
-                     out_specs=P())
+def kernel_reference(x):
+  """Value and gradient of ``loss`` on one device, optimized with the kernels."""
+  return jax.jit(jax.value_and_grad(jaxpool.optimize(loss, implementation="pallas")))(x)
+
+
+def entered(fn, xs, mesh, n_pools):
+  """``optimize(fn)`` with the kernels enters the ``shard_map`` in ``fn``: the report counts
+  the pools inside, the traced program runs the kernels, none of XLA's pooling is left, and
+  value and gradient equal ``fn``'s own (and one device's with the kernels)."""
+  opt = jaxpool.optimize(fn, implementation="pallas")
   with jax.set_mesh(mesh):
-    rep = jaxpool.optimize(fn).report(xs)
-  assert [f.op for f in rep.left_alone] == ["shard_map"], str(rep)
+    rep = opt.report(xs)
+    step = jax.jit(jax.value_and_grad(opt))
+    text = str(jax.make_jaxpr(step)(xs))
+    v, g = step(xs)
+    v0, g0 = jax.jit(jax.value_and_grad(fn))(xs)
+  assert len(rep.replaced) == n_pools and not rep.left_alone, str(rep)
+  assert all("/shard_map" in f.where for f in rep.findings), str(rep)
+  assert KERNEL in text, "the kernels do not run inside the shard_map"
+  for prim in ("reduce_window", "select_and_scatter_add"):
+    assert prim not in text, f"{prim} left in the optimized program"
+  np.testing.assert_allclose(np.asarray(v), np.asarray(v0), rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(g), np.asarray(g0), rtol=1e-6, atol=1e-6)
+  v1, g1 = kernel_reference(X)
+  same(g, g1)
+  np.testing.assert_allclose(np.asarray(v), np.asarray(v1), rtol=1e-6)
   return str(rep)
+
+
+for check_vma in (True, False):
+  @check(f"shard_map/entered/check_vma={check_vma}")
+  def _entered(check_vma=check_vma):
+    mesh = jax.make_mesh((4, 2), ("b", "c"))
+    spec = P("b", None, None, "c")
+    fn = jax.shard_map(lambda x: lax.psum(loss(x), ("b", "c")), mesh=mesh, in_specs=spec,
+                       out_specs=P(), check_vma=check_vma)
+    # ReLU folded into the max pool, the max pool, the average pool.
+    return entered(fn, jax.device_put(X, NamedSharding(mesh, spec)), mesh, 3)
+
+
+@check("shard_map/entered/partly_manual")
+def _entered_partly_manual():
+  """Manual over "b" only (``axis_names=``); "c" stays an Auto axis inside the body."""
+  mesh = jax.make_mesh((4, 2), ("b", "c"), axis_types=(AxisType.Auto, AxisType.Auto))
+  fn = jax.shard_map(lambda x: lax.psum(loss(x), "b"), mesh=mesh, in_specs=P("b"),
+                     out_specs=P(), axis_names={"b"})
+  return entered(fn, jax.device_put(X, NamedSharding(mesh, P("b", None, None, "c"))), mesh, 3)
 
 
 print(json.dumps(dict(name="summary", ok=True, detail="")), flush=True)

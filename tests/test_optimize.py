@@ -844,7 +844,9 @@ def sharded():
 
 @pytest.mark.parametrize("name", ["named/Auto", "named/Explicit", "shard_map/grad",
                                   "shard_map/vmap_grad", "shard_map/optimize_of_grad",
-                                  "shard_map/not_entered"])
+                                  "shard_map/entered/check_vma=True",
+                                  "shard_map/entered/check_vma=False",
+                                  "shard_map/entered/partly_manual"])
 def test_sharding(sharded, name):
   assert name in sharded, sorted(sharded)
   assert sharded[name]["ok"], sharded[name]["detail"]
