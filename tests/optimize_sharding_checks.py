@@ -4,11 +4,14 @@ Run it in its own process with 8 CPU devices::
 
   XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/optimize_sharding_checks.py
 
-Each check prints one JSON line ``{"name": ..., "ok": bool, "detail": ...}``.
+``--quick`` (what ``make test`` runs) leaves out the slower ``shard_map/entered/`` variants
+(``check_vma=False``, partly manual, ``optimize`` of ``grad``). Each check prints one JSON line
+``{"name": ..., "ok": bool, "detail": ...}``.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -33,6 +36,7 @@ from jaxpool._src.pallas.partition import kernel_p  # noqa: E402
 
 KERNEL = kernel_p.name  # the primitive of every Pallas kernel call
 
+QUICK = "--quick" in sys.argv
 COLLECTIVES = ("all-gather", "all-to-all", "all-reduce", "collective-permute", "reduce-scatter")
 
 
@@ -147,9 +151,10 @@ def _optimize_of_grad():
   return ""
 
 
-def kernel_reference(x):
-  """Value and gradient of ``loss`` on one device, optimized with the kernels."""
-  return jax.jit(jax.value_and_grad(jaxpool.optimize(loss, implementation="pallas")))(x)
+@functools.cache
+def kernel_reference():
+  """Value and gradient of ``loss`` at ``X`` on one device, optimized with the kernels."""
+  return jax.jit(jax.value_and_grad(jaxpool.optimize(loss, implementation="pallas")))(X)
 
 
 def entered(fn, xs, mesh, n_pools):
@@ -170,14 +175,19 @@ def entered(fn, xs, mesh, n_pools):
     assert prim not in text, f"{prim} left in the optimized program"
   np.testing.assert_allclose(np.asarray(v), np.asarray(v0), rtol=1e-6)
   np.testing.assert_allclose(np.asarray(g), np.asarray(g0), rtol=1e-6, atol=1e-6)
-  v1, g1 = kernel_reference(X)
+  v1, g1 = kernel_reference()
   same(g, g1)
   np.testing.assert_allclose(np.asarray(v), np.asarray(v1), rtol=1e-6)
   return str(rep)
 
 
+def slow_check(name):
+  """A check that ``--quick`` leaves out."""
+  return (lambda fn: fn) if QUICK else check(name)
+
+
 for check_vma in (True, False):
-  @check(f"shard_map/entered/check_vma={check_vma}")
+  @(check if check_vma else slow_check)(f"shard_map/entered/check_vma={check_vma}")
   def _entered(check_vma=check_vma):
     mesh = jax.make_mesh((4, 2), ("b", "c"))
     spec = P("b", None, None, "c")
@@ -187,13 +197,33 @@ for check_vma in (True, False):
     return entered(fn, jax.device_put(X, NamedSharding(mesh, spec)), mesh, 3)
 
 
-@check("shard_map/entered/partly_manual")
+@slow_check("shard_map/entered/partly_manual")
 def _entered_partly_manual():
   """Manual over "b" only (``axis_names=``); "c" stays an Auto axis inside the body."""
   mesh = jax.make_mesh((4, 2), ("b", "c"), axis_types=(AxisType.Auto, AxisType.Auto))
   fn = jax.shard_map(lambda x: lax.psum(loss(x), "b"), mesh=mesh, in_specs=P("b"),
                      out_specs=P(), axis_names={"b"})
   return entered(fn, jax.device_put(X, NamedSharding(mesh, P("b", None, None, "c"))), mesh, 3)
+
+
+@slow_check("shard_map/entered/optimize_of_grad")
+def _entered_optimize_of_grad():
+  """``optimize(jax.grad(f))`` where ``f`` calls ``shard_map`` (its mesh from the context): the
+  transposed body's max-pool gradient and average-pool transpose are replaced too."""
+  mesh, xs = on_mesh()
+  with jax.set_mesh(mesh):
+    fn = jax.shard_map(lambda x: lax.psum(loss(x), "b"), in_specs=P("b"), out_specs=P())
+    opt = jaxpool.optimize(jax.grad(fn), implementation="pallas")
+    rep = opt.report(xs)
+    text = str(jax.make_jaxpr(opt)(xs))
+    out = jax.jit(opt)(xs)
+  ops = sorted(f.op for f in rep.replaced)
+  assert ops == ["reduce_window_max", "reduce_window_sum", "reduce_window_sum",
+                 "select_and_scatter_add"], str(rep)
+  assert KERNEL in text and "select_and_scatter_add" not in text
+  np.testing.assert_allclose(np.asarray(out), np.asarray(REF), rtol=1e-6, atol=1e-6)
+  same(out, kernel_reference()[1])
+  return str(rep)
 
 
 print(json.dumps(dict(name="summary", ok=True, detail="")), flush=True)
