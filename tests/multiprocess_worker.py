@@ -6,7 +6,8 @@ each) and run the gradient of a 3x3/s2/p1 max pool with the Pallas kernels (inte
 a batch split over the job's 4 devices, under an Auto and an Explicit mesh. Each process saves
 the blocks of the gradient it holds (``OUT_DIR/process{ID}.npz``: per mesh kind, each block's
 first batch row and its values) and prints one JSON line per mesh kind with what else the test
-checks: the output's partition spec and the collectives in the compiled program.
+checks: whether the kernels ran, the output's sharding and the collectives in the compiled
+program.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxpool
+from jaxpool._src.pallas.partition import kernel_p
 
 SHAPE = (8, 9, 10, 4)  # (batch, H, W, C): 2 examples a device
 
@@ -50,6 +52,9 @@ def main(process_id: int, port: str, out_dir: str) -> None:
     xs = jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
     step = jax.jit(jax.grad(loss))
     with jax.set_mesh(mesh):
+      # (Auto: jaxpool's kernel primitive; Explicit: its pallas_call under shard_map)
+      text = str(jax.make_jaxpr(step)(xs))
+      kernels = kernel_p.name in text or "pallas_call" in text
       compiled = step.lower(xs).compile()
       out = compiled(xs)
     comm = sorted(set(re.findall(r" (all-gather|all-to-all|all-reduce|collective-permute|"
@@ -57,7 +62,7 @@ def main(process_id: int, port: str, out_dir: str) -> None:
     for shard in out.addressable_shards:
       start = shard.index[0].start or 0
       blocks[f"{kind.name}/{start}"] = np.asarray(shard.data)
-    print(json.dumps(dict(kind=kind.name, spec=str(out.sharding.spec),
+    print(json.dumps(dict(kind=kind.name, kernels=kernels, spec=str(out.sharding.spec),
                           sharded_like_input=out.sharding.is_equivalent_to(sharding, out.ndim),
                           collectives=comm)), flush=True)
   np.savez(f"{out_dir}/process{process_id}.npz", **blocks)

@@ -57,6 +57,7 @@ def test_two_processes_equal_one(tmp_path):
     for i, out in enumerate(outs):
       [info] = [json.loads(line) for line in out.splitlines()
                 if line.startswith("{") and json.loads(line)["kind"] == kind]
+      assert info["kernels"], f"process {i}, {kind} mesh: the kernels did not run"
       assert info["sharded_like_input"], f"process {i}, {kind} mesh: {info}"
       assert "all-gather" not in info["collectives"], f"process {i}, {kind} mesh: {info}"
     got = np.full(want.shape, np.nan, np.float32)
