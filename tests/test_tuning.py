@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from kernel_base import ON_GPU, bits_equal
 
@@ -493,6 +494,32 @@ def test_launch_for_modes(monkeypatch, op):
     assert args[0].dtype == jnp.int8 and -1 <= int(args[0].min()) <= int(args[0].max()) < 9
   else:
     assert [a.shape for a in args] == [out_shape]
+
+
+def test_no_tuning_inside_shard_map(monkeypatch):
+  """Inside a shard_map (a user's, or the one an Explicit mesh runs the kernels under) a tuning
+  run's random inputs would sit on the manual axes, where JAX cannot run them eagerly (on a GPU
+  this raised a bare AssertionError from JAX in an Explicit-mesh training step): "auto" acts as
+  "cached" there, and outside as before."""
+  shape = (2, 9, 11, 6)
+  geom = windows.make_geometry(shape, (3, 3), (2, 2), 1)
+  monkeypatch.setattr(triton, "platform", lambda: "cuda")
+  monkeypatch.setenv(tuning.TUNE_ENV, "auto")
+  fake = RecordingTuner()
+  seen = []
+
+  def body(x):
+    seen.append(tuning.mode())
+    triton.launch_for("max_fwd", shape, jnp.float32, geom, interpret=False)
+    return x
+
+  mesh = jax.make_mesh((1,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+  with tuning.using(fake):  # type: ignore[arg-type]
+    jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P("d"))).lower(
+        jnp.ones((2,)))
+    triton.launch_for("max_fwd", shape, jnp.float32, geom, interpret=False)
+  assert seen == ["cached"]
+  assert [c[4] for c in fake.calls] == [False, True]
 
 
 def test_settings_are_checked(monkeypatch):

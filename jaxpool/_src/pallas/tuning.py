@@ -85,9 +85,17 @@ def mode() -> str:
           "no": "off"}.get(raw, raw)
   if name not in MODES:
     raise ValueError(f"{TUNE_ENV} must be one of {MODES} (or 1/0, on/off), got {raw!r}")
-  if name == "auto" and getattr(_LOCAL, "cached_only", False):
+  if name == "auto" and (getattr(_LOCAL, "cached_only", False) or _inside_manual_axes()):
     return "cached"
   return name
+
+
+def _inside_manual_axes() -> bool:
+  """Whether this trace is inside a ``shard_map`` (yours, or the one an Explicit mesh runs the
+  kernels under). A tuning run there would build its random inputs on the manual axes, which
+  JAX cannot run eagerly; the kernel takes the table's, the cache's or the heuristic
+  configuration instead (``python -m jaxpool.tune`` tunes ahead)."""
+  return bool(getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()))
 
 
 _LOCAL = threading.local()
