@@ -5,7 +5,7 @@ Times, on this machine: XLA's forward (``lax.reduce_window``), XLA's backward
 ``max_pool`` (XLA path) forward for inference, backward, and forward+backward; also avg pooling.
 Prints a table (shape, dtype, ms, ratio) and saves it as JSON under benchmarks/results/.
 
-Usage: python benchmarks/cpu.py [--quick] [--repeats N]
+Usage: python benchmarks/pooling_cpu.py [--quick] [--repeats N]
 """
 
 from __future__ import annotations

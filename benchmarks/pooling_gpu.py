@@ -2,7 +2,7 @@
 
 Run on a GPU machine from the repository root::
 
-  XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=$PWD python3 benchmarks/gpu.py [--out DIR]
+  XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=$PWD python3 benchmarks/pooling_gpu.py [--out DIR]
 
 Timer: each sample runs the op back to back, then blocks until the device is done
 (``block_until_ready`` / ``torch.cuda.synchronize``); the sample is the elapsed wall time over the

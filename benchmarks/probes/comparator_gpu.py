@@ -3,7 +3,7 @@
 The kernels keep a running maximum in ``dtypes.beats``' order (NaN above every number, ``+0.0``
 above ``-0.0``, the first of equal values) and take a tap where its bits change. This script
 times the Triton kernels (forward with and without the taps; the backward, which reads the
-taps, as a control; the average-pooling forward) on the cases of ``benchmarks/gpu.py`` with
+taps, as a control; the average-pooling forward) on the cases of ``benchmarks/pooling_gpu.py`` with
 each form of that maximum (``triton.NAN_MAX``):
 
 - ``ptx``: the kernels' default on an NVIDIA GPU for float32 comparisons (16-bit floats are
@@ -15,7 +15,7 @@ each form of that maximum (``triton.NAN_MAX``):
   a copy of that file), side by side.
 
 (Until run 29 the kernels kept a comparison a tap with a rule for signed zeros in one of several
-forms; this script timed those: ``results/raw/comparator_v9.log`` to ``comparator_v26.log``,
+forms; this script timed those: ``raw/comparator_v9.log`` to ``comparator_v26.log``,
 NOTES.md.)
 
 Rounds alternate the variants, so drifting clocks affect them alike. ``--cases a,b`` runs the
@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 # The variants run the launch configurations they name (or the heuristic), not the tuner's
 # (docs/tuning.md), unless JAXPOOL_TUNE is set.
 os.environ.setdefault("JAXPOOL_TUNE", "off")
@@ -83,7 +83,7 @@ def _previous(rev: str):
   import subprocess
   path = rev
   if not os.path.isfile(rev):
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     src = subprocess.run(["git", "show", f"{rev}:jaxpool/_src/pallas/triton.py"], cwd=root,
                          check=True, capture_output=True, text=True).stdout
     path = os.path.join("/tmp", f"jaxpool_triton_{rev}.py")
@@ -188,7 +188,7 @@ def main():
             f"fwd+taps {t:.3f} ({row['fwd_taps_of_copy']:.2f})  "
             f"bwd {bw:.3f} ({row['bwd_of_copy']:.2f})  avg fwd {a:.3f} "
             f"({row['avg_fwd_of_copy']:.2f})", flush=True)
-  path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+  path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results",
                       "comparator_gpu.json")
   with open(path, "w") as f:
     json.dump(dict(jax=jax.__version__, device=str(jax.devices()[0]), copy_gbs=copy_gbs,

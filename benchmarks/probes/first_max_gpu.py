@@ -10,7 +10,7 @@ in the order of a max pool's scan):
 - ``keyed_max``: ``keyed`` with the values from ``jnp.max`` instead of a gather at the indices;
 - ``keyed32``: ``keyed`` with int32 keys from the float32 values of narrower floats;
 
-against ``x.max(axis=(1, 2))`` with JAX's autodiff. (Runs 9 and 11, `results/raw/first_max_v9.log`
+against ``x.max(axis=(1, 2))`` with JAX's autodiff. (Runs 9 and 11, `raw/first_max_v9.log`
 and `first_max_v11.log`, timed earlier forms of the index pass's test.)
 
 ``--shape 128x7x7x2048`` times one shape; ``--long`` takes 90 samples instead of 30;
@@ -31,8 +31,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from global_adaptive import RESULTS, chained, distinct_data, time_all  # noqa: E402
 from jaxpool._src import adaptive, dtypes  # noqa: E402
 

@@ -7,7 +7,7 @@ every recognised site replaced (``cost=always``), and optimize with the default 
 prints one JSON line: the median step time of each, the speed-up of replacing, and what the
 default model decided::
 
-  python tests/optimize_cost_probe.py [--dtype bfloat16] [--samples 20] [--calls 10]
+  python benchmarks/probes/optimize_cost_gpu.py [--dtype bfloat16] [--samples 20] [--calls 10]
 """
 
 from __future__ import annotations

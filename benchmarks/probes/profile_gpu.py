@@ -1,9 +1,9 @@
-"""One call of each Triton max kernel on the cases of ``benchmarks/gpu.py``, for a profiler.
+"""One call of each Triton max kernel on the cases of ``benchmarks/pooling_gpu.py``, for a profiler.
 
 Run under Nsight Compute on a GPU machine from the repository root, e.g.::
 
   ncu -k regex:jaxpool --metrics gpu__time_duration.sum,dram__bytes.sum,lts__t_bytes.sum \\
-    python3 benchmarks/profile_gpu.py [--cases 3x3x3]
+    python3 benchmarks/probes/profile_gpu.py [--cases 3x3x3]
 
 Each kernel runs twice (the first call compiles): profile the second (``--launch-skip 1`` per
 kernel name, or read the last rows). ``--cases a,b``: the cases whose name contains a or b.
@@ -17,10 +17,10 @@ import sys
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-import gpu as bench  # noqa: E402
+import pooling_gpu as bench  # noqa: E402
 from jaxpool._src import windows  # noqa: E402
 from jaxpool._src.pallas import triton as pk  # noqa: E402
 

@@ -2,11 +2,12 @@
 
 Run on a GPU machine from the repository root::
 
-  XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=$PWD python3 benchmarks/sweep_gpu.py [--out DIR]
+  XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=$PWD python3 benchmarks/probes/sweep_gpu.py \
+    [--out DIR]
 
-For each case of ``benchmarks/gpu.py`` and each kernel (forward, forward with argmax, max
+For each case of ``benchmarks/pooling_gpu.py`` and each kernel (forward, forward with argmax, max
 backward), it times every ``(bw, bc, num_warps)`` in the grid below with the timer of
-``gpu.py`` (fewer samples) and prints the fraction of the copy bandwidth; the table it saves
+``pooling_gpu.py`` (fewer samples) and prints the fraction of the copy bandwidth; the table it saves
 (``sweep.json``) is what the default launch heuristic in ``triton.launch_config`` was chosen from
 (see ``NOTES.md``).
 """
@@ -20,10 +21,10 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-import gpu as bench  # noqa: E402
+import pooling_gpu as bench  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 

@@ -4,8 +4,8 @@ For windows of 9 to 256 taps, times ``jax.jit(jax.grad(max_pool))`` (and the avg
 on the default backend twice: with every tap unrolled into straight-line code and with the tap
 loop. Prints a table and saves ``benchmarks/results/unroll_threshold_<backend>.json``.
 
-  python benchmarks/unroll_threshold.py            # (16, 56, 56, 64) float32
-  python benchmarks/unroll_threshold.py --quick    # smaller input, fewer sizes
+  python benchmarks/probes/unroll_threshold.py            # (16, 56, 56, 64) float32
+  python benchmarks/probes/unroll_threshold.py --quick    # smaller input, fewer sizes
 """
 
 from __future__ import annotations
@@ -69,7 +69,8 @@ def main():
       rows.append(dict(op=op, taps=k * k, compile_unrolled_s=cu, compile_loop_s=cl,
                        run_unrolled_ms=ru * 1e3, run_loop_ms=rl * 1e3))
       print(f"{op:<9}{k * k:>6}{cu:>17.2f}s{cl:>13.2f}s{ru * 1e3:>17.1f}{rl * 1e3:>13.1f}")
-  out = pathlib.Path(__file__).parent / "results" / f"unroll_threshold_{jax.default_backend()}.json"
+  results = pathlib.Path(__file__).parents[1] / "results"  # benchmarks/results
+  out = results / f"unroll_threshold_{jax.default_backend()}.json"
   out.write_text(json.dumps(dict(backend=jax.default_backend(), shape=shape, jax=jax.__version__,
                                  threshold=xla.UNROLL_TAPS,
                                  sum_threshold=xla.UNROLL_SUM_TAPS, rows=rows), indent=1))

@@ -243,7 +243,7 @@ def test_pickle_with_the_default_initializers(net, rng):
                                                                       **inputs))
   assert_same_bits(g2.apply(params, state=state, key=key, training=True, **inputs),
                    g.apply(params, state=state, key=key, training=True, **inputs))
-  # (the pickled training graph runs as the original: tests/test_graph_train.py)
+  # (the pickled training graph runs as the original: tests/graph/test_graph_train.py)
 
 
 # ----------------------------------------------------------------------------- docs

@@ -14,7 +14,8 @@ pytest.importorskip("sklearn")
 pytest.importorskip("tqdm")
 pytest.importorskip("matplotlib")
 
-EXAMPLE = os.path.join(os.path.dirname(__file__), os.pardir, "examples", "train_digits.py")
+EXAMPLE = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "examples",
+                       "train_digits.py")
 
 
 def load_example():

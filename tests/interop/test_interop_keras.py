@@ -15,7 +15,7 @@ Three kinds of checks:
   CPU devices, in one subprocess (``XLA_FLAGS=--xla_force_host_platform_device_count=8``); the
   subprocess also counts jaxpool's calls, so a fit that never reached jaxpool fails.
 
-The subprocess runs this file as a script: ``python tests/test_interop_keras.py [--fit]
+The subprocess runs this file as a script: ``python tests/interop/test_interop_keras.py [--fit]
 [KERAS_TEST_MODULE ...]`` (with 8 CPU devices for ``--fit``) prints one JSON line.
 """
 
@@ -52,7 +52,8 @@ import jaxpool  # noqa: E402
 import jaxpool.interop.keras as jk  # noqa: E402
 
 HERE = Path(__file__).resolve()
-ROOT = HERE.parent.parent
+ROOT = HERE.parents[2]
+SUPPORT = ROOT / "tests" / "support"  # the NumPy reference
 
 # Keras's pooling test modules. The first three exercise max_pool / average_pool (the functions
 # enable() replaces); the others (global and adaptive pooling) do not reach them and run in the
@@ -78,7 +79,7 @@ def _subprocess(*args: str, env: dict[str, str] | None = None,
                 timeout: int = 600) -> dict:
   """Runs this file as a script and returns the JSON that its last output line holds."""
   full_env = dict(os.environ, KERAS_BACKEND="jax",
-                  PYTHONPATH=os.pathsep.join([str(ROOT), str(HERE.parent),
+                  PYTHONPATH=os.pathsep.join([str(ROOT), str(SUPPORT),
                                               os.environ.get("PYTHONPATH", "")]))
   full_env.update(env or {})
   proc = subprocess.run([sys.executable, str(HERE), *args], capture_output=True, text=True,

@@ -3,7 +3,7 @@
 On a CPU the kernels run in interpret mode (``implementation="pallas"``), on small, odd shapes:
 sizes that are not multiples of the block, windows larger than the stride, padding on both sides.
 The tests marked ``gpu`` run the same comparisons compiled, on larger shapes, plus determinism;
-run them on a GPU machine with ``pytest -m gpu tests/test_pallas.py``.
+run them on a GPU machine with ``pytest -m gpu tests/kernels/test_pallas.py``.
 """
 
 from __future__ import annotations
@@ -410,7 +410,7 @@ def test_gpu_nan_bits(rng):
 @pytest.mark.parametrize("form", ["beats", "canonical"])
 def test_gpu_other_max_forms(rng, monkeypatch, form):
   """The compiled kernels with the other forms of the running maximum (``triton.NAN_MAX``, as
-  benchmarks/comparator_gpu.py times them) give the same bits too."""
+  benchmarks/probes/comparator_gpu.py times them) give the same bits too."""
   _need_gpu()
   from jaxpool._src.pallas import triton as pk
   monkeypatch.setattr(pk, "NAN_MAX", form)

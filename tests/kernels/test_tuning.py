@@ -28,7 +28,7 @@ from jaxpool import tune as tune_cmd
 from jaxpool._src import windows
 from jaxpool._src.pallas import triton, tuning
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENV = {"jaxpool": "0.1.0", "jax": "0.10.2", "jaxlib": "0.10.2", "device_kind": "Fake GPU 80GB",
        "platform_version": "cuda 12080", "driver": "570.00"}
 KEY = tuning.Key("max_fwd", "float32", "channels_last", "k3x3s2x2d1x1w64l64L")
@@ -542,7 +542,7 @@ def test_tune_command_cases_and_cpu_refusal(capsys):
 def test_gpu_benchmark_preset_is_gpu_py_cases():
   import importlib.util
   spec = importlib.util.spec_from_file_location("bench_gpu", os.path.join(ROOT, "benchmarks",
-                                                                          "gpu.py"))
+                                                                          "pooling_gpu.py"))
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   assert module.CASES == tune_cmd.PRESETS["gpu-benchmark"]

@@ -1,10 +1,10 @@
 """min_pool, masked pooling and the dtypes Flax accepts, against the NumPy reference.
 
-The reference (tests/reference.py) writes the min rules out on their own (not as a negated max)
-and treats a masked element as absent from every window. Gradients are checked exactly by the
-reference's winner rule (integer-valued cotangents: every sum is exact) and averages to the
-dtype's tolerance. The interop layers are compared with Flax's and Equinox's own pooling on
-int32, bool, float16, bfloat16, float32 and float64.
+The reference (tests/support/reference.py) writes the min rules out on their own (not as a negated
+max) and treats a masked element as absent from every window. Gradients are checked exactly by the
+reference's winner rule (integer-valued cotangents: every sum is exact) and averages to the dtype's
+tolerance. The interop layers are compared with Flax's and Equinox's own pooling on int32, bool,
+float16, bfloat16, float32 and float64.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
-"""jaxpool.optimize under sharding, compared with one device. Run by tests/test_optimize.py.
+"""jaxpool.optimize under sharding, compared with one device.
 
-Run it in its own process with 8 CPU devices::
+tests/optimize/test_optimize.py runs it; by hand, run it in its own process with 8 CPU devices::
 
-  XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/optimize_sharding_checks.py
+  XLA_FLAGS=--xla_force_host_platform_device_count=8 \
+    python tests/optimize/optimize_sharding_checks.py
 
 Each check prints one JSON line ``{"name": ..., "ok": bool, "detail": ...}``.
 """

@@ -57,7 +57,7 @@ def _platform_from_env(monkeypatch):
 @pytest.fixture(autouse=True)
 def _replace_every_site(monkeypatch):
   """This file checks what the rewrites compute, so every recognised site is replaced, small
-  ones on a GPU included (the cost decision is tested in tests/test_optimize_cost.py)."""
+  ones on a GPU included (the cost decision is tested in tests/optimize/test_optimize_cost.py)."""
   from jaxpool._src.optimize import cost, wrapper
   monkeypatch.setattr(wrapper, "default_cost", cost.always)
 

@@ -20,7 +20,7 @@ eqx = pytest.importorskip("equinox")
 @pytest.fixture(autouse=True)
 def _replace_every_site(monkeypatch):
   """Recognition is tested here: every recognised site is replaced, small ones on a GPU
-  included (the cost decision is tested in tests/test_optimize_cost.py)."""
+  included (the cost decision is tested in tests/optimize/test_optimize_cost.py)."""
   from jaxpool._src.optimize import cost, wrapper
   monkeypatch.setattr(wrapper, "default_cost", cost.always)
 

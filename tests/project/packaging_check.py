@@ -17,9 +17,9 @@ that setuptools writes into the source tree, unless it was there before).
 
 Usage, from the repository root::
 
-  .venv/bin/python tests/packaging_check.py                   # what `make package-check` runs
-  .venv/bin/python tests/packaging_check.py --sdist-tests tests  # the sdist's whole suite
-  .venv/bin/python tests/packaging_check.py --constraint floors.txt  # pin the fresh venv
+  .venv/bin/python tests/project/packaging_check.py          # what `make package-check` runs
+  .venv/bin/python tests/project/packaging_check.py --sdist-tests tests  # the whole suite
+  .venv/bin/python tests/project/packaging_check.py --constraint floors.txt  # pin the venv
 
 The Python running this script needs ``build`` and the test dependencies (``pip install -e
 ".[test]"``); the fresh environment is made from the same interpreter.
@@ -40,12 +40,12 @@ import time
 import zipfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-QUICK_TESTS = ["tests/test_errors.py"]
+ROOT = Path(__file__).resolve().parents[2]
+QUICK_TESTS = ["tests/ops/test_errors.py"]
 # Besides the package: what the sdist must carry for its tests and docs to work.
 SDIST_REQUIRED = ["LICENSE", "CITATION.cff", "CHANGELOG.md", "README.md", "pyproject.toml",
-                  "MANIFEST.in", "mkdocs.yml", "tests/conftest.py", "tests/reference.py",
-                  "tests/core_strategies.py", "tests/sharding_checks.py",
+                  "MANIFEST.in", "mkdocs.yml", "tests/conftest.py", "tests/support/reference.py",
+                  "tests/support/core_strategies.py", "tests/sharding/sharding_checks.py",
                   "examples/train_digits.py", "docs/index.md", "benchmarks/results/cpu.json"]
 # Packages only the tests use: they must not be runtime dependencies.
 TEST_ONLY = ["chex", "pytest", "hypothesis", "flax", "equinox", "optax"]

@@ -18,7 +18,7 @@ import pytest
 pytest.importorskip("equinox")
 pytest.importorskip("optax")
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 spec = importlib.util.spec_from_file_location("models_gpu", ROOT / "benchmarks" / "models_gpu.py")
 assert spec is not None and spec.loader is not None
 models_gpu = importlib.util.module_from_spec(spec)

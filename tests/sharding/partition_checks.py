@@ -1,8 +1,10 @@
-"""The Pallas kernels on several devices, against one device. Run by tests/test_partitioning.py.
+"""The Pallas kernels on several devices, against one device.
 
-Run it in its own process with 8 CPU devices (the kernels in interpret mode)::
+tests/sharding/test_partitioning.py runs it; by hand, run it in its own process with 8 CPU devices
+(the kernels in interpret mode)::
 
-  XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/partition_checks.py [--quick]
+  XLA_FLAGS=--xla_force_host_platform_device_count=8 \
+    python tests/sharding/partition_checks.py [--quick]
 
 Each check prints one JSON line ``{"name": ..., "ok": bool, "detail": ...}``. A check runs one
 kernel op with ``implementation="pallas"`` on sharded inputs and asserts:

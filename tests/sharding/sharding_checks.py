@@ -1,8 +1,9 @@
-"""Sharded runs of every jaxpool op, compared with one device. Run by tests/test_sharding.py.
+"""Sharded runs of every jaxpool op, compared with one device.
 
-Run it in its own process with several devices, e.g. on a CPU::
+tests/sharding/test_sharding.py runs it; by hand, run it in its own process with several devices,
+e.g. on a CPU::
 
-  XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/sharding_checks.py
+  XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/sharding/sharding_checks.py
 
 Each check prints one JSON line ``{"name": ..., "ok": bool, "detail": ...}``; the pytest side
 turns each line into a test. A check compares, for one op and one layout:

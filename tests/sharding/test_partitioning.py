@@ -1,8 +1,8 @@
 """The Pallas kernels split with the mesh: every kernel op on several devices equals one device.
 
 The checks run in one subprocess with 8 CPU devices, the kernels in interpret mode
-(tests/partition_checks.py); each test below asserts on one group of them. Before the kernels
-carried a partitioning rule, the Auto-mesh groups failed (the outputs came back replicated,
+(tests/sharding/partition_checks.py); each test below asserts on one group of them. Before the
+kernels carried a partitioning rule, the Auto-mesh groups failed (the outputs came back replicated,
 with all-reduces and all-gathers in the program) and the ``shard_map`` groups raised
 (``check_vma=True`` refused the kernels' outputs).
 """

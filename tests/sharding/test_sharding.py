@@ -1,7 +1,7 @@
 """Every op under sharding (jit with NamedSharding inputs, shard_map) equals one device.
 
-The checks run in one subprocess with 8 CPU devices (tests/sharding_checks.py), so that this
-pytest process keeps its single device; each test below asserts on one group of its checks.
+The checks run in one subprocess with 8 CPU devices (tests/sharding/sharding_checks.py), so that
+this pytest process keeps its single device; each test below asserts on one group of its checks.
 """
 
 from __future__ import annotations
