@@ -5,8 +5,14 @@ one ``jax.jit`` step computes the loss and gradients: each device pools its own 
 only communication is the all-reduce of the parameter gradients. The script checks that the
 sharded step gives the same loss and parameters as the same step on one device.
 
+It trains twice, once per kind of mesh axis: an *Explicit* mesh (the sharding is part of the
+arrays' types) and an *Auto* mesh (the compiler decides the sharding of intermediates: the style
+of ``jax.sharding.Mesh``, Keras's distribution API and most pjit code). jaxpool's ops split with
+either (docs/sharding.md).
+
     .venv/bin/python examples/data_parallel.py                  # the devices there are
     .venv/bin/python examples/data_parallel.py --cpu-devices 8  # 8 CPU devices (forced)
+    .venv/bin/python examples/data_parallel.py --mesh auto --implementation pallas  # kernels
 
 Data: scikit-learn's 1,797 8x8 digit images (shipped with it, no download).
 """
@@ -25,6 +31,10 @@ def parse() -> argparse.Namespace:
                  help="force this many CPU devices (sets XLA_FLAGS; CPU only)")
   p.add_argument("--steps", type=int, default=200)
   p.add_argument("--batch-per-device", type=int, default=32)
+  p.add_argument("--mesh", choices=("explicit", "auto", "both"), default="both",
+                 help="the kind of mesh axis to train on (both: one run each)")
+  p.add_argument("--implementation", choices=("default", "xla", "pallas"), default="default",
+                 help="jaxpool's implementation= (pallas on a CPU: the kernels interpreted)")
   return p.parse_args()
 
 
@@ -38,11 +48,13 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 from sklearn.datasets import load_digits  # noqa: E402
 
 import jaxpool  # noqa: E402
+
+IMPL = None if ARGS.implementation == "default" else ARGS.implementation
 
 
 def init(key):
@@ -59,9 +71,10 @@ def conv(x, w):
 
 def forward(params, x):
   x = jax.nn.relu(conv(x, params["conv1"]))                        # (B, 8, 8, 16)
-  x = jaxpool.max_pool(x, (3, 3), strides=(2, 2), padding=1)       # (B, 4, 4, 16)
+  x = jaxpool.max_pool(x, (3, 3), strides=(2, 2), padding=1,
+                       implementation=IMPL)                        # (B, 4, 4, 16)
   x = jax.nn.relu(conv(x, params["conv2"]))                        # (B, 4, 4, 32)
-  x = jaxpool.avg_pool(x, (2, 2), strides=(2, 2))                  # (B, 2, 2, 32)
+  x = jaxpool.avg_pool(x, (2, 2), strides=(2, 2), implementation=IMPL)  # (B, 2, 2, 32)
   return x.reshape(x.shape[0], -1) @ params["dense"] + params["bias"]
 
 
@@ -88,13 +101,16 @@ def accuracy(params, x, y):
   return jnp.mean(jnp.argmax(forward(params, x), -1) == y)
 
 
-def main() -> int:
+def train(axis_type: AxisType) -> bool:
+  """Trains on a mesh of every device whose one axis is ``axis_type``; whether the first
+  sharded step equalled the single-device one."""
   devices = jax.devices()
   n = len(devices)
-  mesh = jax.make_mesh((n,), ("data",))
+  mesh = jax.make_mesh((n,), ("data",), axis_types=(axis_type,))
   batch = NamedSharding(mesh, P("data"))    # examples split over the devices
   replicated = NamedSharding(mesh, P())     # parameters and optimizer state everywhere
-  print(f"{n} device(s): {devices[0].platform} ({devices[0].device_kind}); jax {jax.__version__}")
+  print(f"{axis_type.name} mesh, {n} device(s): {devices[0].platform} "
+        f"({devices[0].device_kind}); jax {jax.__version__}; implementation {IMPL}")
 
   digits = load_digits()
   x_all = (digits.images / 16.0).astype(np.float32)[..., None]
@@ -137,9 +153,16 @@ def main() -> int:
   print("params sharding:", jax.tree.leaves(params)[0].sharding.spec,
         "| batch sharding:", batch.spec)
   if not ok:
-    print("MISMATCH between the sharded and the single-device step", file=sys.stderr)
-    return 1
-  return 0
+    print(f"MISMATCH between the sharded and the single-device step ({axis_type.name} mesh)",
+          file=sys.stderr)
+  return ok
+
+
+def main() -> int:
+  kinds = {"explicit": [AxisType.Explicit], "auto": [AxisType.Auto],
+           "both": [AxisType.Explicit, AxisType.Auto]}[ARGS.mesh]
+  results = [train(kind) for kind in kinds]
+  return 0 if all(results) else 1
 
 
 if __name__ == "__main__":

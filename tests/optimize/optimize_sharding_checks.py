@@ -5,11 +5,14 @@ tests/optimize/test_optimize.py runs it; by hand, run it in its own process with
   XLA_FLAGS=--xla_force_host_platform_device_count=8 \
     python tests/optimize/optimize_sharding_checks.py
 
-Each check prints one JSON line ``{"name": ..., "ok": bool, "detail": ...}``.
+``--quick`` (what ``make test`` runs) leaves out the slower ``shard_map/entered/`` variants
+(``check_vma=False``, partly manual, ``optimize`` of ``grad``). Each check prints one JSON line
+``{"name": ..., "ok": bool, "detail": ...}``.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -30,7 +33,11 @@ from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxpool  # noqa: E402
+from jaxpool._src.pallas.partition import kernel_p  # noqa: E402
 
+KERNEL = kernel_p.name  # the primitive of every Pallas kernel call
+
+QUICK = "--quick" in sys.argv
 COLLECTIVES = ("all-gather", "all-to-all", "all-reduce", "collective-permute", "reduce-scatter")
 
 
@@ -145,14 +152,78 @@ def _optimize_of_grad():
   return ""
 
 
-@check("shard_map/not_entered")
-def _not_entered():
-  mesh, xs = on_mesh()
-  fn = jax.shard_map(lambda x: lax.psum(loss(x), "b"), mesh=mesh, in_specs=P("b"),
-                     out_specs=P())
+@functools.cache
+def kernel_reference():
+  """Value and gradient of ``loss`` at ``X`` on one device, optimized with the kernels."""
+  return jax.jit(jax.value_and_grad(jaxpool.optimize(loss, implementation="pallas")))(X)
+
+
+def entered(fn, xs, mesh, n_pools):
+  """``optimize(fn)`` with the kernels enters the ``shard_map`` in ``fn``: the report counts
+  the pools inside, the traced program runs the kernels, none of XLA's pooling is left, and
+  value and gradient equal ``fn``'s own (and one device's with the kernels)."""
+  opt = jaxpool.optimize(fn, implementation="pallas")
   with jax.set_mesh(mesh):
-    rep = jaxpool.optimize(fn).report(xs)
-  assert [f.op for f in rep.left_alone] == ["shard_map"], str(rep)
+    rep = opt.report(xs)
+    step = jax.jit(jax.value_and_grad(opt))
+    text = str(jax.make_jaxpr(step)(xs))
+    v, g = step(xs)
+    v0, g0 = jax.jit(jax.value_and_grad(fn))(xs)
+  assert len(rep.replaced) == n_pools and not rep.left_alone, str(rep)
+  assert all("/shard_map" in f.where for f in rep.findings), str(rep)
+  assert KERNEL in text, "the kernels do not run inside the shard_map"
+  for prim in ("reduce_window", "select_and_scatter_add"):
+    assert prim not in text, f"{prim} left in the optimized program"
+  np.testing.assert_allclose(np.asarray(v), np.asarray(v0), rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(g), np.asarray(g0), rtol=1e-6, atol=1e-6)
+  v1, g1 = kernel_reference()
+  same(g, g1)
+  np.testing.assert_allclose(np.asarray(v), np.asarray(v1), rtol=1e-6)
+  return str(rep)
+
+
+def slow_check(name):
+  """A check that ``--quick`` leaves out."""
+  return (lambda fn: fn) if QUICK else check(name)
+
+
+for check_vma in (True, False):
+  @(check if check_vma else slow_check)(f"shard_map/entered/check_vma={check_vma}")
+  def _entered(check_vma=check_vma):
+    mesh = jax.make_mesh((4, 2), ("b", "c"))
+    spec = P("b", None, None, "c")
+    fn = jax.shard_map(lambda x: lax.psum(loss(x), ("b", "c")), mesh=mesh, in_specs=spec,
+                       out_specs=P(), check_vma=check_vma)
+    # ReLU folded into the max pool, the max pool, the average pool.
+    return entered(fn, jax.device_put(X, NamedSharding(mesh, spec)), mesh, 3)
+
+
+@slow_check("shard_map/entered/partly_manual")
+def _entered_partly_manual():
+  """Manual over "b" only (``axis_names=``); "c" stays an Auto axis inside the body."""
+  mesh = jax.make_mesh((4, 2), ("b", "c"), axis_types=(AxisType.Auto, AxisType.Auto))
+  fn = jax.shard_map(lambda x: lax.psum(loss(x), "b"), mesh=mesh, in_specs=P("b"),
+                     out_specs=P(), axis_names={"b"})
+  return entered(fn, jax.device_put(X, NamedSharding(mesh, P("b", None, None, "c"))), mesh, 3)
+
+
+@slow_check("shard_map/entered/optimize_of_grad")
+def _entered_optimize_of_grad():
+  """``optimize(jax.grad(f))`` where ``f`` calls ``shard_map`` (its mesh from the context): the
+  transposed body's max-pool gradient and average-pool transpose are replaced too."""
+  mesh, xs = on_mesh()
+  with jax.set_mesh(mesh):
+    fn = jax.shard_map(lambda x: lax.psum(loss(x), "b"), in_specs=P("b"), out_specs=P())
+    opt = jaxpool.optimize(jax.grad(fn), implementation="pallas")
+    rep = opt.report(xs)
+    text = str(jax.make_jaxpr(opt)(xs))
+    out = jax.jit(opt)(xs)
+  ops = sorted(f.op for f in rep.replaced)
+  assert ops == ["reduce_window_max", "reduce_window_sum", "reduce_window_sum",
+                 "select_and_scatter_add"], str(rep)
+  assert KERNEL in text and "select_and_scatter_add" not in text
+  np.testing.assert_allclose(np.asarray(out), np.asarray(REF), rtol=1e-6, atol=1e-6)
+  same(out, kernel_reference()[1])
   return str(rep)
 
 

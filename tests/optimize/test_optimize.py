@@ -838,13 +838,18 @@ def test_bad_arguments():
 
 
 @pytest.fixture(scope="module")
-def sharded():
-  return device_checks.run(Path(__file__).with_name("optimize_sharding_checks.py"), timeout=300)
+def sharded(request):
+  quick = ["--quick"] if device_checks.quick(request.config) else []
+  return device_checks.run(Path(__file__).with_name("optimize_sharding_checks.py"), *quick,
+                           timeout=600)
 
 
 @pytest.mark.parametrize("name", ["named/Auto", "named/Explicit", "shard_map/grad",
                                   "shard_map/vmap_grad", "shard_map/optimize_of_grad",
-                                  "shard_map/not_entered"])
+                                  "shard_map/entered/check_vma=True"] + [
+    pytest.param(n, marks=pytest.mark.slow) for n in (
+        "shard_map/entered/check_vma=False", "shard_map/entered/partly_manual",
+        "shard_map/entered/optimize_of_grad")])
 def test_sharding(sharded, name):
   assert name in sharded, sorted(sharded)
   assert sharded[name]["ok"], sharded[name]["detail"]

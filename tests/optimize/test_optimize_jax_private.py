@@ -15,6 +15,8 @@ from jax import lax
 from jax.extend import core
 from jax.extend import linear_util as lu
 from jax.extend.core import primitives as prims
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
 
 from jaxpool._src.optimize import _jax_private, interpreter, planner
 
@@ -65,6 +67,41 @@ def test_scan_operands_with_new_consts():
   assert len(jax.tree.leaves(old, is_leaf=lambda v: v is None)) >= 2
 
 
+def _one_device_mesh():
+  return jax.make_mesh((1,), ("b",), axis_types=(AxisType.Auto,))
+
+
+def test_shard_map_params_keep_what_a_rebuild_needs():
+  """A ``shard_map`` equation holds its mesh, flat specs, ``check_vma``, an open body and the
+  axes it made manual (``axis_names=``): what the interpreter passes to ``jax.shard_map``."""
+  mesh = jax.make_mesh((1, 1), ("b", "c"), axis_types=(AxisType.Auto,) * 2)
+  for check_vma, names in ((True, {"b"}), (False, {"b", "c"})):
+    fn = jax.shard_map(lambda x: x * 2, mesh=mesh, in_specs=P("b"), out_specs=P("b"),
+                       axis_names=names, check_vma=check_vma)
+    with jax.set_mesh(mesh):
+      eqn = jax.make_jaxpr(fn)(jnp.ones((2, 3))).jaxpr.eqns[-1]
+    assert eqn.primitive is _jax_private.shard_map_p
+    p = eqn.params
+    assert p["mesh"].axis_names == ("b", "c") and p["check_vma"] is check_vma
+    assert tuple(p["in_specs"]) == (P("b"),) and tuple(p["out_specs"]) == (P("b"),)
+    assert isinstance(p["jaxpr"], core.Jaxpr) and not p["jaxpr"].constvars
+    assert _jax_private.shard_map_manual_axes(p) == frozenset(names)
+  with pytest.raises(KeyError, match="manual axes"):
+    _jax_private.shard_map_manual_axes({"mesh": mesh})
+
+
+def test_varying_casts_are_what_check_vma_inserts():
+  """Under ``check_vma=True`` a constant combined with a varying value is cast by one of
+  ``VARYING_CASTS``, which leaves the value unchanged."""
+  fn = jax.shard_map(lambda x: x / 4.0, mesh=_one_device_mesh(), in_specs=P("b"),
+                     out_specs=P("b"), check_vma=True)
+  with jax.set_mesh(_one_device_mesh()):
+    body = jax.make_jaxpr(fn)(jnp.ones(2)).jaxpr.eqns[-1].params["jaxpr"]
+  casts = [e for e in body.eqns if e.primitive in _jax_private.VARYING_CASTS]
+  assert casts, [e.primitive for e in body.eqns]
+  assert isinstance(casts[0].invars[0], core.Literal) and casts[0].invars[0].val == 4.0
+
+
 def test_higher_order_registry_matches_what_jax_emits():
   """The interpreter's registry is keyed by the primitive objects that tracing produces."""
   ck = jax.checkpoint(jnp.sin)
@@ -82,10 +119,13 @@ def test_higher_order_registry_matches_what_jax_emits():
       prims.scan_p: lambda x: lax.scan(lambda c, _: (c, None), x, None, length=2)[0],
       prims.while_p: lambda x: lax.while_loop(lambda c: c < 1, lambda c: c + 1, x),
       prims.cond_p: lambda x: lax.cond(x > 0, jnp.sin, jnp.cos, x),
+      _jax_private.shard_map_p: jax.shard_map(jnp.sin, mesh=_one_device_mesh(), in_specs=P(),
+                                              out_specs=P()),
   }
   assert set(cases) == set(interpreter.HIGHER_ORDER)
   for prim, fn in cases.items():
-    eqn = jax.make_jaxpr(fn)(1.0).jaxpr.eqns[-1]
+    with jax.set_mesh(_one_device_mesh()):
+      eqn = jax.make_jaxpr(fn)(1.0).jaxpr.eqns[-1]
     assert eqn.primitive is prim, (prim, eqn.primitive)
     bodies = interpreter.HIGHER_ORDER[prim].bodies(eqn)
     assert bodies and all(isinstance(b, core.ClosedJaxpr) for _, b in bodies), prim

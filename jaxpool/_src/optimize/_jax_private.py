@@ -19,6 +19,13 @@ what this package relies on), so an incompatible release fails there first, with
   ``jax.extend.source_info_util.summarize`` gives only one line and no frame objects.
 * ``flattree`` (JAX 0.11 and later only): ``scan`` describes its operands as a flat tree
   (``ft_in``); a rebuilt scan that takes new constants must extend that tree.
+* ``shard_map_p``: the primitive of ``jax.shard_map``, the key by which the interpreter enters
+  a ``shard_map`` body (``jax.extend.core.primitives`` does not list it). The body is rebuilt
+  with the public ``jax.shard_map``; :func:`shard_map_manual_axes` reads which mesh axes the
+  equation made manual (its ``axis_names=``) from the primitive's params.
+* ``VARYING_CASTS``: the primitives that ``shard_map`` with ``check_vma=True`` inserts to make a
+  value varying over manual axes (``pvary``; ``pcast`` in later JAX). They change a type, not a
+  value, so a constant divisor or a ReLU's zero stays known through them.
 """
 
 from __future__ import annotations
@@ -26,11 +33,25 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+from jax._src import core as _core
+from jax._src import shard_map as _shard_map
 from jax._src import source_info_util as _siu
 from jax._src.interpreters import partial_eval as _pe
 
 trace_to_jaxpr_dynamic = _pe.trace_to_jaxpr_dynamic
 convert_constvars_jaxpr = _pe.convert_constvars_jaxpr
+shard_map_p = _shard_map.shard_map_p
+VARYING_CASTS: frozenset = frozenset(
+    getattr(_core, name) for name in ("pvary_p", "pcast_p") if hasattr(_core, name))
+
+
+def shard_map_manual_axes(params: dict[str, Any]) -> frozenset:
+  """The mesh axes that a ``shard_map`` equation makes manual (what its caller passed as
+  ``axis_names=``, all the mesh's axes by default)."""
+  for key in ("newly_manual_axes", "manual_axes", "axis_names"):
+    if key in params:
+      return frozenset(params[key])
+  raise KeyError(f"a shard_map equation without its manual axes: params {sorted(params)}")
 
 
 def user_frames(traceback: Any) -> Iterator[Any]:

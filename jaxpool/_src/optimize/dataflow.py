@@ -11,6 +11,7 @@ import numpy as np
 from jax.extend import core
 from jax.extend.core import primitives as prims
 
+from jaxpool._src.optimize import _jax_private
 from jaxpool._src.optimize.interpreter import is_tracer
 
 LAYOUT_OPS = frozenset({prims.transpose_p, prims.reshape_p, prims.squeeze_p,
@@ -18,8 +19,10 @@ LAYOUT_OPS = frozenset({prims.transpose_p, prims.reshape_p, prims.squeeze_p,
 """Ops that only move or relabel elements: an elementwise activation commutes with them, and a
 constant divisor commutes with them, so a pattern may look through a chain of them."""
 
-VALUE_OPS = frozenset({prims.broadcast_in_dim_p, prims.convert_element_type_p})
-"""Ops through which a statically known value stays known."""
+VALUE_OPS = frozenset({prims.broadcast_in_dim_p, prims.convert_element_type_p,
+                       *_jax_private.VARYING_CASTS})
+"""Ops through which a statically known value stays known (inside ``shard_map``, a constant
+made varying over the manual axes included)."""
 
 
 def shape(atom) -> tuple[int, ...]:

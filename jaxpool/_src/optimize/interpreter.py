@@ -3,9 +3,10 @@
 :func:`eval_jaxpr` is ``jax.core.eval_jaxpr`` with some equations replaced by :class:`Rule`\\ s.
 A higher-order primitive whose sub-jaxprs hold replaced equations is rebuilt around its rewritten
 sub-jaxprs by the entry for its primitive object in :data:`HIGHER_ORDER` (``jit``,
-``custom_jvp_call``, ``custom_vjp_call``, ``remat``, ``scan``, ``while``, ``cond``): its params
-are kept, and constants that a rewrite creates become operands, as JAX's own control-flow rules
-add them. What ``jax.extend`` lacks comes from :mod:`._jax_private` only.
+``custom_jvp_call``, ``custom_vjp_call``, ``remat``, ``scan``, ``while``, ``cond``,
+``shard_map``): its params are kept, and constants that a rewrite creates become operands, as
+JAX's own control-flow rules add them. What ``jax.extend`` lacks comes from :mod:`._jax_private`
+only.
 """
 
 from __future__ import annotations
@@ -219,6 +220,30 @@ def rebuild_cond(eqn, branch_rules: list[Rules]) -> Rule:
   return Rule(tuple(eqn.invars), run)
 
 
+def rebuild_shard_map(eqn, rules: Rules) -> Rule:
+  """``shard_map``: the body runs through :func:`eval_jaxpr` with ``rules``, inside a new
+  ``jax.shard_map`` with the equation's mesh, specs, ``check_vma`` and manual axes.
+
+  Calling the public ``jax.shard_map`` (rather than binding the primitive with a retraced body)
+  lets JAX trace the body in the context it needs: the manual axes bound for collectives, the
+  manual abstract mesh under which jaxpool's kernels run per device, and ``check_vma``'s
+  varying-axes types. Constants that the rewrite creates are closed over, and JAX makes them
+  replicated operands, as it does for the user's own.
+  """
+  p = eqn.params
+  body = p["jaxpr"]
+  manual = _jax_private.shard_map_manual_axes(p)
+
+  def run(*args):
+    def per_device(*a):
+      return tuple(eval_jaxpr(body, (), a, rules))
+    fn = jax.shard_map(per_device, mesh=p["mesh"], in_specs=tuple(p["in_specs"]),
+                       out_specs=tuple(p["out_specs"]), axis_names=manual,
+                       check_vma=p["check_vma"])
+    return list(fn(*args))
+  return Rule(tuple(eqn.invars), run)
+
+
 # ----------------------------------------------------------------------------- the registry
 
 
@@ -269,5 +294,8 @@ HIGHER_ORDER: dict[core.Primitive, HigherOrder] = {
     prims.cond_p: HigherOrder(
         lambda e: [(f"cond[{k}]", b) for k, b in enumerate(e.params["branches"])],
         rebuild_cond),
+    _jax_private.shard_map_p: HigherOrder(
+        lambda e: [("shard_map", as_closed(e.params["jaxpr"]))],
+        lambda e, r: rebuild_shard_map(e, r[0])),
 }
 """The higher-order primitives the interpreter enters, by primitive object."""

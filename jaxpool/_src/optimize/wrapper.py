@@ -156,8 +156,9 @@ def optimize(fn: Callable, *, implementation: api.Implementation = None, report:
     An :class:`Optimized` function with ``fn``'s signature; ``.report(*args)`` returns the
     :class:`OptimizeReport` of a call. It composes with ``jit``, ``grad``, ``vmap``,
     ``shard_map`` both ways (``optimize(jax.grad(f))`` replaces the pooling of the reverse
-    pass too). Max-pool gradients follow jaxpool's rule (the first maximum in row-major window
-    order, the first NaN), where XLA's may differ on ties and NaN.
+    pass too; a ``shard_map`` inside ``fn`` is entered, its body's pooling run per device).
+    Max-pool gradients follow jaxpool's rule (the first maximum in row-major window order, the
+    first NaN), where XLA's may differ on ties and NaN.
 
   Raises:
     TypeError: ``fn`` or ``cost`` is not callable, or ``report``/``fold_relu`` is not a bool.
