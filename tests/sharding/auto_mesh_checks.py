@@ -1,9 +1,10 @@
 """Data-parallel training steps with the Pallas kernels on an Auto mesh, against one device.
 
-Run by tests/test_auto_mesh.py, in its own process with 8 CPU devices (the kernels in interpret
-mode)::
+Run by tests/sharding/test_auto_mesh.py, in its own process with 8 CPU devices (the kernels in
+interpret mode)::
 
-  XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/auto_mesh_checks.py [--quick]
+  XLA_FLAGS=--xla_force_host_platform_device_count=8 \
+    python tests/sharding/auto_mesh_checks.py [--quick]
 
 Two steps, each jitted once on one device and once with the batch split over an Auto mesh
 (``jax.sharding.Mesh`` with ``AxisType.Auto``, ``NamedSharding`` on the batch, the parameters

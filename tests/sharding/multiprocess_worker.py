@@ -1,13 +1,12 @@
-"""One process of the two-process check in tests/test_multiprocess.py.
+"""One process of the two-process check in tests/sharding/test_multiprocess.py.
 
-Usage: ``python tests/multiprocess_worker.py PROCESS_ID PORT OUT_DIR``. Two such processes join
-one JAX job on localhost (``jax.distributed``, CPU collectives through gloo, 2 CPU devices
-each) and run the gradient of a 3x3/s2/p1 max pool with the Pallas kernels (interpret mode) on
-a batch split over the job's 4 devices, under an Auto and an Explicit mesh. Each process saves
-the blocks of the gradient it holds (``OUT_DIR/process{ID}.npz``: per mesh kind, each block's
-first batch row and its values) and prints one JSON line per mesh kind with what else the test
-checks: whether the kernels ran, the output's sharding and the collectives in the compiled
-program.
+Usage: ``python tests/sharding/multiprocess_worker.py PROCESS_ID PORT OUT_DIR``. Two such processes
+join one JAX job on localhost (``jax.distributed``, CPU collectives through gloo, 2 CPU devices
+each) and run the gradient of a 3x3/s2/p1 max pool with the Pallas kernels (interpret mode) on a
+batch split over the job's 4 devices, under an Auto and an Explicit mesh. Each process saves the
+blocks of the gradient it holds (``OUT_DIR/process{ID}.npz``: per mesh kind, each block's first
+batch row and its values) and prints one JSON line per mesh kind with what else the test checks:
+whether the kernels ran, the output's sharding and the collectives in the compiled program.
 """
 
 from __future__ import annotations

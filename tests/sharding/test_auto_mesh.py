@@ -2,8 +2,8 @@
 activations: ``jaxpool.optimize`` of a CNN's loss and the graph module's training step.
 
 The checks run in one subprocess with 8 CPU devices, the kernels in interpret mode
-(tests/auto_mesh_checks.py). Before the kernels carried a partitioning rule (commit 9b7a128),
-both failed: the compiled programs all-reduced activations (the kernels ran replicated).
+(tests/sharding/auto_mesh_checks.py). Before the kernels carried a partitioning rule (commit
+9b7a128), both failed: the compiled programs all-reduced activations (the kernels ran replicated).
 """
 
 from __future__ import annotations

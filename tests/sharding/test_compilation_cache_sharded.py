@@ -4,7 +4,7 @@ docs/sharding.md says: a program that splits the Pallas kernels over several dev
 persistent compilation cache in a new process (``custom_partitioning`` keys its rule by a Python
 object's id inside the compiled program), while the same program with ``implementation="xla"``
 hits, as does a program with the kernels on one device
-(``tests/test_partitioning.py::test_persistent_compilation_cache_hits_in_a_second_process``).
+(``tests/sharding/test_partitioning.py::test_persistent_compilation_cache_hits_in_a_second_process``).
 
 This test shows it with two processes that share a cache directory, counting JAX's
 ``/jax/compilation_cache/cache_hits`` and ``cache_misses`` events around each step's compile.

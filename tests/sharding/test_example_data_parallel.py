@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("optax")
 pytest.importorskip("sklearn")
 
-EXAMPLE = Path(__file__).parents[1] / "examples" / "data_parallel.py"
+EXAMPLE = Path(__file__).parents[2] / "examples" / "data_parallel.py"
 
 
 def run_example(*args: str) -> str:

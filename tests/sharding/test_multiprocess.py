@@ -2,12 +2,13 @@
 processes (``jax.distributed`` on localhost, CPU collectives through gloo, 2 CPU devices each)
 equals one process bit for bit, under an Auto and an Explicit mesh, and stays split.
 
-The two processes run tests/multiprocess_worker.py. Before the kernels carried a partitioning
-rule (commit 9b7a128), the Auto mesh replicated the gradient on every device.
+The two processes run tests/sharding/multiprocess_worker.py. Before the kernels carried a
+partitioning rule (commit 9b7a128), the Auto mesh replicated the gradient on every device.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import socket
@@ -19,9 +20,12 @@ import jax
 import numpy as np
 import pytest
 
-import multiprocess_worker as worker
-
 WORKER = Path(__file__).with_name("multiprocess_worker.py")
+# The worker script beside this file, imported for its loss and input (pytest's importlib mode
+# puts no test folder on the path).
+_spec = importlib.util.spec_from_file_location("multiprocess_worker", WORKER)
+worker = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(worker)
 TIMEOUT_S = 300  # a hang (a process waiting for its peer forever) fails the test instead
 
 
