@@ -17,7 +17,7 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(PY) examples/train_digits.py
 	$(PY) examples/quickstart.py
-	$(PY) benchmarks/cpu.py
+	$(PY) benchmarks/pooling_cpu.py
 
 lint: $(STAMP)
 	$(PY) -m ruff check jaxpool tests examples benchmarks
@@ -47,9 +47,9 @@ types: $(STAMP)
 
 # Builds the sdist and the wheel, installs the wheel without extras into a new venv (in a temporary
 # directory) and runs a max pool and its gradient there, then collects the sdist's tests and runs
-# tests/test_max.py and tests/test_errors.py from it (tests/packaging_check.py).
+# tests/ops/test_errors.py from it (tests/project/packaging_check.py).
 package-check: $(STAMP)
-	$(PY) tests/packaging_check.py
+	$(PY) tests/project/packaging_check.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache site

@@ -3,7 +3,7 @@
 #   PART=tests: the compiled Pallas tests, then the whole CPU suite (the tests marked slow
 #     included) under the GPU machine's JAX (default backend GPU, so implementation=None runs
 #     the Pallas kernels).
-#   PART=bench: benchmarks/gpu.py (kernels against XLA and PyTorch), the fused ReLU and
+#   PART=bench: benchmarks/pooling_gpu.py (kernels against XLA and PyTorch), the fused ReLU and
 #     jaxpool.optimize benchmarks, global/adaptive pooling, and the unroll threshold.
 # Wheels missing on the GPU image travel in .whl/ (see docs/compatibility.md).
 set -u
@@ -18,23 +18,23 @@ python3 -c "import jax; print('jax', jax.__version__, jax.devices())" >> "$OUT/g
 cat "$OUT/gpu.txt"
 if [ "${PART:-tests}" = tests ]; then
   # The tests run the heuristic launch configurations (tuning every test shape would cost
-  # minutes); tests/test_tuning.py sets its own.
+  # minutes); tests/kernels/test_tuning.py sets its own.
   export JAXPOOL_TUNE=${JAXPOOL_TUNE:-off}
   timeout 200 python3 -m pytest -q -p no:cacheprovider -p no:benchmark -n 4 -m gpu tests \
     > "$OUT/gpu_tests.log" 2>&1
   timeout 330 python3 -m pytest -q -p no:cacheprovider -p no:benchmark -n 12 -m "not gpu" tests \
-    --ignore=tests/packaging_check.py > "$OUT/suite.log" 2>&1  # (-m "not gpu": slow ones too)
+    --ignore=tests/project/packaging_check.py > "$OUT/suite.log" 2>&1  # (-m "not gpu": slow ones too)
   echo "== gpu tests:"; grep -E "FAILED|ERROR" "$OUT/gpu_tests.log" | head; tail -1 "$OUT/gpu_tests.log"
   echo "== suite:"; grep -E "FAILED|ERROR" "$OUT/suite.log" | head -30; tail -1 "$OUT/suite.log"
 else
   # The shipped table's launch configurations (the heuristic where it has none): tuning every
   # kernel here would not fit the timeouts; benchmarks/tune_gpu.sh tunes, then benchmarks.
   export JAXPOOL_TUNE=${JAXPOOL_TUNE:-cached}
-  timeout 200 python3 benchmarks/gpu.py > "$OUT/bench.log" 2>&1
+  timeout 200 python3 benchmarks/pooling_gpu.py > "$OUT/bench.log" 2>&1
   [ -f benchmarks/optimize_gpu.py ] && timeout 220 python3 benchmarks/optimize_gpu.py \
     > "$OUT/optimize.log" 2>&1
   timeout 90 python3 benchmarks/global_adaptive.py > "$OUT/global_adaptive.log" 2>&1
-  timeout 60 python3 benchmarks/unroll_threshold.py --quick > "$OUT/unroll.log" 2>&1
+  timeout 60 python3 benchmarks/probes/unroll_threshold.py --quick > "$OUT/unroll.log" 2>&1
   for f in gpu optimize_gpu global_adaptive_gpu unroll_threshold_gpu; do
     cp "benchmarks/results/$f.json" "$OUT/" 2>/dev/null
   done

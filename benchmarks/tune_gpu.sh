@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # On a lent GPU machine (one GPU), from the repository root; logs and results under $OUT:
-#   1. tunes every kernel of benchmarks/gpu.py's cases from an empty cache (python -m
+#   1. tunes every kernel of benchmarks/pooling_gpu.py's cases from an empty cache (python -m
 #      jaxpool.tune --retune) and reports the time (tune.log, tune.json);
 #   2. writes the shipped table of this device kind into the package
 #      (jaxpool/_src/pallas/launch_tables/<device kind>.json) and a copy to $OUT;
-#   3. runs benchmarks/gpu.py with that table only (an empty cache, JAXPOOL_TUNE=cached: no
+#   3. runs benchmarks/pooling_gpu.py with that table only (an empty cache, JAXPOOL_TUNE=cached: no
 #      tuning), which prints each kernel row's configuration and where it came from, and the
 #      kernel rows below 0.85 of the copy bandwidth (bench.log, gpu.json).
 # Budget: TUNE_BUDGET_S seconds a kernel (default 6) for 30 kernels, at most 6 candidates each:
-# the tuning stops within about 30 x 6 s = 3 minutes; gpu.py (no PyTorch rows) takes 2-3.
+# the tuning stops within about 30 x 6 s = 3 minutes; pooling_gpu.py (no PyTorch rows) takes 2-3.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
@@ -25,8 +25,8 @@ JAXPOOL_CACHE_DIR=$OUT/cache_tune timeout 300 python3 -m jaxpool.tune --preset g
   > "$OUT/tune.log" 2>&1
 echo "tune: exit $?, $(( $(date +%s) - t0 )) s wall (process start included)" | tee -a "$OUT/tune.log"
 cp "$TABLE" "$OUT/" 2>/dev/null
-JAXPOOL_CACHE_DIR=$OUT/cache_empty JAXPOOL_TUNE=cached timeout 240 python3 benchmarks/gpu.py \
+JAXPOOL_CACHE_DIR=$OUT/cache_empty JAXPOOL_TUNE=cached timeout 240 python3 benchmarks/pooling_gpu.py \
   --no-torch --json "$OUT/gpu.json" --png "$OUT/bench_gpu.png" > "$OUT/bench.log" 2>&1
-echo "gpu.py: exit $?"
+echo "pooling_gpu.py: exit $?"
 echo "== tune:"; tail -4 "$OUT/tune.log"
 echo "== bench:"; grep -E "^device|^launch|^copy" "$OUT/bench.log"; tail -20 "$OUT/bench.log"

@@ -43,10 +43,11 @@ def cpu_table() -> str:
         f"{_fmt(r['xla_fwd'])} | {_fmt(r['jaxpool_fwd'])} | {_fmt(r['xla_bwd'])} | "
         f"{_fmt(r['jaxpool_bwd'])} | {_fmt(r['xla_fwd_bwd'])} | {_fmt(r['jaxpool_fwd_bwd'])} | "
         f"{r['xla_bwd'] / r['jaxpool_bwd']:.1f}x | {'yes' if r.get('same_result') else 'no'} |")
-  # benchmarks/cpu.py's timeit_all: 3 rounds of repeats // 3 timed calls per contender.
+  # benchmarks/pooling_cpu.py's timeit_all: 3 rounds of repeats // 3 timed calls per contender.
   calls = 3 * max(1, int(d.get("repeats", 3)) // 3)
-  meta = (f"\n\nTimes in ms, each the median of {calls} timed calls (benchmarks/cpu.py); jax "
-          f"{d.get('jax')}, {d.get('cores')} CPU cores. Max-pool residual: "
+  meta = (f"\n\nTimes in ms, each the median of {calls} timed calls "
+          f"(benchmarks/pooling_cpu.py); jax {d.get('jax')}, {d.get('cores')} CPU cores. "
+          f"Max-pool residual: "
           f"{d.get('residual_bytes_per_output')} byte per output element "
           f"({', '.join(d.get('residuals', []))}).")
   return head + "\n".join(rows) + meta

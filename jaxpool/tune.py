@@ -1,6 +1,6 @@
 """Pre-tunes the GPU kernels' launch configurations: ``python -m jaxpool.tune``.
 
-Tunes the kernels of given pooling calls (or of ``benchmarks/gpu.py``'s cases, ``--preset
+Tunes the kernels of given pooling calls (or of ``benchmarks/pooling_gpu.py``'s cases, ``--preset
 gpu-benchmark``) on this machine's GPU and writes them to the tuning cache (see
 ``docs/tuning.md``), so that later programs find them instead of tuning on first use; with
 ``--write-table PATH`` also a table in the format the package ships
@@ -32,7 +32,7 @@ from jaxpool._src.platforms import platform
 Case = tuple[str, tuple[int, ...], tuple[int, ...], tuple[int, ...], int | str, str,
              tuple[str, ...]]
 
-# ``benchmarks/gpu.py``'s cases (a test keeps the two lists equal).
+# ``benchmarks/pooling_gpu.py``'s cases (a test keeps the two lists equal).
 PRESETS: dict[str, list[Case]] = {
     "gpu-benchmark": [
         ("128x112x112x64 3x3/s2/p1", (128, 112, 112, 64), (3, 3), (2, 2), 1, "channels_last",
@@ -100,7 +100,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   """The command; returns its exit status."""
   ap = argparse.ArgumentParser(prog="python -m jaxpool.tune", description=__doc__.split("\n")[0])
   ap.add_argument("--preset", choices=sorted(PRESETS), action="append", default=[],
-                  help="a named list of cases (gpu-benchmark: benchmarks/gpu.py's)")
+                  help="a named list of cases (gpu-benchmark: benchmarks/pooling_gpu.py's)")
   ap.add_argument("--case", action="append", default=[],
                   help="SHAPE:WINDOW:STRIDES:PADDING:DTYPES:LAYOUT, e.g. "
                        "32x56x56x256:3x3:2x2:1:float32,bfloat16:channels_last")

@@ -61,7 +61,7 @@ def _pad(x: jax.Array, geom: Geometry, fill) -> jax.Array:
 # is rematerialised in reverse mode, so the transpose keeps no per-tap residuals: it adds each
 # tap's cotangent into place (one output-sized update per tap).
 
-# Compile time grows with the taps below these (benchmarks/unroll_threshold.py measures both
+# Compile time grows with the taps below these (benchmarks/probes/unroll_threshold.py measures both
 # forms): the max's winner search and gather loop from 64 taps on; the sums (average and Lp
 # tangents, Lp forward) run several times faster unrolled and compile fast, so they loop from 256.
 UNROLL_TAPS = 64

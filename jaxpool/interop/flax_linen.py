@@ -3,8 +3,8 @@
 ``max_pool``, ``min_pool`` and ``avg_pool`` take ``flax.linen.max_pool``/``avg_pool``'s (and
 ``flax.linen.pooling.min_pool``'s) arguments and return
 the same values on every configuration Flax supports, but for a padding as large as the window,
-a negative padding and bools as sizes, which are refused (tests/test_interop.py and
-tests/test_reliability_layers.py), with jaxpool's gradient (deterministic, the first maximum on
+a negative padding and bools as sizes, which are refused (tests/interop/test_interop.py and
+tests/interop/test_layer_arguments.py), with jaxpool's gradient (deterministic, the first maximum on
 ties) and extra keyword options, for float, integer and bool inputs alike (an integer
 average is a float, as in Flax). The layers ``MaxPool``, ``MinPool``, ``AvgPool``, ``LPPool`` and
 ``L2Pool`` wrap them as modules without

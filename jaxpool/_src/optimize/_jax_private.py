@@ -4,8 +4,8 @@ Everything else in this package uses JAX's public surface and ``jax.extend`` (``
 for jaxprs, primitives and ``jaxprs_in_params``, ``jax.extend.linear_util.wrap_init``,
 ``jax.extend.source_info_util`` for the name stack and user context). The names below are
 imported from ``jax._src`` because nothing public does their job; each JAX release can move
-them, and ``tests/test_optimize_jax_private.py`` checks every one (it exists and does what this
-package relies on), so an incompatible release fails there first, with the name.
+them, and ``tests/optimize/test_optimize_jax_private.py`` checks every one (it exists and does
+what this package relies on), so an incompatible release fails there first, with the name.
 
 * ``trace_to_jaxpr_dynamic``: traces a Python function on abstract values (``ShapedArray``
   avals, which may carry a weak type, a sharding or, under ``shard_map``, varying manual axes)

@@ -117,8 +117,8 @@ def needs_devices(p: jex_core.Primitive) -> None:
   own primitive does (JAX lowers nested ``jit`` bodies without their devices otherwise, and
   ``custom_partitioning`` then fails). Every primitive whose lowering runs a kernel call
   (:data:`kernel_p`, and the Pallas backend's linear primitives) is marked. JAX keeps that
-  list in a private module, the one private name the kernels use; tests/test_partitioning.py
-  fails if a JAX release moves it."""
+  list in a private module, the one private name the kernels use;
+  tests/sharding/test_partitioning.py fails if a JAX release moves it."""
   from jax._src import dispatch as jax_dispatch  # noqa: PLC0415
   jax_dispatch.prim_requires_devices_during_lowering.add(p)
 

@@ -74,7 +74,7 @@ def launch_config(width: int, lanes: int, itemsize: int, channels_last: bool) ->
   channels_last: whole channel rows up to 512 bytes; columns that pad ``width`` least, from 8
   to 16 (more for narrow channel rows, up to 1024 elements a tile). channels_first: up to 64
   contiguous columns, planes up to 1024 elements a tile. Warps: one thread per 8 bytes of the
-  tile, 1 to 8. ``benchmarks/sweep_gpu.py`` measured the alternatives (NOTES.md): small
+  tile, 1 to 8. ``benchmarks/probes/sweep_gpu.py`` measured the alternatives (NOTES.md): small
   per-thread tiles keep the most loads in flight.
   """
   if channels_last:

@@ -1,0 +1,423 @@
+"""The Pallas kernels against jaxpool's XLA path, bit for bit (max) or to float32 rounding (avg).
+
+On a CPU the kernels run in interpret mode (``implementation="pallas"``), on small, odd shapes:
+sizes that are not multiples of the block, windows larger than the stride, padding on both sides.
+The tests marked ``gpu`` run the same comparisons compiled, on larger shapes, plus determinism;
+run them on a GPU machine with ``pytest -m gpu tests/kernels/test_pallas.py``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernel_base import (CONFIGS, CONFIGS_ND, GPU_CONFIGS, ND_IDS, ON_GPU, bits_equal, check_avg,
+                         check_empty_windows_and_all_neg_inf, check_max,
+                         check_signed_zeros,
+                         check_vmap_grad_and_jvp, data, kw_of)
+
+import jaxpool
+from jaxpool._src import dispatch, windows, xla
+from jaxpool._src.pallas import ops
+
+# ----------------------------------------------------------------------------- CPU (interpret)
+
+
+@pytest.mark.parametrize("cfg", [
+    CONFIGS[0],
+    # (`make test` checks dilation and ceil mode channels_last in
+    # test_nd_and_channels_first_match_xla[3d_last_dilated_ceil])
+    pytest.param(CONFIGS[1], marks=pytest.mark.slow),
+    CONFIGS[2]], ids=["2d_overlap", "2d_dilated_ceil", "1d_edge"])
+def test_max_matches_xla(rng, cfg):
+  check_max(rng, cfg, jnp.float32)
+
+
+# `make test` runs 3d_last_dilated_ceil and 2d_first_wide (channels_first, both code paths);
+# the other layouts' configurations are marked slow (`make test-all`, the GPU session). The
+# channels_first kernels keep a 1-D (stride 3) check there in test_small_blocks_take_both_paths.
+SLOW_ND = ("2d_first", "3d_first", "1d_first")
+
+
+@pytest.mark.parametrize("cfg", [
+    pytest.param(cfg, id=i, marks=pytest.mark.slow if i in SLOW_ND else ())
+    for cfg, i in zip(CONFIGS_ND, ND_IDS, strict=True)])
+def test_nd_and_channels_first_match_xla(rng, cfg):
+  check_max(rng, cfg, jnp.float32)
+  check_avg(rng, cfg, jnp.float32, cfg[-1] == "channels_first", None)
+
+
+def test_nd_bfloat16_avg_divisor(rng):
+  # (bfloat16 max pooling: test_max_bfloat16_matches_xla. 1-D, 2-D and 3-D pools run the same
+  # 3-D kernels, so a dtype's handling does not depend on the number of spatial dims.)
+  check_avg(rng, CONFIGS_ND[2], jnp.bfloat16, False, 5)
+
+
+@pytest.mark.slow  # (`make test` checks bfloat16 max pooling in test_signed_zeros_match_xla's
+# 2d_last_bf16: values, taps, min and gradient on ties, NaN, -inf and signed zeros)
+def test_max_bfloat16_matches_xla(rng):
+  check_max(rng, ((1, 5, 7, 6), (3, 3), (2, 2), 1, None, False), jnp.bfloat16)
+
+
+def test_avg_matches_xla(rng):
+  check_avg(rng, CONFIGS[0], jnp.float32, False, None)
+  check_avg(rng, CONFIGS[1], jnp.float32, True, None)
+
+
+def test_avg_bfloat16_divisor_1d(rng):
+  check_avg(rng, CONFIGS[2], jnp.bfloat16, False, 5)
+
+
+def test_empty_windows_and_all_neg_inf():
+  check_empty_windows_and_all_neg_inf()
+
+
+def test_transformations(rng):
+  """vmap(grad) and jvp, against the XLA path (shard_map and the hessian:
+  test_transformations_shard_map_and_hessian)."""
+  x = data(rng, (2, 6, 5, 3), jnp.float32, special=False)
+  check_vmap_grad_and_jvp(rng, x, dict(window_shape=(3, 3), strides=(2, 2), padding=1))
+
+
+@pytest.mark.slow  # (`make test` keeps vmap(grad) and jvp: test_transformations; the kernels in
+# shard_map: test_sharding.py's Pallas check on the Explicit mesh; test_structure.py lowers their
+# hessian)
+def test_transformations_shard_map_and_hessian(rng):
+  """vmap(grad), jvp, hessian and shard_map, against the XLA path."""
+  shape, window, strides, padding = (2, 6, 5, 3), (3, 3), (2, 2), 1
+  x = data(rng, shape, jnp.float32, special=False)
+  # shard_map over the batch (on every device there is), in the same jit as vmap(grad) and jvp
+  from jax.sharding import PartitionSpec as P
+  try:
+    from jax import shard_map
+  except ImportError:  # pragma: no cover - older JAX
+    from jax.experimental.shard_map import shard_map
+  import inspect
+  check = ({"check_vma": False} if "check_vma" in inspect.signature(shard_map).parameters
+           else {"check_rep": False})
+  n = len(jax.devices())
+  mesh = jax.sharding.Mesh(np.array(jax.devices()), ("b",))
+
+  def sharded_grad(f, v):
+    sm = shard_map(jax.grad(f), mesh=mesh, in_specs=P("b"), out_specs=P("b"), **check)
+    return sm(jnp.concatenate([v] * n)), jax.grad(f)(v)
+
+  p, q, ((sm_p, _), (_, grad_q)) = check_vmap_grad_and_jvp(
+      rng, x, dict(window_shape=window, strides=strides, padding=padding), also=sharded_grad)
+  np.testing.assert_allclose(sm_p, jnp.concatenate([grad_q] * n), rtol=1e-6, atol=1e-6)
+  # second order: jacfwd over jacrev
+  xs = x[:1, :4, :4, :1]
+  np.testing.assert_allclose(jax.jit(jax.hessian(p))(xs), jax.jit(jax.hessian(q))(xs),
+                             rtol=1e-5, atol=1e-6)
+
+
+def test_backward_is_the_pallas_kernel():
+  x = jnp.ones((1, 5, 5, 2))
+  f = lambda v: jaxpool.max_pool(v, (2, 2), (1, 1), implementation="pallas").sum()
+  jaxpr = str(jax.make_jaxpr(jax.grad(f))(x))
+  assert "jaxpool_max_pool_gather_transpose" in jaxpr and "scatter" not in jaxpr
+  g = lambda v: jaxpool.avg_pool(v, (2, 2), (1, 1), implementation="pallas").sum()
+  assert "jaxpool_avg_pool_transpose" in str(jax.make_jaxpr(jax.grad(g))(x))
+
+
+
+def test_unsupported_says_why():
+  def why(op, shape, dtype, geom):
+    return ops.unsupported(op, shape, dtype, geom)
+
+  g2 = windows.make_geometry((2, 8, 8, 4), (2, 2), (2, 2))
+  assert why("max_pool", (2, 8, 8, 4), jnp.float32, g2) is None
+  assert why("avg_pool", (2, 8, 8, 4), jnp.bfloat16, g2) is None
+  assert "no Pallas kernel for lp_pool" in why("lp_pool", (2, 8, 8, 4), jnp.float32, g2)
+  assert "not int32" in why("max_pool", (2, 8, 8, 4), jnp.int32, g2)
+  cf = windows.make_geometry((2, 4, 8, 8), (2, 2), (2, 2), data_format="channels_first")
+  assert why("max_pool", (2, 4, 8, 8), jnp.float32, cf) is None
+  g3 = windows.make_geometry((1, 4, 4, 4, 2), (2, 2, 2))
+  assert why("max_pool", (1, 4, 4, 4, 2), jnp.float32, g3) is None
+  g4 = windows.make_geometry((1, 3, 3, 3, 3, 1), (2, 2, 2, 2))
+  assert "1 to 3 spatial dims" in why("max_pool", (1, 3, 3, 3, 3, 1), jnp.float32, g4)
+  huge = (2**16, 2**8, 2**7, 1)  # 2**31 elements: only the shape is looked at
+  gh = windows.make_geometry(huge, (2, 2), (2, 2))
+  assert "int32" in why("max_pool", huge, jnp.float32, gh)
+  under = (2**16, 2**8, 2**7 - 1, 1)
+  assert why("max_pool", under, jnp.float32, windows.make_geometry(under, (2, 2), (2, 2))) is None
+  big = windows.make_geometry((1, 20, 20, 1), (9, 9))
+  assert "81 taps" in why("max_pool", (1, 20, 20, 1), jnp.float32, big)
+
+
+@pytest.mark.parametrize("call, reason", [
+    (lambda: jaxpool.max_pool(jnp.ones((1, 3, 3, 3, 3, 1)), (2, 2, 2, 2),
+                              implementation="pallas"), "1 to 3 spatial dims"),
+    (lambda: jaxpool.max_pool_with_indices(jnp.ones((1, 20, 20, 1)), (9, 9),
+                                           implementation="pallas"), "81 taps"),
+    (lambda: jaxpool.avg_pool(jnp.ones((1, 3, 3, 3, 3, 1)), (2, 2, 2, 2),
+                              implementation="pallas"), "1 to 3 spatial dims"),
+    (lambda: jaxpool.lp_pool(jnp.ones((1, 8, 1)), 2, (2,), implementation="pallas"),
+     "no Pallas kernel for lp_pool"),
+    (lambda: jaxpool.l2_pool(jnp.ones((1, 8, 1)), (2,), implementation="pallas"),
+     "no Pallas kernel for lp_pool"),
+    (lambda: jaxpool.max_pool(jnp.ones((1, 8, 1), jnp.int32), (2,), implementation="pallas"),
+     "not int32"),
+])
+def test_every_op_refuses_pallas_it_cannot_serve(call, reason):
+  with pytest.raises(ValueError, match="implementation='pallas' cannot serve .*" + reason):
+    call()
+
+
+# ----------------------------------------------------------------------------- GPU (compiled)
+
+gpu = pytest.mark.gpu
+
+
+def _need_gpu():
+  if not ON_GPU:
+    pytest.skip("needs a GPU")
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("cfg", GPU_CONFIGS, ids=[str(i) for i in range(len(GPU_CONFIGS))])
+def test_gpu_max_matches_xla(rng, cfg, dtype):
+  _need_gpu()
+  check_max(rng, cfg, dtype)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("cip,div", [(True, None), (False, None), (True, 7)])
+def test_gpu_avg_matches_xla(rng, dtype, cip, div):
+  _need_gpu()
+  for cfg in GPU_CONFIGS:
+    check_avg(rng, cfg, dtype, cip, div)
+
+
+@gpu
+def test_gpu_transformations(rng):
+  _need_gpu()
+  test_transformations_shard_map_and_hessian(rng)
+  test_empty_windows_and_all_neg_inf()
+  test_backward_is_the_pallas_kernel()
+
+
+@gpu
+def test_gpu_deterministic(rng):
+  _need_gpu()
+  x = data(rng, (16, 56, 56, 64), jnp.float32, special=False)
+  x = jnp.round(x * 4) / 4  # many ties, many windows choosing the same element
+  dy = data(rng, (16, 28, 28, 64), jnp.float32, special=False)
+  f = jax.jit(functools.partial(jax.grad(
+      lambda v, g: jnp.sum(jaxpool.max_pool(v, (3, 3), (2, 2), 1) * g))))
+  a, b = f(x, dy), f(x, dy)
+  assert np.array_equal(np.asarray(a), np.asarray(b))
+  assert "jaxpool_max_pool_bwd" in f.lower(x, dy).as_text()
+
+
+# (`make test` lowers 2d_first and 3d_last: every kernel in both layouts; 1-D and 2-D pools run
+# the same 3-D kernels)
+@pytest.mark.parametrize("cfg", [pytest.param(GPU_CONFIGS[0], marks=pytest.mark.slow),
+                                 CONFIGS_ND[0], CONFIGS_ND[1],
+                                 pytest.param(CONFIGS_ND[3], marks=pytest.mark.slow)],
+                         ids=["2d_last", "2d_first", "3d_last", "1d_first"])
+@pytest.mark.parametrize("dtype", [jnp.float32, pytest.param(jnp.bfloat16, marks=pytest.mark.slow)],
+                         ids=["f32", "bf16"])
+def test_lowers_to_triton(cfg, dtype):
+  """Every kernel, compiled (not interpreted), lowers to a Triton call for CUDA, on any host:
+  Pallas' Triton lowering runs; Triton's compiler (on a GPU) does not."""
+  from jaxpool._src.pallas import triton as pk
+  shape, *geo = cfg
+  geom = windows.make_geometry(shape, *kw_of(*geo).values())
+  x = jnp.zeros(shape, dtype)
+  y = jax.ShapeDtypeStruct(geom.output_shape(shape), dtype)
+  idx = jax.ShapeDtypeStruct(y.shape, windows.taps_dtype(geom.num_taps))
+  avg = dict(interpret=False, count_include_pad=False, divisor_override=None)
+  fns = [
+      (lambda a: pk.max_forward(a, geom, interpret=False), x),
+      (lambda a: pk.max_forward_taps(a, geom, interpret=False), x),
+      (lambda i, d: pk.max_backward(i, d, shape, geom, interpret=False), idx, y),
+      (lambda a: pk.avg_forward(a, geom, **avg), x),
+      (lambda d: pk.avg_backward(d, shape, geom, **avg), y),
+  ]
+  for fn, *args in fns:
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "xla.gpu.triton" in text
+
+
+def test_default_dispatch(monkeypatch):
+  """None: the kernels on NVIDIA GPUs only (where they were compiled and tested); XLA on a CPU,
+  a TPU, a ROCm GPU or when JAXPOOL_IMPLEMENTATION=xla; a bad value of that variable is an
+  error naming it. implementation="pallas" is an explicit choice that wins everywhere."""
+  x = jnp.ones((2, 8, 8, 4))
+  geom = windows.make_geometry(x.shape, (2, 2), (2, 2))
+  monkeypatch.delenv(dispatch.ENV, raising=False)
+  for where, expected in (("cpu", "xla"), ("cuda", "pallas"), ("tpu", "xla"), ("rocm", "xla")):
+    monkeypatch.setattr(dispatch, "platform", lambda w=where: w)
+    for op in ("max_pool", "max_pool_with_taps", "avg_pool"):
+      assert dispatch.choose(op, None, x, geom).name == expected, (where, op)
+    assert dispatch.choose("lp_pool", None, x, geom).name == "xla"
+    assert dispatch.choose("max_pool", "pallas", x, geom).name == "pallas"
+  monkeypatch.setattr(dispatch, "platform", lambda: "rocm")
+  assert "NVIDIA GPUs only" in dispatch.PALLAS.not_default()
+  monkeypatch.setattr(dispatch, "platform", lambda: "cuda")
+  monkeypatch.setenv(dispatch.ENV, "xla")
+  assert dispatch.choose("max_pool", None, x, geom).name == "xla"
+  assert dispatch.choose("max_pool", "pallas", x, geom).name == "pallas"
+  monkeypatch.setenv(dispatch.ENV, "triton")
+  with pytest.raises(ValueError, match="JAXPOOL_IMPLEMENTATION.*'triton'"):
+    dispatch.choose("max_pool", None, x, geom)
+
+
+def test_platform_names_rocm(monkeypatch):
+  from jax.extend import backend as jex_backend
+
+  class FakeBackend:
+    platform_version = "rocm 6.2"
+
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  monkeypatch.setattr(jex_backend, "get_backend", lambda *a: FakeBackend())
+  assert dispatch.platform() == "rocm"
+  FakeBackend.platform_version = "PJRT C API\ncuda 12080"
+  assert dispatch.platform() == "cuda"
+
+
+@pytest.mark.parametrize("cfg", [
+    CONFIGS[0],
+    # (`make test` keeps channels_first's two code paths at its own block size in
+    # test_nd_and_channels_first_match_xla[2d_first_wide], small blocks in 1d_first_stride3)
+    pytest.param(CONFIGS_ND[0], marks=pytest.mark.slow),
+    CONFIGS_ND[3]], ids=["2d_last", "2d_first", "1d_first_stride3"])
+def test_small_blocks_take_both_paths(rng, cfg):
+  """Blocks of 2 columns and 2 lanes, so that a small image has interior blocks (no masks) and
+  edge blocks: every kernel, both code paths, against the XLA path."""
+  from jaxpool._src.pallas import triton as pk
+  shape, *geo = cfg
+  geom = windows.make_geometry(shape, *kw_of(*geo).values())
+  launch = (2, 2, 1)
+  x = data(rng, shape, jnp.float32)
+  dy = data(rng, geom.output_shape(shape), jnp.float32, special=False)
+  xf = data(rng, shape, jnp.float32, special=False)
+
+  @jax.jit  # every kernel and its reference in one compile
+  def run(x, xf, dy):
+    y, idx = pk._window_call(x, geom, "argmax", True, launch=launch)
+    ymax = pk._window_call(x, geom, "max", True, launch=launch)[0]
+    yb, ib = xla.max_pool_taps(x, geom)
+    dx = pk._backward_call((ib, dy), shape, geom, "max", True, launch=launch)
+    dxb = jax.vjp(lambda t: xla.gather_at_taps(t, ib, geom), x)[1](dy)[0]
+    a = pk._window_call(xf, geom, "avg", True, True, None, launch=launch)[0]
+    ref, vjp = jax.vjp(lambda v: xla.avg_pool(v, geom, True, None), xf)
+    da = pk._backward_call((dy,), shape, geom, "avg", True, True, None, launch=launch)
+    return (y, yb), (idx, ib), (ymax, yb), (dx, dxb), (a, ref), (da, vjp(dy)[0])
+
+  *maxes, avg, davg = run(x, xf, dy)
+  for got, want in maxes:
+    bits_equal(got, want)
+  for got, want in (avg, davg):
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.slow  # (`make test` checks the same rules in 2-D channels_last: test_transformations)
+def test_nd_transformations(rng):
+  """Per-example gradients (vmap of grad) and jvp through the 3-D and channels_first kernels."""
+  for shape, window, strides, fmt in (((2, 3, 7, 9), (3, 3), (2, 2), "channels_first"),
+                                      ((2, 5, 6, 4, 2), (2, 3, 2), (2, 2, 1), "channels_last")):
+    x = data(rng, shape, jnp.float32, special=False)
+    p, _, _ = check_vmap_grad_and_jvp(rng, x, dict(window_shape=window, strides=strides,
+                                                    padding=1, data_format=fmt))
+    assert "jaxpool_max_pool_gather_transpose" in str(jax.make_jaxpr(jax.grad(p))(x))
+
+
+@pytest.mark.parametrize("cfg,dtype,form", [
+    (CONFIGS[0], jnp.bfloat16, "canonical"), (CONFIGS[0], jnp.float32, "auto"),
+    pytest.param(CONFIGS_ND[1], jnp.float32, "canonical", marks=pytest.mark.slow),
+    pytest.param(CONFIGS_ND[4], jnp.bfloat16, "auto", marks=pytest.mark.slow)],
+    ids=["2d_last_bf16_canonical", "2d_last_f32", "3d_last_dilated_ceil_f32_canonical",
+         "2d_first_wide_bf16"])
+def test_signed_zeros_match_xla(rng, monkeypatch, cfg, dtype, form):
+  """Signed zeros (interpret mode; compiled: test_gpu_signed_zeros), with the running maximum
+  interpret mode uses (``dtypes.beats``) and with the canonical NaN results that the compiled
+  kernels' PTX maximum gives (``triton.NAN_MAX``)."""
+  from jaxpool._src.pallas import triton as pk
+  monkeypatch.setattr(pk, "NAN_MAX", form)
+  jax.clear_caches()  # (the form is read while tracing)
+  check_signed_zeros(rng, cfg, dtype)
+
+
+NAN_BITS = (0x7FC00000, 0xFFC00000, 0x7F800001, 0xFFFFFFFF, 0x7FC0BEEF)  # (signs, payloads)
+
+
+def check_nan_bits(rng):
+  """Windows holding NaNs of several signs and payloads, and others without: the tap is the
+  first NaN's, the value a NaN (the compiled kernels give the canonical one; which NaN is not
+  part of the contract, as XLA's maximum does not keep one either), every other value bit for
+  bit."""
+  nans = np.array(NAN_BITS, np.uint32).view(np.float32)
+  x = rng.choice(np.concatenate([nans, np.float32([1.0, -0.0, 0.0, 2.0])]), (3, 40, 2),
+                 p=[0.06] * 5 + [0.35, 0.15, 0.1, 0.1])
+  x = jnp.asarray(x.astype(np.float32))
+  got, want = (jaxpool.max_pool_with_taps(x, (3,), strides=(1,), padding=1,
+                                          implementation=impl) for impl in ("pallas", "xla"))
+  bits_equal(got[0], want[0])  # (NaN where the XLA path gives NaN)
+  np.testing.assert_array_equal(got[1], want[1])
+  nan = np.isnan(np.asarray(want[0]))
+  assert nan.any() and not nan.all()
+
+
+@pytest.mark.parametrize("form", ["auto", "canonical"])
+def test_nan_bits_match_xla(rng, monkeypatch, form):
+  from jaxpool._src.pallas import triton as pk
+  monkeypatch.setattr(pk, "NAN_MAX", form)
+  jax.clear_caches()  # (the form is read while tracing)
+  check_nan_bits(rng)
+
+
+def test_subnormals_beside_zeros_match_xla():
+  """Interpret mode runs on XLA's CPU backend, whose comparisons treat subnormals as zeros: the
+  kernels' rule there (bits of equal values compared) still finds a subnormal above a zero,
+  as the XLA path's taps do."""
+  f = lambda b: np.array(b, np.uint32).view(np.float32)  # noqa: E731
+  tiny, neg_tiny = f(1), f(0x80000001)  # +-1.4e-45
+  rows = [[0.0, tiny], [-0.0, tiny], [tiny, 0.0], [neg_tiny, -0.0], [-0.0, neg_tiny],
+          [tiny, neg_tiny], [0.0, -0.0], [-0.0, 0.0]]
+  x = jnp.asarray(np.array(rows, np.float32)[..., None])
+  got, want = (jaxpool.max_pool_with_taps(x, (2,), implementation=impl)
+               for impl in ("pallas", "xla"))
+  bits_equal(got[0], want[0])
+  np.testing.assert_array_equal(got[1], want[1])
+  # (rows 0-2 and 5: the positive subnormal wins. Rows 3 and 4, a negative subnormal beside
+  # -0.0, are left out: there both paths follow the CPU, which compares the two as equal.)
+  assert list(np.asarray(got[1]).ravel()[[0, 1, 2, 5, 6, 7]]) == [1, 1, 0, 0, 0, 1]
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_gpu_signed_zeros(rng, dtype):
+  _need_gpu()
+  for cfg in GPU_CONFIGS:
+    check_signed_zeros(rng, cfg, dtype)
+
+
+@gpu
+def test_gpu_nan_bits(rng):
+  _need_gpu()
+  check_nan_bits(rng)
+
+
+@gpu
+@pytest.mark.parametrize("form", ["beats", "canonical"])
+def test_gpu_other_max_forms(rng, monkeypatch, form):
+  """The compiled kernels with the other forms of the running maximum (``triton.NAN_MAX``, as
+  benchmarks/probes/comparator_gpu.py times them) give the same bits too."""
+  _need_gpu()
+  from jaxpool._src.pallas import triton as pk
+  monkeypatch.setattr(pk, "NAN_MAX", form)
+  jax.clear_caches()
+  for cfg in GPU_CONFIGS:
+    for dtype in (jnp.float32, jnp.bfloat16):
+      check_signed_zeros(rng, cfg, dtype)
+    check_max(rng, cfg, jnp.bfloat16)
+  check_nan_bits(rng)
+  jax.clear_caches()

@@ -1,0 +1,344 @@
+"""The Pallas kernels on several devices, against one device.
+
+tests/sharding/test_partitioning.py runs it; by hand, run it in its own process with 8 CPU devices
+(the kernels in interpret mode)::
+
+  XLA_FLAGS=--xla_force_host_platform_device_count=8 \
+    python tests/sharding/partition_checks.py [--quick]
+
+Each check prints one JSON line ``{"name": ..., "ok": bool, "detail": ...}``. A check runs one
+kernel op with ``implementation="pallas"`` on sharded inputs and asserts:
+
+* the result equals the same op on one device, bit for bit;
+* the result is sharded along the input's sharded dims (no gathered output);
+* the compiled program moves no array between devices when batch or channel dims are sharded,
+  and, when spatial dims are, only collective-permutes of halo-sized slices (at most
+  ``effective window + stride`` rows of a block per message), never an all-gather or
+  all-to-all of the input.
+
+The meshes: Auto axes (``jit`` with ``NamedSharding`` inputs: the compiler decides), Explicit
+axes (sharding in the types), and a user's ``shard_map`` (``check_vma`` on and off, all axes or
+some of them manual).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+
+if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                             + " --xla_force_host_platform_device_count=8").strip()
+
+import contextlib  # noqa: E402
+import math  # noqa: E402
+import re  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import AxisType, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import jaxpool  # noqa: E402
+
+QUICK = "--quick" in sys.argv
+# --only PREFIX: the checks whose names start with PREFIX (when working on one).
+ONLY = sys.argv[sys.argv.index("--only") + 1] if "--only" in sys.argv else ""
+RESULTS: list[dict] = []
+BAD = ("all-gather", "all-to-all", "all-reduce", "reduce-scatter")
+
+
+def check(name):
+  def deco(fn):
+    if not name.startswith(ONLY):
+      return fn
+    try:
+      detail = fn()
+      RESULTS.append(dict(name=name, ok=True, detail=detail or ""))
+    except Exception as e:  # noqa: BLE001  (reported, and the test fails on it)
+      RESULTS.append(dict(name=name, ok=False,
+                          detail=f"{type(e).__name__}: {e}\n{traceback.format_exc()[-2500:]}"))
+    print(json.dumps(RESULTS[-1]), flush=True)
+    return fn
+  return deco
+
+
+def tie_rich(seed, shape):
+  """Small integers: many ties, so a wrong tie-break (or a wrong halo) would show."""
+  return jnp.asarray(np.random.default_rng(seed).integers(-4, 5, shape), jnp.float32)
+
+
+def assert_equal(a, b, what):
+  a, b = jax.tree.leaves(a), jax.tree.leaves(b)
+  assert len(a) == len(b), what
+  for u, v in zip(a, b):
+    u, v = np.asarray(u), np.asarray(v)
+    assert u.shape == v.shape and u.dtype == v.dtype, f"{what}: {u.shape} vs {v.shape}"
+    if not np.array_equal(u.view(np.uint8), v.view(np.uint8)):
+      bad = np.argwhere(u != v)
+      at = bad[0].tolist() if len(bad) else "(signed zeros)"
+      raise AssertionError(f"{what}: {len(bad)} elements differ, first at {at}")
+
+
+def collectives(hlo: str) -> list[tuple[str, int]]:
+  """``(op, elements)`` of every collective in an HLO module's text."""
+  names = "|".join((*BAD, "collective-permute"))
+  out = []
+  for m in re.finditer(r"= \(?(\w+)\[([\d,]*)\][^ ]* (" + names + r")(-start)?\(", hlo):
+    dims = [int(d) for d in m.group(2).split(",") if d]
+    out.append((m.group(3), math.prod(dims)))
+  return out
+
+
+def _names(entry) -> tuple[str, ...]:
+  return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def halo_bound(x_shape, spec, mesh, halo_rows: dict[int, int]) -> int:
+  """The most elements one halo message may hold: ``halo_rows[axis]`` rows of one device's
+  block along a split spatial axis."""
+  sizes = dict(mesh.shape)
+  block = [d if e is None else -(-d // math.prod(sizes[a] for a in ((e,) if isinstance(e, str)
+                                                                     else e)))
+           for d, e in zip(x_shape, (*spec, *(None,) * (len(x_shape) - len(spec))))]
+  return max(math.prod(block) // block[ax] * rows for ax, rows in halo_rows.items())
+
+
+# ----------------------------------------------------------------------------- the ops
+
+
+def ops_for(kw):
+  """Every kernel op, as ``fn(x, dy) -> arrays`` (``dy``: a cotangent of the output's shape,
+  split like ``x``; the forward ops leave it out)."""
+  imp = dict(kw, implementation="pallas")
+
+  def grad(pool):
+    return lambda v, dy: jax.vjp(lambda u: pool(u, **imp), v)[1](dy)[0]
+
+  def from_taps(v, dy):
+    _, taps = jaxpool.max_pool_with_taps(v, **imp)
+    return jaxpool.max_pool_grad_from_taps(dy, taps, v.shape, **imp)
+
+  return {
+      "max": lambda v, dy: jaxpool.max_pool(v, **imp),
+      "max_relu": lambda v, dy: jaxpool.max_pool(v, activation="relu", **imp),
+      "max_taps": lambda v, dy: jaxpool.max_pool_with_taps(v, **imp),
+      "grad_max": grad(jaxpool.max_pool),
+      "grad_from_taps": from_taps,
+      "min": lambda v, dy: jaxpool.min_pool(v, **imp),
+      "grad_min": grad(jaxpool.min_pool),
+      "avg": lambda v, dy: jaxpool.avg_pool(v, **imp),
+      "grad_avg": grad(jaxpool.avg_pool),
+  }
+
+
+def run_case(name, mesh, x, spec, kw, *, spatial_rows=None, only=None, seed=0,
+             inside=False, explicit=False):
+  """Every op of ``ops_for`` on ``x`` (and a cotangent) placed with ``spec`` under ``jit``.
+
+  With ``inside``, ``x`` arrives replicated and is split inside ``jit``, the way sizes the
+  devices do not divide arrive (equal, padded blocks); each result is padded to a size the
+  devices divide and constrained to the same split, as the next layer of a network split that
+  way would use it (a result of a size the devices do not divide cannot leave ``jit`` split).
+  With ``explicit``, the sharded call runs under ``jax.set_mesh(mesh)``.
+  """
+  one = jax.devices()[0]
+  y_shape = jax.eval_shape(lambda v: jaxpool.max_pool(v, **kw), x).shape
+  dy = tie_rich(seed + 1, y_shape)
+  for op, fn in ops_for(kw).items():
+    if only is not None and op not in only:
+      continue
+
+    @check(f"{name}/{op}")
+    def _(fn=fn):
+      want = NamedSharding(mesh, spec)
+      if inside:
+        axis = next(i for i, e in enumerate(spec) if e is not None)
+        n = math.prod(dict(mesh.shape)[a] for a in _names(spec[axis]))
+
+        def pad(a):  # to a size the devices divide (the padded rows are zeros)
+          cfg = [(0, 0)] * a.ndim
+          cfg[axis] = (0, -a.shape[axis] % n)
+          return jnp.pad(a, cfg)
+
+        split = lambda a: jax.lax.with_sharding_constraint(a, want)  # noqa: E731
+        run_fn = lambda v, d: jax.tree.map(lambda o: split(pad(o)), fn(split(v), split(d)))  # noqa: E731
+        single = jax.jit(lambda v, d: jax.tree.map(pad, fn(v, d)))(
+            jax.device_put(x, one), jax.device_put(dy, one))
+        placed_as = [NamedSharding(mesh, P())] * 2
+      else:
+        run_fn = fn
+        single = jax.jit(fn)(jax.device_put(x, one), jax.device_put(dy, one))
+        placed_as = [want] * 2
+      with jax.set_mesh(mesh) if explicit else contextlib.nullcontext():
+        placed = [jax.device_put(a, s) for a, s in zip((x, dy), placed_as)]
+        compiled = jax.jit(run_fn).lower(*placed).compile()
+        out = compiled(*placed)
+      assert_equal(out, single, "sharded vs one device")
+      for leaf in jax.tree.leaves(out):
+        assert leaf.sharding.is_equivalent_to(want, leaf.ndim), (
+            f"output sharding {leaf.sharding}, input {spec}")
+      comm = collectives(compiled.as_text())
+      bad = [c for c in comm if c[0] in BAD and c[1] > 1]
+      assert not bad, f"gathers or reductions of arrays: {bad}"
+      permutes = [c[1] for c in comm if c[0] == "collective-permute"]
+      if spatial_rows is None:
+        assert not permutes, f"batch/channel sharding moved data: {permutes}"
+      else:
+        bound = halo_bound(x.shape, spec, mesh, spatial_rows)
+        assert all(n <= bound for n in permutes), f"messages {permutes} above halo {bound}"
+        if inside:
+          # The input arrives whole: a program with no halo messages pooled that copy instead
+          # of each device's block.
+          assert permutes, "a spatial split exchanged no halos"
+      return f"collective-permutes: {permutes}" if permutes else ""
+
+
+AUTO = jax.make_mesh((4, 2), ("a", "b"), axis_types=(AxisType.Auto,) * 2)
+EXPLICIT = jax.make_mesh((4, 2), ("a", "b"), axis_types=(AxisType.Explicit,) * 2)
+K3S2 = dict(window_shape=(3, 3), strides=(2, 2), padding=1)
+
+
+# ----------------------------------------------------------------------------- Auto mesh
+
+x2 = tie_rich(0, (8, 16, 12, 4))
+run_case("auto/batch", AUTO, x2, P("a"), K3S2)
+run_case("auto/batch+channels", AUTO, x2, P("a", None, None, "b"), K3S2,
+         only=None if not QUICK else ("max", "grad_max", "avg", "grad_avg"))
+run_case("auto/height", AUTO, x2, P(None, "a"), K3S2, spatial_rows={1: 5})
+run_case("auto/height+width", AUTO, x2, P(None, "a", "b"), K3S2, spatial_rows={1: 5, 2: 5},
+         only=("max_taps", "grad_max", "grad_avg"))
+# 13 rows over 4 devices (padded blocks), stride 3 (does not divide a block), ceil mode,
+# dilation: the output is not the input over the stride.
+run_case("auto/height_uneven_ceil_dilated", AUTO, tie_rich(2, (2, 13, 7, 3)), P(None, "a"),
+         dict(window_shape=(2, 2), strides=(3, 1), padding=((1, 0), (0, 1)), dilation=(2, 1),
+              ceil_mode=True), spatial_rows={1: 6}, inside=True,
+         only=("max_taps", "grad_max", "avg", "grad_avg"))
+# A window wider than a block: 8 devices along height, 2 rows each, a 5x1 window.
+run_case("auto/height_window_wider_than_block", AUTO, tie_rich(3, (2, 16, 5, 2)),
+         P(None, ("a", "b")), dict(window_shape=(5, 1), strides=(1, 1), padding=((2, 2), (0, 0))),
+         spatial_rows={1: 6}, only=("max", "grad_max", "avg", "grad_avg"))
+run_case("auto/1d_length", AUTO, tie_rich(4, (3, 32, 2)), P(None, "a"),
+         dict(window_shape=(3,), strides=(2,), padding=1), spatial_rows={1: 5},
+         only=("max_taps", "grad_max", "grad_avg"))
+run_case("auto/3d_depth", AUTO, tie_rich(5, (2, 8, 6, 6, 2)), P(None, "a"),
+         dict(window_shape=(3, 3, 3), strides=(2, 2, 2), padding=1), spatial_rows={1: 5},
+         only=("max", "grad_max", "avg", "grad_avg"))
+run_case("auto/channels_first/height", AUTO, tie_rich(6, (4, 3, 16, 9)), P(None, None, "a"),
+         dict(K3S2, data_format="channels_first"), spatial_rows={2: 5},
+         only=("max_taps", "grad_max", "grad_avg"))
+run_case("auto/channels_first/batch+channels", AUTO, tie_rich(7, (8, 4, 9, 9)), P("a", "b"),
+         dict(K3S2, data_format="channels_first"), only=("max", "grad_max", "avg", "grad_avg"))
+if not QUICK:
+  run_case("auto/height_same_stride1", AUTO, x2, P(None, "a"),
+           dict(window_shape=(3, 3), strides=(1, 1), padding=1), spatial_rows={1: 4})
+  run_case("auto/3d_depth+height", AUTO, tie_rich(8, (2, 8, 8, 5, 2)), P(None, "a", "b"),
+           dict(window_shape=(3, 3, 3), strides=(2, 2, 2), padding=1),
+           spatial_rows={1: 5, 2: 5})
+  run_case("auto/2x2s2_height", AUTO, tie_rich(9, (2, 16, 8, 3)), P(None, "a"),
+           dict(window_shape=(2, 2), strides=(2, 2)), spatial_rows={1: 3})
+
+# ----------------------------------------------------------------------------- Explicit mesh
+
+run_case("explicit/batch+channels", EXPLICIT, x2, P("a", None, None, "b"), K3S2, explicit=True,
+         only=("max", "max_taps", "grad_max", "grad_from_taps", "avg", "grad_avg", "grad_min"))
+run_case("explicit/height", EXPLICIT, x2, P(None, "a"), K3S2, spatial_rows={1: 5},
+         explicit=True, only=("max", "max_taps", "grad_max", "grad_from_taps", "avg", "grad_avg"))
+
+
+# ----------------------------------------------------------------------------- shard_map
+
+
+def shard_map_case(name, *, check_vma, axis_names=None, spec=None, only=None):
+  spec = P("a") if spec is None else spec
+  one = jax.devices()[0]
+  y_shape = jax.eval_shape(lambda v: jaxpool.max_pool(v, **K3S2), x2).shape
+  dy = tie_rich(1, y_shape)
+  for op, fn in ops_for(K3S2).items():
+    if only is not None and op not in only:
+      continue
+
+    @check(f"shard_map/{name}/{op}")
+    def _(fn=fn):
+      single = jax.jit(fn)(jax.device_put(x2, one), jax.device_put(dy, one))
+      kwargs = {} if axis_names is None else dict(axis_names=axis_names)
+      out_specs = jax.tree.map(lambda _: spec, single)
+      mapped = jax.jit(jax.shard_map(fn, mesh=AUTO, in_specs=(spec, spec), out_specs=out_specs,
+                                     check_vma=check_vma, **kwargs))
+      placed = [jax.device_put(a, NamedSharding(AUTO, spec)) for a in (x2, dy)]
+      assert_equal(mapped(*placed), single, "shard_map vs one device")
+
+
+shard_map_case("check_vma", check_vma=True,
+               only=("max", "max_taps", "grad_max", "avg", "grad_avg") if QUICK else None)
+shard_map_case("no_check_vma", check_vma=False, only=("max", "max_taps", "grad_max", "avg"))
+shard_map_case("partly_manual", check_vma=True, axis_names=frozenset({"a"}),
+               spec=P("a"), only=("max", "max_taps", "grad_max", "avg", "grad_avg"))
+
+
+@check("shard_map/check_vma/grads")
+def _():
+  dy = tie_rich(1, (8, 8, 6, 4))
+
+  def grad(v, d):
+    return jax.grad(lambda u: jnp.sum(jaxpool.max_pool(u, **K3S2, implementation="pallas") * d)
+                    + jnp.sum(jaxpool.avg_pool(u, **K3S2, implementation="pallas") * d))(v)
+
+  one = jax.devices()[0]
+  want = jax.jit(grad)(jax.device_put(x2, one), jax.device_put(dy, one))
+  # Each block's gradient is its part of the whole: dy's block goes with it.
+  mapped = jax.shard_map(grad, mesh=AUTO, in_specs=(P("a"), P("a")), out_specs=P("a"))
+  placed = [jax.device_put(a, NamedSharding(AUTO, P("a"))) for a in (x2, dy)]
+  assert_equal(jax.jit(mapped)(*placed), want, "shard_map grad vs one device")
+
+
+@check("auto/vmap_grad")
+def _():
+  xb = tie_rich(11, (4, 2, 10, 10, 3))
+
+  def per_example(v):
+    return jax.grad(lambda u: jnp.sum(jaxpool.max_pool(u, **K3S2, implementation="pallas")
+                                      ** 2))(v)
+
+  fn = jax.vmap(per_example)
+  want = jax.jit(fn)(jax.device_put(xb, jax.devices()[0]))
+  placed = jax.device_put(xb, NamedSharding(AUTO, P("a")))
+  compiled = jax.jit(fn).lower(placed).compile()
+  out = compiled(placed)
+  assert_equal(out, want, "vmap(grad) sharded vs one device")
+  assert out.sharding.is_equivalent_to(NamedSharding(AUTO, P("a")), out.ndim), out.sharding
+  assert not [c for c in collectives(compiled.as_text()) if c[1] > 1]
+
+
+# The TPU (Mosaic) kernels, in the TPU interpreter: the same rule wraps them.
+os.environ["JAXPOOL_PALLAS_BACKEND"] = "tpu"
+run_case("tpu/batch", AUTO, x2, P("a"), K3S2, only=("max_taps", "grad_max", "avg", "grad_avg"))
+run_case("tpu/height", AUTO, x2, P(None, "a"), K3S2, spatial_rows={1: 5},
+         only=("max_taps", "grad_max", "avg", "grad_avg"))
+del os.environ["JAXPOOL_PALLAS_BACKEND"]
+
+
+@check("export/sharded")
+def _():
+  # jax.export serialises the XLA ops in place of the kernels (a Pallas kernel, and the
+  # partitioning callback, are no stable part of an exported program): the exported sharded
+  # gradient runs and equals the kernels'.
+  from jax import export
+  spec = NamedSharding(AUTO, P("a"))
+  dy = tie_rich(12, (8, 8, 6, 4))
+
+  def grad(v, d):
+    return jax.vjp(lambda u: jaxpool.max_pool(u, **K3S2, implementation="pallas"), v)[1](d)[0]
+
+  placed = [jax.device_put(a, spec) for a in (x2, dy)]
+  exported = export.export(jax.jit(grad))(*placed)
+  text = exported.mlir_module()
+  assert "CustomSPMDPartitioning" not in text and "triton" not in text.lower()
+  assert_equal(exported.call(*placed), jax.jit(grad)(*placed), "exported vs kernels")
+
+
+print(json.dumps(dict(name="summary", ok=all(r["ok"] for r in RESULTS),
+                      detail=f"{sum(r['ok'] for r in RESULTS)} of {len(RESULTS)} passed")))

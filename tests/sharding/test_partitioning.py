@@ -1,0 +1,105 @@
+"""The Pallas kernels split with the mesh: every kernel op on several devices equals one device.
+
+The checks run in one subprocess with 8 CPU devices, the kernels in interpret mode
+(tests/sharding/partition_checks.py); each test below asserts on one group of them. Before the
+kernels carried a partitioning rule, the Auto-mesh groups failed (the outputs came back replicated,
+with all-reduces and all-gathers in the program) and the ``shard_map`` groups raised
+(``check_vma=True`` refused the kernels' outputs).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import device_checks
+
+SCRIPT = Path(__file__).with_name("partition_checks.py")
+
+# (name prefix, how many checks at least, only in the full run)
+GROUPS = [
+    ("auto/batch/", 9, False),
+    ("auto/batch+channels/", 4, False),
+    ("auto/height/", 9, False),
+    ("auto/height+width/", 3, False),
+    ("auto/height_uneven_ceil_dilated/", 4, False),
+    ("auto/height_window_wider_than_block/", 4, False),
+    ("auto/1d_length/", 3, False),
+    ("auto/3d_depth/", 4, False),
+    ("auto/channels_first/", 7, False),
+    ("auto/vmap_grad", 1, False),
+    ("auto/height_same_stride1/", 9, True),
+    ("auto/3d_depth+height/", 9, True),
+    ("auto/2x2s2_height/", 9, True),
+    ("explicit/batch+channels/", 7, False),
+    ("explicit/height/", 6, False),
+    ("shard_map/check_vma/", 6, False),
+    ("shard_map/no_check_vma/", 4, False),
+    ("shard_map/partly_manual/", 5, False),
+    ("tpu/batch/", 4, False),
+    ("tpu/height/", 4, False),
+    ("export/sharded", 1, False),
+]
+
+
+@pytest.fixture(scope="module")
+def results(request):
+  return device_checks.run(SCRIPT, *(["--quick"] if device_checks.quick(request.config)
+                                             else []), timeout=1200)
+
+
+@pytest.mark.parametrize("prefix,minimum", [
+    pytest.param(p, n, id=p.strip("/"), marks=pytest.mark.slow if slow else ())
+    for p, n, slow in GROUPS])
+def test_split_equals_one_device(results, prefix, minimum):
+  group = {k: v for k, v in results.items() if k.startswith(prefix)}
+  assert len(group) >= minimum, f"only {len(group)} checks named {prefix}*: {sorted(group)}"
+  failed = {k: v["detail"] for k, v in group.items() if not v["ok"]}
+  assert not failed, "\n\n".join(f"{k}:\n{d}" for k, d in failed.items())
+
+
+def test_every_check_is_in_a_group(results):
+  loose = [k for k in results
+           if k != "summary" and not any(k.startswith(p) for p, _, _ in GROUPS)]
+  assert not loose, loose
+
+
+def test_the_private_jax_name_the_kernels_use_is_there():
+  # jaxpool/_src/pallas/partition.py marks its primitives in this JAX-private set (lowering a
+  # nested jit then keeps the devices, which custom_partitioning needs). A JAX release that moves
+  # it fails here first.
+  from jax._src import dispatch
+  assert isinstance(dispatch.prim_requires_devices_during_lowering, set)
+  from jaxpool._src.pallas import partition
+  assert partition.kernel_p in dispatch.prim_requires_devices_during_lowering
+
+
+_CACHE_PROGRAM = textwrap.dedent("""
+    import sys, jax, jax.numpy as jnp, jaxpool
+    jax.config.update("jax_compilation_cache_dir", sys.argv[1])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    x = jnp.arange(2 * 8 * 8 * 3, dtype=jnp.float32).reshape(2, 8, 8, 3)
+    step = jax.jit(jax.grad(lambda v: jnp.sum(jaxpool.max_pool(
+        v, (3, 3), (2, 2), 1, implementation="pallas") ** 2)))
+    print(float(step(x).sum()))
+""")
+
+
+def test_persistent_compilation_cache_hits_in_a_second_process(tmp_path):
+  # One device: the kernels lower as plain kernels (no partitioning callback), so a second
+  # process finds the step in JAX's persistent compilation cache and compiles nothing new.
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  run = lambda: subprocess.run(  # noqa: E731
+      [sys.executable, "-c", _CACHE_PROGRAM, str(tmp_path)], env=env, capture_output=True,
+      text=True, timeout=300, check=True).stdout
+  first = run()
+  entries = sorted(p.name for p in tmp_path.iterdir())
+  assert entries, "nothing was cached"
+  assert run() == first
+  assert sorted(p.name for p in tmp_path.iterdir()) == entries, "the second process missed"
