@@ -26,15 +26,25 @@ times, and the numerics: in float32, the loss and gradient differences between t
 (equal up to rounding); in bfloat16, each step's distance to a float32 reference (the step
 without optimize, in float32, same parameters and inputs): optimize should be no further.
 
-Each (model, dtype) runs in a child process with a time limit (``--timeout``), so a compile
-that autotunes for minutes costs one row, not the run; ``--autotune-level 0`` makes XLA pick
-convolution algorithms without measuring them (compiles in seconds; both steps alike).
-Results accumulate in the JSON file (rows replaced by model, dtype, batch and device), so a zoo
-runs in parts::
+Each (model, dtype) runs in a child process with a time limit (``--timeout``; ``--budget``
+bounds the whole run), so a compile that autotunes for minutes costs one row, not the run;
+``--autotune-level 0`` makes XLA pick convolution algorithms without measuring them (both steps
+alike). The child's output goes to a log file per row (``models_gpu_logs/`` beside the JSON
+file); each phase of a row (starting the backend, building the model, each compile, the first
+runs, the timing, the float32 reference) prints a progress line as it starts and ends, which
+the parent echoes as it comes, and the row keeps the phases' seconds (``phases_s``): a row that
+runs out of time says in which phase. The kernels' launch configurations come from the shipped
+tables and the disk cache (``--tune cached``, the default): tuning the ones that neither holds
+(``--tune auto``, jaxpool's own default) costs up to 10 s a kernel inside the optimized step's
+first compile, and a Keras VGG16 step has ten such kernels (the row's ``tuning`` says what it
+cost). Children do not preallocate GPU memory (``XLA_PYTHON_CLIENT_PREALLOCATE=false`` unless
+set); the parent never starts a backend. Results accumulate in the JSON file (rows replaced by
+model, dtype, batch and device), and every run writes the table (``.md``) and the speed-up
+chart (``.png``, or a small ``.svg`` without matplotlib) beside it, so a zoo runs in parts::
 
-  # on a GPU machine, from the repository root (keras wheels in ./wheels, see --wheels)
-  XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=$PWD python3 benchmarks/models_gpu.py \\
-      --models keras_vgg16,keras_densenet121 --dtypes bfloat16,float32 --wheels wheels
+  # on a GPU machine, from the repository root (keras wheels in ./.whl, see --wheels)
+  PYTHONPATH=$PWD python3 benchmarks/models_gpu.py --models keras_vgg16,keras_densenet121 \\
+      --dtypes bfloat16 --autotune-level 0 --budget 510 --timeout 200 --wheels .whl
   python3 benchmarks/models_gpu.py --merge part1.json part2.json   # parts from other runs
   python3 benchmarks/models_gpu.py --table          # the table of everything measured so far
   python3 benchmarks/models_gpu.py --plot docs/img/models_gpu.png   # speed-up bars for docs
@@ -48,11 +58,13 @@ machine where nothing can be installed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import json
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
@@ -364,45 +376,94 @@ def peak_mib() -> float | None:
   return None if peak is None else peak / 2**20
 
 
+class Phases:
+  """Times the phases of a row and prints a progress line as each starts and ends (stderr,
+  flushed): a row that runs past its time limit shows in its log where it stopped."""
+
+  def __init__(self, label: str):
+    self.label = label
+    self.start = time.perf_counter()
+    self.seconds: dict[str, float] = {}
+
+  @contextlib.contextmanager
+  def __call__(self, name: str):
+    t0 = time.perf_counter()
+    _progress(f"{self.label}: {name} ... (at {t0 - self.start:.1f} s)")
+    try:
+      yield
+    finally:
+      self.seconds[name] = time.perf_counter() - t0
+      _progress(f"{self.label}: {name} done in {self.seconds[name]:.1f} s")
+
+
+def _progress(line: str) -> None:
+  print(f"[models_gpu {time.strftime('%H:%M:%S')}] {line}", file=sys.stderr, flush=True)
+
+
+def tuning_summary(records) -> dict[str, Any]:
+  """What the kernels' launch configurations cost this process (``jaxpool.tune``'s records):
+  lookups by source (``table``, ``cache``, ``tuned``, ``heuristic``, ...) and the seconds spent
+  tuning, which fall inside the first compile of the optimized step."""
+  sources: dict[str, int] = {}
+  for r in records:
+    sources[r.source] = sources.get(r.source, 0) + 1
+  return dict(mode=os.environ.get("JAXPOOL_TUNE", "auto") or "auto", lookups=sources,
+              tuned_keys=sorted({r.key for r in records if r.source == "tuned"}),
+              seconds=sum(r.seconds for r in records))
+
+
 def run_row(name: str, dtype: str, smoke: bool, reps: int, batch: int | None,
             reference: bool) -> dict:
   """One (model, dtype) row, measured in this process.
 
   The step without optimize is compiled and run before anything else, so the peak device
   memory then is its own; the peak after both steps is higher only where the optimized step
-  needed more.
+  needed more. Each phase is timed (``phases_s``) and announced on stderr as it starts.
   """
+  from jaxpool._src.pallas import tuning
   cfg = CONFIGS[name][1 if smoke else 0]
   batch = batch or cfg["batch"][dtype]
+  phase = Phases(f"{name} {dtype} batch {batch}")
+  with phase("start the backend"):
+    device = jax.devices()[0].device_kind
   row: dict[str, Any] = dict(model=name, dtype=dtype, batch=batch,
                              config={k: v for k, v in cfg.items() if k != "batch"},
-                             device=jax.devices()[0].device_kind, smoke=smoke)
-  t0 = time.perf_counter()
-  work = workload(name, dtype, cfg, batch)
-  row["build_s"] = time.perf_counter() - t0
-  base, row["compile_s_without"], row["memory_without"] = compile_step(work.loss, work.args)
-  out_base = jax.block_until_ready(base(*work.args))
+                             device=device, smoke=smoke)
+  tuned_before = len(tuning.report())
+  with phase("build the model"):
+    work = workload(name, dtype, cfg, batch)
+  with phase("compile without optimize"):
+    base, row["compile_s_without"], row["memory_without"] = compile_step(work.loss, work.args)
+  with phase("first run without optimize"):
+    out_base = jax.block_until_ready(base(*work.args))
   row["peak_mib_after_without"] = peak_mib()
   optimized = jaxpool.optimize(work.loss)
-  report = optimized.report(*work.args)
+  with phase("optimize: trace and plan"):
+    report = optimized.report(*work.args)
   row["replaced"], row["left_alone"] = len(report.replaced), len(report.left_alone)
   row["replaced_ops"] = _count(f.op for f in report.replaced)
   row["left_alone_why"] = _count(f"{f.op}: {f.detail}" for f in report.left_alone)
-  opt, row["compile_s_with"], row["memory_with"] = compile_step(optimized, work.args)
-  out_opt = opt(*work.args)
+  with phase("compile with optimize (kernel launch configurations included)"):
+    opt, row["compile_s_with"], row["memory_with"] = compile_step(optimized, work.args)
+  row["tuning"] = tuning_summary(tuning.report()[tuned_before:])
+  with phase("first run with optimize"):
+    out_opt = jax.block_until_ready(opt(*work.args))
   if dtype == "float32":
     row["f32_with_vs_without"] = compare(out_opt, out_base)
   row["loss_without"] = float(out_base[0][0])
   row["loss_with"] = float(out_opt[0][0])
   del out_base, out_opt
-  row["ms_without"], row["ms_with"] = time_pair(base, opt, work.args, reps)
+  with phase(f"time both steps ({reps} samples each)"):
+    row["ms_without"], row["ms_with"] = time_pair(base, opt, work.args, reps)
   row["speedup"] = row["ms_without"] / row["ms_with"]
   row["peak_mib_after_both"] = peak_mib()
   if dtype == "bfloat16" and reference and work.reference is not None:
-    ref, row["compile_s_reference"], _ = compile_step(work.reference, work.args)
-    out_ref = ref(*work.args)
-    row["bf16_without_vs_f32"] = compare(base(*work.args), out_ref)
-    row["bf16_with_vs_f32"] = compare(opt(*work.args), out_ref)
+    with phase("compile and run the float32 reference"):
+      ref, row["compile_s_reference"], _ = compile_step(work.reference, work.args)
+      out_ref = ref(*work.args)
+      row["bf16_without_vs_f32"] = compare(base(*work.args), out_ref)
+      row["bf16_with_vs_f32"] = compare(opt(*work.args), out_ref)
+  row["phases_s"] = phase.seconds
   return row
 
 
@@ -431,11 +492,18 @@ def unpack_wheels(folder: str) -> str:
 
 
 def child_env(args) -> dict[str, str]:
+  """The children's environment: Keras on JAX, unbuffered output, XLA's autotuning level, the
+  kernels' tuning mode, and no preallocation of GPU memory (a row's peak is read from the
+  allocator's statistics, which preallocation does not change; without it a second process on
+  the GPU, or a leftover one, cannot starve the row of memory)."""
   env = dict(os.environ, KERAS_BACKEND="jax", PYTHONUNBUFFERED="1")
+  env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
   flags = env.get("XLA_FLAGS", "")
   if args.autotune_level is not None:
     flags += f" --xla_gpu_autotune_level={args.autotune_level}"
   env["XLA_FLAGS"] = flags.strip()
+  if args.tune is not None:
+    env["JAXPOOL_TUNE"] = args.tune
   paths = [ROOT, env.get("PYTHONPATH", "")]
   if args.wheels:
     paths.append(unpack_wheels(args.wheels))   # after the machine's own packages
@@ -443,30 +511,80 @@ def child_env(args) -> dict[str, str]:
   return env
 
 
-def run_child(name: str, dtype: str, args) -> dict:
-  cmd = [sys.executable, os.path.abspath(__file__), "--child", name, "--dtypes", dtype,
-         "--reps", str(args.reps)] + (["--smoke"] if args.smoke else [])
+def log_path(out: str, name: str, dtype: str, smoke: bool) -> str:
+  """A row's log file: in a ``models_gpu_logs`` folder beside the JSON file."""
+  folder = os.path.join(os.path.dirname(os.path.abspath(out)), "models_gpu_logs")
+  return os.path.join(folder, f"{name}-{dtype}{'-smoke' if smoke else ''}.log")
+
+
+def run_child(name: str, dtype: str, args, timeout: float | None = None) -> dict:
+  """Measures one row in a child process, within ``timeout`` seconds (``--timeout``).
+
+  The child's output goes to its log file (never to a pipe that nobody reads while it runs),
+  and its row to a JSON file beside it. While it runs, its progress lines are echoed here as
+  they appear; a child past its limit is killed with its process group, and its row says in
+  which phase it was.
+  """
+  timeout = args.timeout if timeout is None else timeout
+  log = log_path(args.out, name, dtype, args.smoke)
+  os.makedirs(os.path.dirname(log), exist_ok=True)
+  result = log[:-len(".log")] + ".json"
+  if os.path.exists(result):
+    os.remove(result)
+  cmd = [sys.executable, "-u", os.path.abspath(__file__), "--child", name, "--dtypes", dtype,
+         "--reps", str(args.reps), "--result", result] + (["--smoke"] if args.smoke else [])
   cmd += (["--batch", str(args.batch)] if args.batch else [])
   cmd += ([] if args.reference else ["--no-reference"])
   cmd += (["--cache-dir", args.cache_dir] if args.cache_dir else [])
   t0 = time.perf_counter()
-  try:
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout,
-                          env=child_env(args))
-  except subprocess.TimeoutExpired as e:
-    tail = (e.stderr or b"")[-1500:]
-    tail = tail.decode(errors="replace") if isinstance(tail, bytes) else tail
-    return dict(model=name, dtype=dtype, error=f"timed out after {args.timeout} s", log=tail,
-                device=_device_kind(), smoke=args.smoke)
-  lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-  if proc.returncode != 0 or not lines:
-    return dict(model=name, dtype=dtype, error=f"exit {proc.returncode}",
-                log=(proc.stderr or proc.stdout)[-3000:], device=_device_kind(),
-                smoke=args.smoke)
-  row = json.loads(lines[-1])
-  row["wall_s"] = time.perf_counter() - t0
+  with open(log, "w") as f, open(log) as reader:
+    f.write(f"$ {' '.join(cmd)}\n")
+    f.flush()
+    proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=child_env(args),
+                            start_new_session=True)
+    timed_out = False
+    while True:
+      try:
+        proc.wait(timeout=1.0)
+        done = True
+      except subprocess.TimeoutExpired:
+        done = False
+      for line in reader.readlines():
+        if line.startswith("[models_gpu"):
+          print(f"    {line.rstrip()}", flush=True)
+      if done:
+        break
+      if time.perf_counter() - t0 > timeout:
+        timed_out = True
+        _kill(proc)
+        break
+  wall = time.perf_counter() - t0
+  with open(log) as f:
+    text = f.read()
+  phases = [ln for ln in text.splitlines() if ln.startswith("[models_gpu")]
+  common = dict(model=name, dtype=dtype, device=_device_kind(), smoke=args.smoke, log=log,
+                batch=args.batch or CONFIGS[name][1 if args.smoke else 0]["batch"][dtype],
+                wall_s=wall, last_phase=phases[-1] if phases else None)
+  if timed_out:
+    return dict(common, error=f"timed out after {timeout:.0f} s",
+                tail=text[-1500:])
+  if proc.returncode != 0 or not os.path.exists(result):
+    return dict(common, error=f"exit {proc.returncode}", tail=text[-3000:])
+  with open(result) as f:
+    row = json.load(f)
+  os.remove(result)                # (the row goes into --out; the log stays)
+  row.update(log=log, wall_s=wall)
   _SEEN_DEVICE[0] = row["device"]
   return row
+
+
+def _kill(proc: subprocess.Popen) -> None:
+  """Ends a child and everything it started (its own process group)."""
+  try:
+    os.killpg(proc.pid, signal.SIGKILL)
+  except ProcessLookupError:
+    pass
+  proc.wait()
 
 
 _SEEN_DEVICE = ["unknown"]
@@ -507,8 +625,9 @@ def table(rows: list[dict]) -> str:
          "|---|---|---|---|---|---|---|---|---|---|---|---|"]
   for r in sorted(rows, key=lambda r: (r.get("device", ""), r["model"], r["dtype"])):
     if "error" in r:
-      out.append(f"| {r['model']} | {r['dtype']} | {r.get('batch', '')} | {r['error']} "
-                 f"| | | | | | | | |")
+      where = (r.get("last_phase") or "").split("] ", 1)[-1]
+      out.append(f"| {r['model']} | {r['dtype']} | {r.get('batch', '')} | {r['error']}"
+                 f"{f' (last: {where})' if where else ''} | | | | | | | | |")
       continue
     mw, mo = r.get("memory_without") or {}, r.get("memory_with") or {}
     f32 = r.get("f32_with_vs_without")
@@ -526,16 +645,47 @@ def table(rows: list[dict]) -> str:
   return "\n".join(out)
 
 
-def plot(rows: list[dict], path: str) -> None:
-  """Horizontal bars of the speed-up per (model, dtype), one colour per device."""
-  import matplotlib
+def _plot_rows(rows: list[dict]) -> list[dict]:
+  """The measured rows to plot: GPU rows, or smoke rows when there are no others."""
+  done = [r for r in rows if "speedup" in r]
+  real = [r for r in done if not r.get("smoke")]
+  return real or done
+
+
+def _labels(rows: list[dict]) -> tuple[list[str], list[tuple[str, str]]]:
+  devices = sorted({r["device"] for r in rows})
+  labels = sorted({(r["model"], r["dtype"]) for r in rows})
+  return devices, labels
+
+
+def _label(model: str, dtype: str) -> str:
+  return f"{model} ({'bf16' if dtype == 'bfloat16' else 'f32'})"
+
+
+def plot(rows: list[dict], path: str) -> str:
+  """Horizontal bars of the speed-up per (model, dtype), one colour per device.
+
+  A PNG with matplotlib where it is installed and ``path`` does not end in ``.svg``; else an
+  SVG written here (``path`` with its suffix made ``.svg``). Returns the path written.
+  """
+  done = _plot_rows(rows)
+  if not done:
+    raise SystemExit("no measured rows to plot")
+  try:
+    import matplotlib
+  except ImportError:
+    matplotlib = None
+  if matplotlib is None or path.endswith(".svg"):
+    path = os.path.splitext(path)[0] + ".svg"
+    svg = plot_svg(done)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+      f.write(svg)
+    print(f"wrote {path}")
+    return path
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
-  done = [r for r in rows if "speedup" in r and not r.get("smoke")]
-  if not done:
-    raise SystemExit("no measured GPU rows to plot")
-  devices = sorted({r["device"] for r in done})
-  labels = sorted({(r["model"], r["dtype"]) for r in done})
+  devices, labels = _labels(done)
   fig, ax = plt.subplots(figsize=(7, 0.35 * len(labels) * len(devices) + 1.2))
   height = 0.8 / len(devices)
   for i, dev in enumerate(devices):
@@ -544,14 +694,68 @@ def plot(rows: list[dict], path: str) -> None:
     ax.barh(ys, [by.get(lab, 0) for lab in labels], height=height, label=dev)
   ax.axvline(1.0, color="black", linewidth=0.8)
   ax.set_yticks([j + 0.4 - height / 2 for j in range(len(labels))])
-  ax.set_yticklabels([f"{m} ({'bf16' if d == 'bfloat16' else 'f32'})" for m, d in labels])
+  ax.set_yticklabels([_label(m, d) for m, d in labels])
   ax.invert_yaxis()
   ax.set_xlabel("training-step speed-up with jaxpool.optimize (without / with)")
   ax.legend(loc="lower right", fontsize=8)
   fig.tight_layout()
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   fig.savefig(path, dpi=120)
+  plt.close(fig)
   print(f"wrote {path}")
+  return path
+
+
+def plot_svg(rows: list[dict]) -> str:
+  """The speed-up chart as a small hand-written SVG (no plotting library needed)."""
+  from xml.sax.saxutils import escape
+  devices, labels = _labels(rows)
+  colours = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728"]
+  bar, gap, left, width, top = 14, 8, 190, 360, 10
+  top_speed = max(1.5, max(r["speedup"] for r in rows) * 1.1)
+  x = lambda v: left + width * v / top_speed
+  band = bar * len(devices) + gap
+  height = top + band * len(labels) + 50
+  out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{left + width + 20}" '
+         f'height="{height}" font-family="sans-serif" font-size="11">']
+  for j, (model, dtype) in enumerate(labels):
+    y0 = top + j * band
+    out.append(f'<text x="{left - 6}" y="{y0 + band / 2}" text-anchor="end">'
+               f'{escape(_label(model, dtype))}</text>')
+    for i, dev in enumerate(devices):
+      hit = [r["speedup"] for r in rows if r["device"] == dev and (r["model"], r["dtype"])
+             == (model, dtype)]
+      if hit:
+        y = y0 + i * bar
+        out.append(f'<rect x="{left}" y="{y}" width="{x(hit[0]) - left:.1f}" '
+                   f'height="{bar - 2}" fill="{colours[i % len(colours)]}"/>')
+        out.append(f'<text x="{x(hit[0]) + 3:.1f}" y="{y + bar - 4}">{hit[0]:.2f}x</text>')
+  axis_y = top + band * len(labels)
+  out.append(f'<line x1="{x(1.0):.1f}" y1="{top - 4}" x2="{x(1.0):.1f}" y2="{axis_y}" '
+             f'stroke="black"/>')
+  out.append(f'<text x="{x(1.0):.1f}" y="{axis_y + 14}" text-anchor="middle">1.0</text>')
+  out.append(f'<text x="{left}" y="{axis_y + 30}">training-step speed-up with '
+             f'jaxpool.optimize (without / with)</text>')
+  for i, dev in enumerate(devices):
+    out.append(f'<rect x="{left + 130 * i}" y="{axis_y + 36}" width="10" height="10" '
+               f'fill="{colours[i % len(colours)]}"/><text x="{left + 130 * i + 14}" '
+               f'y="{axis_y + 45}">{escape(dev)}</text>')
+  out.append("</svg>")
+  return "\n".join(out) + "\n"
+
+
+def write_outputs(path: str) -> list[str]:
+  """The table (Markdown) and the chart of every row in the JSON at ``path``, beside it:
+  ``X.json`` gives ``X.md`` and ``X.png`` (``X.svg`` without matplotlib)."""
+  with open(path) as f:
+    rows = json.load(f)["rows"]
+  stem = os.path.splitext(path)[0]
+  with open(stem + ".md", "w") as f:
+    f.write(table(rows) + "\n")
+  written = [path, stem + ".md"]
+  if _plot_rows(rows):
+    written.append(plot(rows, stem + ".png"))
+  return written
 
 
 def main(argv=None) -> int:
@@ -564,6 +768,16 @@ def main(argv=None) -> int:
   parser.add_argument("--batch", type=int, default=None, help="override every row's batch")
   parser.add_argument("--smoke", action="store_true", help="tiny sizes: a CPU check")
   parser.add_argument("--timeout", type=int, default=900, help="seconds per (model, dtype)")
+  parser.add_argument("--budget", type=float, default=None,
+                      help="seconds for the whole run: a row gets at most what is left, and "
+                           "no row starts with less than a minute left (it is reported as "
+                           "skipped)")
+  parser.add_argument("--tune", default="cached", choices=("auto", "cached", "off"),
+                      help="JAXPOOL_TUNE for the children: 'cached' (default) uses the "
+                           "shipped tables and the disk cache and never tunes (tuning a "
+                           "launch configuration takes up to JAXPOOL_TUNE_BUDGET_S, 10 s, a "
+                           "kernel, inside the optimized step's compile); 'auto' tunes what "
+                           "neither has")
   parser.add_argument("--autotune-level", type=int, default=None,
                       help="XLA's --xla_gpu_autotune_level for the children (0: no "
                            "measuring of convolution algorithms, fast compiles)")
@@ -580,8 +794,9 @@ def main(argv=None) -> int:
   parser.add_argument("--table", action="store_true", help="print the JSON's table and exit")
   parser.add_argument("--plot", default=None, help="write a speed-up chart (PNG) and exit")
   parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+  parser.add_argument("--result", default=None, help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
-  path = args.out or (SMOKE_RESULTS if args.smoke else RESULTS)
+  path = args.out = args.out or (SMOKE_RESULTS if args.smoke else RESULTS)
   if args.cache_dir:
     jax.config.update("jax_compilation_cache_dir", args.cache_dir)
   if args.merge:
@@ -599,6 +814,7 @@ def main(argv=None) -> int:
     else:
       print(table(rows))
     return 0
+  start = time.perf_counter()
   args.reps = args.reps or (3 if args.smoke else 20)
   dtypes = [d for d in args.dtypes.split(",") if d]
   models = args.models.split(",") if args.models else list(SMOKE_MODELS if args.smoke
@@ -610,8 +826,12 @@ def main(argv=None) -> int:
     if d not in DTYPES:
       parser.error(f"--dtypes: unknown dtype {d!r}; known: {', '.join(DTYPES)}")
   if args.child:
-    print(json.dumps(run_row(args.child, dtypes[0], args.smoke, args.reps, args.batch,
-                                     args.reference)), flush=True)
+    row = run_row(args.child, dtypes[0], args.smoke, args.reps, args.batch, args.reference)
+    if args.result:
+      with open(args.result + ".tmp", "w") as f:
+        json.dump(row, f)
+      os.replace(args.result + ".tmp", args.result)
+    print(json.dumps(row), flush=True)
     return 0
   if args.inline and args.wheels:
     sys.path.append(unpack_wheels(args.wheels))
@@ -619,28 +839,39 @@ def main(argv=None) -> int:
     _SEEN_DEVICE[0] = jax.devices()[0].device_kind
   meta = dict(jax=jax.__version__, jaxpool=jaxpool.__version__,
               python=platform.python_version(), xla_flags=child_env(args)["XLA_FLAGS"],
-              autotune_level=args.autotune_level)
+              autotune_level=args.autotune_level, jaxpool_tune=args.tune)
   print(f"models_gpu, JAX {jax.__version__}{' (smoke)' if args.smoke else ''}"
         f"{' (in this process)' if args.inline else ' (a child process per row)'}: "
         f"{', '.join(models)} x {', '.join(dtypes)}", flush=True)
   rows = []
   for m in models:
     for d in dtypes:
+      left = None if args.budget is None else args.budget - (time.perf_counter() - start)
+      print(f"  {m} {d}: starting{'' if left is None else f' ({left:.0f} s of the budget left)'}",
+            flush=True)
+      if left is not None and left < 60:
+        rows.append(dict(model=m, dtype=d, device=_device_kind(), smoke=args.smoke,
+                         error=f"skipped: {left:.0f} s of --budget left"))
+        print(f"  {m:22s} {d:9s} skipped: {left:.0f} s of --budget left", flush=True)
+        continue
       if args.inline:
         os.environ.setdefault("KERAS_BACKEND", "jax")
         row = run_row(m, d, args.smoke, args.reps, args.batch, args.reference)
       else:
-        row = run_child(m, d, args)
+        row = run_child(m, d, args, timeout=args.timeout if left is None
+                        else min(args.timeout, left - 10))
       rows.append(row)
       merge(path, [row], meta)      # after every row: a killed run keeps what it measured
       if "error" in row:
-        print(f"  {m:22s} {d:9s} FAILED: {row['error']}\n{row.get('log', '')}", flush=True)
+        print(f"  {m:22s} {d:9s} FAILED: {row['error']}; last: {row.get('last_phase')}; "
+              f"log: {row.get('log')}\n{row.get('tail', '')}", flush=True)
       else:
         print(f"  {m:22s} {d:9s} without {row['ms_without']:9.2f} ms  with "
               f"{row['ms_with']:9.2f} ms  {row['speedup']:.2f}x  replaced {row['replaced']}"
               f"  left alone {row['left_alone']}", flush=True)
   print("\n" + table(rows), flush=True)
-  print(f"\nwrote {path}")
+  if os.path.exists(path):
+    print(f"\nwrote {', '.join(write_outputs(path))}", flush=True)
   return 1 if any("error" in r for r in rows) else 0
 
 

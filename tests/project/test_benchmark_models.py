@@ -39,6 +39,9 @@ def _check_row(row):
   assert row["ms_without"] > 0 and row["ms_with"] > 0
   assert math.isclose(row["speedup"], row["ms_without"] / row["ms_with"])
   assert row["replaced"] >= 1 and "reduce_window_max" in row["replaced_ops"], row
+  assert {"build the model", "compile without optimize", "optimize: trace and plan"} <= set(
+      row["phases_s"]), row
+  assert row["tuning"]["seconds"] == 0.0, row      # (a CPU never tunes the GPU kernels)
   if row["dtype"] == "float32":
     f32 = row["f32_with_vs_without"]
     assert f32["loss_abs_diff"] <= 1e-6 * max(1.0, abs(row["loss_without"])), f32
