@@ -14,8 +14,8 @@ gradients, and no pool of more than one element may be left unrecognised. Offlin
 is skipped and says so. Equinox's source distribution holds no tests (only the package), so
 Equinox's pooling is checked by ``test_optimize_frameworks.py``'s cases written after its tests.
 
-Run as a script (``python tests/optimize/test_flax_own_tests_optimize.py FOLDER``) it runs the files in
-FOLDER that way and prints one JSON line.
+Run as a script (``python tests/optimize/test_flax_own_tests_optimize.py FOLDER``) it runs
+the files in FOLDER that way and prints one JSON line.
 """
 
 from __future__ import annotations
