@@ -772,12 +772,11 @@ def main(argv=None) -> int:
                       help="seconds for the whole run: a row gets at most what is left, and "
                            "no row starts with less than a minute left (it is reported as "
                            "skipped)")
-  parser.add_argument("--tune", default="cached", choices=("auto", "cached", "off"),
-                      help="JAXPOOL_TUNE for the children: 'cached' (default) uses the "
-                           "shipped tables and the disk cache and never tunes (tuning a "
-                           "launch configuration takes up to JAXPOOL_TUNE_BUDGET_S, 10 s, a "
-                           "kernel, inside the optimized step's compile); 'auto' tunes what "
-                           "neither has")
+  parser.add_argument("--tune", default="auto", choices=("auto", "cached", "off"),
+                      help="JAXPOOL_TUNE for the rows: 'auto' (default, what a user gets) "
+                           "tunes a kernel that neither the shipped table nor the disk cache "
+                           "holds, inside the optimized step's first compile (at most "
+                           "JAXPOOL_TUNE_BUDGET_S, 10 s, a kernel); 'cached' never tunes")
   parser.add_argument("--autotune-level", type=int, default=None,
                       help="XLA's --xla_gpu_autotune_level for the children (0: no "
                            "measuring of convolution algorithms, fast compiles)")
