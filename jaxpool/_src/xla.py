@@ -105,7 +105,7 @@ def _gather_at_taps(t: jax.Array, taps: jax.Array, geom: Geometry,
   if geom.num_taps > xla_taps.UNROLL_TAPS:
     # -1 matches no tap: such a window stays zero.
     return fold_taps(geom, lambda j, tap, acc: jnp.where(taps == j, read(tap), acc),
-                      lambda: lax.full_like(taps, 0, t.dtype))
+                     lambda: lax.full_like(taps, 0, t.dtype))
   cases = [read(tap) for tap in geom.taps()]
   if activation is not None or masked:  # a window with taps -1 may read real elements
     out = cases[0] if len(cases) == 1 else lax.select_n(jnp.maximum(taps, 0), *cases)

@@ -45,7 +45,8 @@ def window_sum_linear(t: jax.Array, geom: Geometry) -> jax.Array:
   """
   read = reader(t, geom, phase=geom.num_taps > xla_taps.UNROLL_SUM_TAPS)
   return fold_taps(geom, lambda j, tap, acc: acc + read(tap),
-                    lambda: read((0,) * geom.nspatial), start=1, limit=xla_taps.UNROLL_SUM_TAPS)
+                   lambda: read((0,) * geom.nspatial), start=1,
+                   limit=xla_taps.UNROLL_SUM_TAPS)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2, 3))
