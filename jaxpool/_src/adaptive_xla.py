@@ -1,20 +1,19 @@
 """Adaptive and global pooling on XLA: reshape-and-reduce stages and one reduction, with
 deterministic gradients (the XLA backend's adaptive and global ops, ``xla_backend.py``).
 
-How it runs. Every index table is NumPy arithmetic at trace time; the traced program has a fixed
-number of operations per spatial dim, whatever the sizes (no loop over positions or taps):
+How it runs. Every index table is NumPy arithmetic at trace time (``adaptive_plan.py``); the
+traced program has a fixed number of operations per spatial dim, whatever the sizes (no loop over
+positions or taps):
 
-* ``O == 1`` on every dim is global pooling: one reduction (:func:`global_max`, :func:`global_avg`).
-* ``L % O == 0`` on every dim, with at most ``FIXED_WINDOW_MAX_TAPS`` elements per bin (on an
-  NVIDIA GPU, as many as the Pallas kernels take), is
-  fixed-window pooling with window = stride = ``L // O``: :func:`jaxpool.max_pool` and
-  :func:`jaxpool.avg_pool` serve it (the Pallas kernels on a GPU).
-* Otherwise one *stage* per spatial dim, the last dim first. A stage views the dim as a slot
-  table ``(O, K)``, ``K`` the longest bin (a reshape when ``L % O == 0``, else a gather whose
-  slots past a bin's end read a fill that never wins and adds nothing), and reduces over ``K``.
-  The max over a box is the max over each dim in turn; reducing the last dim first keeps the
-  row-major tie rule: the winner is the first row that holds the maximum and, in it, the first
-  column. An average is the box sum over the box size.
+* Global pooling (``O == 1`` on every dim, or ``global_*_pool``) is one reduction
+  (:func:`global_max`, :func:`global_avg`).
+* Adaptive pooling is one *stage* per spatial dim, the last dim first. A stage views the dim as
+  a slot table ``(O, K)``, ``K`` the longest bin (a reshape when ``L % O == 0``, else a gather
+  whose slots past a bin's end read a fill that never wins and adds nothing), and reduces over
+  ``K``. The max over a box is the max over each dim in turn; reducing the last dim first keeps
+  the row-major tie rule: the winner is the first row that holds the maximum and, in it, the
+  first column. An average is the box sum over the box size. (Evenly dividing sizes with small
+  bins go to the fixed-window ops instead: ``adaptive.py`` routes.)
 
 Gradients. Max is a ``custom_jvp``: its JVP finds each stage's first maximum (``tap``, a slot in
 ``[0, K)``, NaN beating every number; two reductions: the max, then the least slot holding it)
