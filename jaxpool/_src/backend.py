@@ -10,6 +10,7 @@ reason its ``supports`` gives.
 
 from __future__ import annotations
 
+import abc
 import enum
 from typing import TYPE_CHECKING
 
@@ -37,7 +38,7 @@ class Op(enum.Enum):
   GLOBAL_POOL = "global pooling"
 
 
-class Backend:
+class Backend(abc.ABC):
   """One implementation of the ops.
 
   Attributes:
@@ -52,6 +53,7 @@ class Backend:
   def __repr__(self) -> str:
     return f"<jaxpool backend {self.label}>"
 
+  @abc.abstractmethod
   def supports(self, op: Op, x: jax.Array, geom: Geometry | None,
                mask: jax.Array | None = None) -> str | None:
     """None when the backend serves ``op`` for this call, else the reason it does not.
@@ -62,12 +64,11 @@ class Backend:
       geom: the call's geometry (None for :attr:`Op.ADAPTIVE_POOL` and :attr:`Op.GLOBAL_POOL`).
       mask: None, or the mask of a masked call.
     """
-    raise NotImplementedError
 
+  @abc.abstractmethod
   def not_default(self, platform: str) -> str | None:
     """None when ``implementation=None`` may pick this backend on ``platform`` (as
     ``platforms.platform()`` names it), else why not."""
-    raise NotImplementedError
 
   def _missing(self, op: Op) -> NotImplementedError:
     return NotImplementedError(f"the {self.label} backend has no {op.value}")

@@ -51,7 +51,7 @@ class PallasBackend(Backend):
       ops = _ops()
     except ImportError as e:  # pragma: no cover - a jaxlib without Pallas
       return f"Pallas cannot be imported ({e})"
-    reason = ops.unsupported(op.value, x.shape, x.dtype, geom, kernels=self.kernels)
+    reason = ops.unsupported(op, x.shape, x.dtype, geom, kernels=self.kernels)
     if reason is None:
       from jaxpool._src.pallas import partition
       shape = geom.input_shape(x.shape) if op is Op.MAX_POOL_GRAD_FROM_TAPS else x.shape

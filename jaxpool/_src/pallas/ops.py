@@ -26,6 +26,7 @@ import numpy as np
 from jax.custom_batching import custom_vmap
 
 from jaxpool._src import autodiff, xla
+from jaxpool._src.backend import Op
 from jaxpool._src.linear import LinearPair
 from jaxpool._src.pallas import partition
 from jaxpool._src.pallas import triton as _triton
@@ -38,7 +39,8 @@ from jaxpool._src.windows import Geometry
 # ``JAXPOOL_PALLAS_BACKEND`` overrides; ``platforms.pallas_kernels``.)
 __all__ = ["BACKENDS", "BACKEND_ENV", "backend"]
 
-OPS = ("max_pool", "max_pool_with_taps", "max_pool_grad_from_taps", "min_pool", "avg_pool")
+OPS = frozenset({Op.MAX_POOL, Op.MAX_POOL_WITH_TAPS, Op.MAX_POOL_GRAD_FROM_TAPS, Op.MIN_POOL,
+                 Op.AVG_POOL})
 _FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(np.float16))
 # The kernels unroll their tap loops, and Triton's compile time grows faster than the taps: on an
 # H100 the forward kernels took 1.0, 2.6, 13.5 and 30.8 s to compile for 16, 25, 49 and 64 taps
@@ -48,7 +50,8 @@ MAX_TAPS = 32
 MAX_ELEMENTS = 2**31 - 1  # the kernels index in int32; larger arrays stay on XLA
 
 
-def unsupported(op: str, shape, dtype, geom: Geometry, kernels: str | None = None) -> str | None:
+def unsupported(op: Op | str, shape, dtype, geom: Geometry,
+                kernels: str | None = None) -> str | None:
   """Why the kernels cannot serve this call, or None when they can.
 
   Served (GPU, or interpret mode on a CPU): max pooling (with or without taps and the fused
@@ -59,9 +62,10 @@ def unsupported(op: str, shape, dtype, geom: Geometry, kernels: str | None = Non
   (``kernels="tpu"``; None: :func:`backend`) serve 1-D and 2-D ``channels_last`` only, and need
   one image's channel block to fit their VMEM budget.
   """
+  op = Op(op)
   if op not in OPS:
-    return f"there is no Pallas kernel for {op}"
-  if op == "max_pool_grad_from_taps":  # called with dy: the kernel writes the input's shape
+    return f"there is no Pallas kernel for {op.value}"
+  if op is Op.MAX_POOL_GRAD_FROM_TAPS:  # called with dy: the kernel writes the input's shape
     shape = geom.input_shape(shape)
   if geom.nspatial not in (1, 2, 3):
     return f"the kernels pool 1 to 3 spatial dims, not {geom.nspatial}"
