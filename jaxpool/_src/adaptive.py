@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp  # noqa: F401 (the docstrings' examples use jnp)
 import numpy as np
 
 from jaxpool._src import api_avg, api_max, dispatch

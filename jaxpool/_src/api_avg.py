@@ -11,6 +11,7 @@ import functools
 from collections.abc import Sequence
 
 import jax
+import jax.numpy as jnp  # noqa: F401 (the docstrings' examples use jnp)
 from jax import lax
 
 from jaxpool._src import dispatch
