@@ -52,7 +52,8 @@ import jax.numpy as jnp  # noqa: E402
 from jax import lax  # noqa: E402
 
 import jaxpool  # noqa: E402
-from jaxpool._src import adaptive  # noqa: E402
+from jaxpool._src import adaptive, adaptive_plan, adaptive_xla  # noqa: E402
+from jaxpool._src.backend import Op  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -118,7 +119,7 @@ def reduce_window_adaptive(x: jax.Array, out: tuple[int, int], kind: str) -> jax
   """Adaptive pooling of ``(N, H, W, C)`` from ``lax.reduce_window``: for each distinct bin
   shape ``(lh, lw)``, one stride-1 reduce-window, gathered at the bins' starts, selected where
   the bins have that shape (JAX differentiates it by itself)."""
-  per_dim = [adaptive.bins(L, o) for L, o in zip(x.shape[1:3], out)]
+  per_dim = [adaptive_plan.bins(L, o) for L, o in zip(x.shape[1:3], out)]
   lens = [e - s for s, e in per_dim]
   acc = jnp.float32 if kind == "avg" and x.dtype.itemsize < 4 else x.dtype
   xa = x.astype(acc)
@@ -205,11 +206,11 @@ def adaptive_rows(divisible, large, other, dtypes, repeats, inner):
   rows = []
   for (shape, out), dtypes_here in ((divisible, dtypes), (large, dtypes[:1])):
     w = tuple(L // o for L, o in zip(shape[1:3], out))
-    plan = adaptive._Plan(tuple(shape[1:3]), out, True)
-    route = adaptive._route(plan)
+    plan = adaptive_plan.Plan(tuple(shape[1:3]), out, True)
     name = f"{shape_str(shape)} -> {out[0]}x{out[1]}"
     for dtype in dtypes_here:
       x = distinct_data(shape, dtype)
+      route = adaptive._route(plan, x, Op.MAX_POOL)
       fixed_avg = lambda v, w=w: jaxpool.avg_pool(v, w, w)
       fixed_max = lambda v, w=w: jaxpool.max_pool(v, w, w)
       rows.append(compare("adaptive", f"avg {name}", x, f"avg_pool {w[0]}x{w[1]}/s{w[0]}",
@@ -223,14 +224,14 @@ def adaptive_rows(divisible, large, other, dtypes, repeats, inner):
       if route != "stages":  # the same sizes through the stages, forced: where is the break-even?
         rows.append(compare("adaptive", f"avg {name}", x, f"avg_pool {w[0]}x{w[1]}/s{w[0]}",
                             fixed_avg, "adaptive_avg_pool",
-                            lambda v, plan=plan: adaptive._adaptive_avg_jit(v, plan), repeats,
+                            lambda v, plan=plan: adaptive_xla.adaptive_avg_jit(v, plan), repeats,
                             inner, "stages (forced)"))
         rows.append(compare("adaptive", f"max {name}", x, f"max_pool {w[0]}x{w[1]}/s{w[0]}",
                             fixed_max, "adaptive_max_pool",
-                            lambda v, plan=plan: adaptive._adaptive_max_jit(v, plan), repeats,
+                            lambda v, plan=plan: adaptive_xla.adaptive_max_jit(v, plan), repeats,
                             inner, "stages (forced)"))
   for shape, out in other:
-    plan = adaptive._Plan(tuple(shape[1:3]), out, True)
+    plan = adaptive_plan.Plan(tuple(shape[1:3]), out, True)
     name = f"{shape_str(shape)} -> {out[0]}x{out[1]}"
     for dtype in dtypes:
       x = distinct_data(shape, dtype)
@@ -239,7 +240,7 @@ def adaptive_rows(divisible, large, other, dtypes, repeats, inner):
         rows.append(compare("adaptive", f"{kind} {name}", x, "reduce_window per bin shape",
                             lambda v, out=out, kind=kind: reduce_window_adaptive(v, out, kind),
                             f"adaptive_{kind}_pool", lambda v, out=out, ours=ours: ours(v, out),
-                            repeats, inner, adaptive._route(plan)))
+                            repeats, inner, adaptive._route(plan, x, Op.MAX_POOL)))
   return rows
 
 

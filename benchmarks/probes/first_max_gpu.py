@@ -1,6 +1,6 @@
 """What the global max pool's index pass costs, in the library's two forms and one more.
 
-``jaxpool.global_max_pool`` differentiates through ``adaptive.first_max``, the maximum and the
+``jaxpool.global_max_pool`` differentiates through ``adaptive_xla.first_max``, the maximum and the
 index of its first occurrence, in one of two forms (all compare ``dtypes.order_key``, integers
 in the order of a max pool's scan):
 
@@ -34,7 +34,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from global_adaptive import RESULTS, chained, distinct_data, time_all  # noqa: E402
-from jaxpool._src import adaptive, dtypes  # noqa: E402
+from jaxpool._src import adaptive_xla, dtypes  # noqa: E402
 
 SHAPES = [(128, 7, 7, 2048), (64, 56, 56, 256)]
 
@@ -50,10 +50,10 @@ def _keyed32(v, axis, index_dtype):
   """``keyed`` with the keys of narrower floats made from their float32 values (int32 keys)."""
   wide = v.astype(jnp.float32) if v.dtype.itemsize < 4 else v
   idx = jnp.argmax(dtypes.order_key(wide), axis=axis).astype(index_dtype)
-  return adaptive._at_index(v, idx, axis), idx
+  return adaptive_xla._at_index(v, idx, axis), idx
 
 
-FORMS = {"two_pass": adaptive.first_max_two_pass, "keyed": adaptive.first_max_keyed,
+FORMS = {"two_pass": adaptive_xla.first_max_two_pass, "keyed": adaptive_xla.first_max_keyed,
          "keyed_max": _keyed_max, "keyed32": _keyed32}
 
 
@@ -65,23 +65,23 @@ def main() -> None:
     shapes = [tuple(int(n) for n in sys.argv[sys.argv.index("--shape") + 1].split("x"))]
   repeats, inner = (3, 1) if quick else (90 if "--long" in sys.argv else 30, 10)
   rows = []
-  library_form = adaptive.first_max_keyed
+  library_form = adaptive_xla.first_max_keyed
   for shape in shapes:
     for dtype in (jnp.bfloat16, jnp.float32):
       x = distinct_data(shape, dtype)
       dy = jax.random.normal(jax.random.key(1), (shape[0], shape[3]), dtype)
       calls = {}
       for name, form in FORMS.items():
-        # first_max calls adaptive.first_max_keyed on a GPU: swapped while the jit traces
-        adaptive.first_max_keyed = form
+        # first_max calls adaptive_xla.first_max_keyed on a GPU: swapped while the jit traces
+        adaptive_xla.first_max_keyed = form
 
         def run(a, g):
-          y, vjp = jax.vjp(lambda v: adaptive._global_max(v, 2, True), a)
+          y, vjp = jax.vjp(lambda v: adaptive_xla.global_max(v, 2, True), a)
           return y, vjp(g)[0]
         fn = chained(run, chain) if chain else jax.jit(run)
         jax.block_until_ready(fn(x, dy))  # traced now, with this form
         calls[name] = (fn, (x, dy))
-      adaptive.first_max_keyed = library_form
+      adaptive_xla.first_max_keyed = library_form
 
       def base(a, g):
         y, vjp = jax.vjp(lambda v: v.max(axis=(1, 2)), a)

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxpool
-from jaxpool._src import xla
+from jaxpool._src import xla_taps
 
 
 def _time(fn, *args, samples=5):
@@ -35,8 +35,8 @@ def _time(fn, *args, samples=5):
 
 def measure(x, k: int, unrolled: bool, op: str):
   """(compile seconds, run seconds) of the gradient of a k x k, stride-2 pool of ``x``."""
-  saved = xla.UNROLL_TAPS, xla.UNROLL_SUM_TAPS
-  xla.UNROLL_TAPS = xla.UNROLL_SUM_TAPS = 10**9 if unrolled else 0
+  saved = xla_taps.UNROLL_TAPS, xla_taps.UNROLL_SUM_TAPS
+  xla_taps.UNROLL_TAPS = xla_taps.UNROLL_SUM_TAPS = 10**9 if unrolled else 0
   jax.clear_caches()  # the ops are jitted per configuration: retrace them with this setting
   try:
     pool = getattr(jaxpool, op)
@@ -47,7 +47,7 @@ def measure(x, k: int, unrolled: bool, op: str):
     compile_s = time.perf_counter() - start
     return compile_s, _time(compiled, x)
   finally:
-    xla.UNROLL_TAPS, xla.UNROLL_SUM_TAPS = saved
+    xla_taps.UNROLL_TAPS, xla_taps.UNROLL_SUM_TAPS = saved
 
 
 def main():
@@ -72,8 +72,8 @@ def main():
   results = pathlib.Path(__file__).parents[1] / "results"  # benchmarks/results
   out = results / f"unroll_threshold_{jax.default_backend()}.json"
   out.write_text(json.dumps(dict(backend=jax.default_backend(), shape=shape, jax=jax.__version__,
-                                 threshold=xla.UNROLL_TAPS,
-                                 sum_threshold=xla.UNROLL_SUM_TAPS, rows=rows), indent=1))
+                                 threshold=xla_taps.UNROLL_TAPS,
+                                 sum_threshold=xla_taps.UNROLL_SUM_TAPS, rows=rows), indent=1))
   print(f"saved {out}")
 
 

@@ -1,11 +1,11 @@
 """The argument checks every entry point shares: ints, bools, named choices, tuples of ints.
 
-The public functions (``api.py``, ``adaptive.py``), the window arithmetic (``windows.py``), the
-graph nodes (``graph/base.py``, which names the node in front of the message) and the Flax and
-Equinox layers (``interop/_args.py``, under the framework's argument names) check their
-arguments with these. Each raises a ``TypeError`` (a value of the wrong kind) or a
-``ValueError`` (the right kind, a wrong value) whose message names the argument, repeats the
-value received and says what is allowed.
+The public functions (``api_max.py``, ``api_avg.py``, ``adaptive.py``), the window arithmetic
+(``windows.py``), the graph nodes (``graph/base.py``, which names the node in front of the
+message) and the Flax and Equinox layers (``interop/_args.py``, under the framework's argument
+names) check their arguments with these. Each raises a ``TypeError`` (a value of the wrong
+kind) or a ``ValueError`` (the right kind, a wrong value) whose message names the argument,
+repeats the value received and says what is allowed.
 """
 
 from __future__ import annotations

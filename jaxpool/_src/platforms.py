@@ -1,8 +1,14 @@
-"""The platform that JAX runs on by default, named as jaxpool's dispatch names it."""
+"""The platform that JAX runs on by default, named as jaxpool's dispatch names it, and which
+Pallas kernels (Triton or TPU) ``implementation="pallas"`` means here."""
 
 from __future__ import annotations
 
+import os
+
 import jax
+
+PALLAS_ENV = "JAXPOOL_PALLAS_BACKEND"
+PALLAS_KERNELS = ("triton", "tpu")
 
 
 def platform() -> str:
@@ -14,4 +20,18 @@ def platform() -> str:
     from jax.extend import backend as jex_backend
     version = str(getattr(jex_backend.get_backend(), "platform_version", "")).lower()
     return "rocm" if ("rocm" in version or "hip" in version) else "cuda"
+  return name
+
+
+def pallas_kernels() -> str:
+  """Which Pallas kernels run: ``"tpu"`` (Mosaic TPU) on a TPU, else ``"triton"``.
+
+  The environment variable ``JAXPOOL_PALLAS_BACKEND`` (``"tpu"`` or ``"triton"``) overrides it;
+  on a CPU, ``"tpu"`` runs the TPU kernels in the TPU interpreter (how they are tested).
+  """
+  name = os.environ.get(PALLAS_ENV, "").strip().lower()
+  if not name:
+    return "tpu" if jax.default_backend() == "tpu" else "triton"
+  if name not in PALLAS_KERNELS:
+    raise ValueError(f"{PALLAS_ENV} must be one of {PALLAS_KERNELS} or unset, got {name!r}")
   return name

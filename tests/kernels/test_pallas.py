@@ -259,8 +259,7 @@ def test_default_dispatch(monkeypatch):
       assert dispatch.choose(op, None, x, geom).name == expected, (where, op)
     assert dispatch.choose("lp_pool", None, x, geom).name == "xla"
     assert dispatch.choose("max_pool", "pallas", x, geom).name == "pallas"
-  monkeypatch.setattr(dispatch, "platform", lambda: "rocm")
-  assert "NVIDIA GPUs only" in dispatch.PALLAS.not_default()
+  assert "NVIDIA GPUs only" in dispatch.pallas().not_default("rocm")
   monkeypatch.setattr(dispatch, "platform", lambda: "cuda")
   monkeypatch.setenv(dispatch.ENV, "xla")
   assert dispatch.choose("max_pool", None, x, geom).name == "xla"

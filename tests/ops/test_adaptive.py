@@ -24,6 +24,8 @@ from jax.test_util import check_grads
 
 import jaxpool
 from jaxpool._src import adaptive as _adaptive
+from jaxpool._src import adaptive_plan as _plan
+from jaxpool._src import adaptive_xla as _stages
 
 SETTINGS = hypothesis.settings(max_examples=8, deadline=None, derandomize=True,
                                suppress_health_check=[hypothesis.HealthCheck.too_slow])
@@ -401,12 +403,12 @@ def test_gradient_structure_is_deterministic_by_construction():
     assert not any("scatter" in n for n in names), names
   for size in range(1, 40):
     for out in range(1, size + 1):
-      tab = _adaptive._table(size, out)
+      tab = _plan.table(size, out)
       if tab.kind == "gather":
         hits = np.bincount(tab.gather[tab.gather < size], minlength=size)
         assert hits.max() <= 2, (size, out)
     for out in range(size + 1, 3 * size + 3):
-      assert _adaptive._table(size, out).k <= 2  # a bin holds at most two elements
+      assert _plan.table(size, out).k <= 2  # a bin holds at most two elements
 
 
 # ------------------------------------------------------------------------------ global
@@ -469,21 +471,21 @@ def test_divisible_sizes_equal_fixed_window_pooling(shape, out, fmt, rng):
   xu = rng.standard_normal(shape).astype(np.float32)
   axes = (1, 2) if fmt == "channels_last" else (2, 3)
   w = tuple(shape[a] // o for a, o in zip(axes, out))
-  plan = _adaptive._Plan(tuple(shape[a] for a in axes), out, fmt == "channels_last")
+  plan = _plan.Plan(tuple(shape[a] for a in axes), out, fmt == "channels_last")
   y = jaxpool.max_pool(x, w, w, data_format=fmt)
   # (Values bit for bit, NaN as NaN: a GPU's XLA max may return another NaN payload.)
   assert_bitwise(jaxpool.adaptive_max_pool(x, out, data_format=fmt), y)
-  assert_bitwise(_adaptive._adaptive_max_jit(x, plan), y)
+  assert_bitwise(_stages.adaptive_max_jit(x, plan), y)
   _, i = jaxpool.max_pool_with_indices(x, w, w, data_format=fmt)
   assert_same_bits(jaxpool.adaptive_max_pool_with_indices(x, out, data_format=fmt)[1], i)
-  assert_same_bits(_adaptive._adaptive_max_indices_jit(x, plan)[1], i)
+  assert_same_bits(_stages.adaptive_max_indices_jit(x, plan)[1], i)
   dy = rng.integers(-3, 4, size=y.shape).astype(np.float32)
   g = jaxpool.max_pool_grad(x, dy, w, w, data_format=fmt)
-  assert_same_bits(jgrad(lambda v: jnp.sum(_adaptive._adaptive_max(v, plan) * dy))(x), g)
+  assert_same_bits(jgrad(lambda v: jnp.sum(_stages.adaptive_max(v, plan) * dy))(x), g)
   a = jaxpool.avg_pool(xu, w, w, data_format=fmt)
   np.testing.assert_allclose(jaxpool.adaptive_avg_pool(xu, out, data_format=fmt), a,
                              **tol(np.float32, math.prod(w)))
-  np.testing.assert_allclose(_adaptive._adaptive_avg_jit(xu, plan), a,
+  np.testing.assert_allclose(_stages.adaptive_avg_jit(xu, plan), a,
                              **tol(np.float32, math.prod(w)))
 
 
@@ -668,12 +670,17 @@ def test_signed_zero_follows_max_pool():
 
 def test_route_follows_the_kernels(monkeypatch):
   from jaxpool._src import dispatch
-  plan = _adaptive._Plan((35, 35), (7, 7), True)  # 5x5 bins: 25 taps
+  from jaxpool._src.backend import Op
+  monkeypatch.delenv(dispatch.ENV, raising=False)
+  x = jnp.ones((1, 35, 35, 2))
+  plan = _plan.Plan((35, 35), (7, 7), True)  # 5x5 bins: 25 taps
   monkeypatch.setattr(dispatch, "platform", lambda: "cpu")
-  assert _adaptive._route(plan) == "stages"
+  assert _adaptive._route(plan, x, Op.MAX_POOL) == "stages"
   monkeypatch.setattr(dispatch, "platform", lambda: "cuda")
-  assert _adaptive._route(plan) == "fixed"
-  assert _adaptive._route(_adaptive._Plan((56, 56), (7, 7), True)) == "stages"  # 64 taps
+  assert _adaptive._route(plan, x, Op.MAX_POOL) == "fixed"
+  assert _adaptive._route(plan, x, Op.AVG_POOL) == "fixed"
+  x56 = jnp.ones((1, 56, 56, 2))
+  assert _adaptive._route(_plan.Plan((56, 56), (7, 7), True), x56, Op.MAX_POOL) == "stages"
 
 
 @pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16, np.float16,
@@ -688,9 +695,9 @@ def test_first_max_forms_agree(dtype, rng):
   if np.dtype(dtype).kind in "iub":
     vals = np.array([-3, 0, 1, 2, 1, 0])
   x = jnp.asarray(rng.choice(vals, size=(3, 9, 4, 5)).astype(dtype))
-  forms = (_adaptive.first_max_keyed, _adaptive.first_max_scan)
+  forms = (_stages.first_max_keyed, _stages.first_max_scan)
   for axis in (1, 3):
-    y2, i2 = jax.jit(_adaptive.first_max_two_pass, static_argnums=(1, 2))(x, axis, np.int16)
+    y2, i2 = jax.jit(_stages.first_max_two_pass, static_argnums=(1, 2))(x, axis, np.int16)
     y2 = np.asarray(y2)
     for form in forms:
       yk, ik = jax.jit(form, static_argnums=(1, 2))(x, axis, np.int16)

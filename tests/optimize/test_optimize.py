@@ -64,7 +64,7 @@ def _replace_every_site(monkeypatch):
 
 def kernels_by_default() -> bool:
   """Whether ``implementation=None`` picks the Pallas kernels (where they serve the call)."""
-  return dispatch.default_implementation() is None and dispatch.PALLAS.not_default() is None
+  return dispatch.pallas_by_default()
 
 
 def xla_exact(implementation=None) -> bool:

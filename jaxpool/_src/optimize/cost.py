@@ -39,8 +39,7 @@ def kernels_by_default(implementation) -> bool:
   ``"pallas"``, or ``None`` where the kernels are the default (NVIDIA GPUs)."""
   if implementation == "pallas":
     return True
-  return (implementation is None and dispatch.default_implementation() is None
-          and dispatch.PALLAS.not_default() is None)
+  return implementation is None and dispatch.pallas_by_default()
 
 
 def default_cost(site: Site) -> str | None:

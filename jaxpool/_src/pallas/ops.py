@@ -1,8 +1,10 @@
-"""The Pallas backend: which calls its kernels serve, and their place in the shared rules.
+"""The Pallas kernels in the shared rules: which calls they serve, and the ops built on them.
 
 :func:`unsupported` says why the kernels cannot serve a call (or None when they can); the
-dispatcher (``jaxpool._src.dispatch``) asks it first, then calls :func:`max_pool`,
-:func:`max_pool_with_taps`, :func:`min_pool` or :func:`avg_pool`.
+Pallas backends of the registry (``pallas/backend.py``: Pallas Triton and Pallas TPU) ask it
+in their ``supports``, then call :func:`max_pool`, :func:`max_pool_with_taps`,
+:func:`max_pool_grad_from_taps`, :func:`min_pool` or :func:`avg_pool` with their ``kernels``
+(``"triton"``: ``triton.py``; ``"tpu"``: ``tpu.py``).
 
 Max pooling is the shared rule of ``jaxpool._src.autodiff`` with the kernels plugged in: the
 forward kernel (no taps) as the primal, the forward kernel that also writes the winning taps in
@@ -17,7 +19,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import jax
 import jax.numpy as jnp
@@ -25,12 +26,21 @@ import numpy as np
 from jax.custom_batching import custom_vmap
 
 from jaxpool._src import autodiff, xla
+from jaxpool._src.backend import Op
 from jaxpool._src.linear import LinearPair
 from jaxpool._src.pallas import partition
 from jaxpool._src.pallas import triton as _triton
+from jaxpool._src.platforms import PALLAS_ENV as BACKEND_ENV
+from jaxpool._src.platforms import PALLAS_KERNELS as BACKENDS
+from jaxpool._src.platforms import pallas_kernels as backend
 from jaxpool._src.windows import Geometry
 
-OPS = ("max_pool", "max_pool_with_taps", "max_pool_grad_from_taps", "min_pool", "avg_pool")
+# (``backend()``: the kernels ``implementation="pallas"`` means on this platform, which
+# ``JAXPOOL_PALLAS_BACKEND`` overrides; ``platforms.pallas_kernels``.)
+__all__ = ["BACKENDS", "BACKEND_ENV", "backend"]
+
+OPS = frozenset({Op.MAX_POOL, Op.MAX_POOL_WITH_TAPS, Op.MAX_POOL_GRAD_FROM_TAPS, Op.MIN_POOL,
+                 Op.AVG_POOL})
 _FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(np.float16))
 # The kernels unroll their tap loops, and Triton's compile time grows faster than the taps: on an
 # H100 the forward kernels took 1.0, 2.6, 13.5 and 30.8 s to compile for 16, 25, 49 and 64 taps
@@ -40,7 +50,8 @@ MAX_TAPS = 32
 MAX_ELEMENTS = 2**31 - 1  # the kernels index in int32; larger arrays stay on XLA
 
 
-def unsupported(op: str, shape, dtype, geom: Geometry) -> str | None:
+def unsupported(op: Op | str, shape, dtype, geom: Geometry,
+                kernels: str | None = None) -> str | None:
   """Why the kernels cannot serve this call, or None when they can.
 
   Served (GPU, or interpret mode on a CPU): max pooling (with or without taps and the fused
@@ -48,12 +59,13 @@ def unsupported(op: str, shape, dtype, geom: Geometry) -> str | None:
   3-D, either layout, float32, bfloat16 and float16, at most ``MAX_TAPS`` taps, no empty dims,
   every padding, stride, dilation, ceil mode, ``count_include_pad`` and ``divisor_override``,
   arrays of at most ``MAX_ELEMENTS`` elements (int32 indexing). The TPU kernels
-  (:func:`backend` ``"tpu"``) serve 1-D and 2-D ``channels_last`` only, and need one image's
-  channel block to fit their VMEM budget.
+  (``kernels="tpu"``; None: :func:`backend`) serve 1-D and 2-D ``channels_last`` only, and need
+  one image's channel block to fit their VMEM budget.
   """
+  op = Op(op)
   if op not in OPS:
-    return f"there is no Pallas kernel for {op}"
-  if op == "max_pool_grad_from_taps":  # called with dy: the kernel writes the input's shape
+    return f"there is no Pallas kernel for {op.value}"
+  if op is Op.MAX_POOL_GRAD_FROM_TAPS:  # called with dy: the kernel writes the input's shape
     shape = geom.input_shape(shape)
   if geom.nspatial not in (1, 2, 3):
     return f"the kernels pool 1 to 3 spatial dims, not {geom.nspatial}"
@@ -65,31 +77,13 @@ def unsupported(op: str, shape, dtype, geom: Geometry) -> str | None:
     return f"the input shape {tuple(shape)} has an empty dim"
   if math.prod(int(s) for s in shape) > MAX_ELEMENTS:
     return f"the input has over {MAX_ELEMENTS} elements (the kernels index in int32)"
-  if backend() == "tpu":
+  if (kernels or backend()) == "tpu":
     from jaxpool._src.pallas import tpu as _tpu
     if not geom.channels_last or geom.nspatial > 2:
       return "the TPU kernels pool 1-D and 2-D channels_last inputs only"
     if not _tpu.fits(geom, shape, dtype):
       return "one image's channel block does not fit the TPU kernels' VMEM budget"
   return None
-
-
-BACKEND_ENV = "JAXPOOL_PALLAS_BACKEND"
-BACKENDS = ("triton", "tpu")
-
-
-def backend() -> str:
-  """Which kernels run: ``"tpu"`` (Mosaic TPU) on a TPU, else ``"triton"``.
-
-  The environment variable ``JAXPOOL_PALLAS_BACKEND`` (``"tpu"`` or ``"triton"``) overrides it;
-  on a CPU, ``"tpu"`` runs the TPU kernels in the TPU interpreter (how they are tested).
-  """
-  name = os.environ.get(BACKEND_ENV, "").strip().lower()
-  if not name:
-    return "tpu" if jax.default_backend() == "tpu" else "triton"
-  if name not in BACKENDS:
-    raise ValueError(f"{BACKEND_ENV} must be one of {BACKENDS} or unset, got {name!r}")
-  return name
 
 
 def _kernels(name: str):
@@ -227,29 +221,35 @@ _max_pool_with_taps_jit = jax.jit(autodiff.max_pool_with_taps, static_argnums=(1
 _grad_from_taps_jit = jax.jit(autodiff.grad_from_taps, static_argnums=(2, 3))
 
 
+# Each takes ``kernels`` (``"triton"`` or ``"tpu"``; None: :func:`backend`, this platform's).
+
+
 def max_pool(x: jax.Array, geom: Geometry, *, interpret: bool = False,
-             activation: str | None = None) -> jax.Array:
+             activation: str | None = None, kernels: str | None = None) -> jax.Array:
   """Max pooling (then ``activation``) through the Pallas kernels."""
-  return _max_pool_jit(x, geom, activation, max_pool_ops(bool(interpret), backend()))
+  return _max_pool_jit(x, geom, activation, max_pool_ops(bool(interpret), kernels or backend()))
 
 
-def min_pool(x: jax.Array, geom: Geometry, *, interpret: bool = False) -> jax.Array:
+def min_pool(x: jax.Array, geom: Geometry, *, interpret: bool = False,
+             kernels: str | None = None) -> jax.Array:
   """Min pooling through the max-pool kernels, mirrored (``autodiff.mirrored``)."""
   return _max_pool_jit(x, geom, None,
-                       autodiff.mirrored(max_pool_ops(bool(interpret), backend())))
+                       autodiff.mirrored(max_pool_ops(bool(interpret), kernels or backend())))
 
 
 def max_pool_with_taps(x: jax.Array, geom: Geometry, *, interpret: bool = False,
-                       activation: str | None = None) -> tuple[jax.Array, jax.Array]:
+                       activation: str | None = None,
+                       kernels: str | None = None) -> tuple[jax.Array, jax.Array]:
   """``(y, taps)``: as ``xla.max_pool_taps`` (``taps_dtype``, -1: no element), then
   ``activation``."""
-  return _max_pool_with_taps_jit(x, geom, activation, max_pool_ops(bool(interpret), backend()))
+  return _max_pool_with_taps_jit(x, geom, activation,
+                                 max_pool_ops(bool(interpret), kernels or backend()))
 
 
 def max_pool_grad_from_taps(dy: jax.Array, geom: Geometry, *, taps: jax.Array,
-                            interpret: bool = False) -> jax.Array:
+                            interpret: bool = False, kernels: str | None = None) -> jax.Array:
   """``dx`` from kept taps: the transpose of the gather primitive, i.e. the backward kernel."""
-  return _grad_from_taps_jit(dy, taps, geom, max_pool_ops(bool(interpret), backend()))
+  return _grad_from_taps_jit(dy, taps, geom, max_pool_ops(bool(interpret), kernels or backend()))
 
 
 # ----------------------------------------------------------------------------- average
@@ -286,7 +286,8 @@ def _avg_pool_jit(x, geom, interpret, kernels, count_include_pad, divisor_overri
 
 
 def avg_pool(x: jax.Array, geom: Geometry, *, interpret: bool = False,
-             count_include_pad: bool = True, divisor_override: int | None = None) -> jax.Array:
+             count_include_pad: bool = True, divisor_override: int | None = None,
+             kernels: str | None = None) -> jax.Array:
   """Average pooling through the Pallas kernels; the gradient is the backward kernel."""
-  return _avg_pool_jit(x, geom, bool(interpret), backend(), bool(count_include_pad),
+  return _avg_pool_jit(x, geom, bool(interpret), kernels or backend(), bool(count_include_pad),
                        None if divisor_override is None else int(divisor_override))

@@ -1,0 +1,225 @@
+"""The XLA backend's window machinery: ``lax.reduce_window`` arguments, padding, and the tap
+loops and tap readers that every XLA op (max, average, Lp, their tangents) is built from.
+
+A window's taps are visited in row-major order, the order that breaks ties. Windows of at most
+``UNROLL_TAPS`` taps run as straight-line code: one static slice per tap, which XLA fuses best.
+Larger windows (global pooling, say) run a loop over the taps whose body reads its tap with a
+dynamic slice: compile time and memory stay the same whatever the window's size. The loop body
+is rematerialised in reverse mode, so the transpose keeps no per-tap residuals: it adds each
+tap's cotangent into place (one output-sized update per tap).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxpool._src.dtypes import lowest
+from jaxpool._src.windows import Geometry, tap_valid_1d, window_counts_1d
+
+def window_args(geom: Geometry, ndim: int, *, with_extra: bool = True):
+  pads = geom.full_padding if with_extra else geom.padding
+  return dict(
+      window_dimensions=geom.full_dims(ndim, geom.window, 1),
+      window_strides=geom.full_dims(ndim, geom.strides, 1),
+      padding=geom.full_dims(ndim, pads, (0, 0)),
+      window_dilation=geom.full_dims(ndim, geom.dilation, 1),
+  )
+
+
+def pad(x: jax.Array, geom: Geometry, fill) -> jax.Array:
+  cfg = geom.full_dims(x.ndim, [(lo, hi, 0) for lo, hi in geom.full_padding], (0, 0, 0))
+  return lax.pad(x, jnp.asarray(fill, x.dtype), cfg)
+
+
+# ----------------------------------------------------------------------------- taps
+
+# Compile time grows with the taps below these (benchmarks/probes/unroll_threshold.py measures both
+# forms): the max's winner search and gather loop from 64 taps on; the sums (average and Lp
+# tangents, Lp forward) run several times faster unrolled and compile fast, so they loop from 256.
+UNROLL_TAPS = 64
+UNROLL_SUM_TAPS = 256
+TAPS_PER_TRIP = 8  # taps per trip of the loop
+
+Tap = tuple  # one coordinate per spatial dim: Python ints (straight-line code) or int32 scalars
+
+
+def is_static(tap: Tap) -> bool:
+  return all(isinstance(t, (int, np.integer)) for t in tap)
+
+
+def _tap_coords(geom: Geometry, j: jax.Array) -> Tap:
+  """The row-major coordinates of tap number ``j`` (an int32 scalar)."""
+  coords = []
+  for k in reversed(geom.window):
+    coords.append(j % k)
+    j = j // k
+  return tuple(reversed(coords))
+
+
+def fold_taps(geom: Geometry, step, init, start: int = 0, limit: int | None = None):
+  """``carry = step(j, tap, carry)`` for the taps ``j = start, start + 1, ...`` in row-major
+  order, from ``carry = init()``: straight-line code up to ``limit`` (``UNROLL_TAPS``) taps,
+  else a loop.
+
+  The loop is rematerialised as a whole in reverse mode: its residuals are the arrays it closes
+  over (never an output-sized value it makes, such as a zero start), and its trips recompute
+  their tap offsets instead of saving them.
+  """
+  if geom.num_taps <= (UNROLL_TAPS if limit is None else limit):
+    carry = init()
+    for j, tap in enumerate(geom.taps()):
+      if j >= start:
+        carry = step(j, tap, carry)
+    return carry
+  # Each trip runs TAPS_PER_TRIP taps (fewer trips: a GPU pays a launch per trip); a second loop
+  # runs the remainder one tap a trip, so no trip needs a bound check.
+  count = geom.num_taps - start
+  full, rest = divmod(count, TAPS_PER_TRIP)
+
+  def trips(first: int, per_trip: int):
+    def trip(i, c):
+      for u in range(per_trip):
+        j = first + i * per_trip + u
+        c = step(j, _tap_coords(geom, j), c)
+      return c
+    return jax.checkpoint(trip, prevent_cse=False)
+
+  def loop():
+    carry = lax.fori_loop(0, full, trips(start, TAPS_PER_TRIP), init())
+    return lax.fori_loop(0, rest, trips(start + full * TAPS_PER_TRIP, 1), carry)
+
+  return jax.checkpoint(loop, prevent_cse=False)()
+
+
+def tap_slice(xp: jax.Array, geom: Geometry, tap: Tap) -> jax.Array:
+  """The values tap ``tap`` reads for every output position (``xp`` already padded)."""
+  ndim = xp.ndim
+  start = geom.full_dims(ndim, [t * d for t, d in zip(tap, geom.dilation)], 0)
+  strides = geom.full_dims(ndim, geom.strides, 1)
+  out = geom.output_shape(xp.shape)
+  size = tuple((o - 1) * s + 1 for o, s in zip(out, strides))
+  if is_static(tap):
+    return lax.slice(xp, start, tuple(b + n for b, n in zip(start, size)), strides)
+  return lax.slice(lax.dynamic_slice(xp, start, size), (0,) * ndim, size, strides)
+
+
+def _phase_view(t: jax.Array, geom: Geometry) -> jax.Array:
+  """The zero-padded ``t`` with each spatial dim split into ``(q, r)``, position ``q*s + r``.
+
+  Tap ``j`` of output ``o`` reads ``o*s + j*d``: phase ``r = j*d % s`` at ``q = o + j*d // s``,
+  a contiguous run over ``o``. Its slices equal the strided tap slices, but the transpose of a
+  contiguous slice is a plain pad (or, in the loop, an in-place add of an output-sized block), so
+  the transpose of a gather built on it (the max-pool gradient) is a sum of shifted planes with
+  no interior padding: no division or remainder per element, several times faster on a CPU.
+  """
+  tp = pad(t, geom, 0)
+  ndim = tp.ndim
+  axes = geom.spatial_axes(ndim)
+  extra = [(0, 0, 0)] * ndim
+  split: list[int] = []
+  for d in range(ndim):
+    if d in axes:
+      s = geom.strides[axes.index(d)]
+      q = -(-tp.shape[d] // s)
+      extra[d] = (0, q * s - tp.shape[d], 0)
+      split += [q, s]
+    else:
+      split.append(tp.shape[d])
+  return lax.pad(tp, np.array(0, tp.dtype), extra).reshape(split)
+
+
+def _phase_slice(tv: jax.Array, geom: Geometry, tap: Tap, out_shape) -> jax.Array:
+  """Tap ``tap``'s values for every output position, from the phase view ``tv``."""
+  axes = geom.spatial_axes(len(out_shape))
+  start: list = []
+  size: list[int] = []
+  for d, n in enumerate(out_shape):
+    if d in axes:
+      i = axes.index(d)
+      q0, r = divmod(tap[i] * geom.dilation[i], geom.strides[i])
+      start += [q0, r]
+      size += [geom.out_spatial[i], 1]
+    else:
+      start.append(0)
+      size.append(n)
+  if is_static(tap):
+    part = lax.slice(tv, start, [b + n for b, n in zip(start, size)])
+  else:
+    part = lax.dynamic_slice(tv, start, size)
+  return part.reshape(out_shape)
+
+
+def reader(t: jax.Array, geom: Geometry, *, phase: bool):
+  """``read(tap)``: tap ``tap``'s values of the zero-padded ``t`` for every output position,
+  through the phase view (fast transposes) or strided slices. Under Explicit mesh axes the phase
+  view's reshape would need an out_sharding for every split; the strided slices need none and
+  give the same values."""
+  out_shape = geom.output_shape(t.shape)
+  if phase and explicit_sharding(t) is None:
+    tv = _phase_view(t, geom)
+    return lambda tap: _phase_slice(tv, geom, tap, out_shape)
+  tp = pad(t, geom, 0)
+  return lambda tap: tap_slice(tp, geom, tap)
+
+
+def tap_mask(geom: Geometry, tap: Tap, ndim: int):
+  """Mask of the output positions where ``tap`` reads a real element; None: all do."""
+  mask = None
+  static = is_static(tap)
+  for dim, t in enumerate(tap):
+    if static:
+      valid = tap_valid_1d(geom, dim, t)
+      if valid.all():
+        continue
+    else:
+      lo, _ = geom.padding[dim]
+      out, s, d = geom.out_spatial[dim], geom.strides[dim], geom.dilation[dim]
+      if lo == 0 and (out - 1) * s + (geom.window[dim] - 1) * d < geom.in_spatial[dim]:
+        continue  # every tap of every window is real along this dim
+      pos = np.arange(out, dtype=np.int32) * s + t * d - lo
+      valid = (pos >= 0) & (pos < geom.in_spatial[dim])
+    shape = geom.full_dims(ndim, [out_n if i == dim else 1
+                                  for i, out_n in enumerate(geom.out_spatial)], 1)
+    m = valid.reshape(shape)
+    mask = m if mask is None else (mask & m)
+  return mask
+
+
+def has_empty_windows(geom: Geometry) -> bool:
+  return any((window_counts_1d(geom, d, include_pad=False) == 0).any()
+             for d in range(geom.nspatial))
+
+
+def input_shape(out_shape: tuple[int, ...], geom: Geometry) -> tuple[int, ...]:
+  """The input shape whose pooled output has ``out_shape``."""
+  shape = list(out_shape)
+  for ax, L in zip(geom.spatial_axes(len(shape)), geom.in_spatial):
+    shape[ax] = L
+  return tuple(shape)
+
+
+def explicit_sharding(a: jax.Array):
+  """``(mesh, spec)`` when ``a`` is sharded over Explicit mesh axes (sharding in types)."""
+  sharding: Any = getattr(jax.typeof(a), "sharding", None)
+  spec = getattr(sharding, "spec", None)
+  if spec is None or all(p is None for p in spec):
+    return None
+  return sharding.mesh, spec
+
+
+# ----------------------------------------------------------------------------- forwards
+
+
+def max_pool_forward(x: jax.Array, geom: Geometry) -> jax.Array:
+  """Max pooling without the taps: one ``lax.reduce_window``."""
+  return lax.reduce_window(x, lowest(x.dtype), lax.max, **window_args(geom, x.ndim))
+
+
+def window_sum(x: jax.Array, geom: Geometry) -> jax.Array:
+  """Sum over each window's real elements: one ``lax.reduce_window`` (the forward path)."""
+  return lax.reduce_window(x, np.array(0, x.dtype), lax.add, **window_args(geom, x.ndim))
