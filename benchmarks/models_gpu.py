@@ -34,10 +34,10 @@ file); each phase of a row (starting the backend, building the model, each compi
 runs, the timing, the float32 reference) prints a progress line as it starts and ends, which
 the parent echoes as it comes, and the row keeps the phases' seconds (``phases_s``): a row that
 runs out of time says in which phase. The kernels' launch configurations come from the shipped
-tables and the disk cache, else are tuned (``--tune auto``, the default, as in a user's
-step): tuning one that neither holds costs up to 10 s inside the optimized step's first compile
-(``--tune cached`` never tunes), and a Keras VGG16 step has ten such kernels (the row's
-``tuning`` says what it cost). Children do not preallocate GPU memory (``XLA_PYTHON_CLIENT_PREALLOCATE=false`` unless
+tables and the disk cache, else are tuned (``--tune auto``, the default, as in a user's step):
+tuning one that neither holds costs up to 10 s inside the optimized step's first compile (``--tune
+cached`` never tunes), and a Keras VGG16 step has ten such kernels (the row's ``tuning`` says what
+it cost). Children do not preallocate GPU memory (``XLA_PYTHON_CLIENT_PREALLOCATE=false`` unless
 set); the parent never starts a backend. Results accumulate in the JSON file (rows replaced by
 model, dtype, batch and device), and every run writes the table (``.md``) and the speed-up
 chart (``.png``, or a small ``.svg`` without matplotlib) beside it, so a zoo runs in parts::
