@@ -186,7 +186,63 @@ def _graph():
   return f"collectives: {moved}"
 
 
+# ----------------------------------------------------------------------------- the layers
+
+
+def _layers():
+  """A Flax linen model and an Equinox model with jaxpool's pooling layers (the kernels):
+  a data-parallel step equals one device and all-reduces only gradients."""
+  import equinox as eqx
+  import flax.linen as nn
+
+  from jaxpool.interop import equinox as jeqx
+  from jaxpool.interop import flax_linen as jpl
+
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      x = nn.relu(nn.Conv(F, (3, 3))(x))
+      x = jpl.MaxPool((3, 3), strides=(2, 2), padding=((1, 1), (1, 1)),
+                      implementation="pallas")(x)
+      x = jpl.AvgPool((2, 2), strides=(2, 2), implementation="pallas")(x)
+      return nn.Dense(CLASSES)(x.reshape(x.shape[0], -1))
+
+  net = Net()
+  params = net.init(jax.random.key(2), IMAGES[:1])
+
+  def flax_loss(p, x, y):
+    return optax.softmax_cross_entropy_with_integer_labels(net.apply(p, x), y).mean()
+
+  keys = jax.random.split(jax.random.key(3), 2)
+  conv = eqx.nn.Conv2d(C, F, 3, padding=1, key=keys[0])
+  pools = (jeqx.MaxPool2d(3, 2, padding=1, implementation="pallas"),
+           jeqx.AvgPool2d(2, 2, implementation="pallas"))
+  dense = eqx.nn.Linear(F * 3 * 3, CLASSES, key=keys[1])
+  model = (conv, dense)
+
+  def eqx_loss(m, x, y):
+    def one(image):  # Equinox's layout: (channels, height, width), one example
+      z = jax.nn.relu(m[0](jnp.transpose(image, (2, 0, 1))))
+      return m[1](pools[1](pools[0](z)).reshape(-1))
+    return optax.softmax_cross_entropy_with_integer_labels(jax.vmap(one)(x), y).mean()
+
+  found = []
+  for name, loss, p in (("flax", flax_loss, params), ("equinox", eqx_loss, model)):
+    step = jax.jit(jax.value_and_grad(loss))
+    assert_kernels(step, p, IMAGES, LABELS)
+    single = step(p, IMAGES, LABELS)
+    placed = on_mesh(p, IMAGES, LABELS)
+    compiled = step.lower(*placed).compile()
+    assert_close(compiled(*placed), single, f"{name} layers: Auto mesh vs one device")
+    sizes = {v.size for v in jax.tree.leaves(eqx.filter(p, eqx.is_array))}
+    moved = assert_no_gather(compiled.as_text(), sizes)
+    assert any(op == "all-reduce" for op, _ in moved), f"{name}: no gradient all-reduce"
+    found.append(f"{name}: {moved}")
+  return "; ".join(found)
+
+
 if not QUICK:
   check("graph/auto/batch")(_graph)
+  check("layers/auto/batch")(_layers)
 
 print(json.dumps(dict(name="summary", ok=True, detail="")), flush=True)

@@ -26,6 +26,7 @@ def results(request):
 @pytest.mark.parametrize("name", [
     "optimize/auto/batch",
     pytest.param("graph/auto/batch", marks=pytest.mark.slow),
+    pytest.param("layers/auto/batch", marks=pytest.mark.slow),
 ])
 def test_auto_mesh_step_equals_one_device(results, name):
   assert name in results, sorted(results)
