@@ -246,6 +246,24 @@ def test_lowers_to_triton(cfg, dtype):
     assert "xla.gpu.triton" in text
 
 
+def test_avg_kernels_lower_with_the_exact_reciprocal_for_cuda(monkeypatch):
+  """Compiled for an NVIDIA GPU, the average kernels take an edge window's reciprocal divisor
+  with PTX's correctly rounded ``rcp.rn.f32`` (Triton's float32 division is approximate, and
+  an interior window's reciprocal is the correctly rounded constant): the inline PTX lowers."""
+  from jaxpool._src.pallas import triton as pk
+  monkeypatch.setattr(pk, "platform", lambda: "cuda")
+  monkeypatch.setenv("JAXPOOL_TUNE", "off")  # (lowered, never run: nothing to tune)
+  shape = (2, 9, 10, 5)
+  geom = windows.make_geometry(shape, (3, 3), (2, 2), 1)
+  avg = dict(interpret=False, count_include_pad=False, divisor_override=None)
+  fns = [(lambda a: pk.avg_forward(a, geom, **avg), jax.ShapeDtypeStruct(shape, jnp.float32)),
+         (lambda d: pk.avg_backward(d, shape, geom, **avg),
+          jax.ShapeDtypeStruct(geom.output_shape(shape), jnp.float32))]
+  for fn, arg in fns:
+    text = jax.jit(fn).trace(arg).lower(lowering_platforms=("cuda",)).as_text()
+    assert "xla.gpu.triton" in text and "rcp.rn.f32" in text
+
+
 def test_default_dispatch(monkeypatch):
   """None: the kernels on NVIDIA GPUs only (where they were compiled and tested); XLA on a CPU,
   a TPU, a ROCm GPU or when JAXPOOL_IMPLEMENTATION=xla; a bad value of that variable is an
@@ -317,6 +335,32 @@ def test_small_blocks_take_both_paths(rng, cfg):
     bits_equal(got, want)
   for got, want in (avg, davg):
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("count_include_pad,divisor", [(False, None), (True, None), (False, 5)])
+def test_avg_bits_do_not_depend_on_the_code_path(rng, count_include_pad, divisor):
+  """A window's average has the same bits whichever code path computes it (interior programs,
+  edge programs): every block size gives the heuristic's bits, forward and backward. One
+  channel and a dilated window whose output has interior windows: on XLA's CPU backend, which
+  runs interpret mode, a division by a constant and by a computed count differ in the last bit
+  (the kernels once divided interior windows by a constant)."""
+  from jaxpool._src.pallas import triton as pk
+  shape = (2, 10, 1)
+  geom = windows.make_geometry(shape, (3,), (1,), 6, dilation=(3,))
+  x = jnp.asarray(rng.normal(size=shape), jnp.float32)
+  dy = jnp.asarray(rng.normal(size=geom.output_shape(shape)), jnp.float32)
+  cfg = (count_include_pad, divisor)
+
+  @jax.jit
+  def run(x, dy):
+    return [(pk._window_call(x, geom, "avg", True, *cfg, launch=launch)[0],
+             pk._backward_call((dy,), shape, geom, "avg", True, *cfg, launch=launch))
+            for launch in (None, (1, 1, 1), (2, 1, 1), (4, 1, 1))]
+
+  (want_y, want_dx), *others = run(x, dy)
+  for y, dx in others:
+    bits_equal(y, want_y)
+    bits_equal(dx, want_dx)
 
 
 @pytest.mark.slow  # (`make test` checks the same rules in 2-D channels_last: test_transformations)

@@ -128,6 +128,12 @@ NAN_MAX = "auto"
 _NAN_MAX_FORMS = ("auto", "beats", "canonical")
 
 
+def _ptx(interpret: bool) -> bool:
+  """Whether the kernels are compiled for an NVIDIA GPU (inline PTX serves), read when they are
+  traced."""
+  return not interpret and plgpu is not None and platform() == "cuda"
+
+
 def _max_form(cmp_t, interpret: bool) -> str:
   """The form of ``triton_max.nan_max`` that the max kernel uses (``NAN_MAX``, "auto"
   resolved), read when the kernel is traced.
@@ -140,9 +146,7 @@ def _max_form(cmp_t, interpret: bool) -> str:
     return "beats"
   if NAN_MAX != "auto":
     return NAN_MAX
-  ptx = (not interpret and plgpu is not None and np.dtype(cmp_t) == np.float32
-         and platform() == "cuda")
-  return "ptx" if ptx else "beats"
+  return "ptx" if np.dtype(cmp_t) == np.float32 and _ptx(interpret) else "beats"
 
 
 def _window_call(x: jax.Array, geom: Geometry, mode: str, interpret: bool,
@@ -165,7 +169,7 @@ def _window_call(x: jax.Array, geom: Geometry, mode: str, interpret: bool,
   kernel: Callable[..., None]
   if mode == "avg":
     kernel = functools.partial(avg_kernel, g=g, bw=bw, bl=bl, lanes=lanes, interpret=interpret,
-                               include_pad=include_pad, divisor=divisor)
+                               include_pad=include_pad, divisor=divisor, ptx=_ptx(interpret))
   else:
     kernel = functools.partial(max_kernel, g=g, bw=bw, bl=bl, lanes=lanes, interpret=interpret,
                                with_taps=mode == "argmax",
@@ -227,7 +231,8 @@ def _backward_call(operands, in_shape, geom: Geometry, mode: str, interpret: boo
                                        divisor=divisor)
   grid = (nb * mcount[0] * mcount[1], pl.cdiv(cols, bw), pl.cdiv(lanes, bl))
   kernel = functools.partial(backward_kernel, g=g, bw=bw, bl=bl, lanes=lanes, mode=mode,
-                             include_pad=include_pad, divisor=divisor, interpret=interpret)
+                             include_pad=include_pad, divisor=divisor, interpret=interpret,
+                             ptx=mode == "avg" and _ptx(interpret))
   shape4 = _view_shape(in_shape, g.in_spatial, g.channels_last)
   nbytes = sum(o.size * o.dtype.itemsize for o in operands) + math.prod(shape4) * \
       dy.dtype.itemsize
