@@ -231,8 +231,7 @@ def _backward_call(operands, in_shape, geom: Geometry, mode: str, interpret: boo
                                        divisor=divisor)
   grid = (nb * mcount[0] * mcount[1], pl.cdiv(cols, bw), pl.cdiv(lanes, bl))
   kernel = functools.partial(backward_kernel, g=g, bw=bw, bl=bl, lanes=lanes, mode=mode,
-                             include_pad=include_pad, divisor=divisor, interpret=interpret,
-                             ptx=mode == "avg" and _ptx(interpret))
+                             include_pad=include_pad, divisor=divisor, interpret=interpret)
   shape4 = _view_shape(in_shape, g.in_spatial, g.channels_last)
   nbytes = sum(o.size * o.dtype.itemsize for o in operands) + math.prod(shape4) * \
       dy.dtype.itemsize

@@ -5,13 +5,14 @@ the window's taps in tap order, in float32 for 16-bit inputs; at the edges a tap
 input is masked out of the sum (its load reads zero). The divisor is ``divisor_override``, else
 the window's counted taps (with ``count_include_pad`` the padding counts too).
 
-The sum is multiplied by the divisor's reciprocal, correctly rounded, on both code paths and in
-the backward kernel too: an interior program's reciprocal is a constant (:func:`reciprocal`),
-an edge program's is computed per column (:func:`count_reciprocal`), and the two are the same
-number, so a window's average has the same bits whichever program computes it (a split over
+The sum is multiplied by the divisor's reciprocal, correctly rounded, on both code paths: an
+interior program's reciprocal is a constant (:func:`reciprocal`), an edge program's is computed
+per column (:func:`count_reciprocal`), and the two are the same number, so a window's average
+has the same bits whichever program computes it (a launch configuration or a split over
 devices moves windows between the two paths). A division would not: XLA's CPU backend (where
 interpret mode runs) divides by a constant as a multiply by its reciprocal and by a computed
-count as a true division, and Triton's float32 division is approximate.
+count as a true division, and Triton's float32 division is approximate. (The backward kernel
+has no constant-count path: it divides on both.)
 """
 
 from __future__ import annotations

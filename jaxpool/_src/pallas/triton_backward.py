@@ -16,13 +16,12 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from jaxpool._src.dtypes import accumulator_dtype
-from jaxpool._src.pallas.triton_avg import count_reciprocal, reciprocal
 from jaxpool._src.pallas.triton_tile import Tile, both_paths, counted_taps, load, split
 from jaxpool._src.windows import Geometry, phase_taps
 
 
 def backward_kernel(*refs, g: Geometry, bw: int, bl: int, lanes: int, mode: str,
-                    include_pad: bool, divisor: int | None, interpret: bool, ptx: bool):
+                    include_pad: bool, divisor: int | None, interpret: bool):
   """``dx`` for a block of ``s_d x s_h`` input rows and ``s_w * bw`` (channels_last) or ``bw``
   (channels_first) columns, phase by phase.
 
@@ -37,9 +36,10 @@ def backward_kernel(*refs, g: Geometry, bw: int, bl: int, lanes: int, mode: str,
   contiguous dim, so a block is a run of input columns (stored whole) and the column phase is
   per lane: every column tap is visited, masked to the lanes it can hold.
 
-  Average pooling multiplies each cotangent by its window's reciprocal divisor, computed as
-  the forward kernel computes it (``triton_avg.count_reciprocal``; ``ptx``: compiled for an
-  NVIDIA GPU).
+  Average pooling divides each cotangent by its window's divisor, computed on both code paths
+  alike. (A multiply by the reciprocal, as the forward does, would let the compilers contract
+  it with the sum's add into a fused multiply-add where the edge path's select does not come
+  between them: a division keeps both paths' bits equal.)
   """
   if mode == "max":
     idx_ref, dy_ref, dx_ref = refs
@@ -94,12 +94,13 @@ def backward_kernel(*refs, g: Geometry, bw: int, bl: int, lanes: int, mode: str,
   acc_t = dtype if mode == "max" else accumulator_dtype(dtype)
   zero = jnp.zeros(tile.shape, acc_t)
 
-  def scale_of(wins):
-    """The reciprocal of the average divisor of the windows ``wins = (od, oh, ow)``, as the
-    forward kernel's (``triton_avg.py``)."""
+  def divisor_of(wins):
+    """The average divisor of the windows ``wins = (od, oh, ow)``: the same formula on both
+    code paths (unlike the forward, no path has a constant count)."""
     if divisor is not None:
-      return reciprocal(divisor, acc_t)
-    return tile.cols_of(count_reciprocal(counted_taps(g, wins, include_pad, bw), acc_t, ptx))
+      return np.array(divisor, acc_t)
+    cnt = counted_taps(g, wins, include_pad, bw)
+    return tile.cols_of(jnp.where(cnt == 0, 1, cnt).astype(acc_t))
 
   def store(d, h, w, acc, edge):
     # Rows and columns past the end: masked when compiled; in interpret mode the store's
@@ -162,7 +163,7 @@ def backward_kernel(*refs, g: Geometry, bw: int, bl: int, lanes: int, mode: str,
           else:
             accs[p] = c if accs[p] is None else accs[p] + c
       else:
-        c = dyt.astype(acc_t) * scale_of((od, oh, ow))
+        c = dyt.astype(acc_t) / divisor_of((od, oh, ow))
         if ok is not None:
           c = jnp.where(ok, c, 0)
         for p, _ in uses[key]:
