@@ -336,6 +336,27 @@ def test_small_blocks_take_both_paths(rng, cfg):
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
 
 
+def check_avg_code_paths(rng, shape, geo, launches, count_include_pad, divisor, interpret):
+  """Average pooling, forward and backward, with each of ``launches`` (None: the heuristic's):
+  every launch gives the first one's bits."""
+  from jaxpool._src.pallas import triton as pk
+  geom = windows.make_geometry(shape, *geo)
+  x = jnp.asarray(rng.normal(size=shape), jnp.float32)
+  dy = jnp.asarray(rng.normal(size=geom.output_shape(shape)), jnp.float32)
+  cfg = (count_include_pad, divisor)
+
+  @jax.jit
+  def run(x, dy):
+    return [(pk._window_call(x, geom, "avg", interpret, *cfg, launch=launch)[0],
+             pk._backward_call((dy,), shape, geom, "avg", interpret, *cfg, launch=launch))
+            for launch in launches]
+
+  (want_y, want_dx), *others = run(x, dy)
+  for y, dx in others:
+    bits_equal(y, want_y)
+    bits_equal(dx, want_dx)
+
+
 @pytest.mark.parametrize("count_include_pad,divisor", [(False, None), (True, None), (False, 5)])
 def test_avg_bits_do_not_depend_on_the_code_path(rng, count_include_pad, divisor):
   """A window's average has the same bits whichever code path computes it (interior programs,
@@ -343,23 +364,21 @@ def test_avg_bits_do_not_depend_on_the_code_path(rng, count_include_pad, divisor
   channel and a dilated window whose output has interior windows: on XLA's CPU backend, which
   runs interpret mode, a division by a constant and by a computed count differ in the last bit
   (the kernels once divided interior windows by a constant)."""
-  from jaxpool._src.pallas import triton as pk
-  shape = (2, 10, 1)
-  geom = windows.make_geometry(shape, (3,), (1,), 6, dilation=(3,))
-  x = jnp.asarray(rng.normal(size=shape), jnp.float32)
-  dy = jnp.asarray(rng.normal(size=geom.output_shape(shape)), jnp.float32)
-  cfg = (count_include_pad, divisor)
+  check_avg_code_paths(rng, (2, 10, 1), ((3,), (1,), 6, (3,)),
+                       (None, (1, 1, 1), (2, 1, 1), (4, 1, 1)), count_include_pad, divisor, True)
 
-  @jax.jit
-  def run(x, dy):
-    return [(pk._window_call(x, geom, "avg", True, *cfg, launch=launch)[0],
-             pk._backward_call((dy,), shape, geom, "avg", True, *cfg, launch=launch))
-            for launch in (None, (1, 1, 1), (2, 1, 1), (4, 1, 1))]
 
-  (want_y, want_dx), *others = run(x, dy)
-  for y, dx in others:
-    bits_equal(y, want_y)
-    bits_equal(dx, want_dx)
+@gpu
+@pytest.mark.parametrize("count_include_pad,divisor", [(False, None), (True, None), (False, 5)])
+def test_gpu_avg_bits_do_not_depend_on_the_code_path(rng, count_include_pad, divisor):
+  """Compiled: an interior window's constant reciprocal and an edge window's ``rcp.rn.f32``
+  give the same bits, whatever the launch."""
+  _need_gpu()
+  check_avg_code_paths(rng, (2, 10, 1), ((3,), (1,), 6, (3,)),
+                       (None, (1, 1, 1), (2, 1, 1), (4, 1, 1)), count_include_pad, divisor, False)
+  check_avg_code_paths(rng, (4, 33, 40, 7), ((3, 3), (1, 1), 1, (1, 1)),
+                       (None, (8, 8, 1), (16, 8, 2), (32, 4, 1)), count_include_pad, divisor,
+                       False)
 
 
 @pytest.mark.slow  # (`make test` checks the same rules in 2-D channels_last: test_transformations)
