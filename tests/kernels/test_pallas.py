@@ -246,6 +246,23 @@ def test_lowers_to_triton(cfg, dtype):
     assert "xla.gpu.triton" in text
 
 
+def test_avg_kernel_lowers_with_the_exact_reciprocal_for_cuda(monkeypatch):
+  """Compiled for an NVIDIA GPU, the average forward kernel takes an edge window's reciprocal
+  divisor with PTX's correctly rounded ``rcp.rn.f32`` (Triton's float32 division is
+  approximate, and an interior window's reciprocal is the correctly rounded constant): the
+  inline PTX lowers. (The backward divides on both of its paths.)"""
+  from jaxpool._src.pallas import triton as pk
+  monkeypatch.setattr(pk, "platform", lambda: "cuda")
+  monkeypatch.setenv("JAXPOOL_TUNE", "off")  # (lowered, never run: nothing to tune)
+  shape = (2, 9, 10, 5)
+  geom = windows.make_geometry(shape, (3, 3), (2, 2), 1)
+  avg = dict(interpret=False, count_include_pad=False, divisor_override=None)
+  fwd = lambda a: pk.avg_forward(a, geom, **avg)  # noqa: E731
+  text = jax.jit(fwd).trace(jax.ShapeDtypeStruct(shape, jnp.float32)).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert "xla.gpu.triton" in text and "rcp.rn.f32" in text
+
+
 def test_default_dispatch(monkeypatch):
   """None: the kernels on NVIDIA GPUs only (where they were compiled and tested); XLA on a CPU,
   a TPU, a ROCm GPU or when JAXPOOL_IMPLEMENTATION=xla; a bad value of that variable is an
@@ -316,6 +333,51 @@ def test_small_blocks_take_both_paths(rng, cfg):
     bits_equal(got, want)
   for got, want in (avg, davg):
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+def check_avg_code_paths(rng, shape, geo, launches, count_include_pad, divisor, interpret):
+  """Average pooling, forward and backward, with each of ``launches`` (None: the heuristic's):
+  every launch gives the first one's bits."""
+  from jaxpool._src.pallas import triton as pk
+  geom = windows.make_geometry(shape, *geo)
+  x = jnp.asarray(rng.normal(size=shape), jnp.float32)
+  dy = jnp.asarray(rng.normal(size=geom.output_shape(shape)), jnp.float32)
+  cfg = (count_include_pad, divisor)
+
+  @jax.jit
+  def run(x, dy):
+    return [(pk._window_call(x, geom, "avg", interpret, *cfg, launch=launch)[0],
+             pk._backward_call((dy,), shape, geom, "avg", interpret, *cfg, launch=launch))
+            for launch in launches]
+
+  (want_y, want_dx), *others = run(x, dy)
+  for y, dx in others:
+    bits_equal(y, want_y)
+    bits_equal(dx, want_dx)
+
+
+@pytest.mark.parametrize("count_include_pad,divisor", [(False, None), (True, None), (False, 5)])
+def test_avg_bits_do_not_depend_on_the_code_path(rng, count_include_pad, divisor):
+  """A window's average has the same bits whichever code path computes it (interior programs,
+  edge programs): every block size gives the heuristic's bits, forward and backward. One
+  channel and a dilated window whose output has interior windows: on XLA's CPU backend, which
+  runs interpret mode, a division by a constant and by a computed count differ in the last bit
+  (the kernels once divided interior windows by a constant)."""
+  check_avg_code_paths(rng, (2, 10, 1), ((3,), (1,), 6, (3,)),
+                       (None, (1, 1, 1), (2, 1, 1), (4, 1, 1)), count_include_pad, divisor, True)
+
+
+@gpu
+@pytest.mark.parametrize("count_include_pad,divisor", [(False, None), (True, None), (False, 5)])
+def test_gpu_avg_bits_do_not_depend_on_the_code_path(rng, count_include_pad, divisor):
+  """Compiled: an interior window's constant reciprocal and an edge window's ``rcp.rn.f32``
+  give the same bits, whatever the launch."""
+  _need_gpu()
+  check_avg_code_paths(rng, (2, 10, 1), ((3,), (1,), 6, (3,)),
+                       (None, (1, 1, 1), (2, 1, 1), (4, 1, 1)), count_include_pad, divisor, False)
+  check_avg_code_paths(rng, (4, 33, 40, 7), ((3, 3), (1, 1), 1, (1, 1)),
+                       (None, (8, 8, 1), (16, 8, 2), (32, 4, 1)), count_include_pad, divisor,
+                       False)
 
 
 @pytest.mark.slow  # (`make test` checks the same rules in 2-D channels_last: test_transformations)

@@ -452,14 +452,11 @@ def test_the_registry_holds_typed_backends():
 # ----------------------------------------------------------------------------- sizes
 
 MAX_LINES = 500
-# Modules that other work is splitting now (allowed above the limit for the time being, not
-# required to be): remove an entry once its module is split.
-_BEING_SPLIT = {"_src/pallas/triton.py", "_src/graph/graph.py", "_src/pallas/tuning.py"}
 
 
 def test_no_module_above_500_lines():
   root = pathlib.Path(jaxpool.__file__).parent
   long = {path.relative_to(root).as_posix(): len(path.read_text().splitlines())
           for path in sorted(root.rglob("*.py"))}
-  long = {rel: n for rel, n in long.items() if n > MAX_LINES and rel not in _BEING_SPLIT}
+  long = {rel: n for rel, n in long.items() if n > MAX_LINES}
   assert not long, f"modules above {MAX_LINES} lines (split them by subject): {long}"

@@ -224,6 +224,40 @@ run_case("auto/height_window_wider_than_block", AUTO, tie_rich(3, (2, 16, 5, 2))
 run_case("auto/1d_length", AUTO, tie_rich(4, (3, 32, 2)), P(None, "a"),
          dict(window_shape=(3,), strides=(2,), padding=1), spatial_rows={1: 5},
          only=("max_taps", "grad_max", "grad_avg"))
+
+
+def avg_edges_case():
+  """Average pooling where an interior window of the whole problem is an edge window of a
+  device's part (or the other way round): each window's average must not depend on which code
+  path of the kernel computed it. One channel, so nothing broadcasts the divisor: XLA's CPU
+  backend divides by a constant as a multiply by its reciprocal, by a computed count as a
+  true division, and the two differ in the last bit (the kernels once divided an interior
+  window by a constant and an edge window by its count)."""
+  kw = dict(window_shape=(3,), strides=(1,), padding=6, dilation=(3,), count_include_pad=False,
+            implementation="pallas")
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.normal(size=(1, 10, 1)), jnp.float32)  # (not small integers: exact)
+  dy = jnp.asarray(rng.normal(size=(1, 16, 1)), jnp.float32)
+  spec = NamedSharding(AUTO, P(None, ("a", "b")))  # 8 devices along the length
+  split = lambda a: jax.lax.with_sharding_constraint(a, spec)  # noqa: E731
+  pad = lambda a: jnp.pad(a, ((0, 0), (0, -a.shape[1] % 8), (0, 0)))  # noqa: E731
+  fns = {"avg": lambda v, d: jaxpool.avg_pool(v, **kw),
+         "grad_avg": lambda v, d: jax.vjp(lambda u: jaxpool.avg_pool(u, **kw), v)[1](d)[0]}
+  for op, fn in fns.items():
+
+    @check(f"auto/avg_exclude_pad_1d/{op}")
+    def _(fn=fn):
+      one = jax.devices()[0]
+      single = jax.jit(lambda v, d: pad(fn(v, d)))(jax.device_put(x, one), jax.device_put(dy, one))
+      whole = NamedSharding(AUTO, P())
+      placed = [jax.device_put(a, whole) for a in (x, dy)]
+      compiled = jax.jit(lambda v, d: split(pad(fn(split(v), split(d))))).lower(*placed).compile()
+      assert [c for c in collectives(compiled.as_text()) if c[0] == "collective-permute"], (
+          "a spatial split exchanged no halos")
+      assert_equal(compiled(*placed), single, "sharded vs one device")
+
+
+avg_edges_case()
 run_case("auto/3d_depth", AUTO, tie_rich(5, (2, 8, 6, 6, 2)), P(None, "a"),
          dict(window_shape=(3, 3, 3), strides=(2, 2, 2), padding=1), spatial_rows={1: 5},
          only=("max", "grad_max", "avg", "grad_avg"))

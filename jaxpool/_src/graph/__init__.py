@@ -16,7 +16,12 @@ Layout (each module imports only the ones above it in this list, never back):
   state), ``regularization.py`` (Dropout and its gradient and state).
 - ``passes.py``: the rewrite passes a graph applies before it runs (a ReLU into the max pool
   after it).
-- ``graph.py``: :class:`Graph`, :class:`TrainingGraph`, :func:`training_graph`.
+- ``building.py`` (a graph's nodes collected from its outputs, ordered, their specs inferred),
+  ``run_checks.py`` (the inputs and parameters a run is given, checked) and ``drawing.py``
+  (``summary``, ``to_dot``, ``save``): what ``graph.py`` uses.
+- ``graph.py``: :class:`Graph`.
+- ``training.py``: :class:`TrainingGraph` and :func:`training_graph`, which derives a loss's
+  gradient nodes.
 - ``serialization.py``: :func:`save_params`, :func:`load_params` (it imports nothing above).
 """
 
@@ -25,7 +30,8 @@ from jaxpool._src.graph.arithmetic import Add
 from jaxpool._src.graph.base import Cotangents, Gradient, GradientNode, GradientState, Node
 from jaxpool._src.graph.common import Initializer, resolve_padding
 from jaxpool._src.graph.conv import Conv, ConvTranspose, ConvolutionGradient, Dense
-from jaxpool._src.graph.graph import Graph, TrainingGraph, has_graphviz, training_graph
+from jaxpool._src.graph.drawing import has_graphviz
+from jaxpool._src.graph.graph import Graph
 from jaxpool._src.graph.passes import DEFAULT_PASSES, fold_relu_into_max_pool
 from jaxpool._src.graph.inputs import Image, Input
 from jaxpool._src.graph.losses import MeanSquaredError, SigmoidCrossEntropy, SoftmaxCrossEntropy
@@ -35,6 +41,7 @@ from jaxpool._src.graph.pooling import AvgPool, DilatedMaxPool, L2Pool, MaxPool,
 from jaxpool._src.graph.regularization import Dropout, DropoutGradient, DropoutGradientState
 from jaxpool._src.graph.serialization import load_params, save_params
 from jaxpool._src.graph.shape import Concat, Flatten, Pad, Reshape, Upsample
+from jaxpool._src.graph.training import TrainingGraph, training_graph
 
 __all__ = [
     "ACTIVATIONS", "Activation", "Add", "AvgPool", "BatchNorm", "BatchNormalizationGradient",

@@ -264,9 +264,10 @@ def _avg_forward(x, *, geom, interpret, kernels, count_include_pad, divisor_over
 def _avg_backward(ct, *, geom, interpret, kernels, count_include_pad, divisor_override):
   return partition.call(partition.kernel_call(
       _avg_backward_kernel, _avg_backward_xla, geom, backward=True, kernels=kernels,
-      # (Not neutral_pads: a window the kernel sees at a padded edge divides by its counted
-      # taps, one inside by a constant; the two round alike only where XLA and Triton emit the
-      # same division, so each device's part keeps the whole problem's edges.)
+      # (Not neutral_pads: without count_include_pad a padding row changes a window's count.
+      # With it, or a fixed divisor, the GPU kernels' interior and edge paths now round alike
+      # (triton_avg.py), but an in-place backward has not been checked bit for bit on every
+      # backend, so each device's part keeps the whole problem's edges.)
       interpret=interpret, count_include_pad=count_include_pad,
       divisor_override=divisor_override), ct)
 

@@ -8,15 +8,16 @@ a matter of speed, and the best one depends on the GPU. For a call that compiles
 
 1. this process's memory;
 2. the disk cache (``$JAXPOOL_CACHE_DIR``, else ``$XDG_CACHE_HOME/jaxpool``, else
-   ``~/.cache/jaxpool``; one JSON file an entry under ``tune/``), an entry being used only when
-   the jaxpool, jax and jaxlib versions, the device kind and the CUDA platform and driver
-   versions it was tuned with are this process's;
+   ``~/.cache/jaxpool``), an entry being used only when the versions, the device kind and the
+   driver it was tuned with are this process's;
 3. the table shipped with the package for this device kind (``launch_tables/*.json``);
 4. tuning: each candidate (:func:`candidates` around today's heuristic, at most
    ``JAXPOOL_TUNE_MAX_CANDIDATES``) is compiled (in parallel threads) and timed on random data
    of the call's shape, for at most ``JAXPOOL_TUNE_BUDGET_S`` seconds a key; the fastest is
-   written to the disk cache (atomic rename: a reader never sees a partial entry, and of
-   several processes tuning the same key at once one file wins, each complete).
+   written to the disk cache.
+
+Steps 1 to 3 and the keys are ``tuning_cache.py``'s (:class:`~tuning_cache.Store`, which a
+:class:`Tuner` is); this module holds the settings, the candidates, the timing and step 4.
 
 ``JAXPOOL_TUNE=off`` (or ``0``) uses the heuristic constants only (no cache, no table, no
 tuning); ``JAXPOOL_TUNE=cached`` uses the cache and the tables but never tunes (a key that has
@@ -36,28 +37,27 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
-import hashlib
-import importlib.resources
-import json
 import logging
 import math
 import os
-import re
 import statistics
-import tempfile
 import threading
 import time
-import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
 
-Launch = tuple[int, int, int]  # (bw, bl, num_warps)
+from jaxpool._src.pallas.tuning_cache import MAX_TILE, Key, Launch, Store, pow2_ceil
 
-FORMAT = 1
+# Re-exported: the tests (tests/test_tuning.py) and benchmarks/gpu.py reach the tuner's whole
+# surface, the cache's names included, through this one module; their home is tuning_cache.py.
+from jaxpool._src.pallas.tuning_cache import (  # noqa: F401
+    CACHE_ENV as CACHE_ENV, FORMAT as FORMAT, TABLES as TABLES, TuningWarning as TuningWarning,
+    _valid_launch as _valid_launch, cache_dir as cache_dir, geometry_class as geometry_class,
+    shipped_table as shipped_table, table_name as table_name)
+
 TUNE_ENV = "JAXPOOL_TUNE"
-CACHE_ENV = "JAXPOOL_CACHE_DIR"
 BUDGET_ENV = "JAXPOOL_TUNE_BUDGET_S"
 CANDIDATES_ENV = "JAXPOOL_TUNE_MAX_CANDIDATES"
 THREADS_ENV = "JAXPOOL_TUNE_THREADS"
@@ -66,13 +66,8 @@ DEFAULT_BUDGET_S = 10.0
 DEFAULT_MAX_CANDIDATES = 6
 MARGIN = 0.02  # a candidate must beat the heuristic by more than this fraction to replace it
 COMPILE_SHARE = 0.8  # of a key's budget, the most its candidates' compiles take
-TABLES = "launch_tables"  # the shipped tables: a package folder beside this module
 
 log = logging.getLogger("jaxpool.tune")
-
-
-class TuningWarning(UserWarning):
-  """The tuning cache could not be read or written (the configuration is still chosen)."""
 
 
 # ----------------------------------------------------------------------------- settings
@@ -138,45 +133,6 @@ def max_candidates() -> int:
   return int(_positive(CANDIDATES_ENV, DEFAULT_MAX_CANDIDATES, int))
 
 
-def cache_dir() -> str:
-  """``$JAXPOOL_CACHE_DIR``, else ``$XDG_CACHE_HOME/jaxpool``, else ``~/.cache/jaxpool``."""
-  explicit = os.environ.get(CACHE_ENV, "").strip()
-  if explicit:
-    return os.path.expanduser(explicit)
-  base = os.environ.get("XDG_CACHE_HOME", "").strip() or os.path.join("~", ".cache")
-  return os.path.join(os.path.expanduser(base), "jaxpool")
-
-
-# ----------------------------------------------------------------------------- keys
-
-
-@dataclasses.dataclass(frozen=True)
-class Key:
-  """What one tuned configuration serves: an op on a dtype, layout and geometry class."""
-
-  op: str  # "max_fwd", "argmax_fwd", "avg_fwd", "max_bwd", "avg_bwd"
-  dtype: str
-  layout: str  # "channels_last" or "channels_first"
-  geometry: str  # geometry_class(...)
-
-  def name(self) -> str:
-    return f"{self.op}|{self.dtype}|{self.layout}|{self.geometry}"
-
-
-def _pow2_ceil(n: int) -> int:
-  return 1 << (max(int(n), 1) - 1).bit_length()
-
-
-def geometry_class(window: Sequence[int], strides: Sequence[int], dilation: Sequence[int],
-                   cols: int, lanes: int, work: int) -> str:
-  """The shapes that share a configuration: same window, strides and dilation; ``cols``
-  (the kernel's columns) and ``lanes`` rounded up to powers of two (at most 256 and 1024);
-  ``work`` (elements the kernel writes) in three classes: below 2^20, below 2^24, more."""
-  size = "S" if work < 2**20 else ("M" if work < 2**24 else "L")
-  fmt = lambda t: "x".join(str(int(v)) for v in t)
-  return (f"k{fmt(window)}s{fmt(strides)}d{fmt(dilation)}"
-          f"w{_pow2_ceil(min(cols, 256))}l{_pow2_ceil(min(lanes, 1024))}{size}")
-
 
 # ----------------------------------------------------------------------------- candidates
 
@@ -192,7 +148,7 @@ def candidates(heuristic: Launch, cols: int, lanes: int, itemsize: int, channels
   8192 elements: all powers of two, as Triton's blocks must be.
   """
   bw0, bl0, w0 = heuristic
-  top_w, top_l = _pow2_ceil(cols), _pow2_ceil(lanes)
+  top_w, top_l = pow2_ceil(cols), pow2_ceil(lanes)
   if channels_last:
     top_l = min(top_l, max(1024 // itemsize, 1))
   found = []
@@ -209,61 +165,6 @@ def candidates(heuristic: Launch, cols: int, lanes: int, itemsize: int, channels
   found.sort()
   return [c for _, c in found][:max(int(limit), 1)]
 
-
-# ----------------------------------------------------------------------------- environment
-
-
-def _driver_version() -> str:
-  try:
-    with open("/proc/driver/nvidia/version", encoding="utf-8") as f:
-      line = f.readline()
-  except OSError:
-    return ""
-  m = re.search(r"Kernel Module\s+(\S+)", line) or re.search(r"(\d+\.\d+(\.\d+)?)", line)
-  return m.group(1) if m else line.strip()
-
-
-def environment(device: Any = None) -> dict[str, str]:
-  """What an entry is valid for: versions, device kind, CUDA platform and driver versions."""
-  import jaxlib
-
-  from jaxpool._src.version import __version__ as jaxpool_version
-  dev = device if device is not None else jax.devices()[0]
-  platform_version = ""
-  with contextlib.suppress(Exception):
-    platform_version = str(dev.client.platform_version)
-  return {"jaxpool": jaxpool_version, "jax": jax.__version__,
-          "jaxlib": getattr(jaxlib, "__version__", ""), "device_kind": str(dev.device_kind),
-          "platform_version": platform_version, "driver": _driver_version()}
-
-
-def table_name(device_kind: str) -> str:
-  """The shipped table's file name for a device kind: ``NVIDIA_H100_80GB_HBM3.json``."""
-  return re.sub(r"[^A-Za-z0-9]+", "_", device_kind).strip("_") + ".json"
-
-
-def shipped_table(device_kind: str) -> dict[str, Launch]:
-  """The shipped table of ``device_kind`` (empty when none ships): key name -> launch."""
-  try:
-    text = importlib.resources.files(__package__).joinpath(TABLES, table_name(device_kind))
-    data = json.loads(text.read_text(encoding="utf-8"))
-  except (OSError, ValueError):
-    return {}
-  if not isinstance(data, dict) or data.get("format") != FORMAT:
-    return {}
-  entries = data.get("entries", {})
-  return {k: (v[0], v[1], v[2]) for k, v in entries.items() if _valid_launch(v)}
-
-
-MAX_TILE = 8192  # elements: the largest tile a candidate (or the heuristic) has
-MAX_WARPS = 32  # Triton's limit
-
-
-def _valid_launch(v: Any) -> bool:
-  """Three powers of two, a tile of at most ``MAX_TILE`` elements, at most ``MAX_WARPS``."""
-  return (isinstance(v, (list, tuple)) and len(v) == 3
-          and all(isinstance(n, int) and n >= 1 and n & (n - 1) == 0 for n in v)
-          and v[0] * v[1] <= MAX_TILE and v[2] <= MAX_WARPS)
 
 
 # ----------------------------------------------------------------------------- timing
@@ -311,7 +212,7 @@ class Record:
 # ----------------------------------------------------------------------------- the tuner
 
 
-class Tuner:
+class Tuner(Store):
   """Chooses, caches and reports launch configurations (see the module docstring).
 
   Args:
@@ -328,110 +229,10 @@ class Tuner:
                table: Mapping[str, Launch] | None = None,
                measure: Callable[[Callable[..., Any], tuple], float] | None = None,
                fresh: bool = False):
-    self.fresh = fresh
-    self._cache = cache
-    self._env = dict(env) if env is not None else None
-    self._table = dict(table) if table is not None else None
+    super().__init__(cache, env, table, fresh)
     self.measure = measure or time_ms
-    self.memory: dict[str, Launch] = {}
     self.records: list[Record] = []
-    self._writable = True
-    self._warned: set[str] = set()
     self._lock = threading.RLock()
-
-  @property
-  def env(self) -> dict[str, str]:
-    if self._env is None:
-      self._env = environment()
-    return self._env
-
-  @property
-  def cache(self) -> str:
-    if self._cache is None:
-      self._cache = cache_dir()
-    return self._cache
-
-  @property
-  def table(self) -> dict[str, Launch]:
-    if self._table is None:
-      self._table = shipped_table(self.env["device_kind"])
-    return self._table
-
-  def path(self, key: Key) -> str:
-    """The cache file of ``key`` (its name hashes the key and the environment)."""
-    ident = json.dumps({"key": key.name(), "env": self.env}, sort_keys=True)
-    digest = hashlib.sha256(ident.encode()).hexdigest()[:32]
-    return os.path.join(self.cache, "tune", f"{digest}.json")
-
-  def _warn_once(self, tag: str, message: str) -> None:
-    if tag not in self._warned:
-      self._warned.add(tag)
-      warnings.warn(message, TuningWarning, stacklevel=3)
-
-  def read(self, key: Key) -> Launch | None:
-    """The cached launch of ``key``, or None (missing, corrupt: warned once, other env)."""
-    path = self.path(key)
-    try:
-      with open(path, encoding="utf-8") as f:
-        data = json.load(f)
-    except (FileNotFoundError, NotADirectoryError):
-      return None
-    except (OSError, ValueError) as e:
-      self._warn_once(f"corrupt:{path}", f"jaxpool: ignoring the unreadable tuning cache entry "
-                      f"{path} ({type(e).__name__}: {e}); the configuration is tuned again")
-      return None
-    launch = data.get("launch") if isinstance(data, dict) else None
-    if (not isinstance(data, dict) or data.get("format") != FORMAT
-        or not _valid_launch(launch)):
-      self._warn_once(f"corrupt:{path}", f"jaxpool: ignoring the malformed tuning cache entry "
-                      f"{path}; the configuration is tuned again")
-      return None
-    if data.get("key") != key.name() or data.get("env") != self.env:
-      return None  # another jaxlib, driver, device kind or jaxpool: not used
-    assert isinstance(launch, list)  # (_valid_launch)
-    return (launch[0], launch[1], launch[2])
-
-  def write(self, key: Key, launch: Launch, extra: Mapping[str, Any]) -> bool:
-    """Writes ``key``'s entry (a temporary file renamed over the entry); False where the
-    cache cannot be written (warned once; the entry stays in memory)."""
-    if not self._writable:
-      return False
-    path = self.path(key)
-    entry = {"format": FORMAT, "key": key.name(), "env": self.env, "launch": list(launch),
-             **extra}
-    tmp = None
-    try:
-      os.makedirs(os.path.dirname(path), exist_ok=True)
-      fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=os.path.dirname(path))
-      with os.fdopen(fd, "w", encoding="utf-8") as f:
-        json.dump(entry, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-      os.replace(tmp, path)
-      return True
-    except OSError as e:
-      if tmp is not None:
-        with contextlib.suppress(OSError):
-          os.remove(tmp)
-      self._writable = False
-      self._warn_once("readonly", f"jaxpool: cannot write the tuning cache in {self.cache} "
-                      f"({type(e).__name__}: {e}); tuned configurations are kept in memory "
-                      f"for this process (set {CACHE_ENV} to a writable folder)")
-      return False
-
-  def lookup(self, key: Key) -> tuple[Launch, str] | None:
-    """``(launch, source)`` from memory, the cache or the shipped table, or None."""
-    name = key.name()
-    if name in self.memory:
-      return self.memory[name], "memory"
-    if self.fresh:
-      return None
-    cached = self.read(key)
-    if cached is not None:
-      return cached, "cache"
-    if name in self.table:
-      return self.table[name], "table"
-    return None
 
   def choose(self, key: Key, heuristic: Launch, cands: Sequence[Launch], trial: Trial, *,
              tune: bool = True, budget: float | None = None) -> Launch:

@@ -1,0 +1,83 @@
+"""The average-pool forward kernel for GPUs (Pallas Triton): each window's sum over its divisor.
+
+A program covers one output row and a tile of columns and lanes (``triton_tile.py``). It sums
+the window's taps in tap order, in float32 for 16-bit inputs; at the edges a tap outside the
+input is masked out of the sum (its load reads zero). The divisor is ``divisor_override``, else
+the window's counted taps (with ``count_include_pad`` the padding counts too).
+
+The sum is multiplied by the divisor's reciprocal, correctly rounded, on both code paths: an
+interior program's reciprocal is a constant (:func:`reciprocal`), an edge program's is computed
+per column (:func:`count_reciprocal`), and the two are the same number, so a window's average
+has the same bits whichever program computes it (a launch configuration or a split over
+devices moves windows between the two paths). A division would not: XLA's CPU backend (where
+interpret mode runs) divides by a constant as a multiply by its reciprocal and by a computed
+count as a true division, and Triton's float32 division is approximate. (The backward kernel
+has no constant-count path: it divides on both.)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxpool._src.dtypes import accumulator_dtype
+from jaxpool._src.pallas.triton_tile import both_paths, counted_taps, load, output_row, plgpu
+from jaxpool._src.windows import Geometry
+
+
+def reciprocal(n: int, acc_t) -> np.ndarray:
+  """``1 / n`` in ``acc_t``, correctly rounded (computed now, a constant of the kernel)."""
+  return np.array(1, acc_t) / np.array(n, acc_t)
+
+
+def count_reciprocal(cnt, acc_t, ptx: bool):
+  """``1 / cnt`` in ``acc_t`` for the counts ``cnt`` (int32; a zero count, an empty window's,
+  reads one), correctly rounded as :func:`reciprocal`'s: an IEEE division, or where the kernel
+  is compiled for an NVIDIA GPU (``ptx``) PTX's ``rcp.rn.f32`` for float32 (Triton divides
+  float32 approximately; it divides float64 exactly)."""
+  d = jnp.where(cnt == 0, 1, cnt).astype(acc_t)
+  if ptx and np.dtype(acc_t) == np.float32:
+    assert plgpu is not None  # (triton.py sets ptx only with the Triton backend)
+    return plgpu.elementwise_inline_asm(
+        "rcp.rn.f32 $0, $1;", args=[d], constraints="=r,r", pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(d.shape, d.dtype)])[0]
+  return np.array(1, acc_t) / d
+
+
+def avg_kernel(x_ref, o_ref, *, g: Geometry, bw: int, bl: int, lanes: int, include_pad: bool,
+               divisor: int | None, interpret: bool, ptx: bool):
+  """One output row's averages (``ptx``: compiled for an NVIDIA GPU, see
+  :func:`count_reciprocal`)."""
+  row = output_row(g, bw, bl, lanes, interpret)
+  tile, b, outs = row.tile, row.b, row.outs
+  dtype = x_ref.dtype
+  acc_t = accumulator_dtype(dtype)
+
+  def load_tap(tap, edge: bool):
+    """Tap ``(a, i, j)`` of the tile's windows; at the edges (``edge``) the taps outside the
+    input are masked and read zero."""
+    pos = [outs[dim] * g.strides[dim] + k * g.dilation[dim] - g.pad_lo[dim]
+           for dim, k in enumerate(tap)]
+    ok = None
+    if edge:
+      inside = [(p >= 0) & (p < n) for p, n in zip(pos, g.in_spatial)]
+      ok = tile.cols_of(inside[0] & inside[1] & inside[2])
+      pos = [jnp.clip(p, 0, n - 1) for p, n in zip(pos, g.in_spatial)]
+    return load(x_ref, tile.index(b, *pos), ok, None if ok is None else np.array(0, dtype))
+
+  def body(edge: bool):
+    acc: Any = None
+    for tap in g.taps():
+      xt = load_tap(tap, edge).astype(acc_t)
+      acc = xt if acc is None else acc + xt
+    if divisor is not None or not edge:  # an interior window counts all its taps
+      scale: Any = reciprocal(divisor if divisor is not None else g.num_taps, acc_t)
+    else:
+      cnt = counted_taps(g, outs, include_pad, bw)
+      scale = tile.cols_of(count_reciprocal(cnt, acc_t, ptx))
+    tile.store(o_ref, tile.index(b, *outs), (acc * scale).astype(dtype), row.col_mask)
+
+  both_paths(row.interior, body)

@@ -1,0 +1,157 @@
+"""The max-pool forward kernel for GPUs (Pallas Triton): the maximum of each window, and its tap.
+
+A program covers one output row and a tile of columns and lanes (``triton_tile.py``). It scans
+the window's taps in order with a running maximum that ranks NaN above every number and +0.0
+above -0.0 (:func:`nan_max`), and takes a tap where that maximum's bits change: of equal values
+the first keeps it, +0.0 replaces -0.0 and the first NaN wins (``dtypes.beats``' order). On an
+NVIDIA GPU that is one instruction a tap for the maximum, two more for the taps; a window
+holding NaN gives the canonical NaN there (a NaN, as XLA's maximum gives one).
+
+At the edges no load leaves the input: a tap outside it reads a copy of the nearest real tap of
+its own window (which cannot change the maximum), and the winner is mapped back to the real tap
+(:func:`_real_tap`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxpool._src.autodiff import apply_activation
+from jaxpool._src.dtypes import beats, lowest
+from jaxpool._src.pallas.triton_tile import both_paths, load, output_row, plgpu
+from jaxpool._src.windows import Geometry, real_taps
+
+# The forms of the running maximum (:func:`nan_max`): "ptx" (PTX's instruction), "beats"
+# (``dtypes.beats``) and "canonical" ("beats" with PTX's NaN results).
+FORMS = ("ptx", "beats", "canonical")
+
+
+def compare_dtype(dtype) -> np.dtype:
+  """The dtype the kernel compares in: float32 for 16-bit floats (exact; Triton would convert
+  them for every op), else ``dtype``."""
+  dtype = np.dtype(dtype)
+  if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4:
+    return np.dtype(np.float32)
+  return dtype
+
+
+def max_kernel(x_ref, *out_refs, g: Geometry, bw: int, bl: int, lanes: int, with_taps: bool,
+               form: str, interpret: bool, activation: str | None = None):
+  """One output row's maxima (then ``activation``), and with ``with_taps`` each window's
+  winning tap (row-major, -1 where the window holds no real tap).
+
+  ``form`` is :func:`nan_max`'s (one of :data:`FORMS`; "beats" for integers).
+  """
+  row = output_row(g, bw, bl, lanes, interpret)
+  tile, b, outs = row.tile, row.b, row.outs
+  dtype = x_ref.dtype
+  idx_t = out_refs[1].dtype if with_taps else np.dtype(np.int8)
+  cmp_t = compare_dtype(dtype)
+  low = lowest(dtype)
+
+  def tap_at(dim: int, k):
+    """The input position along ``dim`` of tap ``k`` of the tile's windows."""
+    return outs[dim] * g.strides[dim] + k * g.dilation[dim] - g.pad_lo[dim]
+
+  def load_max_tap(tap, real):
+    """Tap ``tap`` of the tile's windows. At the edges (``real``: each dim's first and last
+    real tap, per window) a tap outside the input reads the nearest real tap of its window,
+    dim by dim: a copy, which cannot change a maximum. Of the taps holding the first maximum,
+    the first is then a copy of the first real one, or that one, and :func:`_real_tap` maps it
+    back: the first tap reading a real tap ``m`` has, in each dim, 0 where ``m`` is that dim's
+    first real tap and ``m``'s own index elsewhere, an order on the real taps that is
+    row-major's."""
+    pos = []
+    for dim, k in enumerate(tap):
+      if real is not None and g.window[dim] > 1:
+        k = jnp.clip(k, *real[dim])
+      p = tap_at(dim, k)
+      if real is not None:  # (a window with no real tap reads anywhere inside; see empty)
+        p = jnp.clip(p, 0, g.in_spatial[dim] - 1)
+      pos.append(p)
+    return load(x_ref, tile.index(b, *pos))
+
+  def body(edge: bool):
+    best: Any = None
+    idx: Any = None
+    real = [real_taps(g, dim, o, xp=jnp) for dim, o in enumerate(outs)] if edge else None
+    for t, tap in enumerate(g.taps()):
+      xt = load_max_tap(tap, real).astype(cmp_t)
+      if best is None:
+        best = nan_max(xt, xt, form)  # (NaN made canonical, as the scan's maxima are)
+        if with_taps:
+          idx = jnp.full(tile.shape, t, idx_t)
+        continue
+      new = nan_max(best, xt, form)
+      if with_taps:
+        idx = jnp.where(_bits(new) != _bits(best), np.array(t, idx_t), idx)
+      best = new
+    out_at = tile.index(b, *outs)
+    if real is not None:
+      # Windows with no real tap: the lowest value, no tap.
+      empty = None
+      for dim, (first, last) in enumerate(real):
+        if g.window[dim] > 1 or g.pad_lo[dim] or g.pad_hi[dim] or g.extra[dim]:
+          e = tile.cols_of(first > last)
+          empty = e if empty is None else empty | e
+      if empty is not None:
+        best = jnp.where(empty, np.array(low, cmp_t), best)
+      if with_taps:
+        idx = _real_tap(g, idx, [[tile.cols_of(v) for v in r] for r in real])
+        if empty is not None:
+          idx = jnp.where(empty, np.array(-1, idx_t), idx)
+    best, idx = apply_activation(best, idx, activation)  # (fused: no pass of its own)
+    tile.store(out_refs[0], out_at, best.astype(dtype), row.col_mask)
+    if with_taps:
+      tile.store(out_refs[1], out_at, idx, row.col_mask)
+
+  both_paths(row.interior, body)
+
+
+def _real_tap(g: Geometry, idx, real):
+  """The real taps that the copies in ``idx`` (window taps, row-major) read: each dim's tap
+  clamped to ``real``'s ``(first, last)``."""
+  t, parts = idx.astype(jnp.int32), []
+  for k in reversed(g.window):
+    parts.append(t % k)
+    t = t // k
+  out: Any = None
+  for dim, part in enumerate(reversed(parts)):
+    if g.window[dim] > 1:
+      part = jnp.clip(part, *real[dim])
+    out = part if out is None else out * g.window[dim] + part
+  return out.astype(idx.dtype)
+
+
+def nan_max(best, x, form: str):
+  """The running maximum ``best`` of a window scanned in tap order, after tap ``x``, in
+  :func:`dtypes.beats`' order: NaN above every number, ``+0.0`` above ``-0.0``.
+
+  "ptx": PTX's ``max.NaN.f32``, one instruction, whose NaN results are the canonical NaN.
+  "beats": ``dtypes.beats`` itself, the XLA path's rule, so that interpret mode decides as the
+  XLA path does on the same backend (XLA's CPU comparisons treat subnormals as zeros); the
+  first NaN is kept. "canonical": "beats" with PTX's NaN results.
+  """
+  if form == "ptx":
+    assert plgpu is not None  # (triton._max_form gives "ptx" only with the Triton backend)
+    return plgpu.elementwise_inline_asm(
+        "max.NaN.f32 $0, $1, $2;", args=[best, x], constraints="=r,r,r", pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, x.dtype)])[0]
+  new = jnp.where(beats(x, best), x, best)
+  if form == "canonical":
+    canonical = np.array(np.uint32(0x7FFFFFFF)).view(np.float32).astype(x.dtype)
+    new = jnp.where(new != new, canonical, new)
+  return new
+
+
+def _bits(v):
+  """``v``'s bits as unsigned integers (floats), or ``v``."""
+  if not jnp.issubdtype(v.dtype, jnp.floating):
+    return v
+  unsigned = {2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[v.dtype.itemsize]
+  return lax.bitcast_convert_type(v, unsigned)
