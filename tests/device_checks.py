@@ -12,7 +12,8 @@ environment, which also lets the pytest wrappers run them that way::
   JAXPOOL_CHECK_DEVICES=as-is python -m pytest -q tests/test_sharding.py tests/test_partitioning.py
 
 Their meshes then span the largest power of two up to 8 of the devices (``mesh_shape``); a
-check that needs more devices than that prints ``{"name": ..., "ok": true, "skipped": why}``.
+check that needs more devices than that (or another platform) prints
+``{"name": ..., "ok": true, "skipped": why}``.
 """
 
 from __future__ import annotations
