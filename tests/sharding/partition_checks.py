@@ -1,10 +1,24 @@
 """The Pallas kernels on several devices, against one device.
 
-tests/sharding/test_partitioning.py runs it; by hand, run it in its own process with 8 CPU devices
-(the kernels in interpret mode)::
+Run it in its own process: by default with 8 CPU devices, the kernels in interpret mode (what
+the test runs)::
 
-  XLA_FLAGS=--xla_force_host_platform_device_count=8 \
-    python tests/sharding/partition_checks.py [--quick]
+  python tests/sharding/partition_checks.py [--quick]
+
+or on the devices the process has, 2 or more GPUs say, the kernels compiled (every check that
+compiles its program asserts that the program calls the compiled kernels)::
+
+  python tests/sharding/partition_checks.py --devices-as-is [--quick]
+
+(``JAXPOOL_CHECK_DEVICES=as-is`` does the same, and makes tests/sharding/test_partitioning.py
+run it so: ``JAXPOOL_CHECK_DEVICES=as-is python -m pytest -q
+tests/sharding/test_partitioning.py``). The meshes are
+``(4, 2)`` on 8 devices (or more: the first 8), ``(2, 2)`` on 4 and ``(2, 1)`` on 2
+(``device_checks.mesh_shape``). On 2 devices the checks that split two spatial dims at once,
+and those of a partly manual ``shard_map``, are skipped (each needs a second mesh axis of 2
+devices or more); the TPU kernels' checks run only on a CPU (the TPU interpreter) or a TPU. A
+skipped check prints ``{"name": ..., "ok": true, "skipped": why}``; the summary line says the
+platform, the devices and the mesh.
 
 Each check prints one JSON line ``{"name": ..., "ok": bool, "detail": ...}``. A check runs one
 kernel op with ``implementation="pallas"`` on sharded inputs and asserts:
@@ -28,9 +42,9 @@ import os
 import sys
 import traceback
 
-if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                             + " --xla_force_host_platform_device_count=8").strip()
+import device_checks
+
+device_checks.prepare(sys.argv)  # 8 CPU devices, unless --devices-as-is
 
 import contextlib  # noqa: E402
 import math  # noqa: E402
@@ -51,9 +65,14 @@ RESULTS: list[dict] = []
 BAD = ("all-gather", "all-to-all", "all-reduce", "reduce-scatter")
 
 
-def check(name):
+def check(name, skip=None):
+  """Runs ``fn`` as the check ``name`` and prints its line; with ``skip`` (why), only the line."""
   def deco(fn):
     if not name.startswith(ONLY):
+      return fn
+    if skip:
+      RESULTS.append(dict(name=name, ok=True, skipped=skip, detail=""))
+      print(json.dumps(RESULTS[-1]), flush=True)
       return fn
     try:
       detail = fn()
@@ -136,14 +155,15 @@ def ops_for(kw):
 
 
 def run_case(name, mesh, x, spec, kw, *, spatial_rows=None, only=None, seed=0,
-             inside=False, explicit=False):
+             inside=False, explicit=False, skip=None):
   """Every op of ``ops_for`` on ``x`` (and a cotangent) placed with ``spec`` under ``jit``.
 
   With ``inside``, ``x`` arrives replicated and is split inside ``jit``, the way sizes the
   devices do not divide arrive (equal, padded blocks); each result is padded to a size the
   devices divide and constrained to the same split, as the next layer of a network split that
   way would use it (a result of a size the devices do not divide cannot leave ``jit`` split).
-  With ``explicit``, the sharded call runs under ``jax.set_mesh(mesh)``.
+  With ``explicit``, the sharded call runs under ``jax.set_mesh(mesh)``. With ``skip`` (why),
+  each op's check prints a skipped line instead.
   """
   one = jax.devices()[0]
   y_shape = jax.eval_shape(lambda v: jaxpool.max_pool(v, **kw), x).shape
@@ -152,7 +172,7 @@ def run_case(name, mesh, x, spec, kw, *, spatial_rows=None, only=None, seed=0,
     if only is not None and op not in only:
       continue
 
-    @check(f"{name}/{op}")
+    @check(f"{name}/{op}", skip)
     def _(fn=fn):
       want = NamedSharding(mesh, spec)
       if inside:
@@ -178,6 +198,7 @@ def run_case(name, mesh, x, spec, kw, *, spatial_rows=None, only=None, seed=0,
         compiled = jax.jit(run_fn).lower(*placed).compile()
         out = compiled(*placed)
       assert_equal(out, single, "sharded vs one device")
+      assert_kernels_compiled(compiled)
       for leaf in jax.tree.leaves(out):
         assert leaf.sharding.is_equivalent_to(want, leaf.ndim), (
             f"output sharding {leaf.sharding}, input {spec}")
@@ -197,8 +218,39 @@ def run_case(name, mesh, x, spec, kw, *, spatial_rows=None, only=None, seed=0,
       return f"collective-permutes: {permutes}" if permutes else ""
 
 
-AUTO = jax.make_mesh((4, 2), ("a", "b"), axis_types=(AxisType.Auto,) * 2)
-EXPLICIT = jax.make_mesh((4, 2), ("a", "b"), axis_types=(AxisType.Explicit,) * 2)
+def assert_kernels_compiled(compiled):
+  """On a GPU: the program calls the compiled kernels (interpret mode is for CPUs only)."""
+  if PLATFORM == "gpu":
+    assert device_checks.has_compiled_kernel(compiled.as_text()), (
+        "the program calls no compiled kernel (interpret mode?)")
+
+
+# ----------------------------------------------------------------------------- the devices
+
+PLATFORM = jax.default_backend()
+try:
+  MESH_SHAPE = device_checks.mesh_shape(jax.device_count())
+except ValueError as e:
+  print(json.dumps(dict(name="devices", ok=False, detail=str(e))))
+  sys.exit(1)
+DEVICES = jax.devices()[:math.prod(MESH_SHAPE)]
+AUTO = jax.make_mesh(MESH_SHAPE, ("a", "b"), axis_types=(AxisType.Auto,) * 2, devices=DEVICES)
+EXPLICIT = jax.make_mesh(MESH_SHAPE, ("a", "b"), axis_types=(AxisType.Explicit,) * 2,
+                         devices=DEVICES)
+# Splitting two spatial dims at once needs both mesh axes of 2 or more devices.
+TWO_SPLITS = (None if MESH_SHAPE[1] > 1 else
+              f"needs 4 devices: splits two spatial dims, one over each mesh axis (the mesh is "
+              f"{MESH_SHAPE} on {len(DEVICES)} devices)")
+# A partly manual shard_map leaves axis b to the compiler: that needs b of 2 or more devices.
+# (With b of one device, JAX 0.10.2's custom_partitioning fails inside such a shard_map, for
+# any op that has a partitioning rule: AssertionError in op_shardings.get_num_ways_dim_sharded.)
+PARTLY_MANUAL = (None if MESH_SHAPE[1] > 1 else
+                 f"needs 4 devices: the mesh axis left to the compiler has one device (the mesh "
+                 f"is {MESH_SHAPE} on {len(DEVICES)} devices)")
+# The TPU kernels run compiled on a TPU and in the TPU interpreter on a CPU; not elsewhere.
+TPU_KERNELS = (None if PLATFORM in ("cpu", "tpu") else
+               f"needs a CPU or a TPU: the TPU kernels run in the TPU interpreter on a CPU, "
+               f"not on {PLATFORM}")
 K3S2 = dict(window_shape=(3, 3), strides=(2, 2), padding=1)
 
 
@@ -210,15 +262,16 @@ run_case("auto/batch+channels", AUTO, x2, P("a", None, None, "b"), K3S2,
          only=None if not QUICK else ("max", "grad_max", "avg", "grad_avg"))
 run_case("auto/height", AUTO, x2, P(None, "a"), K3S2, spatial_rows={1: 5})
 run_case("auto/height+width", AUTO, x2, P(None, "a", "b"), K3S2, spatial_rows={1: 5, 2: 5},
-         only=("max_taps", "grad_max", "grad_avg"))
-# 13 rows over 4 devices (padded blocks), stride 3 (does not divide a block), ceil mode,
-# dilation: the output is not the input over the stride.
+         only=("max_taps", "grad_max", "grad_avg"), skip=TWO_SPLITS)
+# 13 rows over axis a's 4 devices (2 on 2 or 4 devices; padded blocks), stride 3 (does not
+# divide a block), ceil mode, dilation: the output is not the input over the stride.
 run_case("auto/height_uneven_ceil_dilated", AUTO, tie_rich(2, (2, 13, 7, 3)), P(None, "a"),
          dict(window_shape=(2, 2), strides=(3, 1), padding=((1, 0), (0, 1)), dilation=(2, 1),
               ceil_mode=True), spatial_rows={1: 6}, inside=True,
          only=("max_taps", "grad_max", "avg", "grad_avg"))
-# A window wider than a block: 8 devices along height, 2 rows each, a 5x1 window.
-run_case("auto/height_window_wider_than_block", AUTO, tie_rich(3, (2, 16, 5, 2)),
+# A window wider than a block: every device along height, 2 rows each (16 rows on 8 devices),
+# a 5x1 window.
+run_case("auto/height_window_wider_than_block", AUTO, tie_rich(3, (2, 2 * len(DEVICES), 5, 2)),
          P(None, ("a", "b")), dict(window_shape=(5, 1), strides=(1, 1), padding=((2, 2), (0, 0))),
          spatial_rows={1: 6}, only=("max", "grad_max", "avg", "grad_avg"))
 run_case("auto/1d_length", AUTO, tie_rich(4, (3, 32, 2)), P(None, "a"),
@@ -271,7 +324,7 @@ if not QUICK:
            dict(window_shape=(3, 3), strides=(1, 1), padding=1), spatial_rows={1: 4})
   run_case("auto/3d_depth+height", AUTO, tie_rich(8, (2, 8, 8, 5, 2)), P(None, "a", "b"),
            dict(window_shape=(3, 3, 3), strides=(2, 2, 2), padding=1),
-           spatial_rows={1: 5, 2: 5})
+           spatial_rows={1: 5, 2: 5}, skip=TWO_SPLITS)
   run_case("auto/2x2s2_height", AUTO, tie_rich(9, (2, 16, 8, 3)), P(None, "a"),
            dict(window_shape=(2, 2), strides=(2, 2)), spatial_rows={1: 3})
 
@@ -286,7 +339,7 @@ run_case("explicit/height", EXPLICIT, x2, P(None, "a"), K3S2, spatial_rows={1: 5
 # ----------------------------------------------------------------------------- shard_map
 
 
-def shard_map_case(name, *, check_vma, axis_names=None, spec=None, only=None):
+def shard_map_case(name, *, check_vma, axis_names=None, spec=None, only=None, skip=None):
   spec = P("a") if spec is None else spec
   one = jax.devices()[0]
   y_shape = jax.eval_shape(lambda v: jaxpool.max_pool(v, **K3S2), x2).shape
@@ -295,7 +348,7 @@ def shard_map_case(name, *, check_vma, axis_names=None, spec=None, only=None):
     if only is not None and op not in only:
       continue
 
-    @check(f"shard_map/{name}/{op}")
+    @check(f"shard_map/{name}/{op}", skip)
     def _(fn=fn):
       single = jax.jit(fn)(jax.device_put(x2, one), jax.device_put(dy, one))
       kwargs = {} if axis_names is None else dict(axis_names=axis_names)
@@ -310,7 +363,8 @@ shard_map_case("check_vma", check_vma=True,
                only=("max", "max_taps", "grad_max", "avg", "grad_avg") if QUICK else None)
 shard_map_case("no_check_vma", check_vma=False, only=("max", "max_taps", "grad_max", "avg"))
 shard_map_case("partly_manual", check_vma=True, axis_names=frozenset({"a"}),
-               spec=P("a"), only=("max", "max_taps", "grad_max", "avg", "grad_avg"))
+               spec=P("a"), only=("max", "max_taps", "grad_max", "avg", "grad_avg"),
+               skip=PARTLY_MANUAL)
 
 
 @check("shard_map/check_vma/grads")
@@ -343,15 +397,17 @@ def _():
   compiled = jax.jit(fn).lower(placed).compile()
   out = compiled(placed)
   assert_equal(out, want, "vmap(grad) sharded vs one device")
+  assert_kernels_compiled(compiled)
   assert out.sharding.is_equivalent_to(NamedSharding(AUTO, P("a")), out.ndim), out.sharding
   assert not [c for c in collectives(compiled.as_text()) if c[1] > 1]
 
 
 # The TPU (Mosaic) kernels, in the TPU interpreter: the same rule wraps them.
 os.environ["JAXPOOL_PALLAS_BACKEND"] = "tpu"
-run_case("tpu/batch", AUTO, x2, P("a"), K3S2, only=("max_taps", "grad_max", "avg", "grad_avg"))
+run_case("tpu/batch", AUTO, x2, P("a"), K3S2, only=("max_taps", "grad_max", "avg", "grad_avg"),
+         skip=TPU_KERNELS)
 run_case("tpu/height", AUTO, x2, P(None, "a"), K3S2, spatial_rows={1: 5},
-         only=("max_taps", "grad_max", "avg", "grad_avg"))
+         only=("max_taps", "grad_max", "avg", "grad_avg"), skip=TPU_KERNELS)
 del os.environ["JAXPOOL_PALLAS_BACKEND"]
 
 
@@ -374,5 +430,9 @@ def _():
   assert_equal(exported.call(*placed), jax.jit(grad)(*placed), "exported vs kernels")
 
 
-print(json.dumps(dict(name="summary", ok=all(r["ok"] for r in RESULTS),
-                      detail=f"{sum(r['ok'] for r in RESULTS)} of {len(RESULTS)} passed")))
+print(json.dumps(dict(
+    name="summary", ok=all(r["ok"] for r in RESULTS),
+    detail=(f"{sum(r['ok'] and not r.get('skipped') for r in RESULTS)} of {len(RESULTS)} passed, "
+            f"{sum(bool(r.get('skipped')) for r in RESULTS)} skipped; {len(DEVICES)} of "
+            f"{jax.device_count()} {PLATFORM} devices, mesh {MESH_SHAPE}"),
+    platform=PLATFORM, devices=jax.device_count(), devices_used=len(DEVICES), mesh=MESH_SHAPE)))

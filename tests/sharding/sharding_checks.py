@@ -1,9 +1,19 @@
 """Sharded runs of every jaxpool op, compared with one device.
 
-tests/sharding/test_sharding.py runs it; by hand, run it in its own process with several devices,
-e.g. on a CPU::
+Run it in its own process: by default with 8 CPU devices (what the test runs)::
 
-  XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/sharding/sharding_checks.py
+  python tests/sharding/sharding_checks.py [--quick]
+
+or on the devices the process has, 2 or more GPUs say (the Pallas kernels then compiled, not
+interpreted)::
+
+  python tests/sharding/sharding_checks.py --devices-as-is [--quick]
+
+(``JAXPOOL_CHECK_DEVICES=as-is`` does the same, and makes tests/sharding/test_sharding.py run it so:
+``JAXPOOL_CHECK_DEVICES=as-is python -m pytest -q tests/sharding/test_sharding.py``). The meshes are
+``(4, 2)`` on 8 devices (or more: the first 8), ``(2, 2)`` on 4 and ``(2, 1)`` on 2
+(``device_checks.mesh_shape``); every check runs on each, the ``"model"`` axis splitting nothing
+on 2. The summary line says the platform, the devices and the mesh.
 
 Each check prints one JSON line ``{"name": ..., "ok": bool, "detail": ...}``; the pytest side
 turns each line into a test. A check compares, for one op and one layout:
@@ -22,14 +32,12 @@ turns each line into a test. A check compares, for one op and one layout:
 from __future__ import annotations
 
 import json
-import os
 import sys
 import traceback
 
-if "jax" not in sys.modules and "--xla_force_host_platform_device_count" not in os.environ.get(
-    "XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                             + " --xla_force_host_platform_device_count=8").strip()
+import device_checks
+
+device_checks.prepare(sys.argv)  # 8 CPU devices, unless --devices-as-is
 
 import functools  # noqa: E402
 import math  # noqa: E402
@@ -51,6 +59,12 @@ RESULTS: list[dict] = []
 # op; spatial sharding, data parallelism, vmap(grad), the Pallas kernels and the graph. The
 # Auto mesh, channels_first and the 1-D and 3-D checks run without it (`make test-all`).
 QUICK = "--quick" in sys.argv
+
+if jax.default_backend() == "gpu":
+  # Full float32 matmuls and convolutions (no TF32): the graph checks compare a sharded network
+  # with one device to float32 rounding, and a convolution over a smaller batch may pick
+  # another algorithm.
+  jax.config.update("jax_default_matmul_precision", "highest")
 
 
 def check(name):
@@ -233,14 +247,18 @@ def with_spatial_of(shape, fmt):
 
 
 def main() -> int:
-  n = jax.device_count()
-  if n < 8 or n % 4:
-    print(json.dumps(dict(name="devices", ok=False, detail=f"need 8 devices, got {n}")))
+  try:
+    mesh_shape = device_checks.mesh_shape(jax.device_count())
+  except ValueError as e:
+    print(json.dumps(dict(name="devices", ok=False, detail=str(e))))
     return 1
+  devices = jax.devices()[:math.prod(mesh_shape)]
   # Explicit axes (sharding in types, make_mesh's default in new JAX) and Auto axes (the
   # compiler propagates shardings): users have both.
-  mesh = jax.make_mesh((n // 2, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
-  auto = jax.make_mesh((n // 2, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+  mesh = jax.make_mesh(mesh_shape, ("data", "model"), axis_types=(AxisType.Explicit,) * 2,
+                       devices=devices)
+  auto = jax.make_mesh(mesh_shape, ("data", "model"), axis_types=(AxisType.Auto,) * 2,
+                       devices=devices)
   k1, k2, k3, k4 = 1, 2, 3, 4
 
   # channels_last (batch, H, W, C) and channels_first (batch, C, H, W); channels sharded too.
@@ -295,9 +313,9 @@ def main() -> int:
   check("shard_map/vmap_grad_per_example")(functools.partial(
       run_shard_map, per_example, (tie_rich(k3, (8, 6, 6, 2)),), [P("data")], P("data"), mesh))
 
-  # The Pallas kernels (interpret mode here) under an Explicit mesh, inside jax.set_mesh as
-  # users write it: the dispatcher runs them once per shard through shard_map. Max: same bits
-  # as the XLA path; avg: float rounding.
+  # The Pallas kernels (interpreted on a CPU, compiled on a GPU) under an Explicit mesh, inside
+  # jax.set_mesh as users write it: the dispatcher runs them once per shard through shard_map.
+  # Max: same bits as the XLA path; avg: float rounding.
   xp = tie_rich(k1, (8, 9, 10, 4))
   spec_p = P("data", None, None, "model")
 
@@ -312,9 +330,13 @@ def main() -> int:
   def check_pallas_explicit():
     placed = jax.device_put(xp, NamedSharding(mesh, spec_p))
     # (One jit per implementation: the max ops share their argmax kernel, compiled once.)
-    both = lambda impl: jax.jit(lambda v: [f(v) for f in pallas_ops(impl)])(placed)
+    both = lambda impl: jax.jit(lambda v: [f(v) for f in pallas_ops(impl)]).lower(
+        placed).compile()
     with jax.set_mesh(mesh):
-      got, want = both("pallas"), both("xla")
+      kernels = both("pallas")
+      got, want = kernels(placed), both("xla")(placed)
+    if jax.default_backend() == "gpu":  # the kernels compiled, not interpreted
+      assert device_checks.has_compiled_kernel(kernels.as_text()), "no compiled kernel ran"
     for g, w in zip(got[:2], want[:2]):
       assert_equal(g, w, "pallas vs xla (max)")
     np.testing.assert_allclose(np.asarray(got[2]), np.asarray(want[2]), rtol=1e-6, atol=1e-6)
@@ -326,8 +348,13 @@ def main() -> int:
   graph_checks(mesh, auto, jax.random.key(4))
 
   failed = [r["name"] for r in RESULTS if not r["ok"]]
+  platform = jax.default_backend()
   print(json.dumps(dict(name="summary", ok=not failed, detail=f"{len(RESULTS)} checks, "
-                        f"failed: {failed}")), flush=True)
+                        f"failed: {failed}; {len(devices)} of {jax.device_count()} "
+                        f"{platform} devices, mesh {mesh_shape}", platform=platform,
+                        devices=jax.device_count(), devices_used=len(devices),
+                        mesh=mesh_shape)),
+        flush=True)
   return 1 if failed else 0
 
 

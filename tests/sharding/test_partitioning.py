@@ -5,6 +5,10 @@ The checks run in one subprocess with 8 CPU devices, the kernels in interpret mo
 kernels carried a partitioning rule, the Auto-mesh groups failed (the outputs came back replicated,
 with all-reduces and all-gathers in the program) and the ``shard_map`` groups raised
 (``check_vma=True`` refused the kernels' outputs).
+
+On GPUs (2 or more), ``JAXPOOL_CHECK_DEVICES=as-is python -m pytest -q
+tests/sharding/test_partitioning.py`` runs the same checks on them, the kernels compiled
+(tests/support/device_checks.py); the groups that need more devices than there are are skipped.
 """
 
 from __future__ import annotations
@@ -51,17 +55,14 @@ GROUPS = [
 @pytest.fixture(scope="module")
 def results(request):
   return device_checks.run(SCRIPT, *(["--quick"] if device_checks.quick(request.config)
-                                             else []), timeout=1200)
+                                             else []), timeout=1200, any_devices=True)
 
 
 @pytest.mark.parametrize("prefix,minimum", [
     pytest.param(p, n, id=p.strip("/"), marks=pytest.mark.slow if slow else ())
     for p, n, slow in GROUPS])
 def test_split_equals_one_device(results, prefix, minimum):
-  group = {k: v for k, v in results.items() if k.startswith(prefix)}
-  assert len(group) >= minimum, f"only {len(group)} checks named {prefix}*: {sorted(group)}"
-  failed = {k: v["detail"] for k, v in group.items() if not v["ok"]}
-  assert not failed, "\n\n".join(f"{k}:\n{d}" for k, d in failed.items())
+  device_checks.assert_group(results, prefix, minimum)
 
 
 def test_every_check_is_in_a_group(results):

@@ -2,6 +2,8 @@
 
 The checks run in one subprocess with 8 CPU devices (tests/sharding/sharding_checks.py), so that
 this pytest process keeps its single device; each test below asserts on one group of its checks.
+On GPUs (2 or more), ``JAXPOOL_CHECK_DEVICES=as-is python -m pytest -q
+tests/sharding/test_sharding.py`` runs the same checks on them (tests/support/device_checks.py).
 """
 
 from __future__ import annotations
@@ -36,17 +38,14 @@ GROUPS = [
 @pytest.fixture(scope="module")
 def results(request):
   return device_checks.run(SCRIPT, *(["--quick"] if device_checks.quick(request.config)
-                                             else []), timeout=600)
+                                             else []), timeout=600, any_devices=True)
 
 
 @pytest.mark.parametrize("prefix,minimum", [
     pytest.param(p, n, id=p.strip("/"), marks=pytest.mark.slow if slow else ())
     for p, n, slow in GROUPS])
 def test_sharded_equals_one_device(results, prefix, minimum):
-  group = {k: v for k, v in results.items() if k.startswith(prefix)}
-  assert len(group) >= minimum, f"only {len(group)} checks named {prefix}*: {sorted(group)}"
-  failed = {k: v["detail"] for k, v in group.items() if not v["ok"]}
-  assert not failed, "\n\n".join(f"{k}:\n{d}" for k, d in failed.items())
+  device_checks.assert_group(results, prefix, minimum)
 
 
 def test_every_check_is_in_a_group(results):
@@ -62,7 +61,4 @@ def test_graph_under_sharding(results):
     import jaxpool.graph  # noqa: F401
   except ImportError:
     pytest.skip("jaxpool.graph is not there yet")
-  group = {k: v for k, v in results.items() if k.startswith("graph/")}
-  assert len(group) >= 2, sorted(group)
-  failed = {k: v["detail"] for k, v in group.items() if not v["ok"]}
-  assert not failed, "\n\n".join(f"{k}:\n{d}" for k, d in failed.items())
+  device_checks.assert_group(results, "graph/", 2)

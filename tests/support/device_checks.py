@@ -3,6 +3,18 @@
 The scripts (``sharding_checks.py``, ``partition_checks.py``, ``optimize_sharding_checks.py``)
 print one ``{"name": ..., "ok": ..., "detail": ...}`` line a check and a ``summary`` line last;
 running them apart keeps this pytest process on its single device.
+
+``sharding_checks.py`` and ``partition_checks.py`` also run on the devices a process has (2 or
+more GPUs, say) with ``--devices-as-is``, or with ``JAXPOOL_CHECK_DEVICES=as-is`` in the
+environment, which also lets the pytest wrappers run them that way::
+
+  python tests/sharding/partition_checks.py --devices-as-is --quick
+  JAXPOOL_CHECK_DEVICES=as-is python -m pytest -q tests/sharding/test_sharding.py \
+    tests/sharding/test_partitioning.py
+
+Their meshes then span the largest power of two up to 8 of the devices (``mesh_shape``); a
+check that needs more devices than that (or another platform) prints
+``{"name": ..., "ok": true, "skipped": why}``.
 """
 
 from __future__ import annotations
@@ -15,18 +27,78 @@ from pathlib import Path
 
 import pytest
 
+AS_IS_FLAG = "--devices-as-is"
+AS_IS_ENV = "JAXPOOL_CHECK_DEVICES"  # "as-is": the same as the flag
+FAKE_DEVICES = 8  # CPU devices of the default run
+_FORCE = "--xla_force_host_platform_device_count"
+
 
 def quick(config) -> bool:
   """Whether this run leaves out the slow tests (the scripts then run their --quick form)."""
   return "not slow" in (config.getoption("markexpr") or "")
 
 
-def run(script: Path, *args: str, timeout: int) -> dict[str, dict]:
+def devices_as_is(argv: list[str]) -> bool:
+  """Whether a script runs on the process's own devices (``--devices-as-is`` or
+  ``JAXPOOL_CHECK_DEVICES=as-is``) instead of 8 CPU devices."""
+  value = os.environ.get(AS_IS_ENV, "").strip().lower()
+  if value not in ("", "as-is"):
+    raise ValueError(f"{AS_IS_ENV} must be 'as-is' or unset, got {value!r}")
+  return AS_IS_FLAG in argv or value == "as-is"
+
+
+def prepare(argv: list[str]) -> None:
+  """Called by a check script before it imports JAX: unless the devices are taken as they are,
+  8 CPU devices (``JAX_PLATFORMS=cpu`` unless set, and XLA's host device count)."""
+  if devices_as_is(argv) or "jax" in sys.modules:
+    return
+  if _FORCE not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + f" {_FORCE}={FAKE_DEVICES}").strip()
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+def mesh_shape(count: int) -> tuple[int, int]:
+  """The two-axis mesh the checks split over, from the number of devices the process has.
+
+  The meshes take the largest power of two up to 8 of the devices: ``(4, 2)`` for 8 (and
+  more), ``(2, 2)`` for 4 to 7, ``(2, 1)`` for 2 and 3 (the second axis has one device: a split
+  along it changes nothing).
+
+  Raises:
+    ValueError: for fewer than 2 devices.
+  """
+  if count < 2:
+    raise ValueError(f"the checks need at least 2 devices, got {count}")
+  used = 1 << (min(count, FAKE_DEVICES).bit_length() - 1)
+  return (used // 2, 2) if used >= 4 else (used, 1)
+
+
+# The custom calls of compiled Pallas GPU kernels (Triton, Mosaic GPU) in an XLA program's text;
+# in interpret mode (on a CPU) the kernels lower to plain XLA ops instead.
+GPU_KERNEL_CALLS = ("__gpu$xla.gpu.triton", "mosaic_gpu")
+
+
+def has_compiled_kernel(hlo: str) -> bool:
+  """Whether a compiled program's text calls a compiled Pallas GPU kernel."""
+  return any(call in hlo for call in GPU_KERNEL_CALLS)
+
+
+def run(script: Path, *args: str, timeout: int, any_devices: bool = False) -> dict[str, dict]:
   """``{check name: result}`` of ``script`` run with 8 CPU devices; fails the test if the script
-  did not reach its summary."""
+  did not reach its summary.
+
+  With ``any_devices`` (a script that runs on the devices it finds: ``sharding_checks.py``,
+  ``partition_checks.py``) and ``JAXPOOL_CHECK_DEVICES=as-is``, on the devices the process
+  finds instead.
+  """
   env = dict(os.environ)
-  env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-  env["JAX_PLATFORMS"] = "cpu"
+  if any_devices and devices_as_is([]):
+    # This pytest process may hold GPU memory of its own: the script allocates as it goes.
+    env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+  else:
+    env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + f" {_FORCE}={FAKE_DEVICES}"
+    env["JAX_PLATFORMS"] = "cpu"
   proc = subprocess.run([sys.executable, str(script), *args], env=env, capture_output=True,
                         text=True, timeout=timeout)
   out = {}
@@ -38,3 +110,21 @@ def run(script: Path, *args: str, timeout: int) -> dict[str, dict]:
     pytest.fail(f"{script.name} did not finish (rc {proc.returncode}):\n"
                 f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
   return out
+
+
+def assert_group(results: dict[str, dict], prefix: str, minimum: int) -> None:
+  """Asserts that at least ``minimum`` checks named ``prefix*`` ran or were skipped, and that
+  none failed; skips the test when the script skipped every one of them (too few devices).
+
+  On 8 CPU devices (the default run) no check may be skipped.
+  """
+  group = {k: v for k, v in results.items() if k.startswith(prefix)}
+  assert len(group) >= minimum, f"only {len(group)} checks named {prefix}*: {sorted(group)}"
+  failed = {k: v["detail"] for k, v in group.items() if not v["ok"]}
+  assert not failed, "\n\n".join(f"{k}:\n{d}" for k, d in failed.items())
+  skipped = {k: v["skipped"] for k, v in group.items() if v.get("skipped")}
+  summary = results["summary"]
+  if summary.get("platform") == "cpu" and summary.get("devices_used") == FAKE_DEVICES:
+    assert not skipped, f"skipped on {FAKE_DEVICES} CPU devices: {skipped}"
+  if skipped and len(skipped) == len(group):
+    pytest.skip(f"{prefix}*: {sorted(set(skipped.values()))} ({summary.get('detail', '')})")
