@@ -32,10 +32,12 @@ turns each line into a test. A check compares, for one op and one layout:
 from __future__ import annotations
 
 import json
+import os
 import sys
 import traceback
 
-import device_checks
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "support"))
+import device_checks  # noqa: E402  (tests/support: run as a script, it is not on the path)
 
 device_checks.prepare(sys.argv)  # 8 CPU devices, unless --devices-as-is
 
