@@ -18,6 +18,7 @@ from jax.extend.core import primitives as prims
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
+import jaxpool
 from jaxpool._src.optimize import _jax_private, interpreter, planner
 
 
@@ -63,8 +64,32 @@ def test_scan_operands_with_new_consts():
     assert isinstance(params["num_consts"], int)
     pytest.skip("this JAX has no flat-tree scan operands (num_consts is used instead)")
   tree = _jax_private.scan_operands_with_new_consts(params["ft_in"], 2)
-  old, carry, xs = tree.unpack()
-  assert len(jax.tree.leaves(old, is_leaf=lambda v: v is None)) >= 2
+  consts, carry, xs = tree.unpack()
+  new, old = consts.unpack()  # (flat trees, not pytrees: jax.tree sees one leaf)
+  assert len(new.unpack()) == 2
+
+
+def test_optimize_rebuilds_bodies_with_new_constants():
+  """What the internals are for: a pool inside ``jit``, ``scan``, ``cond`` and ``fori_loop``
+  bodies that close over a NumPy constant is replaced, and values and gradients stay."""
+  k = np.linspace(-1, 1, 2 * 6 * 6 * 3, dtype=np.float32).reshape(2, 6, 6, 3)
+
+  def pool(y):
+    return lax.reduce_window(y, -jnp.inf, lax.max, (1, 3, 3, 1), (1, 2, 2, 1),
+                             ((0, 0), (1, 1), (1, 1), (0, 0)))
+  cases = [
+      lambda x: jax.jit(lambda y: pool(y + k) * 2.0)(x).sum(),
+      lambda x: lax.scan(lambda c, _: (c + pool(x + k).sum(), None), 0.0, None, length=2)[0],
+      lambda x: lax.cond(x.sum() > 0, lambda y: pool(y + k).sum(), lambda y: pool(y * k).sum(),
+                         x),
+      lambda x: lax.fori_loop(0, 2, lambda i, c: c + pool(x + k).sum(), 0.0),
+  ]
+  x = jnp.asarray(np.random.default_rng(0).standard_normal(k.shape), jnp.float32)
+  for f in cases:
+    g = jaxpool.optimize(f, implementation="xla")
+    assert g.report(x).replaced
+    np.testing.assert_allclose(g(x), f(x), rtol=1e-6)
+    np.testing.assert_allclose(jax.grad(g)(x), jax.grad(f)(x), rtol=1e-6, atol=1e-7)
 
 
 def _one_device_mesh():
