@@ -51,6 +51,7 @@ class Graph:
     removed: the names of the nodes the rewrites removed.
 
   Example:
+    >>> import jax, jax.numpy as jnp
     >>> from jaxpool.graph import Conv, Input, MaxPool
     >>> x = Input("image", shape=(8, 8, 1))
     >>> y = MaxPool("pool", Conv("conv", x, features=4), window=(2, 2))
