@@ -60,6 +60,23 @@ def check_dy(dy: jax.Array, expected: tuple[int, ...], where: str = "") -> None:
                      f"got {tuple(dy.shape)}.")
 
 
+def grad_through(forward: Any, x: Any, dy: Any, window_shape: Any, strides: Any, padding: Any,
+                 dilation: Any, ceil_mode: Any, data_format: Any) -> jax.Array:
+  """``dx`` of ``forward`` (a pooling of ``x`` alone, with these window arguments) for the
+  cotangent ``dy``, once ``x`` (a float array) and ``dy`` (of the forward output's shape) are
+  checked: the same bits as ``jax.vjp`` of the forward."""
+  from jaxpool._src.dtypes import check_dtype
+  from jaxpool._src.windows import make_geometry
+  x = as_array("x", x)
+  dy = as_array("dy", dy)
+  check_dtype("x", x, allow_int=False)
+  check_dtype("dy", dy, allow_int=True)  # a complex dy would lose its imaginary part
+  geom = make_geometry(x.shape, window_shape, strides, padding, dilation, ceil_mode, data_format)
+  check_dy(dy, geom.output_shape(x.shape))
+  _, vjp = jax.vjp(forward, x)
+  return vjp(dy.astype(x.dtype))[0]
+
+
 # Why max and min pooling refuse complex inputs.
 NO_ORDER = "complex numbers have no order, so a window of them has no maximum or minimum"
 

@@ -17,7 +17,8 @@ from jax import lax
 from jaxpool._src import dispatch
 from jaxpool._src.api_args import (AvgIn, AvgOut, DataFormat, FloatGrad, FloatIn, FloatOut,
                                    FloatOutIn, Implementation, MaskIn, Padding, PoolIn, as_array,
-                                   check_dy, check_input_shape, check_mask, check_p, check_plane)
+                                   check_dy, check_input_shape, check_mask, check_p, check_plane,
+                                   grad_through)
 from jaxpool._src.backend import Op
 from jaxpool._src.checks import check_bool, check_divisor
 from jaxpool._src.dtypes import average_dtype, check_avg_dtype, check_dtype
@@ -164,14 +165,8 @@ def lp_pool_grad(x: FloatIn, dy: FloatOutIn, p: float,
   Zero where the window's output is 0. The same bits as ``jax.vjp`` of :func:`lp_pool`.
   """
   p = check_p(p)
-  x = as_array("x", x)
-  dy = as_array("dy", dy)
-  check_dtype("x", x, allow_int=False)
-  check_dtype("dy", dy, allow_int=True)  # a complex dy would lose its imaginary part
-  geom = make_geometry(x.shape, window_shape, strides, padding, dilation, ceil_mode, data_format)
-  check_dy(dy, geom.output_shape(x.shape))
   fwd = functools.partial(lp_pool, p=p, window_shape=window_shape, strides=strides,
                           padding=padding, dilation=dilation, ceil_mode=ceil_mode,
                           data_format=data_format, implementation=implementation)
-  _, vjp = jax.vjp(fwd, x)
-  return vjp(dy.astype(x.dtype))[0]
+  return grad_through(fwd, x, dy, window_shape, strides, padding, dilation, ceil_mode,
+                      data_format)

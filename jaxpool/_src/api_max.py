@@ -19,11 +19,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpool._src import dispatch, xla
-from jaxpool._src.api_args import (NO_ORDER, Activation, DataFormat, FloatGrad, FloatIn,
-                                   FloatOutIn, Implementation, IndicesIn, IndicesOut, MaskIn,
-                                   Padding, PooledIn, PoolIn, PoolOut, TapsIn, TapsOut,
-                                   UnpooledOut, as_array, check_dy, check_input_shape, check_mask,
-                                   check_plane)
+from jaxpool._src.api_args import (NO_ORDER, Activation, DataFormat, FloatGrad, FloatIn, FloatOutIn,
+                                   Implementation, IndicesIn, IndicesOut, MaskIn, Padding, PoolIn,
+                                   PoolOut, PooledIn, TapsIn, TapsOut, UnpooledOut, as_array,
+                                   check_dy, check_input_shape, check_mask, check_plane,
+                                   grad_through)
 from jaxpool._src.autodiff import ACTIVATIONS
 from jaxpool._src.backend import Op
 from jaxpool._src.checks import check_choice, int_tuple
@@ -310,17 +310,11 @@ def max_pool_grad(x: FloatIn, dy: FloatOutIn,
            [0., 3., 0.],
            [0., 4., 5.]], dtype=float32)
   """
-  x = as_array("x", x)
-  dy = as_array("dy", dy)
-  check_dtype("x", x, allow_int=False)
-  check_dtype("dy", dy, allow_int=True)  # a complex dy would lose its imaginary part
-  geom = make_geometry(x.shape, window_shape, strides, padding, dilation, ceil_mode, data_format)
-  check_dy(dy, geom.output_shape(x.shape))
   fwd = functools.partial(max_pool, window_shape=window_shape, strides=strides, padding=padding,
                           dilation=dilation, ceil_mode=ceil_mode, data_format=data_format,
                           implementation=implementation)
-  _, vjp = jax.vjp(fwd, x)
-  return vjp(dy.astype(x.dtype))[0]
+  return grad_through(fwd, x, dy, window_shape, strides, padding, dilation, ceil_mode,
+                      data_format)
 
 
 def max_unpool(y: PooledIn, indices: IndicesIn,

@@ -43,6 +43,7 @@ def _fake_child(tmp_path, monkeypatch, body: str) -> None:
   monkeypatch.setattr(models_gpu, "__file__", str(script))
 
 
+@pytest.mark.slow  # (8 s: a child that sleeps past its limit)
 def test_child_past_its_limit_is_killed_and_names_its_phase(tmp_path, monkeypatch, capsys):
   pid_file = tmp_path / "grandchild.pid"
   _fake_child(tmp_path, monkeypatch, f"""
