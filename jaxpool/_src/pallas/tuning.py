@@ -50,8 +50,9 @@ import jax
 
 from jaxpool._src.pallas.tuning_cache import MAX_TILE, Key, Launch, Store, pow2_ceil
 
-# Re-exported: the tests (tests/test_tuning.py) and benchmarks/gpu.py reach the tuner's whole
-# surface, the cache's names included, through this one module; their home is tuning_cache.py.
+# Re-exported: the tests (tests/kernels/test_tuning.py) and benchmarks/pooling_gpu.py reach the
+# tuner's whole surface, the cache's names included, through this one module; their home is
+# tuning_cache.py.
 from jaxpool._src.pallas.tuning_cache import (  # noqa: F401
     CACHE_ENV as CACHE_ENV, FORMAT as FORMAT, TABLES as TABLES, TuningWarning as TuningWarning,
     _valid_launch as _valid_launch, cache_dir as cache_dir, geometry_class as geometry_class,
