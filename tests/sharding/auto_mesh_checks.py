@@ -32,13 +32,14 @@ import math
 import os
 import re
 import sys
-import traceback
 
 if "jax" not in sys.modules and "--xla_force_host_platform_device_count" not in os.environ.get(
     "XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                              + " --xla_force_host_platform_device_count=8").strip()
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "support"))
+from device_checks import check  # noqa: E402  (tests/support: not on a script's path)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -55,19 +56,6 @@ COLLECTIVES = ("all-gather", "all-to-all", "all-reduce", "collective-permute", "
 BATCH, H, W, C, F, CLASSES = 16, 12, 12, 3, 4, 5
 RTOL, ATOL = 2e-5, 1e-6  # the gradients' all-reduce sums in another order than one device
 QUICK = "--quick" in sys.argv
-
-
-def check(name):
-  def deco(fn):
-    try:
-      detail = fn()
-      out = dict(name=name, ok=True, detail=detail or "")
-    except Exception as e:  # noqa: BLE001  (reported; the test fails on it)
-      out = dict(name=name, ok=False,
-                 detail=f"{type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}")
-    print(json.dumps(out), flush=True)
-    return fn
-  return deco
 
 
 def collectives(hlo: str) -> list[tuple[str, int]]:

@@ -23,6 +23,7 @@ import json
 import os
 import subprocess
 import sys
+import traceback
 from pathlib import Path
 
 import pytest
@@ -31,6 +32,22 @@ AS_IS_FLAG = "--devices-as-is"
 AS_IS_ENV = "JAXPOOL_CHECK_DEVICES"  # "as-is": the same as the flag
 FAKE_DEVICES = 8  # CPU devices of the default run
 _FORCE = "--xla_force_host_platform_device_count"
+
+
+def check(name: str):
+  """Decorator for the check scripts: runs the function at once and prints one JSON line
+  ``{"name", "ok", "detail"}``; the function's return value is the detail, an exception (with
+  its traceback's tail) makes the check fail."""
+  def deco(fn):
+    try:
+      detail = fn()
+      out = dict(name=name, ok=True, detail=detail or "")
+    except Exception as e:  # noqa: BLE001  (reported; the test fails on it)
+      out = dict(name=name, ok=False,
+                 detail=f"{type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}")
+    print(json.dumps(out), flush=True)
+    return fn
+  return deco
 
 
 def quick(config) -> bool:
