@@ -390,7 +390,8 @@ def test_importing_the_module_leaves_keras_alone():
           "assert 'keras' not in sys.modules\n"
           "try:\n  jk.enable()\nexcept ImportError as e:\n  print('ImportError:', e)\n")
   proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                        env=dict(env, PYTHONPATH=str(ROOT)), timeout=120)
+                        env=dict(env, PYTHONPATH=os.pathsep.join(
+                            [str(ROOT), *filter(None, [env.get("PYTHONPATH")])])), timeout=120)
   assert proc.returncode == 0, proc.stderr
   # Keras's default backend is TensorFlow: without it (or a keras.json choosing JAX) the import
   # fails, and the message says what to set.

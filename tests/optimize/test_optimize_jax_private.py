@@ -31,9 +31,10 @@ def test_trace_to_jaxpr_dynamic_keeps_avals():
   assert aval.weak_type
   jaxpr, out_avals, consts = _jax_private.trace_to_jaxpr_dynamic(fun, [aval])
   assert isinstance(jaxpr, core.Jaxpr)
-  assert [v.aval for v in jaxpr.invars] == [aval]
-  assert out_avals[0].shape == (3,) and len(consts) == len(jaxpr.constvars)
-  out = core.jaxpr_as_fun(core.ClosedJaxpr(jaxpr, consts))(np.float32(1.5))
+  closed = core.ClosedJaxpr(jaxpr, consts)  # (the one form the interpreter uses)
+  assert closed.in_avals == [aval]
+  assert out_avals[0].shape == (3,) and [np.shape(c) for c in consts] == [(3,)]
+  out = core.jaxpr_as_fun(closed)(np.float32(1.5))
   np.testing.assert_array_equal(out[0], 3.0 + k)
 
 

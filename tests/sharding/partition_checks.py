@@ -337,6 +337,40 @@ run_case("explicit/height", EXPLICIT, x2, P(None, "a"), K3S2, spatial_rows={1: 5
          explicit=True, only=("max", "max_taps", "grad_max", "grad_from_taps", "avg", "grad_avg"))
 
 
+def _conds(jaxpr) -> int:
+  """``cond`` equations (``lax.switch`` compiles to a conditional) outside the kernels."""
+  n = 0
+  for eqn in jaxpr.eqns:
+    if "pallas" in eqn.primitive.name:
+      continue
+    n += eqn.primitive.name == "cond"
+    for v in eqn.params.values():
+      for sub in (v if isinstance(v, (tuple, list)) else (v,)):
+        inner = getattr(sub, "jaxpr", sub)
+        if hasattr(inner, "eqns"):
+          n += _conds(inner)
+  return n
+
+
+@check("explicit/depth_one_program/grad_max")
+def _():
+  # A depth split whose block size the stride divides: every device runs the same kernel calls,
+  # with no switch over the devices' positions (on a GPU a conditional's branch index goes back
+  # to the host: on 2 H200s such a split gradient took longer than one GPU's whole problem).
+  n = MESH_SHAPE[0]
+  x = tie_rich(13, (2, 4 * n, 6, 6, 2))
+  kw = dict(window_shape=(3, 3, 3), strides=(2, 2, 2), padding=1, implementation="pallas")
+  dy = tie_rich(14, jax.eval_shape(lambda v: jaxpool.max_pool(v, **kw), x).shape)
+  sharding = NamedSharding(EXPLICIT, P(None, "a"))
+  grad = jax.jit(lambda v, d: jax.vjp(lambda u: jaxpool.max_pool(u, **kw), v)[1](d)[0])
+  placed = [jax.device_put(a, sharding) for a in (x, dy)]
+  conds = _conds(jax.make_jaxpr(grad)(*placed).jaxpr)
+  assert conds == 0, f"{conds} switches over the devices"
+  one = jax.devices()[0]
+  assert_equal(grad(*placed), grad(jax.device_put(x, one), jax.device_put(dy, one)),
+               "sharded vs one device")
+
+
 # ----------------------------------------------------------------------------- shard_map
 
 

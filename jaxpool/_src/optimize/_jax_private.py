@@ -41,14 +41,14 @@ from jax._src.interpreters import partial_eval as _pe
 
 
 def trace_to_jaxpr_dynamic(fun: Any, in_avals: Any) -> tuple[Any, list, list]:
-  """``(jaxpr, out_avals, consts)`` of ``fun`` traced on ``in_avals``, the constants always as
-  the jaxpr's ``constvars``. On JAX 0.11.2 the same call was seen to return the constants as
-  leading ``invars`` instead (tests/optimize/test_optimize_jax_private.py failed there); such
-  a jaxpr is put back in the form the interpreter builds ``ClosedJaxpr``s from."""
+  """``(jaxpr, out_avals, consts)`` of ``fun`` traced on ``in_avals``.
+
+  ``core.ClosedJaxpr(jaxpr, consts)`` binds the constants in every JAX this package supports;
+  the interpreter uses only that form. (Up to JAX 0.10 the constants are the jaxpr's
+  ``constvars``. From JAX 0.11 a jaxpr and a closed jaxpr are one class: a traced jaxpr comes
+  back with its constants as leading inputs and nothing attached, so ``jaxpr.invars`` counts
+  them until ``ClosedJaxpr`` attaches them.)"""
   jaxpr, out_avals, consts = _pe.trace_to_jaxpr_dynamic(fun, in_avals)
-  n = len(consts)
-  if n and not jaxpr.constvars and len(jaxpr.invars) == len(in_avals) + n:
-    jaxpr = jaxpr.replace(constvars=list(jaxpr.invars[:n]), invars=list(jaxpr.invars[n:]))
   return jaxpr, out_avals, list(consts)
 
 convert_constvars_jaxpr = _pe.convert_constvars_jaxpr

@@ -64,6 +64,9 @@ class KernelCall:
       of a real row is the same whether its window's other rows are padding or data (the max
       pool; the average pool that counts the padding or has a fixed divisor). A device's
       gradient block is then computed in place, its neighbours' rows standing as padding.
+    pads_alike: (a backward) the kernel reads the padding and the ceil-mode overhang alike, and
+      a window with a zero cotangent adds an exact zero (the max pool's): a device's part may
+      then take extra windows past the input's end, so that every device runs one kernel call.
   """
 
   fn: Callable[..., Any]
@@ -73,6 +76,7 @@ class KernelCall:
   n_out: int
   options: tuple[tuple[str, Any], ...]
   neutral_pads: bool = False
+  pads_alike: bool = False
 
   def run(self, operands, geom: Geometry, fn: Callable[..., Any] | None = None):
     out = (fn or self.fn)(*operands, geom, **dict(self.options))
@@ -81,6 +85,6 @@ class KernelCall:
 
 def kernel_call(fn: Callable[..., Any], xla_fn: Callable[..., Any], geom: Geometry, *,
                 backward: bool = False, n_out: int = 1, neutral_pads: bool = False,
-                **options: Any) -> KernelCall:
+                pads_alike: bool = False, **options: Any) -> KernelCall:
   return KernelCall(fn, xla_fn, geom, backward, n_out, tuple(sorted(options.items())),
-                    neutral_pads)
+                    neutral_pads, pads_alike)

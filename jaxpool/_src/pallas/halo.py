@@ -358,11 +358,97 @@ def _fast(kc: KernelCall, p: _DimPlan, plans, operands):
     left, right = _halos(x, p) if (p.left or p.right) else (None, None)
     args = (x, left, right)
   classes = sorted(set(plans), key=repr)
+  if len(classes) > 1:
+    same = _same_work(kc, p, plans)
+    if same is not None:
+      return _fast_same(kc, p, plans, same, block_shapes, args)
   branches = [functools.partial(_fast_branch, kc, p, w, block_shapes) for w in classes]
   if len(branches) == 1:
     return branches[0](*args)
   table = jnp.asarray([classes.index(w) for w in plans], jnp.int32)
   return lax.switch(table[lax.axis_index(p.names)], branches, *args)
+
+
+# ----------------------------------------------------------------------------- one program
+#
+# Where the devices' in-place parts differ only at the edges (the first and last devices of an
+# evenly split dim whose block size the stride divides: the common case), every device runs the
+# same kernel call, and the edge outputs are recomputed on every device and kept by a select on
+# the device's position. A ``lax.switch`` over device classes would compile to a conditional,
+# whose branch index a GPU reads back to the host before it can go on (measured on 2 H200s: a
+# depth-split gradient took longer than the whole problem on one GPU).
+
+
+def _same_work(kc: KernelCall, p: _DimPlan, plans) -> _InPlace | None:
+  """The one main kernel call every device can run, or None where their calls differ.
+
+  A forward: every device's block has the same rows and local geometry (the edges may differ).
+  A backward: the same, after the last devices' window runs are extended to the longest one with
+  windows past the input's end. Only kernels that read padding and the ceil-mode overhang alike
+  (``pads_alike``: the max pool's) take those: such a window's cotangent comes from no device and
+  is zero, and its winner, whatever it is, gains an exact zero (the backward's sums start at
+  +0 and never hold -0, so adding +0 changes no bit)."""
+  if any(w is None for w in plans):
+    return None
+  if not kc.backward:
+    first = plans[0]
+    if all((w.rows, w.dim, w.keep) == (first.rows, first.dim, first.keep) for w in plans):
+      return first
+    return None
+  if not kc.pads_alike:
+    return None
+  geom, j = kc.geom, p.spatial
+  keep = max(w.keep for w in plans)
+  dims = []
+  for i, w in enumerate(plans):
+    if w.rows != p.out_tile or w.start != plans[0].start:
+      return None
+    oa = w.start - p.left + i * p.tile
+    if w.keep < keep and (oa + w.keep < geom.out_spatial[j]  # (only windows past the end)
+                          or w.start + keep > p.left + p.tile + p.right):
+      return None
+    dim = _block_dim(geom, j, i * p.out_tile, w.rows, oa, oa + keep)
+    if dim is None or dim[1] != keep:
+      return None
+    n_in, n_out, lo, hi, ex = dim
+    dims.append((n_in, n_out, lo, hi + ex, 0))
+  if len(set(dims)) != 1:
+    return None
+  return dataclasses.replace(plans[0], dim=dims[0], keep=keep)
+
+
+def _fast_same(kc: KernelCall, p: _DimPlan, plans, same: _InPlace, block_shapes, args):
+  geom, ax, j = kc.geom, p.axis, p.spatial
+  where = lax.axis_index(p.names)
+  if kc.backward:
+    (ext,) = args
+    pieces = [lax.slice_in_dim(o, same.start, same.start + same.keep, axis=ax) for o in ext]
+    # The windows past the input's end get a zero cotangent (a padded block's rows may hold
+    # anything).
+    real = [min(same.keep, geom.out_spatial[j] - (same.start - p.left + i * p.tile))
+            for i in range(p.n)]
+    if min(real) < same.keep:
+      shape = [1] * pieces[-1].ndim
+      shape[ax] = same.keep
+      rows = lax.broadcasted_iota(jnp.int32, shape, ax)
+      keep = rows < jnp.asarray(real, jnp.int32)[where]
+      pieces[-1] = jnp.where(keep, pieces[-1], jnp.zeros((), pieces[-1].dtype))
+    outs = kc.run(pieces, _with_dim(geom, j, same.dim))
+    return tuple(_fit(o, ax, p.out_tile) for o in outs)
+  x, left, right = args
+  outs = [_fit(o, ax, same.keep) for o in kc.run([x], _with_dim(geom, j, same.dim))]
+  for side, halo in (("lo", left), ("hi", right)):
+    edges = sorted({getattr(w, side) for w in plans} - {None}, key=repr)
+    for edge in edges:
+      own = lax.slice_in_dim(x, edge.own[0], edge.own[1], axis=ax)
+      near = lax.slice_in_dim(halo, edge.halo[0], edge.halo[1], axis=ax)
+      piece = lax.concatenate([near, own] if side == "lo" else [own, near], ax)
+      fixed = kc.run([piece], _with_dim(geom, j, edge.dim))
+      use = jnp.asarray([getattr(w, side) == edge for w in plans])[where]
+      outs = [lax.dynamic_update_slice_in_dim(
+          o, jnp.where(use, f, lax.slice_in_dim(o, edge.first, edge.first + edge.count, axis=ax)),
+          edge.first, axis=ax) for o, f in zip(outs, fixed)]
+  return tuple(_fit(o, ax, p.out_tile) for o in outs)
 
 
 def _with_dim(geom: Geometry, j: int, dim: tuple) -> Geometry:
