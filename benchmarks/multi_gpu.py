@@ -83,7 +83,8 @@ def timed(fn, *args, reps=ARGS.reps) -> float:
 def collectives(compiled) -> dict[str, int]:
   """How many collectives of each kind, and the largest one's elements."""
   out: dict[str, int] = {}
-  pattern = r"= \(?(\w+)\[([\d,]*)\][^ ]* (" + "|".join(COLLECTIVES) + r")(-start)?\("
+  # (the first array of the result: an asynchronous ``-start`` returns a tuple)
+  pattern = r"= \(?(\w+)\[([\d,]*)\][^=\n]*? (" + "|".join(COLLECTIVES) + r")(-start)?\("
   for m in re.finditer(pattern, compiled.as_text()):
     n = int(np.prod([int(d) for d in m.group(2).split(",") if d]))
     out[m.group(3)] = out.get(m.group(3), 0) + 1

@@ -643,8 +643,15 @@ def test_tuning_while_a_gradient_is_traced_and_lowered(monkeypatch, tmp_path):
   geom = windows.make_geometry(shape, (3, 3), (2, 2), 1)
   loss = lambda v: jnp.sum(ops.max_pool(v, geom, interpret=False) ** 2)
   with tuning.using(tuner):
-    text = jax.jit(jax.grad(loss)).trace(jax.ShapeDtypeStruct(shape, jnp.float32)).lower(
-        lowering_platforms=("cuda",)).as_text()
+    try:
+      text = jax.jit(jax.grad(loss)).trace(jax.ShapeDtypeStruct(shape, jnp.float32)).lower(
+          lowering_platforms=("cuda",)).as_text()
+    except RuntimeError as e:
+      # JAX 0.11.2 lowers a Triton kernel for CUDA only where it finds a GPU (the GPU tier's
+      # tuning tests run this path compiled); JAX 0.10 lowers it anywhere.
+      if "No supported GPU devices found" in str(e):
+        pytest.skip(f"this JAX cannot lower a Triton kernel for CUDA without a GPU: {e}")
+      raise
   assert "xla.gpu.triton" in text
   ops_tuned = {r.key.split("|")[0] for r in tuner.records if r.source == "tuned"}
   # (The gradient lowers the forward with taps and the backward; the plain forward, the

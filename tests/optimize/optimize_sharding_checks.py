@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 import os
-import re
 import sys
 
 if "jax" not in sys.modules and "--xla_force_host_platform_device_count" not in os.environ.get(
@@ -25,6 +23,7 @@ if "jax" not in sys.modules and "--xla_force_host_platform_device_count" not in 
                              + " --xla_force_host_platform_device_count=8").strip()
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "support"))
+import device_checks  # noqa: E402
 from device_checks import check  # noqa: E402  (tests/support: not on a script's path)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -45,13 +44,7 @@ COLLECTIVES = ("all-gather", "all-to-all", "all-reduce", "collective-permute", "
 def moved_arrays(hlo: str) -> list[tuple[str, int]]:
   """Collectives that move more than one element (XLA:CPU's fusion barrier in jaxpool's max
   pool reads one argmax element as a predicate: a scalar may move, an array may not)."""
-  out = []
-  pattern = r"= \(?(\w+)\[([\d,]*)\][^ ]* (" + "|".join(COLLECTIVES) + r")(-start)?\("
-  for m in re.finditer(pattern, hlo):
-    size = math.prod(int(d) for d in m.group(2).split(",") if d)
-    if size > 1:
-      out.append((m.group(3), size))
-  return out
+  return [(op, size) for op, size in device_checks.collectives(hlo, COLLECTIVES) if size > 1]
 
 
 def same(a, b):

@@ -49,7 +49,6 @@ device_checks.prepare(sys.argv)  # 8 CPU devices, unless --devices-as-is
 
 import contextlib  # noqa: E402
 import math  # noqa: E402
-import re  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -105,12 +104,7 @@ def assert_equal(a, b, what):
 
 def collectives(hlo: str) -> list[tuple[str, int]]:
   """``(op, elements)`` of every collective in an HLO module's text."""
-  names = "|".join((*BAD, "collective-permute"))
-  out = []
-  for m in re.finditer(r"= \(?(\w+)\[([\d,]*)\][^ ]* (" + names + r")(-start)?\(", hlo):
-    dims = [int(d) for d in m.group(2).split(",") if d]
-    out.append((m.group(3), math.prod(dims)))
-  return out
+  return device_checks.collectives(hlo, (*BAD, "collective-permute"))
 
 
 def _names(entry) -> tuple[str, ...]:

@@ -43,7 +43,6 @@ device_checks.prepare(sys.argv)  # 8 CPU devices, unless --devices-as-is
 
 import functools  # noqa: E402
 import math  # noqa: E402
-import re  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -114,12 +113,7 @@ def assert_equal(a, b, what):
 
 def collectives(hlo: str) -> list[tuple[str, int]]:
   """``(op, elements)`` of every collective instruction in an HLO module's text."""
-  out = []
-  pattern = r"= \(?(\w+)\[([\d,]*)\][^ ]* (" + "|".join(COLLECTIVES) + r")(-start)?\("
-  for m in re.finditer(pattern, hlo):
-    dims = [int(d) for d in m.group(2).split(",") if d]
-    out.append((m.group(3), math.prod(dims)))
-  return out
+  return device_checks.collectives(hlo, COLLECTIVES)
 
 
 def run_sharded(fn, args, specs, mesh, *, expect_no_comm=True, out_spec=None, single=None):

@@ -20,7 +20,9 @@ check that needs more devices than that (or another platform) prints
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 import subprocess
 import sys
 import traceback
@@ -94,6 +96,20 @@ def mesh_shape(count: int) -> tuple[int, int]:
 # The custom calls of compiled Pallas GPU kernels (Triton, Mosaic GPU) in an XLA program's text;
 # in interpret mode (on a CPU) the kernels lower to plain XLA ops instead.
 GPU_KERNEL_CALLS = ("__gpu$xla.gpu.triton", "mosaic_gpu")
+
+
+COLLECTIVES = ("all-gather", "all-to-all", "all-reduce", "collective-permute", "reduce-scatter")
+
+
+def collectives(hlo: str, names=COLLECTIVES) -> list[tuple[str, int]]:
+  """``(op, elements)`` of every collective instruction named in ``names`` in an HLO module's
+  text (the first array of its result: an asynchronous ``-start`` returns a tuple, as XLA's GPU
+  backend compiles most collectives)."""
+  out = []
+  pattern = r"= \(?(\w+)\[([\d,]*)\][^=\n]*? (" + "|".join(names) + r")(-start)?\("
+  for m in re.finditer(pattern, hlo):
+    out.append((m.group(3), math.prod(int(d) for d in m.group(2).split(",") if d)))
+  return out
 
 
 def has_compiled_kernel(hlo: str) -> bool:
