@@ -209,7 +209,11 @@ def run_case(name, mesh, x, spec, kw, *, spatial_rows=None, only=None, seed=0,
         if inside:
           # The input arrives whole: a program with no halo messages pooled that copy instead
           # of each device's block.
-          assert permutes, "a spatial split exchanged no halos"
+          assert permutes, ("a spatial split exchanged no halos (communication in the "
+                            f"program: {device_checks.communication_ops(compiled.as_text())})")
+      if spatial_rows is not None and not permutes:
+        ops = device_checks.communication_ops(compiled.as_text())
+        return f"no halo messages; communication: {ops}"
       return f"collective-permutes: {permutes}" if permutes else ""
 
 
@@ -301,7 +305,8 @@ def avg_edges_case():
       placed = [jax.device_put(a, whole) for a in (x, dy)]
       compiled = jax.jit(lambda v, d: split(pad(fn(split(v), split(d))))).lower(*placed).compile()
       assert [c for c in collectives(compiled.as_text()) if c[0] == "collective-permute"], (
-          "a spatial split exchanged no halos")
+          "a spatial split exchanged no halos (communication in the program: "
+          f"{device_checks.communication_ops(compiled.as_text())})")
       assert_equal(compiled(*placed), single, "sharded vs one device")
 
 

@@ -106,10 +106,24 @@ def collectives(hlo: str, names=COLLECTIVES) -> list[tuple[str, int]]:
   text (the first array of its result: an asynchronous ``-start`` returns a tuple, as XLA's GPU
   backend compiles most collectives)."""
   out = []
-  pattern = r"= \(?(\w+)\[([\d,]*)\][^=\n]*? (" + "|".join(names) + r")(-start)?\("
-  for m in re.finditer(pattern, hlo):
-    out.append((m.group(3), math.prod(int(d) for d in m.group(2).split(",") if d)))
+  # XLA's GPU backend may compile a collective-permute as a send (and a recv) between devices:
+  # counted as the collective-permute it is.
+  alias = {"send": "collective-permute"} if "collective-permute" in names else {}
+  # (A result may be a nested tuple, as of combined permutes, and XLA writes ``/*index=5*/``
+  # into long tuples: comments are dropped, any opening parentheses skipped.)
+  pattern = (r"= \(*(\w+)\[([\d,]*)\][^=\n]*? (" + "|".join((*names, *alias))
+             + r")(-start)?\(")
+  for m in re.finditer(pattern, re.sub(r"/\*.*?\*/", "", hlo)):
+    op = alias.get(m.group(3), m.group(3))
+    out.append((op, math.prod(int(d) for d in m.group(2).split(",") if d)))
   return out
+
+
+def communication_ops(hlo: str) -> list[str]:
+  """The names of an HLO module's instructions that can move data between devices (for a
+  failure's message)."""
+  found = re.findall(r" ([a-z-]*(?:permute|send|recv|all-|collective|async)[a-z-]*)\(", hlo)
+  return sorted(set(found))
 
 
 def has_compiled_kernel(hlo: str) -> bool:
