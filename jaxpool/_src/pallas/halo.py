@@ -421,29 +421,21 @@ def _fast_same(kc: KernelCall, p: _DimPlan, plans, same: _InPlace, block_shapes,
   geom, ax, j = kc.geom, p.axis, p.spatial
   where = lax.axis_index(p.names)
   if kc.backward:
-    (ext,) = args
-    pieces = [lax.slice_in_dim(o, same.start, same.start + same.keep, axis=ax) for o in ext]
     # The windows past the input's end get a zero cotangent (a padded block's rows may hold
     # anything).
-    real = [min(same.keep, geom.out_spatial[j] - (same.start - p.left + i * p.tile))
-            for i in range(p.n)]
-    if min(real) < same.keep:
-      shape = [1] * pieces[-1].ndim
+    count = [min(same.keep, geom.out_spatial[j] - (same.start - p.left + i * p.tile))
+             for i in range(p.n)]
+    real = None
+    if min(count) < same.keep:
+      shape = [1] * args[0][-1].ndim
       shape[ax] = same.keep
-      rows = lax.broadcasted_iota(jnp.int32, shape, ax)
-      keep = rows < jnp.asarray(real, jnp.int32)[where]
-      pieces[-1] = jnp.where(keep, pieces[-1], jnp.zeros((), pieces[-1].dtype))
-    outs = kc.run(pieces, _with_dim(geom, j, same.dim))
-    return tuple(_fit(o, ax, p.out_tile) for o in outs)
+      real = lax.broadcasted_iota(jnp.int32, shape, ax) < jnp.asarray(count, jnp.int32)[where]
+    return _backward_in_place(kc, p, same, args[0], real)
   x, left, right = args
   outs = [_fit(o, ax, same.keep) for o in kc.run([x], _with_dim(geom, j, same.dim))]
   for side, halo in (("lo", left), ("hi", right)):
-    edges = sorted({getattr(w, side) for w in plans} - {None}, key=repr)
-    for edge in edges:
-      own = lax.slice_in_dim(x, edge.own[0], edge.own[1], axis=ax)
-      near = lax.slice_in_dim(halo, edge.halo[0], edge.halo[1], axis=ax)
-      piece = lax.concatenate([near, own] if side == "lo" else [own, near], ax)
-      fixed = kc.run([piece], _with_dim(geom, j, edge.dim))
+    for edge in sorted({getattr(w, side) for w in plans} - {None}, key=repr):
+      fixed = _edge_outputs(kc, p, x, halo, edge, before=side == "lo")
       use = jnp.asarray([getattr(w, side) == edge for w in plans])[where]
       outs = [lax.dynamic_update_slice_in_dim(
           o, jnp.where(use, f, lax.slice_in_dim(o, edge.first, edge.first + edge.count, axis=ax)),
@@ -472,22 +464,33 @@ def _fit(a: jax.Array, axis: int, size: int) -> jax.Array:
 def _fast_branch(kc: KernelCall, p: _DimPlan, w: _InPlace | None, block_shapes, *args):
   if w is None:
     return tuple(jnp.zeros(shape, dtype) for shape, dtype in block_shapes)
-  geom, ax, j = kc.geom, p.axis, p.spatial
   if kc.backward:
-    (ext,) = args
-    pieces = [lax.slice_in_dim(o, w.start, w.start + w.keep, axis=ax) for o in ext]
-    outs = kc.run(pieces, _with_dim(geom, j, w.dim))
-    return tuple(_fit(o, ax, p.out_tile) for o in outs)
+    return _backward_in_place(kc, p, w, *args)
   x, left, right = args
+  ax = p.axis
   block = x if w.rows == p.tile else lax.slice_in_dim(x, 0, w.rows, axis=ax)
-  outs = [_fit(o, ax, w.keep) for o in kc.run([block], _with_dim(geom, j, w.dim))]
-  for edge, halo in ((w.lo, left), (w.hi, right)):
-    if edge is None:
-      continue
-    own = lax.slice_in_dim(x, edge.own[0], edge.own[1], axis=ax)
-    side = lax.slice_in_dim(halo, edge.halo[0], edge.halo[1], axis=ax)
-    piece = lax.concatenate([side, own] if edge is w.lo else [own, side], ax)
-    fixed = kc.run([piece], _with_dim(geom, j, edge.dim))
-    outs = [lax.dynamic_update_slice_in_dim(o, f, edge.first, axis=ax)
-            for o, f in zip(outs, fixed)]
+  outs = [_fit(o, ax, w.keep) for o in kc.run([block], _with_dim(kc.geom, p.spatial, w.dim))]
+  for edge, halo, before in ((w.lo, left, True), (w.hi, right, False)):
+    if edge is not None:
+      outs = [lax.dynamic_update_slice_in_dim(o, f, edge.first, axis=ax)
+              for o, f in zip(outs, _edge_outputs(kc, p, x, halo, edge, before))]
   return tuple(_fit(o, ax, p.out_tile) for o in outs)
+
+
+def _edge_outputs(kc: KernelCall, p: _DimPlan, x, halo, edge: _Edge, before: bool):
+  """The outputs ``edge`` names, recomputed from the block's rows and the halo's (``before``:
+  the halo comes before the block)."""
+  own = lax.slice_in_dim(x, edge.own[0], edge.own[1], axis=p.axis)
+  near = lax.slice_in_dim(halo, edge.halo[0], edge.halo[1], axis=p.axis)
+  piece = lax.concatenate([near, own] if before else [own, near], p.axis)
+  return kc.run([piece], _with_dim(kc.geom, p.spatial, edge.dim))
+
+
+def _backward_in_place(kc: KernelCall, p: _DimPlan, w: _InPlace, ext, real=None):
+  """A device's gradient block from its cotangent rows with their halos; ``real`` (a mask
+  along the split dim: the windows that exist) zeroes the cotangent of the others."""
+  pieces = [lax.slice_in_dim(o, w.start, w.start + w.keep, axis=p.axis) for o in ext]
+  if real is not None:
+    pieces[-1] = jnp.where(real, pieces[-1], jnp.zeros((), pieces[-1].dtype))
+  outs = kc.run(pieces, _with_dim(kc.geom, p.spatial, w.dim))
+  return tuple(_fit(o, p.axis, p.out_tile) for o in outs)
