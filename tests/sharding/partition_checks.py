@@ -40,7 +40,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import traceback
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "support"))
 import device_checks  # noqa: E402  (tests/support: run as a script, it is not on the path)
@@ -66,23 +65,8 @@ BAD = ("all-gather", "all-to-all", "all-reduce", "reduce-scatter")
 
 
 def check(name, skip=None):
-  """Runs ``fn`` as the check ``name`` and prints its line; with ``skip`` (why), only the line."""
-  def deco(fn):
-    if not name.startswith(ONLY):
-      return fn
-    if skip:
-      RESULTS.append(dict(name=name, ok=True, skipped=skip, detail=""))
-      print(json.dumps(RESULTS[-1]), flush=True)
-      return fn
-    try:
-      detail = fn()
-      RESULTS.append(dict(name=name, ok=True, detail=detail or ""))
-    except Exception as e:  # noqa: BLE001  (reported, and the test fails on it)
-      RESULTS.append(dict(name=name, ok=False,
-                          detail=f"{type(e).__name__}: {e}\n{traceback.format_exc()[-2500:]}"))
-    print(json.dumps(RESULTS[-1]), flush=True)
-    return fn
-  return deco
+  """Runs the function as the check ``name`` (or, with ``skip``, says why not)."""
+  return device_checks.check(name, results=RESULTS, skip=skip, only=ONLY)
 
 
 def tie_rich(seed, shape):

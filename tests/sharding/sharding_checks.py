@@ -34,7 +34,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import traceback
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "support"))
 import device_checks  # noqa: E402  (tests/support: run as a script, it is not on the path)
@@ -69,16 +68,7 @@ if jax.default_backend() == "gpu":
 
 
 def check(name):
-  def deco(fn):
-    try:
-      detail = fn()
-      RESULTS.append(dict(name=name, ok=True, detail=detail or ""))
-    except Exception as e:  # noqa: BLE001  (reported, and the test fails on it)
-      RESULTS.append(dict(name=name, ok=False,
-                          detail=f"{type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}"))
-    print(json.dumps(RESULTS[-1]), flush=True)
-    return fn
-  return deco
+  return device_checks.check(name, results=RESULTS)
 
 
 def _rng(key):
