@@ -2,7 +2,9 @@
 rows between neighbouring devices, and what each device runs (``partition.py`` calls it).
 
 A device's part of a split spatial dim is static (the block sizes, the mesh and the geometry are
-known when the program is partitioned); devices doing the same work share one branch of a
+known when the program is partitioned). Where every device's kernel calls are the same (an even
+split whose block the stride divides) all run one program, the edge outputs kept by a select on
+the device's position; otherwise devices doing the same work share one branch of a
 ``lax.switch`` on their position along the mesh axes.
 """
 
