@@ -257,29 +257,22 @@ run_case("auto/height_uneven_ceil_dilated", AUTO, tie_rich(2, (2, 13, 7, 3)), P(
 run_case("auto/height_window_wider_than_block", AUTO, tie_rich(3, (2, 2 * len(DEVICES), 5, 2)),
          P(None, ("a", "b")), dict(window_shape=(5, 1), strides=(1, 1), padding=((2, 2), (0, 0))),
          spatial_rows={1: 6}, only=("max", "grad_max", "avg", "grad_avg"))
-def few_outputs_case():
-  """Fewer output rows than devices along the split dim, the input the output times the
-  stride: one row over every device of axis a, and half as many rows as devices. (Shardy
-  refused the first rule's compound factor of size 1; with the second, it gave devices a
-  fraction of an output row.)"""
-  n = MESH_SHAPE[0]
-  for rows, stride in ((2 * n, 2 * n), (n, 2)):
-
-    @check(f"auto/height_few_outputs/{rows}_rows_stride_{stride}/grad_max")
-    def _(rows=rows, stride=stride):
-      kw = dict(window_shape=(2, 3), strides=(stride, 1), padding=((0, 0), (1, 1)),
-                implementation="pallas")
-      x = tie_rich(15, (2, rows, 5, 3))
-      dy = tie_rich(16, (2, rows // stride, 5, 3))
-      grad = jax.jit(lambda v, d: jax.vjp(lambda u: jaxpool.max_pool(u, **kw), v)[1](d)[0])
-      placed = (jax.device_put(x, NamedSharding(AUTO, P(None, "a"))),
-                jax.device_put(dy, NamedSharding(AUTO, P())))
-      one = jax.devices()[0]
-      assert_equal(grad(*placed), grad(jax.device_put(x, one), jax.device_put(dy, one)),
-                   "sharded vs one device")
+@check("auto/height_one_output/grad_max")
+def _():
+  # One output row whose windows cover the input (the input is the output times the stride):
+  # Shardy refuses a compound factor with a factor of size 1.
+  kw = dict(window_shape=(2, 3), strides=(2 * MESH_SHAPE[0], 1), padding=((0, 0), (1, 1)),
+            implementation="pallas")
+  x = tie_rich(15, (2, 2 * MESH_SHAPE[0], 5, 3))
+  dy = tie_rich(16, (2, 1, 5, 3))
+  grad = jax.jit(lambda v, d: jax.vjp(lambda u: jaxpool.max_pool(u, **kw), v)[1](d)[0])
+  placed = (jax.device_put(x, NamedSharding(AUTO, P(None, "a"))),
+            jax.device_put(dy, NamedSharding(AUTO, P())))
+  one = jax.devices()[0]
+  assert_equal(grad(*placed), grad(jax.device_put(x, one), jax.device_put(dy, one)),
+               "sharded vs one device")
 
 
-few_outputs_case()
 run_case("auto/1d_length", AUTO, tie_rich(4, (3, 32, 2)), P(None, "a"),
          dict(window_shape=(3,), strides=(2,), padding=1), spatial_rows={1: 5},
          only=("max_taps", "grad_max", "grad_avg"))

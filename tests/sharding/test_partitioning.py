@@ -33,7 +33,7 @@ GROUPS = [
     ("auto/height+width/", 3, False),
     ("auto/height_uneven_ceil_dilated/", 4, False),
     ("auto/height_window_wider_than_block/", 4, False),
-    ("auto/height_few_outputs/", 2, False),
+    ("auto/height_one_output/", 1, False),
     ("auto/1d_length/", 3, False),
     ("auto/avg_exclude_pad_1d/", 2, False),
     ("auto/3d_depth/", 4, False),
