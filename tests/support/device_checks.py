@@ -25,6 +25,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -39,22 +40,24 @@ _FORCE = "--xla_force_host_platform_device_count"
 def check(name: str, *, results: list | None = None, skip: str | None = None,
           only: str = ""):
   """Decorator for the check scripts: runs the function at once and prints one JSON line
-  ``{"name", "ok", "detail"}``; the function's return value is the detail, an exception (with
-  its traceback's tail) makes the check fail. ``results`` collects the lines (for a script's
-  summary); ``skip`` (why) prints a skipped line instead of running; a name that does not start
-  with ``only`` is left out."""
+  ``{"name", "ok", "detail", "seconds"}``; the function's return value is the detail, an
+  exception (with its traceback's tail) makes the check fail. ``results`` collects the lines
+  (for a script's summary); ``skip`` (why) prints a skipped line instead of running; a name
+  that does not start with ``only`` is left out."""
   def deco(fn):
     if not name.startswith(only):
       return fn
     if skip:
       out = dict(name=name, ok=True, skipped=skip, detail="")
     else:
+      start = time.perf_counter()
       try:
         detail = fn()
         out = dict(name=name, ok=True, detail=detail or "")
       except Exception as e:  # noqa: BLE001  (reported; the test fails on it)
         out = dict(name=name, ok=False,
                    detail=f"{type(e).__name__}: {e}\n{traceback.format_exc()[-2500:]}")
+      out["seconds"] = round(time.perf_counter() - start, 2)
     if results is not None:
       results.append(out)
     print(json.dumps(out), flush=True)

@@ -33,6 +33,7 @@ partitioned.
 from __future__ import annotations
 
 import functools
+import itertools
 
 import jax
 import numpy as np
@@ -172,14 +173,58 @@ def _partition(kc: KernelCall, mesh, arg_shapes, result_shape):
   and gives, and the function each device runs."""
   base = arg_shapes[-1]  # the input of a forward, the cotangent of a backward
   ndim = len(base.shape)
-  if not isinstance(base.sharding, NamedSharding) or mesh.empty:
+  results = result_shape if isinstance(result_shape, (tuple, list)) else (result_shape,)
+  dims = None
+  if not mesh.empty:
+    # A forward's input, else its output (a backward's likewise); where neither sharding can
+    # be said over the mesh, the spatial dims are taken whole and the others split as given.
+    for shape, whole in ((base, ()), *((r, ()) for r in results),
+                         (base, kc.geom.spatial_axes(ndim))):
+      dims = _named_dims(mesh, shape, whole)
+      if dims is not None:
+        break
+  if dims is None:
     return _partition_unnamed(kc, mesh, arg_shapes, result_shape)
-  dims = spec_dims(base.sharding.spec, ndim)
   plans = plan(kc, dims, dict(mesh.shape), ndim)
   sharding = NamedSharding(mesh, P(*[d if d else None for d in dims]))
   results = (sharding,) * kc.n_out  # (``_whole`` returns a tuple, one array too)
   lower = functools.partial(_per_device_cached, kc, plans)
   return mesh, lower, results, (sharding,) * len(arg_shapes)
+
+
+def _named_dims(mesh, shape, whole=()) -> list[tuple[str, ...]] | None:
+  """The mesh axes that split each dim of ``shape`` under its sharding, or None where no
+  :class:`PartitionSpec` over ``mesh`` gives that sharding (part of a mesh axis on a dim, or
+  manual axes). With ``whole`` (dims), the spec that leaves those dims whole and splits the
+  others as the sharding does. Tries every spec over the mesh's axes (a mesh has a few)."""
+  sharding, ndim = shape.sharding, len(shape.shape)
+  if isinstance(sharding, NamedSharding) and not whole:
+    return spec_dims(sharding.spec, ndim)
+
+  def specs(d: int, free: tuple[str, ...]):
+    if d == ndim:
+      yield []
+      return
+    for k in range(1 if d in whole else len(free) + 1):  # (a whole dim: no axes)
+      for axes in itertools.permutations(free, k):
+        for tail in specs(d + 1, tuple(a for a in free if a not in axes)):
+          yield [axes, *tail]
+
+  keep = [d for d in range(ndim) if d not in whole]
+
+  def same(candidate: NamedSharding) -> bool:
+    if not whole:
+      return candidate.is_equivalent_to(sharding, ndim)
+    try:
+      mine, given = (s.devices_indices_map(tuple(shape.shape)) for s in (candidate, sharding))
+    except ValueError:  # (a spec whose split does not divide a dim: not XLA's)
+      return False
+    return all([mine[dev][d] for d in keep] == [given[dev][d] for d in keep] for dev in given)
+
+  for dims in specs(0, tuple(mesh.axis_names)):
+    if same(NamedSharding(mesh, P(*[d if d else None for d in dims]))):
+      return dims
+  return None
 
 
 def _per_device_cached(kc: KernelCall, plans, *operands):
@@ -208,7 +253,10 @@ def _replicated_like(sharding):
   return type(sharding).get_replicated(devices)
 
 
-_partitioned.def_partition(partition=_partition, sharding_rule=_rule)
+# The shardings reach :func:`_partition` as XLA gives them (``decode_shardings=False``), and
+# :func:`_named_dims` reads them: JAX's own reading fails on a sharding that gives a dim part of
+# a mesh axis, which Shardy may choose for an output with fewer rows than devices.
+_partitioned.def_partition(partition=_partition, sharding_rule=_rule, decode_shardings=False)
 
 
 # ----------------------------------------------------------------------------- Explicit meshes
