@@ -49,6 +49,7 @@ GROUPS = [
     ("shard_map/check_vma/", 6, False),
     ("shard_map/no_check_vma/", 4, False),
     ("shard_map/partly_manual/", 5, False),
+    ("shard_map/partly_manual_one_device_axis/", 4, False),
     ("tpu/batch/", 4, False),
     ("tpu/height/", 4, False),
     ("export/sharded", 1, False),

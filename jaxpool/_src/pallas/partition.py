@@ -96,9 +96,16 @@ _partitioned = custom_partitioning(_whole, static_argnums=(0,))
 
 
 def _one_device(ctx) -> bool:
-  """Whether the program being lowered runs on one device (inside ``shard_map``: not known
-  here, and ``custom_partitioning`` sorts out the manual axes itself)."""
-  return getattr(ctx.module_context.axis_context, "num_devices", None) == 1
+  """Whether each device runs the whole kernel call on what it holds: the program runs on one
+  device, or inside a ``shard_map`` whose mesh axes left to the compiler have one device each
+  (``custom_partitioning`` itself lowers the plain call when every axis is manual; with an
+  automatic axis of one device, JAX 0.10-0.11 fail to read its shardings)."""
+  axis_context = ctx.module_context.axis_context
+  if getattr(axis_context, "num_devices", None) == 1:
+    return True
+  manual, mesh = getattr(axis_context, "manual_axes", ()), getattr(axis_context, "mesh", None)
+  return bool(manual) and mesh is not None and all(
+      size == 1 for name, size in mesh.shape.items() if name not in manual)
 
 
 def _lowering(ctx, *operands, kc: KernelCall):
