@@ -40,6 +40,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import warnings
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "support"))
 import device_checks  # noqa: E402  (tests/support: run as a script, it is not on the path)
@@ -281,6 +282,30 @@ def few_outputs_case():
 
 
 few_outputs_case()
+
+
+@check("auto/height_few_outputs/uneven_batch_chain")
+def _():
+  # Two pools in a row, batch (3, which axis b does not divide) and height split: the second
+  # pool has fewer output rows than devices, and its sharding cannot be said over the mesh;
+  # its spatial rows are taken whole while the uneven batch split is kept.
+  pool1 = dict(window_shape=(2, 3), strides=(2, 1), padding=((0, 0), (1, 1)),
+               implementation="pallas")
+  pool2 = dict(window_shape=(2, 1), strides=(2, 1), padding=0, implementation="pallas")
+
+  def pool(v):
+    return jaxpool.max_pool(jaxpool.max_pool(v, **pool1), **pool2)
+
+  x = tie_rich(17, (3, 3 * MESH_SHAPE[0], 5, 3))
+  dy = tie_rich(18, jax.eval_shape(pool, x).shape)
+  split = lambda v: jax.lax.with_sharding_constraint(v, NamedSharding(AUTO, P("b", "a")))  # noqa: E731
+  fwd = jax.jit(lambda v: pool(split(v)))
+  grad = jax.jit(lambda v, d: jax.vjp(pool, split(v))[1](d)[0])
+  one = jax.devices()[0]
+  x1, dy1 = jax.device_put(x, one), jax.device_put(dy, one)
+  assert_equal(fwd(x), jax.jit(pool)(x1), "value, sharded vs one device")
+  assert_equal(grad(x, dy), jax.jit(lambda v, d: jax.vjp(pool, v)[1](d)[0])(x1, dy1),
+               "gradient, sharded vs one device")
 run_case("auto/1d_length", AUTO, tie_rich(4, (3, 32, 2)), P(None, "a"),
          dict(window_shape=(3,), strides=(2,), padding=1), spatial_rows={1: 5},
          only=("max_taps", "grad_max", "grad_avg"))
@@ -417,6 +442,27 @@ shard_map_case("partly_manual_one_device_axis", check_vma=True, axis_names=froze
                mesh=jax.make_mesh((MESH_SHAPE[0], 1), ("a", "b"), axis_types=(AxisType.Auto,) * 2,
                                   devices=DEVICES[:MESH_SHAPE[0]]),
                only=("max", "grad_max", "avg", "grad_avg"))
+
+
+@check("shard_map/partly_manual_mesh_context/max")
+def _():
+  # A partly manual shard_map under the older `with mesh:` context, the height split over the
+  # axis left to the compiler inside: the kernel's shardings there hold the manual axis'
+  # subgroups, which JAX cannot read as a PartitionSpec (the block is gathered instead).
+  kw = dict(K3S2, implementation="pallas")
+
+  def inner(v):
+    return jaxpool.max_pool(jax.lax.with_sharding_constraint(v, P(None, "b")), **kw)
+
+  f = jax.jit(jax.shard_map(inner, mesh=AUTO, in_specs=P("a"), out_specs=P("a"),
+                            axis_names=frozenset({"a"}), check_vma=False))
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)
+    with AUTO:
+      out = f(jax.device_put(x2, NamedSharding(AUTO, P("a"))))
+  one = jax.devices()[0]
+  assert_equal(out, jax.jit(lambda v: jaxpool.max_pool(v, **kw))(jax.device_put(x2, one)),
+               "shard_map vs one device")
 
 
 @check("shard_map/check_vma/grads")

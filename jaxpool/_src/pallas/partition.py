@@ -218,13 +218,14 @@ def _named_dims(mesh, shape, whole=()) -> list[tuple[str, ...]] | None:
           yield [axes, *tail]
 
   keep = [d for d in range(ndim) if d not in whole]
+  tiles = _tile_shape(sharding, ndim)
 
   def same(candidate: NamedSharding) -> bool:
-    if not whole:
-      return candidate.is_equivalent_to(sharding, ndim)
     try:
-      mine, given = (s.devices_indices_map(tuple(shape.shape)) for s in (candidate, sharding))
-    except ValueError:  # (a spec whose split does not divide a dim: not XLA's)
+      if not whole:
+        return candidate.is_equivalent_to(sharding, ndim)
+      mine, given = (s.devices_indices_map(tiles) for s in (candidate, sharding))
+    except Exception:  # noqa: BLE001 - JAX cannot read it (manual subgroups, another device count)
       return False
     return all([mine[dev][d] for d in keep] == [given[dev][d] for d in keep] for dev in given)
 
@@ -232,6 +233,13 @@ def _named_dims(mesh, shape, whole=()) -> list[tuple[str, ...]] | None:
     if same(NamedSharding(mesh, P(*[d if d else None for d in dims]))):
       return dims
   return None
+
+
+def _tile_shape(sharding, ndim: int) -> tuple[int, ...]:
+  """A shape that every split of ``sharding`` divides (each dim's device count divides the
+  number of devices), to read its tiling with JAX's shape-checking methods where the real
+  sizes (padded blocks) do not divide."""
+  return (len(sharding.device_set),) * ndim
 
 
 def _per_device_cached(kc: KernelCall, plans, *operands):
@@ -247,8 +255,12 @@ def _partition_unnamed(kc: KernelCall, mesh, arg_shapes, result_shape):
   base = arg_shapes[-1]
   sharding = base.sharding
   ndim = len(base.shape)
-  block = sharding.shard_shape(tuple(base.shape))
-  if any(block[ax] != base.shape[ax] for ax in kc.geom.spatial_axes(ndim)):
+  tiles = _tile_shape(sharding, ndim)
+  try:
+    block = sharding.shard_shape(tiles)
+  except Exception:  # noqa: BLE001 - a sharding JAX cannot read: gathered, which is always right
+    block = ()
+  if not block or any(block[ax] != tiles[ax] for ax in kc.geom.spatial_axes(ndim)):
     sharding = _replicated_like(sharding)
   results = (sharding,) * kc.n_out
   lower = functools.partial(_per_device_cached, kc, ())
