@@ -121,15 +121,24 @@ def test_every_candidate_gives_the_same_bits_interpret_max(rng):
                                 ("argmax_fwd", "max_bwd")) >= 4
 
 
+# At XLA:CPU's default optimisation level, LLVM fuses the average gradient's quotient with the
+# sum's add (a fused multiply-add) in some vector widths only, so interpret-mode bits of that
+# kernel depend on the tile there (docs/tuning.md); `make test` compiles without LLVM's
+# optimisations, where they do not. Elsewhere the average gradient is left out.
+_LLVM_UNOPTIMISED = "--xla_backend_optimization_level=0" in os.environ.get("XLA_FLAGS", "")
+_INTERPRET_OPS = triton.OPS if _LLVM_UNOPTIMISED else tuple(
+    op for op in triton.OPS if op != "avg_bwd")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("case", BIT_CASES, ids=["2d_last", "2d_first", "3d_last"])
 def test_every_candidate_gives_the_same_bits_interpret(rng, case):
-  assert _check_every_candidate(rng, case, jnp.float32, interpret=True) >= 10
+  assert _check_every_candidate(rng, case, jnp.float32, True, _INTERPRET_OPS) >= 8
 
 
 @pytest.mark.slow
 def test_every_candidate_gives_the_same_bits_interpret_bfloat16(rng):
-  _check_every_candidate(rng, BIT_CASES[0], jnp.bfloat16, interpret=True)
+  _check_every_candidate(rng, BIT_CASES[0], jnp.bfloat16, True, _INTERPRET_OPS)
 
 
 def test_candidates_are_bounded_powers_of_two_heuristic_first():
