@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 
 import jax
 import numpy as np
@@ -203,10 +204,18 @@ def _named_dims(mesh, shape, whole=()) -> list[tuple[str, ...]] | None:
   """The mesh axes that split each dim of ``shape`` under its sharding, or None where no
   :class:`PartitionSpec` over ``mesh`` gives that sharding (part of a mesh axis on a dim, or
   manual axes). With ``whole`` (dims), the spec that leaves those dims whole and splits the
-  others as the sharding does. Tries every spec over the mesh's axes (a mesh has a few)."""
+  others as the sharding does. Tries the specs over the mesh's axes that split each dim as
+  many ways as the sharding does."""
   sharding, ndim = shape.sharding, len(shape.shape)
   if isinstance(sharding, NamedSharding) and not whole:
     return spec_dims(sharding.spec, ndim)
+
+  tiles = _tile_shape(sharding, ndim)
+  try:  # how many ways the sharding splits each dim: the search tries only axes that many
+    ways = [t // b for t, b in zip(tiles, sharding.shard_shape(tiles))]
+  except Exception:  # noqa: BLE001 - JAX cannot read it (manual subgroups, another device count)
+    return None
+  size = dict(mesh.shape)
 
   def specs(d: int, free: tuple[str, ...]):
     if d == ndim:
@@ -214,11 +223,12 @@ def _named_dims(mesh, shape, whole=()) -> list[tuple[str, ...]] | None:
       return
     for k in range(1 if d in whole else len(free) + 1):  # (a whole dim: no axes)
       for axes in itertools.permutations(free, k):
+        if d not in whole and math.prod(size[a] for a in axes) != ways[d]:
+          continue
         for tail in specs(d + 1, tuple(a for a in free if a not in axes)):
           yield [axes, *tail]
 
   keep = [d for d in range(ndim) if d not in whole]
-  tiles = _tile_shape(sharding, ndim)
 
   def same(candidate: NamedSharding) -> bool:
     try:
