@@ -210,10 +210,8 @@ def _named_dims(mesh, shape, whole=()) -> list[tuple[str, ...]] | None:
   if isinstance(sharding, NamedSharding) and not whole:
     return spec_dims(sharding.spec, ndim)
 
-  tiles = _tile_shape(sharding, ndim)
-  try:  # how many ways the sharding splits each dim: the search tries only axes that many
-    ways = [t // b for t, b in zip(tiles, sharding.shard_shape(tiles))]
-  except Exception:  # noqa: BLE001 - JAX cannot read it (manual subgroups, another device count)
+  ways = _split_ways(sharding, ndim)  # (the search tries only axes that split a dim as many)
+  if ways is None:
     return None
   size = dict(mesh.shape)
 
@@ -234,7 +232,8 @@ def _named_dims(mesh, shape, whole=()) -> list[tuple[str, ...]] | None:
     try:
       if not whole:
         return candidate.is_equivalent_to(sharding, ndim)
-      mine, given = (s.devices_indices_map(tiles) for s in (candidate, sharding))
+      divisible = (len(sharding.device_set),) * ndim  # (as in _split_ways)
+      mine, given = (s.devices_indices_map(divisible) for s in (candidate, sharding))
     except Exception:  # noqa: BLE001 - JAX cannot read it (manual subgroups, another device count)
       return False
     return all([mine[dev][d] for d in keep] == [given[dev][d] for d in keep] for dev in given)
@@ -245,11 +244,15 @@ def _named_dims(mesh, shape, whole=()) -> list[tuple[str, ...]] | None:
   return None
 
 
-def _tile_shape(sharding, ndim: int) -> tuple[int, ...]:
-  """A shape that every split of ``sharding`` divides (each dim's device count divides the
-  number of devices), to read its tiling with JAX's shape-checking methods where the real
-  sizes (padded blocks) do not divide."""
-  return (len(sharding.device_set),) * ndim
+def _split_ways(sharding, ndim: int) -> list[int] | None:
+  """How many ways ``sharding`` splits each dim, or None where JAX cannot read it (manual
+  subgroups, another device count). Read on a shape that every split divides (the device
+  count on each dim): the real sizes need not divide (XLA pads the blocks)."""
+  tiles = (len(sharding.device_set),) * ndim
+  try:
+    return [t // b for t, b in zip(tiles, sharding.shard_shape(tiles))]
+  except Exception:  # noqa: BLE001 - any failure to read it means: not readable
+    return None
 
 
 def _per_device_cached(kc: KernelCall, plans, *operands):
@@ -259,18 +262,14 @@ def _per_device_cached(kc: KernelCall, plans, *operands):
 
 
 def _partition_unnamed(kc: KernelCall, mesh, arg_shapes, result_shape):
-  """Shardings without mesh axis names (inside a ``shard_map`` over some of the mesh's axes):
-  batch and channel blocks run as they are; a spatial split, which needs the names for its
-  halos, is undone (the block gathered) first."""
+  """Shardings that no mesh axis names say (inside a ``shard_map`` over some of the mesh's
+  axes, or with manual subgroups): batch and channel blocks run as they are; a spatial split,
+  which needs the names for its halos, or a sharding JAX cannot read, is undone (the block
+  gathered) first."""
   base = arg_shapes[-1]
   sharding = base.sharding
-  ndim = len(base.shape)
-  tiles = _tile_shape(sharding, ndim)
-  try:
-    block = sharding.shard_shape(tiles)
-  except Exception:  # noqa: BLE001 - a sharding JAX cannot read: gathered, which is always right
-    block = ()
-  if not block or any(block[ax] != tiles[ax] for ax in kc.geom.spatial_axes(ndim)):
+  ways = _split_ways(sharding, len(base.shape))
+  if ways is None or any(ways[ax] > 1 for ax in kc.geom.spatial_axes(len(base.shape))):
     sharding = _replicated_like(sharding)
   results = (sharding,) * kc.n_out
   lower = functools.partial(_per_device_cached, kc, ())
