@@ -5,22 +5,35 @@ Parts (``--parts``, comma-separated):
 * ``pool``: the gradient of a 3x3x3/s2/p1 max pool and average pool on 2x128x128x128x32
   (float32 and bfloat16): one GPU, the batch split over every GPU, the depth split over every
   GPU; ``lax.reduce_window`` (``implementation="xla"``) beside jaxpool's kernels; the compiled
-  program's collectives listed.
+  program's collectives listed. Each row has two times: ``ms``, one call of a program that
+  takes one gradient, and ``chain_ms``, one program that takes ``--chain`` K gradients (10; 0:
+  none), divided by K. The chain is unrolled (a ``lax.fori_loop`` is an XLA while loop, whose
+  trips a GPU syncs with the host); call k+1's input is call k's gradient, sharded as the
+  input, each call has its own cotangent and every gradient is returned (the average pool's
+  gradient does not read its input: with one cotangent XLA would merge the calls, and without
+  the outputs drop all but the last). A program's launch on several devices, about as long as
+  the smaller gradients, is then paid once for K gradients, as in a training step. The rows
+  also give the input's and output's ``PartitionSpec`` and the chain's collectives
+  (``chain_collectives``: K times one call's).
 * ``vgg``: an unmodified Flax VGG-16 training step (224x224, bfloat16, ``--per-gpu`` images per
   GPU) with and without ``jaxpool.optimize``: the global batch on one GPU, and split over every
-  GPU on an Auto mesh, on an Explicit mesh and inside ``shard_map``; losses compared with one GPU.
+  GPU on an Auto mesh, on an Explicit mesh and inside ``shard_map`` (``--modes`` takes some of
+  ``one GPU,auto,explicit,shard_map``); losses compared with one GPU's.
 * ``unet``: a 3-D U-Net-style training step (Flax) on a volume split along depth over every GPU,
   with and without ``jaxpool.optimize``.
 
-Prints a table and writes JSON (``--out``). With ``--cpu-devices N`` it runs on N forced CPU
+Prints a table and writes JSON (``--out``) with ``XLA_FLAGS`` and ``JAXPOOL_TUNE`` as they
+were (``xla_flags``, ``jaxpool_tune``). With ``--cpu-devices N`` it runs on N forced CPU
 devices at toy sizes (a smoke test of the script, not a measurement).
 
     python benchmarks/multi_gpu.py --out benchmarks/results/multi_gpu.json
+    python benchmarks/multi_gpu.py --parts vgg --modes "one GPU,auto"
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import re
@@ -30,14 +43,29 @@ import time
 from pathlib import Path
 
 
+VGG_MODES = ("one GPU", "auto", "explicit", "shard_map")
+
+
 def parse(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--parts", default="pool,vgg,unet")
   p.add_argument("--per-gpu", type=int, default=64, help="VGG images per GPU")
+  p.add_argument("--modes", default=",".join(VGG_MODES),
+                 help=f"VGG modes, comma-separated, from {', '.join(VGG_MODES)}")
+  p.add_argument("--chain", type=int, default=10,
+                 help="pool gradients chained in one program (chain_ms); 0: none")
   p.add_argument("--reps", type=int, default=20)
   p.add_argument("--out", default="")
   p.add_argument("--cpu-devices", type=int, default=0)
-  return p.parse_args(argv)
+  args = p.parse_args(argv)
+  modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+  unknown = [m for m in modes if m not in VGG_MODES]
+  if unknown or not modes:
+    p.error(f"--modes takes a comma list of {', '.join(VGG_MODES)}; got {args.modes!r}")
+  args.modes = modes
+  if args.chain < 0:
+    p.error(f"--chain must be 0 (off) or a positive count; got {args.chain}")
+  return args
 
 
 ARGS = parse()
@@ -104,10 +132,14 @@ def pool_part():
   kw = dict(window_shape=(3, 3, 3), strides=(2, 2, 2), padding=1)
   rng = np.random.default_rng(0)
   m = mesh()
+  k = ARGS.chain
   for dtype in (jnp.float32, jnp.bfloat16):
     x = jnp.asarray(rng.standard_normal(shape), dtype)
     y_shape = jax.eval_shape(lambda v: jaxpool.max_pool(v, **kw), x).shape
     dy = jnp.asarray(rng.standard_normal(y_shape), dtype)
+    # The chain's cotangents, one a call: the average pool's gradient does not read its input,
+    # so XLA would merge K calls on one dy into one.
+    dys = [dy] + [jnp.asarray(rng.standard_normal(y_shape), dtype) for _ in range(k - 1)]
     for op in ("max_pool", "avg_pool"):
       for impl in ("xla", None):
         pool = getattr(jaxpool, op)
@@ -115,25 +147,51 @@ def pool_part():
         def grad(v, d, pool=pool, impl=impl):
           return jax.vjp(lambda u: pool(u, **kw, implementation=impl), v)[1](d)[0]
 
-        fn = jax.jit(grad)
-        ref = None
+        def chain(v, *ds, grad=grad):
+          # Unrolled on purpose: a lax.fori_loop is an XLA while loop, whose trips a GPU
+          # syncs with the host. Each call's input is the previous call's gradient; every
+          # gradient is returned (the average pool's do not feed the next call, and XLA would
+          # drop all but the last).
+          dxs = []
+          for d in ds:
+            v = grad(v, d)
+            dxs.append(v)
+          return tuple(dxs)
+
+        fn, chain_fn = jax.jit(grad), jax.jit(chain)
+        ref = chain_ref = None
         for split, spec in (("one GPU", None), ("batch", P("d")), ("depth", P(None, "d"))):
           if spec is None:
-            args = [jax.device_put(a, jax.devices()[0]) for a in (x, dy)]
+            put = functools.partial(jax.device_put, device=jax.devices()[0])
           else:
-            args = [jax.device_put(a, NamedSharding(m, spec)) for a in (x, dy)]
+            put = functools.partial(jax.device_put, device=NamedSharding(m, spec))
+          args = [put(a) for a in (x, dy)]
           compiled = fn.lower(*args).compile()
           out = compiled(*args)
           if ref is None:
             ref = np.asarray(out.astype(jnp.float32))
           same = bool(np.array_equal(np.asarray(out.astype(jnp.float32)), ref))
-          ROWS.append(dict(part="pool", dtype=jnp.dtype(dtype).name, op=op,
-                           impl="jaxpool" if impl is None else "reduce_window", split=split,
-                           devices=1 if spec is None else N, ms=timed(compiled, *args),
-                           equal_to_one_gpu=same,
-                           out_spec=str(getattr(out.sharding, "spec", "")),
-                           collectives=collectives(compiled)))
-          print(json.dumps(ROWS[-1]), flush=True)
+          row = dict(part="pool", dtype=jnp.dtype(dtype).name, op=op,
+                     impl="jaxpool" if impl is None else "reduce_window", split=split,
+                     devices=1 if spec is None else N, ms=timed(compiled, *args),
+                     equal_to_one_gpu=same,
+                     in_spec=str(getattr(args[0].sharding, "spec", "")),
+                     out_spec=str(getattr(out.sharding, "spec", "")),
+                     collectives=collectives(compiled))
+          if k:
+            chain_args = [args[0]] + [put(d) for d in dys]
+            chain_compiled = chain_fn.lower(*chain_args).compile()
+            chain_out = chain_compiled(*chain_args)[-1]
+            if chain_ref is None:
+              chain_ref = np.asarray(chain_out.astype(jnp.float32))
+            row.update(
+              chain=k, chain_ms=timed(chain_compiled, *chain_args) / k,
+              chain_equal_to_one_gpu=bool(np.array_equal(
+                np.asarray(chain_out.astype(jnp.float32)), chain_ref)),
+              chain_out_spec=str(getattr(chain_out.sharding, "spec", "")),
+              chain_collectives=collectives(chain_compiled))
+          ROWS.append(row)
+          print(json.dumps(row), flush=True)
 
 
 # ----------------------------------------------------------------------------- VGG
@@ -173,7 +231,7 @@ def vgg_part():
   for variant in ("plain", "optimize"):
     apply = model.apply if variant == "plain" else jaxpool.optimize(model.apply)
     ref_loss = None
-    for mode in ("one GPU", "auto", "explicit", "shard_map"):
+    for mode in [m for m in VGG_MODES if m in ARGS.modes]:
       step = make_step(apply, "d" if mode == "shard_map" else None)
       try:
         if mode == "one GPU":
@@ -203,11 +261,12 @@ def vgg_part():
         out = jax.block_until_ready(fn(*args))
         first_s = time.perf_counter() - t0
         loss = float(out[2])
-        ref_loss = loss if ref_loss is None else ref_loss
+        if mode == "one GPU":
+          ref_loss = loss
         ms = timed(lambda fn=fn, args=args: fn(*args)[2])
         row = dict(part="vgg", variant=variant, mode=mode, devices=1 if mode == "one GPU" else N,
                    global_batch=per * N, ms=ms, first_step_s=first_s, loss=loss,
-                   loss_vs_one_gpu=abs(loss - ref_loss))
+                   loss_vs_one_gpu=None if ref_loss is None else abs(loss - ref_loss))
       except Exception as e:  # noqa: BLE001 - reported in the table
         row = dict(part="vgg", variant=variant, mode=mode, error=f"{type(e).__name__}: {e}"[:300])
       ROWS.append(row)
@@ -268,16 +327,28 @@ def unet_part():
 
 
 def table() -> str:
-  lines = [f"devices: {N} x {jax.devices()[0].device_kind}"]
+  lines = [f"devices: {N} x {jax.devices()[0].device_kind}, jax {jax.__version__}",
+           f"XLA_FLAGS: {os.environ.get('XLA_FLAGS', '')!r}",
+           f"JAXPOOL_TUNE: {os.environ.get('JAXPOOL_TUNE', '')!r}"]
+  if any(r["part"] == "pool" and "chain_ms" in r for r in ROWS):
+    lines.append(f"pool: ms = one call; chain = per gradient in one program of {ARGS.chain} "
+                 f"chained gradients")
   for r in ROWS:
     if "error" in r:
       lines.append(f"{r['part']:5} {r.get('variant', '')} {r.get('mode', '')}: {r['error']}")
     elif r["part"] == "pool":
+      chain = ""
+      if "chain_ms" in r:
+        counts = {c: n for c, n in r["chain_collectives"].items() if not c.endswith("elems")}
+        chain = (f" chain {r['chain_ms']:8.3f} ms equal={r['chain_equal_to_one_gpu']} "
+                 f"out {r['chain_out_spec']} {counts}")
       lines.append(f"pool  {r['dtype']:8} {r['op']:8} {r['impl']:13} {r['split']:8} "
-                   f"{r['ms']:8.3f} ms  equal={r['equal_to_one_gpu']} {r['collectives']}")
+                   f"{r['ms']:8.3f} ms  equal={r['equal_to_one_gpu']} out {r['out_spec']} "
+                   f"{r['collectives']}{chain}")
     elif r["part"] == "vgg":
+      d = r["loss_vs_one_gpu"]
       lines.append(f"vgg   {r['variant']:8} {r['mode']:9} x{r['devices']} {r['ms']:8.2f} ms  "
-                   f"loss {r['loss']:.5f} (|d| vs 1 GPU {r['loss_vs_one_gpu']:.1e})")
+                   f"loss {r['loss']:.5f} (|d| vs 1 GPU {'n/a' if d is None else f'{d:.1e}'})")
     else:
       lines.append(f"unet  {r['variant']:8} depth x{r['devices']} {r['ms']:8.2f} ms  "
                    f"{r['collectives']}")
@@ -291,5 +362,7 @@ if __name__ == "__main__":
   print(table())
   if ARGS.out:
     Path(ARGS.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(ARGS.out).write_text(json.dumps(dict(device=jax.devices()[0].device_kind, devices=N,
-                                              jax=jax.__version__, rows=ROWS), indent=1))
+    Path(ARGS.out).write_text(json.dumps(dict(
+      device=jax.devices()[0].device_kind, devices=N, jax=jax.__version__,
+      xla_flags=os.environ.get("XLA_FLAGS", ""), jaxpool_tune=os.environ.get("JAXPOOL_TUNE", ""),
+      chain=ARGS.chain, rows=ROWS), indent=1))
