@@ -47,6 +47,14 @@ def max_only(x, w):
   return lax.reduce_window(x * w.mean(), -jnp.inf, lax.max, (1, 2, 2, 1), (1, 2, 2, 1), "VALID")
 
 
+def conv3_relu_max3d(x, w):
+  """A 3-D U-Net's way down: a 3x3x3 convolution, a ReLU, then a 2x2x2/s2 max pool."""
+  y = lax.conv_general_dilated(x, w, (1, 1, 1), "SAME",
+                               dimension_numbers=("NDHWC", "DHWIO", "NDHWC"))
+  return lax.reduce_window(jax.nn.relu(y), -jnp.inf, lax.max, (1, 2, 2, 2, 1), (1, 2, 2, 2, 1),
+                           "VALID")
+
+
 CASES = {
     "densenet_transition_56": (conv1x1_avg, (64, 56, 56, 256), (1, 1, 256, 128)),
     "densenet_transition_28": (conv1x1_avg, (64, 28, 28, 512), (1, 1, 512, 256)),
@@ -57,6 +65,9 @@ CASES = {
     "small_avg_8192": (avg_only, (8, 8, 8, 16), (1,)),
     "mid_max_32768": (max_only, (8, 16, 16, 16), (1,)),
     "mid_max_262144": (max_only, (32, 16, 16, 32), (1,)),
+    # The two pools of benchmarks/models_gpu.py's flax_unet3d (batch 2, 96^3, 32 features).
+    "unet3d_conv_relu_max_96": (conv3_relu_max3d, (2, 96, 96, 96, 32), (3, 3, 3, 32, 32)),
+    "unet3d_conv_relu_max_48": (conv3_relu_max3d, (2, 48, 48, 48, 64), (3, 3, 3, 64, 64)),
 }
 
 
