@@ -17,7 +17,8 @@ class Layout:
   """How a ``lax`` window op's dims map onto a jaxpool call, and back.
 
   ``perm`` moves the batch/channel dims in front of the pooled dims (None: no transpose);
-  ``expand`` adds a leading size-1 dim where there is no batch or channel dim at all.
+  ``expand`` adds a leading size-1 dim where there is no batch or channel dim at all;
+  ``why`` says why a layout that needs no transpose was transposed anyway (for the report).
   """
 
   perm: tuple[int, ...] | None
@@ -27,6 +28,7 @@ class Layout:
   strides: tuple[int, ...]
   padding: tuple[tuple[int, int], ...]
   dilation: tuple[int, ...]
+  why: str = ""
 
   def shape(self, shape: Sequence[int]) -> tuple[int, ...]:
     shape = tuple(shape)
@@ -48,6 +50,8 @@ class Layout:
 
   def describe(self) -> str:
     how = self.data_format + (", transposed" if self.perm is not None else "")
+    if self.why:
+      how = f"{self.data_format} on the transposed view: {self.why}"
     text = f"window {self.window}, strides {self.strides}, padding {self.padding}"
     if any(d != 1 for d in self.dilation):
       text += f", dilation {self.dilation}"

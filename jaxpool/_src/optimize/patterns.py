@@ -22,6 +22,7 @@ from jax.extend.core import primitives as prims
 
 from jaxpool._src import api
 from jaxpool._src import relu_fold
+from jaxpool._src.optimize import conv_layout
 from jaxpool._src.optimize.cost import kernels_by_default
 from jaxpool._src.optimize.dataflow import Dataflow, shape
 from jaxpool._src.optimize.interpreter import Rule, Rules, alias, src_info
@@ -74,10 +75,15 @@ def common_checks(p: dict, x, *, allow_int: bool) -> str | None:
   return None
 
 
-def window_layout(p: dict, x, *, allow_int: bool, dilation: bool = True) -> Layout | str:
-  return common_checks(p, x, allow_int=allow_int) or layout(
+def window_layout(ctx: Context, g: Dataflow, p: dict, x, *, allow_int: bool,
+                  dilation: bool = True) -> Layout | str:
+  """The layout of a ``lax`` window op's params ``p`` on ``x`` (a string says why there is
+  none), transposed where ``x`` comes from a convolution that XLA lays out channels-first
+  (:func:`.conv_layout.view`)."""
+  lay = common_checks(p, x, allow_int=allow_int) or layout(
       shape(x), p["window_dimensions"], p["window_strides"], p["padding"],
       p["window_dilation"] if dilation else None)
+  return lay if isinstance(lay, str) else conv_layout.view(g, x, lay, ctx.implementation)
 
 
 def _passes(g: Dataflow, eqn) -> bool:
@@ -209,7 +215,7 @@ def max_pool(ctx: Context, g: Dataflow, i: int, rules: Rules, where: str) -> boo
     if reason:
       ctx.note(where, eqn, False, reason)
       return True
-  lay = window_layout(eqn.params, x, allow_int=True)
+  lay = window_layout(ctx, g, eqn.params, x, allow_int=True)
   if isinstance(lay, str):
     ctx.note(where, eqn, False, lay)
     return True
@@ -228,14 +234,14 @@ def max_pool(ctx: Context, g: Dataflow, i: int, rules: Rules, where: str) -> boo
   return True
 
 
-def _max_select_layout(ctx: Context, eqn, where: str, x, what: str, **layout):
+def _max_select_layout(ctx: Context, g: Dataflow, eqn, where: str, x, what: str, **layout):
   """The window layout of XLA's max-pool ``select_and_*`` op (``select_prim`` ``ge``), or None
   after noting why the site is left alone."""
   p = eqn.params
   if getattr(p["select_prim"], "name", None) != "ge":
     ctx.note(where, eqn, False, f"select_prim {p['select_prim']} (not a max pool's {what})")
     return None
-  lay = window_layout(p, x, allow_int=False, **layout)
+  lay = window_layout(ctx, g, p, x, allow_int=False, **layout)
   if isinstance(lay, str):
     ctx.note(where, eqn, False, lay)
     return None
@@ -246,7 +252,7 @@ def max_pool_grad(ctx: Context, g: Dataflow, i: int, rules: Rules, where: str) -
   """``select_and_scatter_add`` with ``ge``: XLA's max-pool gradient."""
   eqn = g.eqns[i]
   dy, x = eqn.invars
-  lay = _max_select_layout(ctx, eqn, where, x, "gradient", dilation=False)
+  lay = _max_select_layout(ctx, g, eqn, where, x, "gradient", dilation=False)
   if lay is None:
     return True
   impl = ctx.implementation
@@ -266,7 +272,7 @@ def max_pool_jvp(ctx: Context, g: Dataflow, i: int, rules: Rules, where: str) ->
   """``select_and_gather_add`` with ``ge``: the JVP of XLA's max pool."""
   eqn = g.eqns[i]
   t, x = eqn.invars
-  lay = _max_select_layout(ctx, eqn, where, x, "JVP")
+  lay = _max_select_layout(ctx, g, eqn, where, x, "JVP")
   if lay is None:
     return True
   impl = ctx.implementation

@@ -58,7 +58,7 @@ def avg_pool(ctx: Context, g: Dataflow, i: int, rules: Rules, where: str) -> boo
     return False
   div = g.eqns[div_idx]
   den = div.invars[1]
-  lay = window_layout(p, x, allow_int=int_to is not None)
+  lay = window_layout(ctx, g, p, x, allow_int=int_to is not None)
   count_include_pad, divisor = True, None
   drop: list[int] = []
   c = uniform(g.value(den))
