@@ -8,6 +8,8 @@ capability; the kernels run in interpret mode on a CPU.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -197,3 +199,34 @@ def test_compute_capability_of_this_machine():
     assert cc == tuple(int(v) for v in str(dev.compute_capability).split(".")[:2])
   else:
     assert cc is None
+
+
+def test_the_walk_back_to_the_convolution(gpu):
+  """Through a broadcast bias, conversions, a jit and up to 32 elementwise ops; not through an
+  elementwise op of two activations (which one's layout?) nor a conv of another layout."""
+  gpu((9, 0))
+  _, (w, b, x) = conv_relu_pool(3)
+  win = (1, 2, 2, 2, 1)
+  spec = ("NDHWC", "DHWIO", "NDHWC")
+  conv = lambda x: lax.conv_general_dilated(x, w, (1, 1, 1), "SAME", dimension_numbers=spec)
+  mp = lambda y: lax.reduce_window(y, -jnp.inf, lax.max, win, win, "VALID")
+  report = lambda f, *a: pool(jaxpool.optimize(f, implementation="pallas", cost=ALWAYS).report(*a))
+
+  def chain(x):
+    y = conv(x) + jnp.broadcast_to(b, (2, 4, 4, 4, 4))
+    y = jax.jit(lambda v: jax.nn.relu(v.astype(jnp.bfloat16)) * 2)(y)
+    return mp(y.astype(jnp.float32))
+  assert TRANSPOSED in report(chain, x)
+
+  negs = lambda n: lambda x: mp(functools.reduce(lambda v, _: -v, range(n), conv(x)))
+  assert TRANSPOSED in report(negs(32), x)
+  assert "transposed" not in report(negs(33), x)
+
+  residual = lambda x, r: mp(conv(x) + r)
+  assert "transposed" not in report(residual, x, jnp.zeros((2, 4, 4, 4, 4)))
+
+  def other_spec(x):  # the convolution's output is NCDHW, made NDHWC by a transpose
+    y = lax.conv_general_dilated(x, w, (1, 1, 1), "SAME",
+                                 dimension_numbers=("NDHWC", "DHWIO", "NCDHW"))
+    return mp(jnp.moveaxis(y, 1, -1))
+  assert "transposed" not in report(other_spec, x)

@@ -22,8 +22,10 @@ kind of GPU) decides the same, so they compile the same program.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.extend import core
 from jax.extend.core import primitives as prims
@@ -73,7 +75,7 @@ def conv_is_channels_first(compute_capability: tuple[int, int], spatial_dims: in
   dtype = np.dtype(dtype)
   if tuple(compute_capability) >= (9, 0):
     return spatial_dims >= 3 or dtype == np.float64
-  half = dtype in (np.dtype(jax.numpy.float16), np.dtype(jax.numpy.bfloat16))
+  half = dtype in (np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
   return not (half and spatial_dims == 2 and tuple(compute_capability) >= (7, 0))
 
 
@@ -96,19 +98,26 @@ def _cc_of_kernels(implementation) -> tuple[int, int] | None:
   return compute_capability()
 
 
-def _follow(eqn) -> int | None:
+Producer = Callable[[core.Var], "core.JaxprEqn | None"]
+
+
+def _follow(eqn, producer: Producer) -> int | None:
   """The operand of an elementwise ``eqn`` that the walk follows: the only one of the output's
-  shape, the others broadcast along it (a bias, a scalar); None for anything else."""
+  shape that is not a broadcast, the others broadcast along it (a bias, a scalar); None for
+  anything else."""
   if len(eqn.outvars) != 1 or eqn.primitive.name not in ELEMENTWISE:
     return None
   out = tuple(eqn.outvars[0].aval.shape)
-  same = [k for k, v in enumerate(eqn.invars) if tuple(getattr(v.aval, "shape", ())) == out]
-  if len(same) != 1 or not isinstance(eqn.invars[same[0]], core.Var):
-    return None
-  for v in eqn.invars:
+  same = []
+  for k, v in enumerate(eqn.invars):
     s = tuple(getattr(v.aval, "shape", ()))
     if s and (len(s) != len(out) or any(a not in (1, b) for a, b in zip(s, out))):
       return None
+    made = producer(v) if isinstance(v, core.Var) else None
+    if s == out and not (made is not None and made.primitive is prims.broadcast_in_dim_p):
+      same.append(k)
+  if len(same) != 1 or not isinstance(eqn.invars[same[0]], core.Var):
+    return None
   return same[0]
 
 
@@ -121,26 +130,28 @@ def _through_call(eqn, budget: list[int]) -> int | None:
   jaxpr = getattr(closed, "jaxpr", closed)
   if not isinstance(jaxpr, core.Jaxpr) or len(jaxpr.invars) != len(eqn.invars):
     return None
-  producer = {v: e for e in jaxpr.eqns for v in e.outvars}
-  end = _walk(producer, jaxpr.outvars[0], budget)
+  made = {v: e for e in jaxpr.eqns for v in e.outvars}
+  end = _walk(made.get, jaxpr.outvars[0], budget)
   if not isinstance(end, core.Var) or end not in jaxpr.invars:
     return None
   k = jaxpr.invars.index(end)
   return k if isinstance(eqn.invars[k], core.Var) else None
 
 
-def _walk(producer: dict, atom, budget: list[int]):
-  """Walks back from ``atom`` through elementwise ops and calls of them while ``budget[0]``
-  steps are left: the var where the walk stops (a var no equation of ``producer`` makes, or
-  made by the ``eqn`` returned in its place)."""
-  while isinstance(atom, core.Var) and atom in producer and budget[0] > 0:
-    budget[0] -= 1
-    eqn = producer[atom]
-    k = _follow(eqn)
-    if k is None:
+def _walk(producer: Producer, atom, budget: list[int]):
+  """Walks back from ``atom`` through at most ``budget[0]`` elementwise ops and calls of them
+  (the ops inside a call count too): the var where the walk stops (one that ``producer`` knows
+  no equation of), or the equation that stops it."""
+  while isinstance(atom, core.Var):
+    eqn = producer(atom)
+    if eqn is None:
+      return atom
+    k = _follow(eqn, producer)
+    if k is None and budget[0] > 0:
       k = _through_call(eqn, budget)
-    if k is None:
+    if k is None or budget[0] <= 0:
       return eqn
+    budget[0] -= 1
     atom = eqn.invars[k]
   return atom
 
@@ -149,7 +160,9 @@ def conv_before(g: Dataflow, atom):
   """The ``conv_general_dilated`` equation that makes ``atom`` through elementwise ops (a bias
   added, an activation, a conversion), at most :data:`MAX_STEPS` of them; None if none does.
   A transpose, a reshape or any other op on the way stops the walk."""
-  producer = {v: e for e in g.eqns for v in e.outvars}
+  def producer(v):
+    i = g.producer.get(v)
+    return None if i is None else g.eqns[i]
   end = _walk(producer, atom, [MAX_STEPS])
   if isinstance(end, core.JaxprEqn) and end.primitive is prims.conv_general_dilated_p:
     return end
