@@ -183,6 +183,9 @@ def view(g: Dataflow, x, lay: Layout, implementation) -> Layout:
   if (lay.data_format != "channels_last" or lay.perm is not None or lay.expand
       or ndim != len(lay.window) + 2):
     return lay
+  # The same in every process of a multi-process job: a pure function of the jaxpr, the
+  # implementation, the platform and the GPU's compute capability (the same GPUs, the same
+  # program), never of a timing or anything else that differs between processes.
   cc = _cc_of_kernels(implementation)
   if cc is None:
     return lay
