@@ -192,7 +192,7 @@ def view(g: Dataflow, x, lay: Layout, implementation) -> Layout:
   conv = conv_before(g, x)
   if conv is None:
     return lay
-  out_spec = tuple(conv.params["dimension_numbers"].out_spec)
+  out_spec = tuple(getattr(conv.params.get("dimension_numbers"), "out_spec", ()))
   if out_spec != (0, ndim - 1, *range(1, ndim - 1)):
     return lay
   if not conv_is_channels_first(cc, ndim - 2, conv.invars[0].aval.dtype):
