@@ -371,38 +371,62 @@ run_case("explicit/height", EXPLICIT, x2, P(None, "a"), K3S2, spatial_rows={1: 5
          ("max", "max_taps", "grad_max", "grad_from_taps", "avg", "grad_avg"))
 
 
-def _conds(jaxpr) -> int:
-  """``cond`` equations (``lax.switch`` compiles to a conditional) outside the kernels."""
-  n = 0
-  for eqn in jaxpr.eqns:
-    if "pallas" in eqn.primitive.name:
-      continue
-    n += eqn.primitive.name == "cond"
-    for v in eqn.params.values():
-      for sub in (v if isinstance(v, (tuple, list)) else (v,)):
-        inner = getattr(sub, "jaxpr", sub)
-        if hasattr(inner, "eqns"):
-          n += _conds(inner)
-  return n
+class _CountSwitches:
+  """Counts the ``lax.switch`` calls of jaxpool's partition code (``halo.py``: a switch over
+  the devices' positions compiles to a conditional) while it is in a ``with`` block. The
+  kernels' own ``pl.when`` (conditionals in interpret mode) are not switches, so they do not
+  count."""
+
+  def __init__(self):
+    from jaxpool._src.pallas import halo
+    self.halo, self.n = halo, 0
+
+  def __getattr__(self, name):
+    return getattr(jax.lax, name)
+
+  def switch(self, *args, **kwargs):
+    self.n += 1
+    return jax.lax.switch(*args, **kwargs)
+
+  def __enter__(self):
+    self.halo.lax = self
+    return self
+
+  def __exit__(self, *exc):
+    self.halo.lax = jax.lax
 
 
-@check("explicit/depth_one_program/grad_max")
-def _():
-  # A depth split whose block size the stride divides: every device runs the same kernel calls,
-  # with no switch over the devices' positions (on a GPU a conditional's branch index goes back
-  # to the host: on 2 H200s such a split gradient took longer than one GPU's whole problem).
+def depth_one_program_case():
+  """A depth split whose block size the stride divides: every device runs the same kernel
+  calls, with no switch over the devices' positions (on a GPU a conditional's branch index goes
+  back to the host: on 2 H200s such a split gradient took longer than one GPU's whole
+  problem). The max pool's gradient, and the average pool's where a padding row counts like
+  a data row (``count_include_pad``, or a fixed divisor); without ``count_include_pad`` a
+  device's neighbour rows cannot stand as padding, and the devices take their own branches."""
   n = MESH_SHAPE[0]
   x = tie_rich(13, (2, 4 * n, 6, 6, 2))
-  kw = dict(window_shape=(3, 3, 3), strides=(2, 2, 2), padding=1, implementation="pallas")
-  dy = tie_rich(14, jax.eval_shape(lambda v: jaxpool.max_pool(v, **kw), x).shape)
-  sharding = NamedSharding(EXPLICIT, P(None, "a"))
-  grad = jax.jit(lambda v, d: jax.vjp(lambda u: jaxpool.max_pool(u, **kw), v)[1](d)[0])
-  placed = [jax.device_put(a, sharding) for a in (x, dy)]
-  conds = _conds(jax.make_jaxpr(grad)(*placed).jaxpr)
-  assert conds == 0, f"{conds} switches over the devices"
-  one = jax.devices()[0]
-  assert_equal(grad(*placed), grad(jax.device_put(x, one), jax.device_put(dy, one)),
-               "sharded vs one device")
+  base = dict(window_shape=(3, 3, 3), strides=(2, 2, 2), padding=1, implementation="pallas")
+  cases = {"grad_max": (jaxpool.max_pool, {}, 0),
+           "grad_avg": (jaxpool.avg_pool, {}, 0),
+           "grad_avg_divisor": (jaxpool.avg_pool, dict(divisor_override=5), 0),
+           "grad_avg_exclude_pad": (jaxpool.avg_pool, dict(count_include_pad=False), None)}
+  for op, (pool, extra, want) in cases.items():
+
+    @check(f"explicit/depth_one_program/{op}")
+    def _(pool=pool, kw=dict(base, **extra), want=want):
+      dy = tie_rich(14, jax.eval_shape(lambda v: pool(v, **kw), x).shape)
+      sharding = NamedSharding(EXPLICIT, P(None, "a"))
+      grad = jax.jit(lambda v, d: jax.vjp(lambda u: pool(u, **kw), v)[1](d)[0])
+      placed = [jax.device_put(a, sharding) for a in (x, dy)]
+      with _CountSwitches() as switches:
+        grad.lower(*placed).compile()
+      assert want is None or switches.n == want, f"{switches.n} switches over the devices"
+      one = jax.devices()[0]
+      assert_equal(grad(*placed), grad(jax.device_put(x, one), jax.device_put(dy, one)),
+                   "sharded vs one device")
+
+
+depth_one_program_case()
 
 
 # ----------------------------------------------------------------------------- shard_map

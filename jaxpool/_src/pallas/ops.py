@@ -263,14 +263,19 @@ def _avg_forward(x, *, geom, interpret, kernels, count_include_pad, divisor_over
 
 
 def _avg_backward(ct, *, geom, interpret, kernels, count_include_pad, divisor_override):
+  # Where every row a window can reach past a device's block counts like a data row (a fixed
+  # divisor; or count_include_pad with no ceil-mode overhang, which is never counted: a window
+  # of a device's block can reach past the next devices' rows into it), the neighbour rows
+  # can stand as padding and each device's gradient block is computed in place (neutral_pads;
+  # every backward kernel divides each cotangent by its window's count on both code paths, so
+  # a window gives the same bits whichever path computes it). Windows past the input's end
+  # with a zero cotangent then add exact zeros, as the kernels' edge path adds for windows
+  # that do not exist, so every device can run one kernel call (pads_alike).
+  neutral = divisor_override is not None or (count_include_pad and not any(geom.extra))
   return partition.call(partition.kernel_call(
       _avg_backward_kernel, _avg_backward_xla, geom, backward=True, kernels=kernels,
-      # (Not neutral_pads: without count_include_pad a padding row changes a window's count.
-      # With it, or a fixed divisor, the GPU kernels' interior and edge paths now round alike
-      # (triton_avg.py), but an in-place backward has not been checked bit for bit on every
-      # backend, so each device's part keeps the whole problem's edges.)
-      interpret=interpret, count_include_pad=count_include_pad,
-      divisor_override=divisor_override), ct)
+      neutral_pads=neutral, pads_alike=neutral, interpret=interpret,
+      count_include_pad=count_include_pad, divisor_override=divisor_override), ct)
 
 
 # Average pooling is linear in x: the forward kernel, with the backward kernel as its transpose.
