@@ -413,7 +413,8 @@ def depth_one_program_case():
   for op, (pool, extra, want) in cases.items():
 
     @check(f"explicit/depth_one_program/{op}")
-    def _(pool=pool, kw=dict(base, **extra), want=want):
+    def _(pool=pool, extra=extra, want=want):
+      kw = dict(base, **extra)
       dy = tie_rich(14, jax.eval_shape(lambda v: pool(v, **kw), x).shape)
       sharding = NamedSharding(EXPLICIT, P(None, "a"))
       grad = jax.jit(lambda v, d: jax.vjp(lambda u: pool(u, **kw), v)[1](d)[0])
