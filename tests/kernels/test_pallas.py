@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from kernel_base import (CONFIGS, CONFIGS_ND, GPU_CONFIGS, ND_IDS, ON_GPU, bits_equal, check_avg,
-                         check_empty_windows_and_all_neg_inf, check_max,
-                         check_signed_zeros,
+                         check_avg_grad_zero_signs, check_empty_windows_and_all_neg_inf,
+                         check_max, check_signed_zeros,
                          check_vmap_grad_and_jvp, data, kw_of)
 
 import jaxpool
@@ -407,6 +407,13 @@ def test_signed_zeros_match_xla(rng, monkeypatch, cfg, dtype, form):
   check_signed_zeros(rng, cfg, dtype)
 
 
+@pytest.mark.parametrize("cfg,cip,div", [
+    (CONFIGS[2], True, None), (CONFIGS[0], False, None), (CONFIGS_ND[1], True, 5),
+    (CONFIGS_ND[0], True, None)], ids=["1d_edge", "2d_exclude_pad", "3d_divisor", "2d_first"])
+def test_avg_grad_zero_signs_match_xla(rng, cfg, cip, div):
+  check_avg_grad_zero_signs(rng, cfg, jnp.float32, cip, div)
+
+
 NAN_BITS = (0x7FC00000, 0xFFC00000, 0x7F800001, 0xFFFFFFFF, 0x7FC0BEEF)  # (signs, payloads)
 
 
@@ -459,6 +466,15 @@ def test_gpu_signed_zeros(rng, dtype):
   _need_gpu()
   for cfg in GPU_CONFIGS:
     check_signed_zeros(rng, cfg, dtype)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_gpu_avg_grad_zero_signs(rng, dtype):
+  _need_gpu()
+  for cfg in GPU_CONFIGS:
+    for cip, div in ((True, None), (False, None), (True, 7)):
+      check_avg_grad_zero_signs(rng, cfg, dtype, cip, div)
 
 
 @gpu

@@ -59,6 +59,13 @@ def test_avg_matches_xla(rng):
   base.check_avg(rng, base.CONFIGS[2], jnp.bfloat16, False, 5)
 
 
+@pytest.mark.parametrize("cfg,cip,div", [
+    (base.CONFIGS[2], True, None), (base.CONFIGS[0], False, None), (base.CONFIGS[1], True, 5)],
+    ids=["1d_edge", "2d_exclude_pad", "2d_dilated_ceil_divisor"])
+def test_avg_grad_zero_signs_match_xla(rng, cfg, cip, div):
+  base.check_avg_grad_zero_signs(rng, cfg, jnp.float32, cip, div)
+
+
 def test_empty_windows_and_all_neg_inf():
   base.check_empty_windows_and_all_neg_inf()
 

@@ -195,6 +195,31 @@ def check_empty_windows_and_all_neg_inf():
               jaxpool.avg_pool(x1, **kw1, implementation="xla"))
 
 
+def check_avg_grad_zero_signs(rng, cfg, dtype, count_include_pad, divisor_override):
+  """The average pool's gradient where it is zero has the XLA path's sign: its sums start from
+  ``+0.0`` (JAX's transpose of a window sum pads with zeros), so a gradient element whose
+  windows all send ``-0.0`` is ``+0.0``. Most cotangents are zeros of either sign; the rest are
+  +-1, so every nonzero element agrees to rounding and every zero exactly."""
+  shape, *geo = cfg
+  kw = kw_of(*geo)
+  kw.update(count_include_pad=count_include_pad, divisor_override=divisor_override)
+  x = jnp.zeros(shape, dtype)
+  y_shape = jax.eval_shape(lambda v: jaxpool.avg_pool(v, **kw), x).shape
+  dy = jnp.asarray(rng.choice(np.float32([-0.0, 0.0, 1.0, -1.0]), y_shape,
+                              p=[0.6, 0.2, 0.1, 0.1])).astype(dtype)
+
+  @functools.partial(jax.jit, static_argnums=0)
+  def grad(impl, x, dy):
+    return jax.vjp(lambda v: jaxpool.avg_pool(v, **kw, implementation=impl), x)[1](dy)[0]
+
+  got, want = np.float32(grad("pallas", x, dy)), np.float32(grad("xla", x, dy))
+  np.testing.assert_allclose(got, want, rtol=tol(dtype, 1), atol=0)
+  zero = want == 0
+  assert zero.any()
+  wrong = np.signbit(got[zero]) != np.signbit(want[zero])
+  assert not wrong.any(), f"{wrong.sum()} of {zero.sum()} zeros have the other sign"
+
+
 def check_signed_zeros(rng, cfg, dtype):
   """Windows whose maximum is zero, of either sign: ``+0.0`` beats ``-0.0`` (as in
   ``lax.max``), the first of equal zeros otherwise; values, taps and gradient bit for bit with

@@ -404,7 +404,12 @@ def _backward_kernel(*refs, g: Geom2, mode: str, include_pad: bool, divisor: int
                 acc = (acc + c).astype(dtype).astype(acc_t)
             else:
               c = jnp.where(ok, dyt, 0.0)
-              acc = c if acc is None else acc + c
+              if acc is None and len(plan[(rh, rw)]) < g.taps:
+                # A phase that skips taps: the XLA path adds +0.0 for each, so a zero sum is
+                # +0.0 (a select: XLA:CPU would fold 0.0 + c into c).
+                acc = jnp.where(c == 0, 0.0, c)
+              else:
+                acc = c if acc is None else acc + c
           if acc is None:
             acc = jnp.zeros((wm[rw], cb), _F32)
           if g.sw == 1:

@@ -140,6 +140,7 @@ def backward_kernel(*refs, g: Geometry, bw: int, bl: int, lanes: int, mode: str,
 
   def body(edge: bool):
     accs: list[Any] = [None] * len(phases)
+    missed: list[Any] = [None] * len(phases)  # (edge path) the windows past the edge it skipped
     for key in sorted(uses):
       od, oh, ow = md + key[0], mh + key[1], cols[key]
       ok = lane_oks[key]
@@ -168,6 +169,21 @@ def backward_kernel(*refs, g: Geometry, bw: int, bl: int, lanes: int, mode: str,
           c = jnp.where(ok, c, 0)
         for p, _ in uses[key]:
           accs[p] = c if accs[p] is None else accs[p] + c
+          if ok is not None:
+            missed[p] = ~ok if missed[p] is None else missed[p] | ~ok
+    if mode != "max":
+      # The XLA path's gradient sums a term for every tap, +0.0 from the padding where a tap
+      # holds no real window (JAX transposes the tap slices into pads), so it is -0.0 only
+      # where every tap sends -0.0. The kernel adds only the taps that matter: a sum that
+      # skipped a tap (a phase that visits fewer than all, or a window past the edge) takes
+      # +0.0 for a zero. (A select: XLA:CPU, which runs interpret mode, would fold a constant
+      # masked +0.0 out of the sum.)
+      for p, acc in enumerate(accs):
+        if acc is None:
+          continue
+        skipped = missed[p] if every_tap[p] else True
+        if skipped is not None:
+          accs[p] = jnp.where((acc == 0) & skipped, zero, acc)
     accs = [zero if acc is None else acc for acc in accs]
     ng = len(groups)
     for n, (rd, rh) in enumerate(itertools.product(range(g.strides[0]), range(g.strides[1]))):
