@@ -191,6 +191,25 @@ def test_only_where_the_kernels_run_on_an_nvidia_gpu(gpu, monkeypatch):
   assert "transposed" not in pool(rep), str(rep)
 
 
+def test_only_where_the_kernels_serve_the_pool(gpu):
+  """Where the kernels would not serve the site (a dtype they do not take, more taps than they
+  unroll), jaxpool runs its XLA path, whose layout XLA chooses: no transpose is written."""
+  gpu((9, 0))
+  f, (w, b, x) = conv_relu_pool(3)
+  rep = jaxpool.optimize(f, cost=ALWAYS).report(w, b, x)  # (implementation=None: kernels)
+  assert TRANSPOSED in pool(rep), str(rep)
+  wide = lambda w, b, x: lax.reduce_window(  # noqa: E731  (a 3x3x4 window: 36 taps)
+      jax.nn.relu(lax.conv_general_dilated(x, w, (1, 1, 1), "SAME",
+                                           dimension_numbers=("NDHWC", "DHWIO", "NDHWC")) + b),
+      -jnp.inf, lax.max, (1, 3, 3, 4, 1), (1, 1, 1, 1, 1), "VALID")
+  rep = jaxpool.optimize(wide, cost=ALWAYS).report(w, b, x)
+  assert rep.replaced and "transposed" not in pool(rep), str(rep)
+  with jax.enable_x64(True):
+    f64 = [a.astype(jnp.float64) for a in (w, b, x)]
+    rep = jaxpool.optimize(f, cost=ALWAYS).report(*f64)
+    assert rep.replaced and "transposed" not in pool(rep), str(rep)
+
+
 def test_compute_capability_of_this_machine():
   """A string like "9.0" on an NVIDIA GPU; None on a CPU (no such attribute)."""
   cc = conv_layout.compute_capability()

@@ -31,10 +31,12 @@ from jax.extend import core
 from jax.extend.core import primitives as prims
 
 from jaxpool._src import dispatch
+from jaxpool._src.backend import Op
 from jaxpool._src.optimize import _jax_private
 from jaxpool._src.optimize.cost import kernels_by_default
 from jaxpool._src.optimize.dataflow import Dataflow
 from jaxpool._src.optimize.layout import Layout
+from jaxpool._src.windows import make_geometry
 
 MAX_STEPS = 32
 """How many ops the walk from a pool's input back to a convolution goes through at most."""
@@ -197,6 +199,15 @@ def view(g: Dataflow, x, lay: Layout, implementation) -> Layout:
     return lay
   if not conv_is_channels_first(cc, ndim - 2, conv.invars[0].aval.dtype):
     return lay
-  return dataclasses.replace(lay, perm=(0, ndim - 1, *range(1, ndim - 1)),
-                             data_format="channels_first", why=WHY)
+  moved = dataclasses.replace(lay, perm=(0, ndim - 1, *range(1, ndim - 1)),
+                              data_format="channels_first", why=WHY)
+  # Only where the kernels serve the pool (a dtype they take, few enough taps): elsewhere
+  # jaxpool runs its XLA path, whose layout XLA chooses, and a transpose would only be written.
+  shape = moved.shape(x.aval.shape)
+  geom = make_geometry(shape, moved.window, moved.strides, moved.padding, moved.dilation, False,
+                       moved.data_format)
+  if dispatch.pallas().supports(Op.MAX_POOL, jax.ShapeDtypeStruct(shape, x.aval.dtype),
+                                geom) is not None:
+    return lay
+  return moved
 
