@@ -206,8 +206,9 @@ def view(g: Dataflow, x, lay: Layout, implementation) -> Layout:
   shape = moved.shape(x.aval.shape)
   geom = make_geometry(shape, moved.window, moved.strides, moved.padding, moved.dilation, False,
                        moved.data_format)
-  if dispatch.pallas().supports(Op.MAX_POOL, jax.ShapeDtypeStruct(shape, x.aval.dtype),
-                                geom) is not None:
+  from jaxpool._src.pallas import ops as kernel_ops  # (as the Pallas backend imports it)
+  if kernel_ops.unsupported(Op.MAX_POOL, shape, x.aval.dtype, geom,
+                            kernels=dispatch.pallas().kernels) is not None:
     return lay
   return moved
 
