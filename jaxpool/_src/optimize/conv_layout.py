@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import cast
 
 import jax
 import jax.numpy as jnp
@@ -206,9 +207,9 @@ def view(g: Dataflow, x, lay: Layout, implementation) -> Layout:
   shape = moved.shape(x.aval.shape)
   geom = make_geometry(shape, moved.window, moved.strides, moved.padding, moved.dilation, False,
                        moved.data_format)
-  from jaxpool._src.pallas import ops as kernel_ops  # (as the Pallas backend imports it)
-  if kernel_ops.unsupported(Op.MAX_POOL, shape, x.aval.dtype, geom,
-                            kernels=dispatch.pallas().kernels) is not None:
+  # (The backend reads only the operand's shape, dtype and type: a ShapeDtypeStruct serves.)
+  operand = cast(jax.Array, jax.ShapeDtypeStruct(shape, x.aval.dtype))
+  if dispatch.pallas().supports(Op.MAX_POOL, operand, geom) is not None:
     return lay
   return moved
 
