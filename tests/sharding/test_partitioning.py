@@ -45,7 +45,7 @@ GROUPS = [
     ("auto/2x2s2_height/", 9, True),
     ("explicit/batch+channels/", 4, False),
     ("explicit/height/", 4, False),
-    ("explicit/depth_one_program/", 4, False),
+    ("explicit/depth_one_program/", 2, False),
     ("shard_map/check_vma/", 6, False),
     ("shard_map/no_check_vma/", 4, False),
     ("shard_map/partly_manual/", 5, False),
