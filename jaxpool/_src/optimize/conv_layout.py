@@ -46,7 +46,7 @@ ELEMENTWISE = frozenset({
     "add", "sub", "mul", "div", "max", "min", "neg", "abs", "sign", "exp", "exp2", "log",
     "log1p", "expm1", "tanh", "logistic", "sqrt", "rsqrt", "cbrt", "square", "integer_pow",
     "pow", "erf", "erfc", "sin", "cos", "clamp", "convert_element_type", "reduce_precision",
-    "copy", "copy_p", *(p.name for p in _jax_private.VARYING_CASTS)})
+    "copy", *(p.name for p in _jax_private.VARYING_CASTS)})
 """Elementwise primitives (by name) that the walk goes through: each output element is made
 from the same element of an operand of the output's shape, so it keeps that operand's layout."""
 
