@@ -18,7 +18,10 @@ Parts (``--parts``, comma-separated):
 * ``vgg``: an unmodified Flax VGG-16 training step (224x224, bfloat16, ``--per-gpu`` images per
   GPU) with and without ``jaxpool.optimize``: the global batch on one GPU, and split over every
   GPU on an Auto mesh, on an Explicit mesh and inside ``shard_map`` (``--modes`` takes some of
-  ``one GPU,auto,explicit,shard_map``); losses compared with one GPU's.
+  ``one GPU,auto,explicit,shard_map``); losses compared with one GPU's. Two times a row:
+  ``ms``, one step a sample (a wait after every step), and ``loop_ms``, ``--steps`` K steps
+  a sample (10; 0: none) run as a training loop runs them, each step taking the parameters and
+  optimizer state the one before returned, with one wait after the last, divided by K.
 * ``unet``: a 3-D U-Net-style training step (Flax) on a volume split along depth over every GPU,
   with and without ``jaxpool.optimize``.
 
@@ -55,6 +58,8 @@ def parse(argv=None):
   p.add_argument("--chain", type=int, default=10,
                  help="pool gradients chained in one program (chain_ms); 0: none")
   p.add_argument("--reps", type=int, default=20)
+  p.add_argument("--steps", type=int, default=10,
+                 help="VGG steps a sample of the training-loop timer (loop_ms); 0: none")
   p.add_argument("--out", default="")
   p.add_argument("--cpu-devices", type=int, default=0)
   args = p.parse_args(argv)
@@ -105,6 +110,28 @@ def timed(fn, *args, reps=ARGS.reps) -> float:
       out = fn(*args)
     jax.block_until_ready(out)
     samples.append((time.perf_counter() - t0) / inner)
+  return 1e3 * statistics.median(samples)
+
+
+def timed_loop(step, state, batch, steps: int, reps=ARGS.reps) -> float:
+  """Median milliseconds of one training step as a training loop runs it: ``steps`` steps a
+  sample, each taking the state (parameters, optimizer state) the one before returned, with no
+  wait between them (JAX dispatches the next step while the GPUs run this one), then one wait
+  for the last. :func:`timed` waits after every step of this size instead, so its samples also
+  hold the dispatch of each step."""
+  def run(state):
+    for _ in range(steps):
+      *state, value = step(*state, *batch)
+    return tuple(state), value
+  for _ in range(2):
+    state, value = run(state)
+    jax.block_until_ready(value)
+  samples = []
+  for _ in range(3 if SMOKE else reps):
+    t0 = time.perf_counter()
+    state, value = run(state)
+    jax.block_until_ready((state, value))
+    samples.append((time.perf_counter() - t0) / steps)
   return 1e3 * statistics.median(samples)
 
 
@@ -264,8 +291,11 @@ def vgg_part():
         if mode == "one GPU":
           ref_loss = loss
         ms = timed(lambda fn=fn, args=args: fn(*args)[2])
+        loop_ms = (timed_loop(fn, args[:2], args[2:], ARGS.steps, reps=max(ARGS.reps // 4, 3))
+                   if ARGS.steps else None)
         row = dict(part="vgg", variant=variant, mode=mode, devices=1 if mode == "one GPU" else N,
-                   global_batch=per * N, ms=ms, first_step_s=first_s, loss=loss,
+                   global_batch=per * N, ms=ms, loop_ms=loop_ms, loop_steps=ARGS.steps,
+                   first_step_s=first_s, loss=loss,
                    loss_vs_one_gpu=None if ref_loss is None else abs(loss - ref_loss))
       except Exception as e:  # noqa: BLE001 - reported in the table
         row = dict(part="vgg", variant=variant, mode=mode, error=f"{type(e).__name__}: {e}"[:300])
@@ -347,8 +377,10 @@ def table() -> str:
                    f"{r['collectives']}{chain}")
     elif r["part"] == "vgg":
       d = r["loss_vs_one_gpu"]
-      lines.append(f"vgg   {r['variant']:8} {r['mode']:9} x{r['devices']} {r['ms']:8.2f} ms  "
-                   f"loss {r['loss']:.5f} (|d| vs 1 GPU {'n/a' if d is None else f'{d:.1e}'})")
+      loop = "" if r.get("loop_ms") is None else f" loop {r['loop_ms']:8.2f} ms"
+      lines.append(f"vgg   {r['variant']:8} {r['mode']:9} x{r['devices']} {r['ms']:8.2f} ms"
+                   f"{loop}  loss {r['loss']:.5f} "
+                   f"(|d| vs 1 GPU {'n/a' if d is None else f'{d:.1e}'})")
     else:
       lines.append(f"unet  {r['variant']:8} depth x{r['devices']} {r['ms']:8.2f} ms  "
                    f"{r['collectives']}")
