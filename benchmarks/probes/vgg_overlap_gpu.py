@@ -100,7 +100,9 @@ def _overlap(a, merged_b):
   return total
 
 
-def profile(fn, args, steps: int = 5) -> dict:
+def profile(fn, args, steps: int = 5, top: int = 0) -> dict:
+  """Per GPU and call of ``fn``: busy, compute and collective time and their overlap (ms),
+  and with ``top`` the ``top`` kernel names that take longest (ms a call)."""
   for _ in range(2):
     jax.block_until_ready(fn(*args))
   folder = tempfile.mkdtemp()
@@ -113,12 +115,14 @@ def profile(fn, args, steps: int = 5) -> dict:
   names = {e["pid"]: e["args"]["name"] for e in events
            if e.get("ph") == "M" and e.get("name") == "process_name"}
   per_dev = collections.defaultdict(lambda: {"nccl": [], "other": []})
+  kernels = collections.defaultdict(collections.Counter)
   for e in events:
     name = names.get(e.get("pid"), "")
     if e.get("ph") != "X" or "GPU" not in name or "dur" not in e:
       continue
     kind = "nccl" if "nccl" in e["name"].lower() else "other"
     per_dev[name][kind].append((e["ts"], e["ts"] + e["dur"]))
+    kernels[name][e["name"][:80]] += e["dur"]
   out = {}
   for dev, kinds in sorted(per_dev.items()):
     busy, _ = _union(kinds["nccl"] + kinds["other"])
@@ -128,6 +132,9 @@ def profile(fn, args, steps: int = 5) -> dict:
     out[dev] = {k: round(v / steps / 1e3, 3) for k, v in dict(
         busy_ms=busy, compute_ms=compute, nccl_ms=nccl, nccl_overlapped_ms=hidden).items()}
     out[dev]["nccl_kernels_per_step"] = len(kinds["nccl"]) / steps
+    if top:
+      out[dev]["top_kernels_ms"] = {k: round(v / steps / 1e3, 4)
+                                    for k, v in kernels[dev].most_common(top)}
   return out
 
 

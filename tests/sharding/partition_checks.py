@@ -49,6 +49,7 @@ device_checks.prepare(sys.argv)  # 8 CPU devices, unless --devices-as-is
 
 import contextlib  # noqa: E402
 import math  # noqa: E402
+import re  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -372,14 +373,14 @@ run_case("explicit/height", EXPLICIT, x2, P(None, "a"), K3S2, spatial_rows={1: 5
 
 
 class _CountSwitches:
-  """Counts the ``lax.switch`` calls of jaxpool's partition code (``halo.py``: a switch over
-  the devices' positions compiles to a conditional) while it is in a ``with`` block. The
-  kernels' own ``pl.when`` (conditionals in interpret mode) are not switches, so they do not
-  count."""
+  """Counts the ``lax.switch`` calls of jaxpool's partition code (``halo.py`` and
+  ``halo_inplace.py``: a switch over the devices' positions compiles to a conditional) while it
+  is in a ``with`` block. The kernels' own ``pl.when`` (conditionals in interpret mode) are not
+  switches, so they do not count."""
 
   def __init__(self):
-    from jaxpool._src.pallas import halo
-    self.halo, self.n = halo, 0
+    from jaxpool._src.pallas import halo, halo_inplace
+    self.modules, self.n = (halo, halo_inplace), 0
 
   def __getattr__(self, name):
     return getattr(jax.lax, name)
@@ -389,11 +390,13 @@ class _CountSwitches:
     return jax.lax.switch(*args, **kwargs)
 
   def __enter__(self):
-    self.halo.lax = self
+    for m in self.modules:
+      m.lax = self
     return self
 
   def __exit__(self, *exc):
-    self.halo.lax = jax.lax
+    for m in self.modules:
+      m.lax = jax.lax
 
 
 def depth_one_program_case():
@@ -427,6 +430,27 @@ def depth_one_program_case():
       one = jax.devices()[0]
       assert_equal(grad(*placed), grad(jax.device_put(x, one), jax.device_put(dy, one)),
                    "sharded vs one device")
+
+  @check("explicit/depth_one_program/grad_max_in_place")
+  def _():
+    # The max pool's gradient runs on each device's own cotangent rows as they are: the rows
+    # that a neighbour's windows also reach are recomputed from small pieces, and no array of
+    # a device's cotangent block with its halo is assembled (a copy of the block per operand).
+    xs = tie_rich(15, (1, 8 * n, 4, 4, 1))
+    kw = dict(base)
+    dy = tie_rich(16, jax.eval_shape(lambda v: jaxpool.max_pool(v, **kw), xs).shape)
+    block = dy.shape[1] // n
+    sharding = NamedSharding(EXPLICIT, P(None, "a"))
+    grad = jax.jit(lambda v, d: jax.vjp(lambda u: jaxpool.max_pool(u, **kw), v)[1](d)[0])
+    placed = [jax.device_put(a, sharding) for a in (xs, dy)]
+    text = grad.lower(*placed).compile().as_text()
+    rows = [int(m.group(1)) for m in
+            re.finditer(r"= \w+\[\d+,(\d+),[\d,]*\][^=\n]* concatenate\(", text)]
+    assert rows and max(rows) <= block, (
+        f"a concatenate of {max(rows)} rows along the split dim (a device holds {block})")
+    one = jax.devices()[0]
+    assert_equal(grad(*placed), grad(jax.device_put(xs, one), jax.device_put(dy, one)),
+                 "sharded vs one device")
 
 
 depth_one_program_case()

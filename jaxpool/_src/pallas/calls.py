@@ -67,6 +67,9 @@ class KernelCall:
     pads_alike: (a backward) the kernel reads the padding and the ceil-mode overhang alike, and
       a window with a zero cotangent adds an exact zero (the max pool's): a device's part may
       then take extra windows past the input's end, so that every device runs one kernel call.
+    sums_as_is: (a backward) each result element is a sum of operand elements as they are, in
+      a fixed order (the max pool's): a few result rows recomputed from a small piece of the
+      operands have the whole call's bits, whatever a compiler folds in the smaller program.
   """
 
   fn: Callable[..., Any]
@@ -77,6 +80,7 @@ class KernelCall:
   options: tuple[tuple[str, Any], ...]
   neutral_pads: bool = False
   pads_alike: bool = False
+  sums_as_is: bool = False
 
   def run(self, operands, geom: Geometry, fn: Callable[..., Any] | None = None):
     out = (fn or self.fn)(*operands, geom, **dict(self.options))
@@ -85,6 +89,7 @@ class KernelCall:
 
 def kernel_call(fn: Callable[..., Any], xla_fn: Callable[..., Any], geom: Geometry, *,
                 backward: bool = False, n_out: int = 1, neutral_pads: bool = False,
-                pads_alike: bool = False, **options: Any) -> KernelCall:
+                pads_alike: bool = False, sums_as_is: bool = False,
+                **options: Any) -> KernelCall:
   return KernelCall(fn, xla_fn, geom, backward, n_out, tuple(sorted(options.items())),
-                    neutral_pads, pads_alike)
+                    neutral_pads, pads_alike, sums_as_is)

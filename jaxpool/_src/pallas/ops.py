@@ -120,8 +120,8 @@ def _gather(taps, t, *, geom, interpret, kernels, activation):
 def _scatter(taps, ct, *, geom, interpret, kernels, activation):
   del activation  # a tap of -1 (no winner, or a non-positive maximum) sends nothing
   kc = partition.kernel_call(_max_backward, _max_backward_xla, geom, backward=True,
-                             neutral_pads=True, pads_alike=True, kernels=kernels,
-                             interpret=interpret)
+                             neutral_pads=True, pads_alike=True, sums_as_is=True,
+                             kernels=kernels, interpret=interpret)
   return partition.call(kc, taps, ct)
 
 

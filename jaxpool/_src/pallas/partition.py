@@ -22,8 +22,9 @@ inside a user's ``shard_map`` the kernel runs on the block it is given. The kern
 ``pallas_call`` declares how its outputs vary over manual mesh axes (:func:`out_struct`), so
 ``shard_map(..., check_vma=True)`` accepts them.
 
-The halo plans and what each device runs are in ``halo.py``; a kernel call's description
-(:class:`KernelCall`) and :func:`out_struct` in ``calls.py``.
+The halo plans and what each device runs are in ``halo.py`` (a device's in-place part along one
+split dim in ``halo_inplace.py``); a kernel call's description (:class:`KernelCall`) and
+:func:`out_struct` in ``calls.py``.
 
 The rule sits below jaxpool's differentiation and batching rules (``autodiff``, ``linear``,
 ``custom_vmap`` in ``ops``): those see one kernel call; only the primal kernels are

@@ -1,0 +1,90 @@
+"""Probe: where a depth-split pooling gradient's time goes on several GPUs.
+
+The max pool's gradient (3x3x3/s2/p1 on 2x128x128x128x32, float32 and bfloat16) chained ten to
+a program as in ``benchmarks/multi_gpu.py``'s pool part, on one GPU, with the batch split and
+with the depth split over every GPU (an Auto mesh): the time per gradient, the compiled
+program's collectives, and from a profile (``vgg_overlap_gpu.profile``) per GPU and gradient
+the time its kernels keep it busy, the collectives' time and the longest kernels. Prints one
+JSON line a case; ``--out`` appends them to a file::
+
+  PYTHONPATH=$PWD python benchmarks/probes/depth_split_gpu.py --out depth_split.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from vgg_overlap_gpu import profile  # noqa: E402
+
+import jaxpool  # noqa: E402
+
+CHAIN = 10
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--size", type=int, default=128)
+  ap.add_argument("--op", default="max_pool")
+  ap.add_argument("--out", default="")
+  a = ap.parse_args()
+  shape = (2, a.size, a.size, a.size, 32)
+  kw = dict(window_shape=(3, 3, 3), strides=(2, 2, 2), padding=1)
+  pool = getattr(jaxpool, a.op)
+  m = jax.make_mesh((jax.device_count(),), ("d",), axis_types=(AxisType.Auto,))
+  rng = np.random.default_rng(0)
+  for dtype in (jnp.float32, jnp.bfloat16):
+    x = jnp.asarray(rng.standard_normal(shape), dtype)
+    y_shape = jax.eval_shape(lambda v: pool(v, **kw), x).shape
+    dys = [jnp.asarray(rng.standard_normal(y_shape), dtype) for _ in range(CHAIN)]
+
+    def chain(v, *ds):
+      outs = []
+      for d in ds:
+        v = jax.vjp(lambda u: pool(u, **kw), v)[1](d)[0]
+        outs.append(v)
+      return tuple(outs)
+
+    for split, spec in (("one GPU", None), ("batch", P("d")), ("depth", P(None, "d"))):
+      dev = jax.devices()[0] if spec is None else NamedSharding(m, spec)
+      args = [jax.device_put(v, dev) for v in (x, *dys)]
+      compiled = jax.jit(chain).lower(*args).compile()
+      text = compiled.as_text()
+      for _ in range(2):
+        jax.block_until_ready(compiled(*args))
+      samples = []
+      for _ in range(15):
+        t0 = time.perf_counter()
+        jax.block_until_ready(compiled(*args))
+        samples.append(time.perf_counter() - t0)
+      prof = profile(compiled, args, steps=3, top=8)
+      per_grad = {dev: {k: (round(v / CHAIN, 4) if isinstance(v, float) else v)
+                        for k, v in d.items() if k != "top_kernels_ms"}
+                  | {"top_kernels_ms": {n: round(t / CHAIN, 4)
+                                        for n, t in d.get("top_kernels_ms", {}).items()}}
+                  for dev, d in prof.items()}
+      row = dict(op=a.op, dtype=jnp.dtype(dtype).name, split=split,
+                 devices=1 if spec is None else jax.device_count(),
+                 ms_per_grad=statistics.median(samples) * 1e3 / CHAIN,
+                 collective_permutes=text.count("collective-permute-start")
+                 or text.count("collective-permute("),
+                 conditionals=text.count(" conditional("), profile_per_grad=per_grad)
+      print(json.dumps(row), flush=True)
+      if a.out:
+        with open(a.out, "a") as f:
+          f.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+  main()
