@@ -26,7 +26,8 @@ lint: $(STAMP)
 # + the packaging check. Its pytest leaves out the tests marked slow (more configurations of
 # checks that `make test` runs on fewer); `make test-all` runs them too, as does the GPU session
 # (benchmarks/gpu_session.sh). --dist loadfile: one worker runs a test file, so that a module's
-# fixture (test_sharding.py's 8-device subprocess) runs once.
+# fixture (test_sharding.py's 8-device subprocess) runs once; --no-loadscope-reorder: the workers
+# take the files in the collection order, which starts the longest ones (tests/conftest.py).
 test: PYTEST_MARKS = not gpu and not slow
 test-all: PYTEST_MARKS = not gpu
 # XLA_FLAGS: the tests compile many small programs and run each briefly, so XLA's CPU backend
@@ -35,7 +36,8 @@ test-all: PYTEST_MARKS = not gpu
 test test-all: $(STAMP) lint
 	$(PY) -m pytest -q -p no:cacheprovider --doctest-modules jaxpool
 	XLA_FLAGS="$$XLA_FLAGS --xla_backend_optimization_level=0" \
-	  $(PY) -m pytest -q -n 2 --dist loadfile -m "$(PYTEST_MARKS)" tests
+	  $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m "$(PYTEST_MARKS)" \
+	    tests
 	$(MAKE) docs types package-check
 
 docs: $(STAMP)

@@ -1,13 +1,17 @@
 """The Pallas kernels split with the mesh: every kernel op on several devices equals one device.
 
-The checks run in one subprocess with 8 CPU devices, the kernels in interpret mode
-(tests/sharding/partition_checks.py); each test below asserts on one group of them. Before the
+The checks run in a subprocess with 8 CPU devices, the kernels in interpret mode
+(tests/sharding/partition_checks.py); each test below asserts on one group of them. This file
+runs the script's ``--part rest``; the Auto-mesh splits along height, width or a length run in
+tests/sharding/test_partitioning_spatial.py (``--part spatial``), so that the two halves run on
+``make test``'s two workers at once. Before the
 kernels carried a partitioning rule, the Auto-mesh groups failed (the outputs came back replicated,
 with all-reduces and all-gathers in the program) and the ``shard_map`` groups raised
 (``check_vma=True`` refused the kernels' outputs).
 
 On GPUs (2 or more), ``JAXPOOL_CHECK_DEVICES=as-is python -m pytest -q
-tests/sharding/test_partitioning.py`` runs the same checks on them, the kernels compiled
+tests/sharding/test_partitioning.py tests/sharding/test_partitioning_spatial.py`` runs the same
+checks on them, the kernels compiled
 (tests/support/device_checks.py); the groups that need more devices than there are are skipped.
 """
 
@@ -25,24 +29,15 @@ import device_checks
 
 SCRIPT = Path(__file__).with_name("partition_checks.py")
 
-# (name prefix, how many checks at least (in the --quick run), only in the full run)
+# (name prefix, how many checks at least (in the --quick run), only in the full run); the
+# groups of the script's --part spatial are in test_partitioning_spatial.py.
 GROUPS = [
     ("auto/batch/", 6, False),
     ("auto/batch+channels/", 4, False),
-    ("auto/height/", 6, False),
-    ("auto/height+width/", 3, False),
-    ("auto/height_uneven_ceil_dilated/", 4, False),
-    ("auto/height_window_wider_than_block/", 4, False),
-    ("auto/height_few_outputs/", 3, False),
-    ("auto/1d_length/", 3, False),
-    ("auto/avg_exclude_pad_1d/", 2, False),
-    ("auto/3d_depth/", 4, False),
-    ("auto/channels_first/height/", 3, False),
+    ("auto/3d_depth/", 3, False),
     ("auto/channels_first/batch+channels/", 4, True),
     ("auto/vmap_grad", 1, False),
-    ("auto/height_same_stride1/", 9, True),
     ("auto/3d_depth+height/", 9, True),
-    ("auto/2x2s2_height/", 9, True),
     ("explicit/batch+channels/", 4, False),
     ("explicit/height/", 4, False),
     ("explicit/depth_one_program/", 2, False),
@@ -59,8 +54,9 @@ GROUPS = [
 
 @pytest.fixture(scope="module")
 def results(request):
-  return device_checks.run(SCRIPT, *(["--quick"] if device_checks.quick(request.config)
-                                             else []), timeout=1200, any_devices=True)
+  return device_checks.run(SCRIPT, "--part", "rest",
+                           *(["--quick"] if device_checks.quick(request.config) else []),
+                           timeout=1200, any_devices=True)
 
 
 @pytest.mark.parametrize("prefix,minimum", [

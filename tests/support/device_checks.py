@@ -10,7 +10,7 @@ environment, which also lets the pytest wrappers run them that way::
 
   python tests/sharding/partition_checks.py --devices-as-is --quick
   JAXPOOL_CHECK_DEVICES=as-is python -m pytest -q tests/sharding/test_sharding.py \
-    tests/sharding/test_partitioning.py
+    tests/sharding/test_partitioning.py tests/sharding/test_partitioning_spatial.py
 
 Their meshes then span the largest power of two up to 8 of the devices (``mesh_shape``); a
 check that needs more devices than that (or another platform) prints
