@@ -10,8 +10,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-
 import device_checks
 
 SCRIPT = Path(__file__).with_name("partition_checks.py")
@@ -31,21 +29,5 @@ GROUPS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def results(request):
-  return device_checks.run(SCRIPT, "--part", "spatial",
-                           *(["--quick"] if device_checks.quick(request.config) else []),
-                           timeout=1200, any_devices=True)
-
-
-@pytest.mark.parametrize("prefix,minimum", [
-    pytest.param(p, n, id=p.strip("/"), marks=pytest.mark.slow if slow else ())
-    for p, n, slow in GROUPS])
-def test_split_equals_one_device(results, prefix, minimum):
-  device_checks.assert_group(results, prefix, minimum)
-
-
-def test_every_check_is_in_a_group(results):
-  loose = [k for k in results
-           if k != "summary" and not any(k.startswith(p) for p, _, _ in GROUPS)]
-  assert not loose, loose
+results, test_split_equals_one_device, test_every_check_is_in_a_group = (
+    device_checks.part_tests(SCRIPT, "spatial", GROUPS))

@@ -188,3 +188,28 @@ def assert_group(results: dict[str, dict], prefix: str, minimum: int) -> None:
     assert not skipped, f"skipped on {FAKE_DEVICES} CPU devices: {skipped}"
   if skipped and len(skipped) == len(group):
     pytest.skip(f"{prefix}*: {sorted(set(skipped.values()))} ({summary.get('detail', '')})")
+
+
+def part_tests(script: Path, part: str, groups: list[tuple[str, int, bool]]):
+  """The tests of one ``--part`` of a checks script, for a test module to bind at its top
+  level: a module fixture ``results`` (the script run once, ``--quick`` unless the slow tier
+  runs), ``test_split_equals_one_device`` (one test a group: ``(name prefix, how many checks at
+  least, only in the full run)``) and ``test_every_check_is_in_a_group``."""
+
+  @pytest.fixture(scope="module")
+  def results(request):
+    return run(script, "--part", part, *(["--quick"] if quick(request.config) else []),
+               timeout=1200, any_devices=True)
+
+  @pytest.mark.parametrize("prefix,minimum", [
+      pytest.param(p, n, id=p.strip("/"), marks=pytest.mark.slow if slow else ())
+      for p, n, slow in groups])
+  def test_split_equals_one_device(results, prefix, minimum):
+    assert_group(results, prefix, minimum)
+
+  def test_every_check_is_in_a_group(results):
+    loose = [k for k in results
+             if k != "summary" and not any(k.startswith(p) for p, _, _ in groups)]
+    assert not loose, loose
+
+  return results, test_split_equals_one_device, test_every_check_is_in_a_group
