@@ -199,15 +199,9 @@ def _branch(kc: KernelCall, plans, works, result_shapes, operands):
   return tuple(placed)
 
 
-def per_device(kc: KernelCall, plans: tuple[DimPlan, ...], *operands):
-  """What each device runs: its blocks in, its result blocks out (inside a manual context)."""
-  if not plans:
-    return kc.run(operands, kc.geom)
-  if len(plans) == 1:
-    from jaxpool._src.pallas import halo_inplace  # (it builds on this module)
-    fast = halo_inplace.fast_plan(kc, plans[0])
-    if fast is not None:
-      return halo_inplace.fast(kc, plans[0], fast, operands)
+def general(kc: KernelCall, plans: tuple[DimPlan, ...], *operands):
+  """What each device runs on any split (``halo_inplace.per_device`` picks it where the
+  in-place part does not serve): its blocks with their halos in, its result blocks out."""
   ext = list(operands)
   for p in plans:
     ext = [exchange(o, p) for o in ext]

@@ -1,5 +1,6 @@
-"""A device's part of a kernel call split along one spatial dim, computed in place: no copy of
-its block, only small slices with its neighbours' rows (``halo.per_device`` calls it).
+"""What each device runs (:func:`per_device`), and its part of a kernel call split along one
+spatial dim computed in place: no copy of its block, only small slices with its neighbours'
+rows.
 
 With one spatial dim split, most of a device's work needs no copy of its block. A forward runs
 the kernel on the block itself, its neighbours' rows standing as padding, and recomputes only
@@ -20,9 +21,20 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxpool._src.pallas.calls import KernelCall
-from jaxpool._src.pallas.halo import (DimPlan, cdiv, exchange, halo_parts, local_dim,
+from jaxpool._src.pallas.halo import (DimPlan, cdiv, exchange, general, halo_parts, local_dim,
                                       result_blocks)
 from jaxpool._src.windows import Geometry
+
+
+def per_device(kc: KernelCall, plans: tuple[DimPlan, ...], *operands):
+  """What each device runs: its blocks in, its result blocks out (inside a manual context)."""
+  if not plans:
+    return kc.run(operands, kc.geom)
+  if len(plans) == 1:
+    parts = fast_plan(kc, plans[0])
+    if parts is not None:
+      return fast(kc, plans[0], parts, operands)
+  return general(kc, plans, *operands)
 
 
 @dataclasses.dataclass(frozen=True)

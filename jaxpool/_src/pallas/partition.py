@@ -22,9 +22,9 @@ inside a user's ``shard_map`` the kernel runs on the block it is given. The kern
 ``pallas_call`` declares how its outputs vary over manual mesh axes (:func:`out_struct`), so
 ``shard_map(..., check_vma=True)`` accepts them.
 
-The halo plans and what each device runs are in ``halo.py`` (a device's in-place part along one
-split dim in ``halo_inplace.py``); a kernel call's description (:class:`KernelCall`) and
-:func:`out_struct` in ``calls.py``.
+The halo plans are in ``halo.py``, what each device runs in ``halo_inplace.py`` (its part along
+one split dim in place) and ``halo.py`` (any split); a kernel call's description
+(:class:`KernelCall`) and :func:`out_struct` in ``calls.py``.
 
 The rule sits below jaxpool's differentiation and batching rules (``autodiff``, ``linear``,
 ``custom_vmap`` in ``ops``): those see one kernel call; only the primal kernels are
@@ -48,7 +48,8 @@ from jax.sharding import PartitionSpec as P
 from jaxpool._src import xla
 from jaxpool._src.pallas import tuning
 from jaxpool._src.pallas.calls import KernelCall, kernel_call, out_struct
-from jaxpool._src.pallas.halo import per_device, plan, spec_dims
+from jaxpool._src.pallas.halo import plan, spec_dims
+from jaxpool._src.pallas.halo_inplace import per_device
 from jaxpool._src.windows import Geometry, taps_dtype
 
 __all__ = ["KernelCall", "call", "explicit_unsupported", "kernel_call", "kernel_p",
@@ -257,7 +258,8 @@ def _split_ways(sharding, ndim: int) -> list[int] | None:
 
 
 def _per_device_cached(kc: KernelCall, plans, *operands):
-  """:func:`halo.per_device`, traced while XLA compiles: no launch configuration is tuned then."""
+  """:func:`halo_inplace.per_device`, traced while XLA compiles: no launch configuration is
+  tuned then."""
   with tuning.cached_only():
     return per_device(kc, plans, *operands)
 
