@@ -15,9 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +24,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from vgg_overlap_gpu import profile  # noqa: E402
+from vgg_overlap_gpu import median_ms, profile  # noqa: E402
 
 import jaxpool  # noqa: E402
 
@@ -61,13 +59,7 @@ def main():
       args = [jax.device_put(v, dev) for v in (x, *dys)]
       compiled = jax.jit(chain).lower(*args).compile()
       text = compiled.as_text()
-      for _ in range(2):
-        jax.block_until_ready(compiled(*args))
-      samples = []
-      for _ in range(15):
-        t0 = time.perf_counter()
-        jax.block_until_ready(compiled(*args))
-        samples.append(time.perf_counter() - t0)
+      ms = median_ms(compiled, args, reps=15)
       prof = profile(compiled, args, steps=3, top=8)
       per_grad = {dev: {k: (round(v / CHAIN, 4) if isinstance(v, float) else v)
                         for k, v in d.items() if k != "top_kernels_ms"}
@@ -76,7 +68,7 @@ def main():
                   for dev, d in prof.items()}
       row = dict(op=a.op, dtype=jnp.dtype(dtype).name, split=split,
                  devices=1 if spec is None else jax.device_count(),
-                 ms_per_grad=statistics.median(samples) * 1e3 / CHAIN,
+                 ms_per_grad=ms / CHAIN,
                  collective_permutes=text.count("collective-permute-start")
                  or text.count("collective-permute("),
                  conditionals=text.count(" conditional("), profile_per_grad=per_grad)
