@@ -17,10 +17,8 @@ import functools
 import importlib.util
 import json
 import os
-import statistics
 import subprocess
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +29,9 @@ sys.path.insert(0, ROOT)
 os.environ.setdefault("JAXPOOL_TUNE", "cached")
 from jaxpool._src.pallas import triton as pk  # noqa: E402
 from jaxpool._src.windows import make_geometry  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from separable_gpu import median_ms  # noqa: E402
 
 CASES = [
     ("128x112x112x64 3x3/s2/p1", (128, 112, 112, 64), 3, 2, 1),
@@ -54,18 +55,6 @@ def _kernel_before(rev: str):
   mod = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(mod)
   return mod.backward_kernel
-
-
-def _ms(fn, x, reps=15, inner=10):
-  jax.block_until_ready(fn(x))
-  samples = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    for _ in range(inner):
-      out = fn(x)
-    jax.block_until_ready(out)
-    samples.append((time.perf_counter() - t0) / inner)
-  return statistics.median(samples) * 1e3
 
 
 def main():
@@ -95,7 +84,7 @@ def main():
       ms = {label: [] for label in fns}
       for _ in range(2):
         for label, fn in fns.items():
-          ms[label].append(_ms(fn, dy))
+          ms[label].append(median_ms(fn, dy, reps=15))
       row = dict(case=name, dtype=jnp.dtype(dtype).name, equal_values=same,
                  **{f"{label}_ms": min(v) for label, v in ms.items()})
       row["now_over_before"] = row["now_ms"] / row["before_ms"]

@@ -13,7 +13,6 @@ JSON line a case; ``--out`` appends them to a file::
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -24,7 +23,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from vgg_overlap_gpu import median_ms, profile  # noqa: E402
+from vgg_overlap_gpu import emit, median_ms, profile  # noqa: E402
 
 import jaxpool  # noqa: E402
 
@@ -72,10 +71,7 @@ def main():
                  collective_permutes=text.count("collective-permute-start")
                  or text.count("collective-permute("),
                  conditionals=text.count(" conditional("), profile_per_grad=per_grad)
-      print(json.dumps(row), flush=True)
-      if a.out:
-        with open(a.out, "a") as f:
-          f.write(json.dumps(row) + "\n")
+      emit(row, a.out)
 
 
 if __name__ == "__main__":

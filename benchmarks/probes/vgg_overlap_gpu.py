@@ -138,6 +138,14 @@ def profile(fn, args, steps: int = 5, top: int = 0) -> dict:
   return out
 
 
+def emit(row: dict, out: str) -> None:
+  """Prints ``row`` as one JSON line, and appends it to the file ``out`` (if given)."""
+  print(json.dumps(row), flush=True)
+  if out:
+    with open(out, "a") as f:
+      f.write(json.dumps(row) + "\n")
+
+
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--variants", default="plain,optimize")
@@ -150,10 +158,7 @@ def main():
     row = dict(variant=variant, devices=jax.device_count(),
                device=jax.devices()[0].device_kind, xla_flags=os.environ.get("XLA_FLAGS", ""),
                ms=median_ms(fn, args, 3 if a.smoke else 20), profile=profile(fn, args))
-    print(json.dumps(row), flush=True)
-    if a.out:
-      with open(a.out, "a") as f:
-        f.write(json.dumps(row) + "\n")
+    emit(row, a.out)
 
 
 if __name__ == "__main__":

@@ -39,13 +39,15 @@ def per_device(kc: KernelCall, plans: tuple[DimPlan, ...], *operands):
 
 @dataclasses.dataclass(frozen=True)
 class _Edge:
-  """Outputs ``[first, first + count)`` of a device's block, recomputed with the halos."""
+  """Result rows ``[first, first + count)`` of a device's block, recomputed from a piece of
+  its operands' rows and their halo's."""
 
-  first: int  # the first output, counted in the block's outputs
+  first: int  # the first result row, counted in the block's result rows
   count: int
   halo: tuple[int, int]  # rows taken from the halo: (start, stop) in the left or right halo
   own: tuple[int, int]  # rows taken from the block: (start, stop)
-  dim: tuple  # their local geometry (in, out, pad_lo, pad_hi, extra)
+  dim: tuple  # the piece's local geometry (in, out, pad_lo, pad_hi, extra)
+  skip: int = 0  # the piece's result rows before ``first`` (a backward's piece starts earlier)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -238,11 +240,9 @@ def _fast_same(kc: KernelCall, p: DimPlan, plans, same: _InPlace, block_shapes, 
   outs = [_fit(o, ax, same.keep) for o in kc.run([x], _with_dim(geom, j, same.dim))]
   for side, halo in (("lo", left), ("hi", right)):
     for edge in sorted({getattr(w, side) for w in plans} - {None}, key=repr):
-      fixed = _edge_outputs(kc, p, x, halo, edge, before=side == "lo")
       use = jnp.asarray([getattr(w, side) == edge for w in plans])[where]
-      outs = [lax.dynamic_update_slice_in_dim(
-          o, jnp.where(use, f, lax.slice_in_dim(o, edge.first, edge.first + edge.count, axis=ax)),
-          edge.first, axis=ax) for o, f in zip(outs, fixed)]
+      outs = _write_edge(p, outs, _edge_outputs(kc, p, [x], [halo], edge, side == "lo"), edge,
+                         use)
   return tuple(_fit(o, ax, p.out_tile) for o in outs)
 
 
@@ -275,18 +275,31 @@ def _fast_branch(kc: KernelCall, p: DimPlan, w: _InPlace | None, block_shapes, *
   outs = [_fit(o, ax, w.keep) for o in kc.run([block], _with_dim(kc.geom, p.spatial, w.dim))]
   for edge, halo, before in ((w.lo, left, True), (w.hi, right, False)):
     if edge is not None:
-      outs = [lax.dynamic_update_slice_in_dim(o, f, edge.first, axis=ax)
-              for o, f in zip(outs, _edge_outputs(kc, p, x, halo, edge, before))]
+      outs = _write_edge(p, outs, _edge_outputs(kc, p, [x], [halo], edge, before), edge)
   return tuple(_fit(o, ax, p.out_tile) for o in outs)
 
 
-def _edge_outputs(kc: KernelCall, p: DimPlan, x, halo, edge: _Edge, before: bool):
-  """The outputs ``edge`` names, recomputed from the block's rows and the halo's (``before``:
-  the halo comes before the block)."""
-  own = lax.slice_in_dim(x, edge.own[0], edge.own[1], axis=p.axis)
-  near = lax.slice_in_dim(halo, edge.halo[0], edge.halo[1], axis=p.axis)
-  piece = lax.concatenate([near, own] if before else [own, near], p.axis)
-  return kc.run([piece], _with_dim(kc.geom, p.spatial, edge.dim))
+def _edge_outputs(kc: KernelCall, p: DimPlan, blocks, halos, edge: _Edge, before: bool):
+  """The result rows ``edge`` names, recomputed from each operand's block rows and its halo's
+  (``before``: the halo comes before the block)."""
+  pieces = []
+  for x, halo in zip(blocks, halos):
+    own = lax.slice_in_dim(x, edge.own[0], edge.own[1], axis=p.axis)
+    near = lax.slice_in_dim(halo, edge.halo[0], edge.halo[1], axis=p.axis)
+    pieces.append(lax.concatenate([near, own] if before else [own, near], p.axis))
+  return [lax.slice_in_dim(o, edge.skip, edge.skip + edge.count, axis=p.axis)
+          for o in kc.run(pieces, _with_dim(kc.geom, p.spatial, edge.dim))]
+
+
+def _write_edge(p: DimPlan, outs, fixed, edge: _Edge, use=None):
+  """``outs`` with the rows ``edge`` names replaced by ``fixed`` (in place), where ``use``
+  (a traced bool: this device has that edge) holds, or everywhere without it."""
+  ax, new = p.axis, []
+  for o, f in zip(outs, fixed):
+    if use is not None:
+      f = jnp.where(use, f, lax.slice_in_dim(o, edge.first, edge.first + edge.count, axis=ax))
+    new.append(lax.dynamic_update_slice_in_dim(o, f, edge.first, axis=ax))
+  return new
 
 
 def _backward_in_place(kc: KernelCall, p: DimPlan, w: _InPlace, ext, real=None):
@@ -318,28 +331,13 @@ def _backward_in_place(kc: KernelCall, p: DimPlan, w: _InPlace, ext, real=None):
 
 
 @dataclasses.dataclass(frozen=True)
-class _GradEdge:
-  """Gradient rows ``[first, first + count)`` of a device's block, recomputed from the
-  windows that reach them: ``halo`` rows (start, stop) of the left or right halo and ``own``
-  rows (start, stop) of the device's cotangent rows, whose piece has the local geometry ``dim``
-  and gives gradient rows from ``skip`` rows before ``first``."""
-
-  first: int
-  count: int
-  skip: int
-  halo: tuple[int, int]
-  own: tuple[int, int]
-  dim: tuple
-
-
-@dataclasses.dataclass(frozen=True)
 class _GradPlan:
   """The block's local geometry, its edges (None: no device has one on that side) and which
   devices keep each edge's rows."""
 
   dim: tuple
-  lo: _GradEdge | None
-  hi: _GradEdge | None
+  lo: _Edge | None
+  hi: _Edge | None
   use_lo: tuple[bool, ...]
   use_hi: tuple[bool, ...]
 
@@ -349,7 +347,7 @@ class _Unfit(Exception):
 
 
 def _grad_edge(geom: Geometry, j: int, p: DimPlan, block: int, r0: int, count: int,
-               own: tuple[int, int], left: bool) -> _GradEdge:
+               own: tuple[int, int], left: bool) -> _Edge:
   """The edge of gradient rows ``[r0, r0 + count)`` of the block starting at row ``block``,
   whose own windows are ``own`` (global window indices ``[oa, ob)``)."""
   s, lo, ek = geom.strides[j], geom.padding[j][0], geom.effective_window[j]
@@ -367,7 +365,7 @@ def _grad_edge(geom: Geometry, j: int, p: DimPlan, block: int, r0: int, count: i
     if wa < oa or wb - ob > p.right:
       raise _Unfit
     halo, mine = (0, wb - ob), (wa - oa, ob - oa)
-  return _GradEdge(r0 - block, count, r0 - a, halo, mine, dim)
+  return _Edge(r0 - block, count, halo, mine, dim, skip=r0 - a)
 
 
 def _grad_plan(kc: KernelCall, p: DimPlan) -> _GradPlan | None:
@@ -407,29 +405,12 @@ def _grad_plan(kc: KernelCall, p: DimPlan) -> _GradPlan | None:
 
 
 def _grad_in_place(kc: KernelCall, p: DimPlan, g: _GradPlan, operands):
-  geom, ax, j = kc.geom, p.axis, p.spatial
-  outs = list(kc.run(list(operands), _with_dim(geom, j, g.dim)))
-  halos = [halo_parts(o, p) for o in operands]
-  where = lax.axis_index(p.names)
+  outs = list(kc.run(list(operands), _with_dim(kc.geom, p.spatial, g.dim)))
+  halos = [_halos(o, p) for o in operands]
   for edge, use, left in ((g.lo, g.use_lo, True), (g.hi, g.use_hi, False)):
-    if edge is None:
-      continue
-    pieces = []
-    for o, (lefts, rights) in zip(operands, halos):
-      side = lefts if left else rights
-      halo = side[0] if len(side) == 1 else lax.concatenate(side, ax)
-      near = lax.slice_in_dim(halo, *edge.halo, axis=ax)
-      mine = lax.slice_in_dim(o, *edge.own, axis=ax)
-      pieces.append(lax.concatenate([near, mine] if left else [mine, near], ax))
-    fixed = kc.run(pieces, _with_dim(geom, j, edge.dim))
-    keep = None if all(use) else jnp.asarray(use)[where]
-    new = []
-    for o, f in zip(outs, fixed):
-      rows = lax.slice_in_dim(f, edge.skip, edge.skip + edge.count, axis=ax)
-      if keep is not None:
-        rows = jnp.where(keep, rows, lax.slice_in_dim(o, edge.first, edge.first + edge.count,
-                                                      axis=ax))
-      new.append(lax.dynamic_update_slice_in_dim(o, rows, edge.first, axis=ax))
-    outs = new
+    if edge is not None:
+      fixed = _edge_outputs(kc, p, operands, [h[0 if left else 1] for h in halos], edge, left)
+      keep = None if all(use) else jnp.asarray(use)[lax.axis_index(p.names)]
+      outs = _write_edge(p, outs, fixed, edge, keep)
   return tuple(outs)
 
