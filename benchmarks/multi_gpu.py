@@ -17,8 +17,12 @@ Parts (``--parts``, comma-separated):
   (``chain_collectives``: K times one call's).
 * ``vgg``: an unmodified Flax VGG-16 training step (224x224, bfloat16, ``--per-gpu`` images per
   GPU) with and without ``jaxpool.optimize``: the global batch on one GPU, and split over every
-  GPU on an Auto mesh, on an Explicit mesh and inside ``shard_map`` (``--modes`` takes some of
-  ``one GPU,auto,explicit,shard_map``); losses compared with one GPU's. Two times a row:
+  GPU on an Auto mesh, on an Explicit mesh and inside ``shard_map``, and (``fsdp``) on an Auto
+  mesh with the parameters and the optimizer state split over the GPUs as well: each array
+  along its largest dim that the GPUs divide, gathered whole where the step starts and its
+  gradient reduce-scattered back to the split (fully sharded data parallel, ZeRO-3), so that
+  each GPU updates only its part of the parameters (``--modes`` takes some of
+  ``one GPU,auto,explicit,shard_map,fsdp``); losses compared with one GPU's. Two times a row:
   ``ms``, one step a sample (a wait after every step), and ``loop_ms``, ``--steps`` K steps
   a sample (10; 0: none) run as a training loop runs them, each step taking the parameters and
   optimizer state the one before returned, with one wait after the last, divided by K.
@@ -46,7 +50,7 @@ import time
 from pathlib import Path
 
 
-VGG_MODES = ("one GPU", "auto", "explicit", "shard_map")
+VGG_MODES = ("one GPU", "auto", "explicit", "shard_map", "fsdp")
 
 
 def parse(argv=None):
@@ -136,14 +140,18 @@ def timed_loop(step, state, batch, steps: int, reps=ARGS.reps) -> float:
 
 
 def collectives(compiled) -> dict[str, int]:
-  """How many collectives of each kind, and the largest one's elements."""
+  """How many collectives of each kind, and the largest one's elements (of its first array:
+  a combined collective's result is a tuple, an asynchronous ``-start``'s a tuple of them)."""
   out: dict[str, int] = {}
-  # (the first array of the result: an asynchronous ``-start`` returns a tuple)
-  pattern = r"= \(?(\w+)\[([\d,]*)\][^=\n]*? (" + "|".join(COLLECTIVES) + r")(-start)?\("
-  for m in re.finditer(pattern, compiled.as_text()):
-    n = int(np.prod([int(d) for d in m.group(2).split(",") if d]))
-    out[m.group(3)] = out.get(m.group(3), 0) + 1
-    out[m.group(3) + " max elems"] = max(out.get(m.group(3) + " max elems", 0), n)
+  op = re.compile(r" (" + "|".join(COLLECTIVES) + r")(-start)?\(")
+  for line in compiled.as_text().splitlines():
+    m = op.search(line)
+    shape = re.search(r"= \(*\w+\[([\d,]*)\]", line)
+    if m is None or shape is None or shape.start() > m.start():
+      continue
+    n = int(np.prod([int(d) for d in shape.group(1).split(",") if d]))
+    out[m.group(1)] = out.get(m.group(1), 0) + 1
+    out[m.group(1) + " max elems"] = max(out.get(m.group(1) + " max elems", 0), n)
   return out
 
 
@@ -224,6 +232,20 @@ def pool_part():
 # ----------------------------------------------------------------------------- VGG
 
 
+def fsdp_spec(shape) -> P:
+  """An array's split in the ``fsdp`` mode: along its largest dim that the devices divide;
+  whole on every device if it is small (under 64 Ki elements: biases, scales) or no dim fits."""
+  dims = [d for d in sorted(range(len(shape)), key=lambda d: -shape[d]) if shape[d] % N == 0]
+  if int(np.prod(shape, dtype=np.int64)) < 2**16 or not dims:
+    return P()
+  return P(*["d" if d == dims[0] else None for d in range(len(shape))])
+
+
+def fsdp_shardings(m, tree):
+  """:func:`fsdp_spec`'s split of every array of ``tree`` on the mesh ``m``."""
+  return jax.tree.map(lambda a: NamedSharding(m, fsdp_spec(a.shape)), tree)
+
+
 def vgg_part():
   import flax_vgg
   import optax
@@ -244,11 +266,17 @@ def vgg_part():
       return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
     return loss
 
-  def make_step(apply, pmean_axis=None):
+  def make_step(apply, pmean_axis=None, whole=None, split=None):
+    """The training step; with ``whole`` (a sharding) and ``split`` (a tree of them) the
+    parameters come in split, are gathered to ``whole`` for the model, and the gradients are
+    split back."""
     loss = loss_fn(apply)
 
     def step(p, s, x, y):
-      value, grads = jax.value_and_grad(loss)(p, x, y)
+      full = p if whole is None else jax.lax.with_sharding_constraint(p, whole)
+      value, grads = jax.value_and_grad(loss)(full, x, y)
+      if split is not None:
+        grads = jax.lax.with_sharding_constraint(grads, split)
       if pmean_axis is not None:
         value, grads = jax.lax.pmean((value, grads), pmean_axis)
       updates, s = optimizer.update(grads, s, p)
@@ -260,8 +288,19 @@ def vgg_part():
     ref_loss = None
     for mode in [m for m in VGG_MODES if m in ARGS.modes]:
       step = make_step(apply, "d" if mode == "shard_map" else None)
+      counts = None
       try:
-        if mode == "one GPU":
+        if mode == "fsdp":
+          m = mesh()
+          split = fsdp_shardings(m, params)
+          step = make_step(apply, whole=NamedSharding(m, P()), split=split)
+          args = (jax.device_put(params, split),
+                  jax.device_put(opt_state, fsdp_shardings(m, opt_state)),
+                  jax.device_put(images, NamedSharding(m, P("d"))),
+                  jax.device_put(labels, NamedSharding(m, P("d"))))
+          fn = jax.jit(step).lower(*args).compile()
+          counts = collectives(fn)
+        elif mode == "one GPU":
           one = jax.devices()[0]
           args = jax.device_put((params, opt_state, images, labels), one)
           fn = jax.jit(step)
@@ -297,6 +336,8 @@ def vgg_part():
                    global_batch=per * N, ms=ms, loop_ms=loop_ms, loop_steps=ARGS.steps,
                    first_step_s=first_s, loss=loss,
                    loss_vs_one_gpu=None if ref_loss is None else abs(loss - ref_loss))
+        if counts is not None:
+          row["collectives"] = counts
       except Exception as e:  # noqa: BLE001 - reported in the table
         row = dict(part="vgg", variant=variant, mode=mode, error=f"{type(e).__name__}: {e}"[:300])
       ROWS.append(row)
@@ -380,7 +421,8 @@ def table() -> str:
       loop = "" if r.get("loop_ms") is None else f" loop {r['loop_ms']:8.2f} ms"
       lines.append(f"vgg   {r['variant']:8} {r['mode']:9} x{r['devices']} {r['ms']:8.2f} ms"
                    f"{loop}  loss {r['loss']:.5f} "
-                   f"(|d| vs 1 GPU {'n/a' if d is None else f'{d:.1e}'})")
+                   f"(|d| vs 1 GPU {'n/a' if d is None else f'{d:.1e}'})"
+                   + (f" {r['collectives']}" if "collectives" in r else ""))
     else:
       lines.append(f"unet  {r['variant']:8} depth x{r['devices']} {r['ms']:8.2f} ms  "
                    f"{r['collectives']}")

@@ -1,0 +1,44 @@
+"""benchmarks/multi_gpu.py in a short run on 2 CPU devices (``--cpu-devices``: toy sizes, a test
+of the script, not a measurement): the VGG step with its parameters and optimizer state split
+over the devices (``fsdp``) gives one device's loss, and the compiled program's collectives are
+counted, the combined (tuple-valued) ones too."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("optax")
+pytest.importorskip("flax")
+
+SCRIPT = Path(__file__).parents[2] / "benchmarks" / "multi_gpu.py"
+
+
+def test_vgg_fsdp_mode(tmp_path):
+  env = dict(os.environ)
+  env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
+                              if "device_count" not in f)  # the script forces the count
+  out = tmp_path / "mg.json"
+  proc = subprocess.run(
+    [sys.executable, str(SCRIPT), "--cpu-devices", "2", "--parts", "vgg", "--modes",
+     "one GPU,fsdp", "--steps", "0", "--reps", "1", "--out", str(out)],
+    env=env, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, f"rc {proc.returncode}\n{proc.stdout}\n{proc.stderr[-3000:]}"
+  rows = {(r["variant"], r["mode"]): r for r in json.loads(out.read_text())["rows"]}
+  assert set(rows) == {(v, m) for v in ("plain", "optimize") for m in ("one GPU", "fsdp")}
+  for variant in ("plain", "optimize"):
+    row = rows[variant, "fsdp"]
+    assert "error" not in row, row
+    assert row["devices"] == 2 and row["loss_vs_one_gpu"] < 1e-5, row
+    counts = row["collectives"]
+    # The parameters that are split are gathered whole for the model.
+    assert counts.get("all-gather", 0) >= 1, counts
+    # The gradients of the arrays kept whole (biases, small kernels) are summed over the
+    # devices in one combined all-reduce, whose result is a tuple of more than five arrays
+    # (the HLO text then holds "/*index=5*/" inside the result's type).
+    assert counts.get("all-reduce max elems", 0) > 1, counts
