@@ -22,8 +22,10 @@ Rounds alternate the variants, so drifting clocks affect them alike. ``--cases a
 cases whose name contains ``a`` or ``b``; ``--variants ptx,beats`` the variants named;
 ``--inner N`` times N calls a sample (default 10); ``--launch 8,64,4`` runs every kernel with
 that ``(bw, bl, num_warps)``; ``--launches "8;64;2/16;64;4"`` adds a variant of the default
-kernels for each such configuration. Each case also times a copy of its forward's bytes. Prints
-a table and saves ``benchmarks/results/comparator_gpu.json``. Needs a GPU.
+kernels for each such configuration. Each case also times a copy of its forward's bytes, and
+XLA's repeat of the cotangent to the input's size (the backward's kind of pass: read an
+output, write an input). Prints a table and saves ``benchmarks/results/comparator_gpu.json``.
+Needs a GPU.
 """
 
 from __future__ import annotations
@@ -133,7 +135,7 @@ def main():
   big = jnp.zeros((2**28,), jnp.float32)
   copy_gbs = 2 * big.nbytes / _time(copy, big) / 1e6
   print(f"copy bandwidth: {copy_gbs:.0f} GB/s")
-  rows, same_size = [], {}
+  rows, same_size, write_heavy = [], {}, {}
   defaults = {k: getattr(pk, k) for k in SETTINGS}
   for name, shape, window, strides, padding, fmt, dtype in cases:
     r = np.random.default_rng(0)
@@ -176,6 +178,23 @@ def main():
     small = jnp.zeros((bytes_fwd // 8,), jnp.float32)
     same_size[name] = 2 * small.nbytes / min(_time(copy, small) for _ in range(3)) / 1e6 / copy_gbs
     print(f"{name[:44]:44s} a copy of the forward's bytes: {same_size[name]:.2f} of copy")
+    # The backward's kind of pass in XLA: read an output-sized array, write an input-sized one
+    # (each element repeated along the strided dims; the taps' bytes aside).
+    axes = [ax for ax in range(1, len(shape)) if fmt == "channels_first" or ax < len(shape) - 1]
+    if fmt == "channels_first":
+      axes = axes[1:]
+
+    def spread(d, axes=tuple(axes), strides=strides):
+      for ax, st in zip(axes, strides):
+        d = jnp.repeat(d, st, axis=ax)
+      return d
+
+    spread_fn = jax.jit(spread)
+    if spread_fn.eval_shape(dy).shape == tuple(shape):
+      write_heavy[name] = ((dy.nbytes + x.nbytes) / min(_time(spread_fn, dy) for _ in range(3))
+                           / 1e6 / copy_gbs)
+      print(f"{name[:44]:44s} XLA's repeat of dy to x's size (read dy, write x): "
+            f"{write_heavy[name]:.2f} of copy")
     for v in variants:
       f, t, bw, a = (min(times[v][k]) for k in ("fwd", "fwd_taps", "bwd", "avg"))
       row = dict(case=name, variant=v, fwd_ms=f, fwd_taps_ms=t, bwd_ms=bw, avg_fwd_ms=a,
@@ -192,7 +211,8 @@ def main():
                       "comparator_gpu.json")
   with open(path, "w") as f:
     json.dump(dict(jax=jax.__version__, device=str(jax.devices()[0]), copy_gbs=copy_gbs,
-                   same_size_copy_of_copy=same_size, rows=rows), f, indent=1)
+                   same_size_copy_of_copy=same_size,
+                   write_heavy_of_copy=write_heavy, rows=rows), f, indent=1)
 
 
 if __name__ == "__main__":
