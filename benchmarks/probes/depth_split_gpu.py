@@ -4,7 +4,8 @@ The max pool's gradient (3x3x3/s2/p1 on 2x128x128x128x32, float32 and bfloat16) 
 a program as in ``benchmarks/multi_gpu.py``'s pool part, on one GPU, with the batch split and
 with the depth split over every GPU (an Auto mesh): the time per gradient, the compiled
 program's collectives, and from a profile (``vgg_overlap_gpu.profile``) per GPU and gradient
-the time its kernels keep it busy, the collectives' time and the longest kernels. Prints one
+the time its kernels keep it busy, the collectives' time and the longest kernels, and whether
+every gradient has one GPU's bits (``--op avg_pool``: the average pool's). Prints one
 JSON line a case; ``--out`` appends them to a file::
 
   PYTHONPATH=$PWD python benchmarks/probes/depth_split_gpu.py --out depth_split.jsonl
@@ -53,10 +54,14 @@ def main():
         outs.append(v)
       return tuple(outs)
 
+    ref = None
     for split, spec in (("one GPU", None), ("batch", P("d")), ("depth", P(None, "d"))):
       dev = jax.devices()[0] if spec is None else NamedSharding(m, spec)
       args = [jax.device_put(v, dev) for v in (x, *dys)]
       compiled = jax.jit(chain).lower(*args).compile()
+      outs = [np.asarray(o.astype(jnp.float32)) for o in compiled(*args)]
+      ref = outs if ref is None else ref
+      same = all(np.array_equal(o.view(np.uint32), r.view(np.uint32)) for o, r in zip(outs, ref))
       text = compiled.as_text()
       ms = median_ms(compiled, args, reps=15)
       prof = profile(compiled, args, steps=3, top=8)
@@ -67,7 +72,7 @@ def main():
                   for dev, d in prof.items()}
       row = dict(op=a.op, dtype=jnp.dtype(dtype).name, split=split,
                  devices=1 if spec is None else jax.device_count(),
-                 ms_per_grad=ms / CHAIN,
+                 ms_per_grad=ms / CHAIN, equal_to_one_gpu=same,
                  collective_permutes=text.count("collective-permute-start")
                  or text.count("collective-permute("),
                  conditionals=text.count(" conditional("), profile_per_grad=per_grad)
