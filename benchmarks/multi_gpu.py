@@ -20,7 +20,7 @@ Parts (``--parts``, comma-separated):
   GPU on an Auto mesh, on an Explicit mesh and inside ``shard_map``, and (``fsdp``) on an Auto
   mesh with the parameters and the optimizer state split over the GPUs as well: each array
   along its largest dim that the GPUs divide, gathered whole where the step starts and its
-  gradient reduce-scattered back to the split (fully sharded data parallel, ZeRO-3), so that
+  gradient summed over the GPUs into the split (fully sharded data parallel, ZeRO-3), so that
   each GPU updates only its part of the parameters (``--modes`` takes some of
   ``one GPU,auto,explicit,shard_map,fsdp``); losses compared with one GPU's. Two times a row:
   ``ms``, one step a sample (a wait after every step), and ``loop_ms``, ``--steps`` K steps
