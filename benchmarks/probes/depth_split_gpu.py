@@ -5,7 +5,9 @@ a program as in ``benchmarks/multi_gpu.py``'s pool part, on one GPU, with the ba
 with the depth split over every GPU (an Auto mesh): the time per gradient, the compiled
 program's collectives, and from a profile (``vgg_overlap_gpu.profile``) per GPU and gradient
 the time its kernels keep it busy, the collectives' time and the longest kernels, and whether
-every gradient has one GPU's bits (``--op avg_pool``: the average pool's). Prints one
+every gradient has one GPU's bits (``--op avg_pool``: the average pool's; ``--consume``: each
+gradient feeds the next call, as in a training step; ``--with-copy``: the depth split's
+backward also as it ran before its in-place path). Prints one
 JSON line a case; ``--out`` appends them to a file::
 
   PYTHONPATH=$PWD python benchmarks/probes/depth_split_gpu.py --out depth_split.jsonl
@@ -14,6 +16,7 @@ JSON line a case; ``--out`` appends them to a file::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 
@@ -27,8 +30,21 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from vgg_overlap_gpu import emit, median_ms, profile  # noqa: E402
 
 import jaxpool  # noqa: E402
+from jaxpool._src.pallas import halo_inplace  # noqa: E402
 
 CHAIN = 10
+
+
+@contextlib.contextmanager
+def _copy_path(on: bool):
+  """With ``on``, the depth split's backward takes the copy path (no in-place plan)."""
+  saved = halo_inplace._grad_plan
+  if on:
+    halo_inplace._grad_plan = lambda *args: None
+  try:
+    yield
+  finally:
+    halo_inplace._grad_plan = saved
 
 
 def main():
@@ -36,6 +52,13 @@ def main():
   ap.add_argument("--size", type=int, default=128)
   ap.add_argument("--op", default="max_pool")
   ap.add_argument("--out", default="")
+  ap.add_argument("--consume", action="store_true",
+                  help="each gradient feeds the next call's cotangent (a strided slice of it "
+                       "added in), as a training step consumes a gradient; only the last is "
+                       "returned")
+  ap.add_argument("--with-copy", action="store_true",
+                  help="a fourth row, the depth split with each device's cotangent rows "
+                       "copied with their halo (the path before the in-place one)")
   a = ap.parse_args()
   shape = (2, a.size, a.size, a.size, 32)
   kw = dict(window_shape=(3, 3, 3), strides=(2, 2, 2), padding=1)
@@ -49,16 +72,23 @@ def main():
 
     def chain(v, *ds):
       outs = []
-      for d in ds:
+      for k, d in enumerate(ds):
+        if a.consume and k:
+          d = d + v[:, ::2, ::2, ::2]
         v = jax.vjp(lambda u: pool(u, **kw), v)[1](d)[0]
         outs.append(v)
-      return tuple(outs)
+      return (outs[-1],) if a.consume else tuple(outs)
 
     ref = None
-    for split, spec in (("one GPU", None), ("batch", P("d")), ("depth", P(None, "d"))):
+    splits = [("one GPU", None), ("batch", P("d")), ("depth", P(None, "d"))]
+    if a.with_copy:
+      splits.append(("depth, copy", P(None, "d")))
+    for split, spec in splits:
       dev = jax.devices()[0] if spec is None else NamedSharding(m, spec)
       args = [jax.device_put(v, dev) for v in (x, *dys)]
-      compiled = jax.jit(chain).lower(*args).compile()
+      with _copy_path(split.endswith("copy")):
+        # (a function of its own each split: JAX would reuse the depth split's program)
+        compiled = jax.jit(lambda *v: chain(*v)).lower(*args).compile()
       outs = [np.asarray(o.astype(jnp.float32)) for o in compiled(*args)]
       ref = outs if ref is None else ref
       same = all(np.array_equal(o.view(np.uint32), r.view(np.uint32)) for o, r in zip(outs, ref))
