@@ -20,9 +20,10 @@ Parts (``--parts``, comma-separated):
   GPU on an Auto mesh, on an Explicit mesh and inside ``shard_map``, and (``fsdp``) on an Auto
   mesh with the parameters and the optimizer state split over the GPUs as well: each array
   along its largest dim that the GPUs divide, gathered whole where the step starts and its
-  gradient summed over the GPUs into the split (fully sharded data parallel, ZeRO-3), so that
-  each GPU updates only its part of the parameters (``--modes`` takes some of
-  ``one GPU,auto,explicit,shard_map,fsdp``); losses compared with one GPU's. Two times a row:
+  gradient summed over the GPUs into the split (ZeRO-3-style storage: the parameters are whole
+  for the whole step), so that each GPU updates only its part of the parameters (``--modes``
+  takes some of ``one GPU,auto,explicit,shard_map,fsdp``); the first step's loss and updated
+  parameters (each array's norm) compared with one GPU's. Two times a row:
   ``ms``, one step a sample (a wait after every step), and ``loop_ms``, ``--steps`` K steps
   a sample (10; 0: none) run as a training loop runs them, each step taking the parameters and
   optimizer state the one before returned, with one wait after the last, divided by K.
@@ -140,16 +141,19 @@ def timed_loop(step, state, batch, steps: int, reps=ARGS.reps) -> float:
 
 
 def collectives(compiled) -> dict[str, int]:
-  """How many collectives of each kind, and the largest one's elements (of its first array:
-  a combined collective's result is a tuple, an asynchronous ``-start``'s a tuple of them)."""
+  """How many collectives of each kind, and the largest array any of them moves (a combined
+  collective's result is a tuple of arrays, an asynchronous ``-start``'s a tuple of them)."""
   out: dict[str, int] = {}
   op = re.compile(r" (" + "|".join(COLLECTIVES) + r")(-start)?\(")
   for line in compiled.as_text().splitlines():
     m = op.search(line)
-    shape = re.search(r"= \(*\w+\[([\d,]*)\]", line)
-    if m is None or shape is None or shape.start() > m.start():
+    eq = line.find(" = ")
+    if m is None or eq < 0 or eq > m.start():
       continue
-    n = int(np.prod([int(d) for d in shape.group(1).split(",") if d]))
+    shapes = re.findall(r"\w+\[([\d,]*)\]", line[eq:m.start()])
+    if not shapes:
+      continue
+    n = max(int(np.prod([int(d) for d in dims.split(",") if d])) for dims in shapes)
     out[m.group(1)] = out.get(m.group(1), 0) + 1
     out[m.group(1) + " max elems"] = max(out.get(m.group(1) + " max elems", 0), n)
   return out
@@ -285,11 +289,12 @@ def vgg_part():
 
   for variant in ("plain", "optimize"):
     apply = model.apply if variant == "plain" else jaxpool.optimize(model.apply)
-    ref_loss = None
+    ref_loss = ref_norms = None
     for mode in [m for m in VGG_MODES if m in ARGS.modes]:
       step = make_step(apply, "d" if mode == "shard_map" else None)
       counts = None
       try:
+        t0 = time.perf_counter()  # (first_step_s: compile and first step, in every mode)
         if mode == "fsdp":
           m = mesh()
           split = fsdp_shardings(m, params)
@@ -323,19 +328,22 @@ def vgg_part():
                   jax.device_put(images, data), jax.device_put(labels, data))
           fn = jax.jit(jax.shard_map(step, mesh=m, in_specs=(P(), P(), P("d"), P("d")),
                                      out_specs=(P(), P(), P())))
-        t0 = time.perf_counter()
         out = jax.block_until_ready(fn(*args))
         first_s = time.perf_counter() - t0
         loss = float(out[2])
+        norms = np.asarray([float(jnp.linalg.norm(a.astype(jnp.float32)))
+                            for a in jax.tree.leaves(out[0])])
         if mode == "one GPU":
-          ref_loss = loss
+          ref_loss, ref_norms = loss, norms
         ms = timed(lambda fn=fn, args=args: fn(*args)[2])
         loop_ms = (timed_loop(fn, args[:2], args[2:], ARGS.steps, reps=max(ARGS.reps // 4, 3))
                    if ARGS.steps else None)
         row = dict(part="vgg", variant=variant, mode=mode, devices=1 if mode == "one GPU" else N,
                    global_batch=per * N, ms=ms, loop_ms=loop_ms, loop_steps=ARGS.steps,
                    first_step_s=first_s, loss=loss,
-                   loss_vs_one_gpu=None if ref_loss is None else abs(loss - ref_loss))
+                   loss_vs_one_gpu=None if ref_loss is None else abs(loss - ref_loss),
+                   params_vs_one_gpu=None if ref_loss is None else float(
+                     np.max(np.abs(norms - ref_norms) / np.maximum(ref_norms, 1e-30))))
         if counts is not None:
           row["collectives"] = counts
       except Exception as e:  # noqa: BLE001 - reported in the table
@@ -421,7 +429,9 @@ def table() -> str:
       loop = "" if r.get("loop_ms") is None else f" loop {r['loop_ms']:8.2f} ms"
       lines.append(f"vgg   {r['variant']:8} {r['mode']:9} x{r['devices']} {r['ms']:8.2f} ms"
                    f"{loop}  loss {r['loss']:.5f} "
-                   f"(|d| vs 1 GPU {'n/a' if d is None else f'{d:.1e}'})"
+                   f"(|d| vs 1 GPU {'n/a' if d is None else f'{d:.1e}'}"
+                   + (f", params {r['params_vs_one_gpu']:.1e})"
+                      if r.get("params_vs_one_gpu") is not None else ")")
                    + (f" {r['collectives']}" if "collectives" in r else ""))
     else:
       lines.append(f"unet  {r['variant']:8} depth x{r['devices']} {r['ms']:8.2f} ms  "

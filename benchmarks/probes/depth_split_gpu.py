@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
 import sys
 
 import jax
@@ -58,7 +59,8 @@ def main():
                        "returned")
   ap.add_argument("--with-copy", action="store_true",
                   help="a fourth row, the depth split with each device's cotangent rows "
-                       "copied with their halo (the path before the in-place one)")
+                       "copied with their halo (the max pool's path before its in-place one; "
+                       "the average pool's gradient takes that path anyway)")
   a = ap.parse_args()
   shape = (2, a.size, a.size, a.size, 32)
   kw = dict(window_shape=(3, 3, 3), strides=(2, 2, 2), padding=1)
@@ -103,8 +105,9 @@ def main():
       row = dict(op=a.op, dtype=jnp.dtype(dtype).name, split=split,
                  devices=1 if spec is None else jax.device_count(),
                  ms_per_grad=ms / CHAIN, equal_to_one_gpu=same,
-                 collective_permutes=text.count("collective-permute-start")
-                 or text.count("collective-permute("),
+                 consume=a.consume,
+                 collective_permutes=len(re.findall(
+                   r"= [^\n]*? collective-permute(?:-start)?\(", text)),
                  conditionals=text.count(" conditional("), profile_per_grad=per_grad)
       emit(row, a.out)
 

@@ -1,4 +1,5 @@
-"""One call of each Triton max kernel on the cases of ``benchmarks/pooling_gpu.py``, for a profiler.
+"""Each Triton pooling kernel, called twice, on the cases of ``benchmarks/pooling_gpu.py``, for a
+profiler.
 
 Run under Nsight Compute on a GPU machine from the repository root, e.g.::
 
