@@ -31,8 +31,10 @@ lint: $(STAMP)
 test: PYTEST_MARKS = not gpu and not slow
 test-all: PYTEST_MARKS = not gpu
 # XLA_FLAGS: the tests compile many small programs and run each briefly, so XLA's CPU backend
-# compiles them without LLVM's optimisations (about 20% less test time on 2 cores): that changes
-# how fast the compiled code runs, not what it computes (no fast-math either way).
+# compiles them without LLVM's optimisations (about 20% less test time on 2 cores). That also
+# keeps LLVM from fusing a multiply with the add after it in some loops only, which can move the
+# last bit of an average-pool gradient between programs of different shapes, which the tests
+# compare bit for bit (README, docs/sharding.md).
 test test-all: $(STAMP) lint
 	$(PY) -m pytest -q -p no:cacheprovider --doctest-modules jaxpool
 	XLA_FLAGS="$$XLA_FLAGS --xla_backend_optimization_level=0" \
