@@ -1,7 +1,7 @@
 """benchmarks/multi_gpu.py in a short run on 2 CPU devices (``--cpu-devices``: toy sizes, a test
 of the script, not a measurement): the VGG step with its parameters and optimizer state split
 over the devices (``fsdp``) gives one device's loss, and the compiled program's collectives are
-counted, the combined (tuple-valued) ones too."""
+counted, the combined (tuple-valued) ones too. In the slow tier (``make test-all``)."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ pytest.importorskip("flax")
 SCRIPT = Path(__file__).parents[2] / "benchmarks" / "multi_gpu.py"
 
 
+@pytest.mark.slow  # (about 20 s: two compiled VGG steps in each of two variants)
 def test_vgg_fsdp_mode(tmp_path):
   env = dict(os.environ)
   env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
