@@ -254,13 +254,7 @@ def vgg_part():
   import flax_vgg
   import optax
   per = 2 if SMOKE else ARGS.per_gpu
-  size = 32 if SMOKE else 224
-  model = flax_vgg.VGG(flax_vgg.SMALL if SMOKE else flax_vgg.VGG16, 128 if SMOKE else 4096,
-                       10 if SMOKE else 1000, jnp.bfloat16)
-  rng = np.random.default_rng(0)
-  images = jnp.asarray(rng.standard_normal((per * N, size, size, 3)), jnp.float32)
-  labels = jnp.asarray(rng.integers(0, model.classes, per * N), jnp.int32)
-  params = jax.jit(model.init)(jax.random.key(0), images[:1])
+  model, images, labels, params = flax_vgg.benchmark_setup(per * N, small=SMOKE)
   optimizer = optax.sgd(0.01, momentum=0.9)
   opt_state = optimizer.init(params)
 

@@ -67,6 +67,19 @@ def make_model(args) -> tuple[VGG, int]:
   return VGG(SMALL, 128, 10, dtype), args.size or 32
 
 
+def benchmark_setup(batch: int, small: bool = False):
+  """The multi-GPU benchmarks' problem: a bfloat16 VGG-16 on 224x224 images (``small``: the
+  small VGG on 32x32), a batch of random images and labels (seed 0) and its initial parameters.
+  Returns ``(model, images, labels, params)``."""
+  model = VGG(SMALL, 128, 10, jnp.bfloat16) if small else VGG(VGG16, 4096, 1000, jnp.bfloat16)
+  size = 32 if small else 224
+  rng = np.random.default_rng(0)
+  images = jnp.asarray(rng.standard_normal((batch, size, size, 3)), jnp.float32)
+  labels = jnp.asarray(rng.integers(0, model.classes, batch), jnp.int32)
+  params = jax.jit(model.init)(jax.random.key(0), images[:1])
+  return model, images, labels, params
+
+
 def make_step(apply, optimizer):
   """A jitted SGD step of ``apply`` (a Flax ``model.apply`` or its optimized version)."""
   def loss_fn(params, images, labels):

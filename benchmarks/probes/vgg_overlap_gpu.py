@@ -26,7 +26,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -36,16 +35,11 @@ sys.path.insert(0, os.path.join(ROOT, "examples"))
 import jaxpool  # noqa: E402
 
 
-def build(variant: str, per: int, size: int, small: bool):
+def build(variant: str, per: int, small: bool):
   import flax_vgg
   import optax
   n = jax.device_count()
-  model = flax_vgg.VGG(flax_vgg.SMALL if small else flax_vgg.VGG16, 128 if small else 4096,
-                       10 if small else 1000, jnp.bfloat16)
-  rng = np.random.default_rng(0)
-  images = jnp.asarray(rng.standard_normal((per * n, size, size, 3)), jnp.float32)
-  labels = jnp.asarray(rng.integers(0, model.classes, per * n), jnp.int32)
-  params = jax.jit(model.init)(jax.random.key(0), images[:1])
+  model, images, labels, params = flax_vgg.benchmark_setup(per * n, small=small)
   optimizer = optax.sgd(0.01, momentum=0.9)
   apply = model.apply if variant == "plain" else jaxpool.optimize(model.apply)
 
@@ -154,7 +148,7 @@ def main():
   ap.add_argument("--out", default="")
   a = ap.parse_args()
   for variant in a.variants.split(","):
-    fn, args = build(variant, 2 if a.smoke else a.per_gpu, 32 if a.smoke else 224, a.smoke)
+    fn, args = build(variant, 2 if a.smoke else a.per_gpu, a.smoke)
     row = dict(variant=variant, devices=jax.device_count(),
                device=jax.devices()[0].device_kind, xla_flags=os.environ.get("XLA_FLAGS", ""),
                ms=median_ms(fn, args, 3 if a.smoke else 20), profile=profile(fn, args))
