@@ -7,7 +7,9 @@ program's collectives, and from a profile (``vgg_overlap_gpu.profile``) per GPU 
 the time its kernels keep it busy, the collectives' time and the longest kernels, and whether
 every gradient has one GPU's bits (``--op avg_pool``: the average pool's; ``--consume``: each
 gradient feeds the next call, as in a training step; ``--with-copy``: the depth split's
-backward also as it ran before its in-place path). Prints one
+backward also as it ran before its in-place path; ``--plain-concat``: the depth split also with
+each halo joined to its block by XLA's concatenation along the split dim, as before
+``halo.join``). Prints one
 JSON line a case; ``--out`` appends them to a file::
 
   PYTHONPATH=$PWD python benchmarks/probes/depth_split_gpu.py --out depth_split.jsonl
@@ -31,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from vgg_overlap_gpu import emit, median_ms, profile  # noqa: E402
 
 import jaxpool  # noqa: E402
-from jaxpool._src.pallas import halo_inplace  # noqa: E402
+from jaxpool._src.pallas import halo, halo_inplace  # noqa: E402
 
 CHAIN = 10
 
@@ -48,6 +50,19 @@ def _copy_path(on: bool):
     halo_inplace._grad_plan = saved
 
 
+@contextlib.contextmanager
+def _plain_join(on: bool):
+  """With ``on``, halos are joined to their blocks by one concatenation along the split dim."""
+  saved = halo.join
+  if on:
+    halo.join = lambda parts, axis: (
+        parts[0] if len(parts) == 1 else jax.lax.concatenate(parts, axis))
+  try:
+    yield
+  finally:
+    halo.join = saved
+
+
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--size", type=int, default=128)
@@ -61,6 +76,9 @@ def main():
                   help="a fourth row, the depth split with each device's cotangent rows "
                        "copied with their halo (the max pool's path before its in-place one; "
                        "the average pool's gradient takes that path anyway)")
+  ap.add_argument("--plain-concat", action="store_true",
+                  help="a row more: the depth split with XLA's concatenation along the split "
+                       "dim joining each halo to its block")
   a = ap.parse_args()
   shape = (2, a.size, a.size, a.size, 32)
   kw = dict(window_shape=(3, 3, 3), strides=(2, 2, 2), padding=1)
@@ -85,10 +103,12 @@ def main():
     splits = [("one GPU", None), ("batch", P("d")), ("depth", P(None, "d"))]
     if a.with_copy:
       splits.append(("depth, copy", P(None, "d")))
+    if a.plain_concat:
+      splits.append(("depth, plain concat", P(None, "d")))
     for split, spec in splits:
       dev = jax.devices()[0] if spec is None else NamedSharding(m, spec)
       args = [jax.device_put(v, dev) for v in (x, *dys)]
-      with _copy_path(split.endswith("copy")):
+      with _copy_path(split.endswith("copy")), _plain_join(split.endswith("plain concat")):
         # (a function of its own each split: JAX would reuse the depth split's program)
         compiled = jax.jit(lambda *v: chain(*v)).lower(*args).compile()
       outs = [np.asarray(o.astype(jnp.float32)) for o in compiled(*args)]

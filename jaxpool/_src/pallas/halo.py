@@ -158,8 +158,20 @@ def exchange(x: jax.Array, p: DimPlan) -> jax.Array:
   """``x``'s block with ``p.left`` rows of its left neighbours' blocks before it and
   ``p.right`` of its right neighbours' after it (zeros past the ends), along ``p.axis``."""
   lefts, rights = halo_parts(x, p)
-  parts = [*lefts, x, *rights]
-  return parts[0] if len(parts) == 1 else lax.concatenate(parts, p.axis)
+  return join([*lefts, x, *rights], p.axis)
+
+
+def join(parts: list[jax.Array], axis: int) -> jax.Array:
+  """``parts`` concatenated along ``axis``, as the concatenation of their 2-D views (the dims
+  before ``axis``, the rest flattened): the same elements in the same places (row-major), and
+  on a GPU a copy with long contiguous runs. XLA's concatenation along a spatial dim of a
+  16-bit NDHWC block with 32 channels ran at about 0.8 TB/s on an H100."""
+  if len(parts) == 1:
+    return parts[0]
+  lead = parts[0].shape[:axis]
+  flat = [q.reshape((int(np.prod(lead, dtype=np.int64)), -1)) for q in parts]
+  rows = sum(q.shape[axis] for q in parts)
+  return lax.concatenate(flat, 1).reshape(lead + (rows,) + parts[0].shape[axis + 1:])
 
 
 def _local_geometry(geom: Geometry, plans, works) -> Geometry:
