@@ -21,8 +21,16 @@ Parts (``--parts``, comma-separated):
   mesh with the parameters and the optimizer state split over the GPUs as well: each array
   along its largest dim that the GPUs divide, gathered whole where the step starts and its
   gradient summed over the GPUs into the split (ZeRO-3-style storage: the parameters are whole
-  for the whole step), so that each GPU updates only its part of the parameters (``--modes``
-  takes some of ``one GPU,auto,explicit,shard_map,fsdp``); the first step's loss and updated
+  for the whole step), so that each GPU updates only its part of the parameters; and
+  (``fsdp_bf16``) the same split written inside ``shard_map`` with mixed-precision
+  communication, as PyTorch's FSDP ``MixedPrecision(param_dtype=bfloat16,
+  reduce_dtype=bfloat16)`` does: each GPU casts its part of the parameters to bfloat16 (the
+  model computes in bfloat16: the forward is the same) before the all-gather, and the
+  gradients are reduce-scattered in bfloat16 (the gather's transpose: a sum rounded to
+  bfloat16), each GPU updating its float32 part (``--modes`` takes some of ``one GPU,auto,
+  explicit,shard_map,fsdp,fsdp_bf16``). ``--variants`` adds ``no_pool``: the model with every
+  max pool replaced by a strided slice (the same shapes at next to no cost), which shows how
+  the rest of the step scales. The first step's loss and updated
   parameters (each array's norm) compared with one GPU's. Two times a row:
   ``ms``, one step a sample (a wait after every step), and ``loop_ms``, ``--steps`` K steps
   a sample (10; 0: none) run as a training loop runs them, each step taking the parameters and
@@ -51,13 +59,16 @@ import time
 from pathlib import Path
 
 
-VGG_MODES = ("one GPU", "auto", "explicit", "shard_map", "fsdp")
+VGG_MODES = ("one GPU", "auto", "explicit", "shard_map", "fsdp", "fsdp_bf16")
 
 
 def parse(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--parts", default="pool,vgg,unet")
   p.add_argument("--per-gpu", type=int, default=64, help="VGG images per GPU")
+  p.add_argument("--variants", default="plain,optimize",
+                 help="VGG variants, comma-separated, from plain, optimize, no_pool (every max "
+                      "pool replaced by a strided slice: how the rest of the step scales)")
   p.add_argument("--modes", default=",".join(VGG_MODES),
                  help=f"VGG modes, comma-separated, from {', '.join(VGG_MODES)}")
   p.add_argument("--chain", type=int, default=10,
@@ -73,6 +84,9 @@ def parse(argv=None):
   if unknown or not modes:
     p.error(f"--modes takes a comma list of {', '.join(VGG_MODES)}; got {args.modes!r}")
   args.modes = modes
+  args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+  if not args.variants or set(args.variants) - {"plain", "optimize", "no_pool"}:
+    p.error(f"--variants takes a comma list of plain, optimize, no_pool; got {args.variants!r}")
   if args.chain < 0:
     p.error(f"--chain must be 0 (off) or a positive count; got {args.chain}")
   return args
@@ -281,8 +295,34 @@ def vgg_part():
       return optax.apply_updates(p, updates), s, value
     return step
 
-  for variant in ("plain", "optimize"):
-    apply = model.apply if variant == "plain" else jaxpool.optimize(model.apply)
+  def fsdp_bf16_step(apply, split_dims):
+    """The step on one GPU's part (inside ``shard_map``): ``split_dims`` gives each parameter's
+    split dim (None: whole on every GPU)."""
+    loss = loss_fn(apply)
+
+    def gather(a, dim):
+      a = a.astype(jnp.bfloat16) if jnp.issubdtype(a.dtype, jnp.floating) else a
+      return a if dim is None else jax.lax.all_gather(a, "d", axis=dim, tiled=True)
+
+    def step(p, s, x, y):
+      def local(q):
+        leaves, tree = jax.tree.flatten(q)
+        return loss(tree.unflatten([gather(a, d) for a, d in zip(leaves, split_dims)]), x, y)
+      value, grads = jax.value_and_grad(local)(p)
+      # Each gradient is now the sum over the GPUs of theirs (a split parameter's by the
+      # all-gather's transpose, a reduce-scatter; a whole one's by shard_map's: its gradient is
+      # summed where it is used unsplit); the loss is each GPU's mean over its images.
+      grads = jax.tree.map(lambda g: g / N, grads)
+      updates, s = optimizer.update(grads, s, p)
+      return optax.apply_updates(p, updates), s, jax.lax.pmean(value, "d")
+    return step
+
+  import flax.linen as nn
+  max_pool = nn.max_pool
+  for variant in ARGS.variants:
+    apply = jaxpool.optimize(model.apply) if variant == "optimize" else model.apply
+    # (the model calls nn.max_pool as each step is traced, within this variant's loop)
+    nn.max_pool = flax_vgg.strided_slice_pool if variant == "no_pool" else max_pool
     ref_loss = ref_norms = None
     for mode in [m for m in VGG_MODES if m in ARGS.modes]:
       step = make_step(apply, "d" if mode == "shard_map" else None)
@@ -298,6 +338,21 @@ def vgg_part():
                   jax.device_put(images, NamedSharding(m, P("d"))),
                   jax.device_put(labels, NamedSharding(m, P("d"))))
           fn = jax.jit(step).lower(*args).compile()
+          counts = collectives(fn)
+        elif mode == "fsdp_bf16":
+          m = mesh()
+          specs = jax.tree.map(lambda a: fsdp_spec(a.shape), params)
+          state_specs = jax.tree.map(lambda a: fsdp_spec(a.shape), opt_state)
+          dims = [next((i for i, e in enumerate(sp) if e == "d"), None)
+                  for sp in jax.tree.leaves(specs, is_leaf=lambda v: isinstance(v, P))]
+          args = (jax.device_put(params, fsdp_shardings(m, params)),
+                  jax.device_put(opt_state, fsdp_shardings(m, opt_state)),
+                  jax.device_put(images, NamedSharding(m, P("d"))),
+                  jax.device_put(labels, NamedSharding(m, P("d"))))
+          fn = jax.jit(jax.shard_map(fsdp_bf16_step(apply, dims), mesh=m,
+                                     in_specs=(specs, state_specs, P("d"), P("d")),
+                                     out_specs=(specs, state_specs, P())))
+          fn = fn.lower(*args).compile()
           counts = collectives(fn)
         elif mode == "one GPU":
           one = jax.devices()[0]
@@ -344,6 +399,7 @@ def vgg_part():
         row = dict(part="vgg", variant=variant, mode=mode, error=f"{type(e).__name__}: {e}"[:300])
       ROWS.append(row)
       print(json.dumps(row), flush=True)
+  nn.max_pool = max_pool
 
 
 # ----------------------------------------------------------------------------- U-Net

@@ -196,12 +196,7 @@ def run_step_case(name: str, variant: str, quick: bool, reps: int) -> dict:
       # The floor: every max pool replaced by a strided slice (the same shapes, next to no
       # cost), so base / no_pool bounds what any pooling can gain in this step.
       import flax.linen as nn
-
-      def sliced(x, window_shape, strides=None, padding="VALID"):
-        steps = strides or window_shape
-        return x[(slice(None),) * (x.ndim - len(steps) - 1)
-                 + tuple(slice(None, None, s) for s in steps) + (slice(None),)]
-      nn.max_pool = sliced  # this child process only
+      nn.max_pool = flax_vgg.strided_slice_pool  # this child process only
     params = jax.jit(model.init)(jax.random.key(0), images)
     apply = model.apply
     if variant == "optimize":
