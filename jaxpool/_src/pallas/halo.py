@@ -168,8 +168,13 @@ def join(parts: list[jax.Array], axis: int) -> jax.Array:
   NDHWC block with 32 channels ran at about 0.85 TB/s on an H100, this one at 2.6 TB/s."""
   if len(parts) == 1:
     return parts[0]
+  if jax.default_backend() == "tpu":
+    # A TPU lays arrays out in tiles of their two minor dims: the 2-D view can be a relayout
+    # copy of its own there.
+    return lax.concatenate(parts, axis)
   lead = parts[0].shape[:axis]
-  flat = [q.reshape((int(np.prod(lead, dtype=np.int64)), -1)) for q in parts]
+  n = int(np.prod(lead, dtype=np.int64))
+  flat = [q.reshape((n, int(np.prod(q.shape[axis:], dtype=np.int64)))) for q in parts]
   rows = sum(q.shape[axis] for q in parts)
   return lax.concatenate(flat, 1).reshape(lead + (rows,) + parts[0].shape[axis + 1:])
 
