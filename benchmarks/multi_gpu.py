@@ -26,15 +26,17 @@ Parts (``--parts``, comma-separated):
   communication, as PyTorch's FSDP ``MixedPrecision(param_dtype=bfloat16,
   reduce_dtype=bfloat16)`` does: each GPU casts its part of the parameters to bfloat16 (the
   model computes in bfloat16: the forward is the same) before the all-gather, and the
-  gradients are reduce-scattered in bfloat16 (the gather's transpose: a sum rounded to
-  bfloat16), each GPU updating its float32 part (``--modes`` takes some of ``one GPU,auto,
-  explicit,shard_map,fsdp,fsdp_bf16``). ``--variants`` adds ``no_pool``: the model with every
-  max pool replaced by a strided slice (the same shapes at next to no cost), which shows how
-  the rest of the step scales. The first step's loss and updated
-  parameters (each array's norm) compared with one GPU's. Two times a row:
-  ``ms``, one step a sample (a wait after every step), and ``loop_ms``, ``--steps`` K steps
-  a sample (10; 0: none) run as a training loop runs them, each step taking the parameters and
-  optimizer state the one before returned, with one wait after the last, divided by K.
+  gradients are summed over the GPUs in bfloat16 (a split array's reduce-scattered, the
+  gather's transpose; a whole one's all-reduced), each GPU updating its float32 part
+  (``--modes`` takes some of ``one GPU,auto,explicit,shard_map,fsdp,fsdp_bf16``).
+  ``--variants`` adds ``no_pool``: the model with every max pool replaced by a strided slice
+  (the same shapes at next to no cost), which shows how the rest of the step scales. The first
+  step's loss and updated parameters are compared with one GPU's: ``params_vs_one_gpu``, the
+  largest relative difference of an array's norm, and ``update_vs_one_gpu``, of an array's
+  update (new minus initial values, as a whole). Two times a row: ``ms``, one step a sample (a
+  wait after every step), and ``loop_ms``, ``--steps`` K steps a sample (10; 0: none) run as a
+  training loop runs them, each step taking the parameters and optimizer state the one before
+  returned, with one wait after the last, divided by K.
 * ``unet``: a 3-D U-Net-style training step (Flax) on a volume split along depth over every GPU,
   with and without ``jaxpool.optimize``.
 
@@ -319,87 +321,98 @@ def vgg_part():
 
   import flax.linen as nn
   max_pool = nn.max_pool
-  for variant in ARGS.variants:
-    apply = jaxpool.optimize(model.apply) if variant == "optimize" else model.apply
-    # (the model calls nn.max_pool as each step is traced, within this variant's loop)
-    nn.max_pool = flax_vgg.strided_slice_pool if variant == "no_pool" else max_pool
-    ref_loss = ref_norms = None
-    for mode in [m for m in VGG_MODES if m in ARGS.modes]:
-      step = make_step(apply, "d" if mode == "shard_map" else None)
-      counts = None
-      try:
-        t0 = time.perf_counter()  # (first_step_s: compile and first step, in every mode)
-        if mode == "fsdp":
-          m = mesh()
-          split = fsdp_shardings(m, params)
-          step = make_step(apply, whole=NamedSharding(m, P()), split=split)
-          args = (jax.device_put(params, split),
-                  jax.device_put(opt_state, fsdp_shardings(m, opt_state)),
-                  jax.device_put(images, NamedSharding(m, P("d"))),
-                  jax.device_put(labels, NamedSharding(m, P("d"))))
-          fn = jax.jit(step).lower(*args).compile()
-          counts = collectives(fn)
-        elif mode == "fsdp_bf16":
-          m = mesh()
-          specs = jax.tree.map(lambda a: fsdp_spec(a.shape), params)
-          state_specs = jax.tree.map(lambda a: fsdp_spec(a.shape), opt_state)
-          dims = [next((i for i, e in enumerate(sp) if e == "d"), None)
-                  for sp in jax.tree.leaves(specs, is_leaf=lambda v: isinstance(v, P))]
-          args = (jax.device_put(params, fsdp_shardings(m, params)),
-                  jax.device_put(opt_state, fsdp_shardings(m, opt_state)),
-                  jax.device_put(images, NamedSharding(m, P("d"))),
-                  jax.device_put(labels, NamedSharding(m, P("d"))))
-          fn = jax.jit(jax.shard_map(fsdp_bf16_step(apply, dims), mesh=m,
-                                     in_specs=(specs, state_specs, P("d"), P("d")),
-                                     out_specs=(specs, state_specs, P())))
-          fn = fn.lower(*args).compile()
-          counts = collectives(fn)
-        elif mode == "one GPU":
-          one = jax.devices()[0]
-          args = jax.device_put((params, opt_state, images, labels), one)
-          fn = jax.jit(step)
-        elif mode in ("auto", "explicit"):
-          m = mesh(AxisType.Auto if mode == "auto" else AxisType.Explicit)
-          rep, data = NamedSharding(m, P()), NamedSharding(m, P("d"))
-          args = (jax.device_put(params, rep), jax.device_put(opt_state, rep),
-                  jax.device_put(images, data), jax.device_put(labels, data))
-          fn = jax.jit(step)
-          if mode == "explicit":
-            with jax.set_mesh(m):
-              compiled = fn.lower(*args).compile()
+  before = [np.asarray(a, np.float32) for a in jax.tree.leaves(params)]
+
+  def update_gap(new, ref):
+    """The largest relative difference of one array's update from one GPU's update."""
+    return float(max(np.linalg.norm(n - r) / max(float(np.linalg.norm(r - b)), 1e-30)
+                     for n, r, b in zip(new, ref, before)))
+
+  try:
+    for variant in ARGS.variants:
+      apply = jaxpool.optimize(model.apply) if variant == "optimize" else model.apply
+      # (the model calls nn.max_pool as each step is traced, within this variant's loop)
+      nn.max_pool = flax_vgg.strided_slice_pool if variant == "no_pool" else max_pool
+      ref_loss = ref_norms = ref_new = None
+      for mode in [m for m in VGG_MODES if m in ARGS.modes]:
+        step = make_step(apply, "d" if mode == "shard_map" else None)
+        counts = None
+        try:
+          t0 = time.perf_counter()  # (first_step_s: compile and first step, in every mode)
+          if mode == "fsdp":
+            m = mesh()
+            split = fsdp_shardings(m, params)
+            step = make_step(apply, whole=NamedSharding(m, P()), split=split)
+            args = (jax.device_put(params, split),
+                    jax.device_put(opt_state, fsdp_shardings(m, opt_state)),
+                    jax.device_put(images, NamedSharding(m, P("d"))),
+                    jax.device_put(labels, NamedSharding(m, P("d"))))
+            fn = jax.jit(step).lower(*args).compile()
+            counts = collectives(fn)
+          elif mode == "fsdp_bf16":
+            m = mesh()
+            specs = jax.tree.map(lambda a: fsdp_spec(a.shape), params)
+            state_specs = jax.tree.map(lambda a: fsdp_spec(a.shape), opt_state)
+            dims = [next((i for i, e in enumerate(sp) if e == "d"), None)
+                    for sp in jax.tree.leaves(specs, is_leaf=lambda v: isinstance(v, P))]
+            args = (jax.device_put(params, fsdp_shardings(m, params)),
+                    jax.device_put(opt_state, fsdp_shardings(m, opt_state)),
+                    jax.device_put(images, NamedSharding(m, P("d"))),
+                    jax.device_put(labels, NamedSharding(m, P("d"))))
+            fn = jax.jit(jax.shard_map(fsdp_bf16_step(apply, dims), mesh=m,
+                                       in_specs=(specs, state_specs, P("d"), P("d")),
+                                       out_specs=(specs, state_specs, P())))
+            fn = fn.lower(*args).compile()
+            counts = collectives(fn)
+          elif mode == "one GPU":
+            one = jax.devices()[0]
+            args = jax.device_put((params, opt_state, images, labels), one)
+            fn = jax.jit(step)
+          elif mode in ("auto", "explicit"):
+            m = mesh(AxisType.Auto if mode == "auto" else AxisType.Explicit)
+            rep, data = NamedSharding(m, P()), NamedSharding(m, P("d"))
+            args = (jax.device_put(params, rep), jax.device_put(opt_state, rep),
+                    jax.device_put(images, data), jax.device_put(labels, data))
+            fn = jax.jit(step)
+            if mode == "explicit":
+              with jax.set_mesh(m):
+                compiled = fn.lower(*args).compile()
+            else:
+              compiled = None
+            fn = compiled or fn
           else:
-            compiled = None
-          fn = compiled or fn
-        else:
-          m = mesh()
-          rep, data = NamedSharding(m, P()), NamedSharding(m, P("d"))
-          args = (jax.device_put(params, rep), jax.device_put(opt_state, rep),
-                  jax.device_put(images, data), jax.device_put(labels, data))
-          fn = jax.jit(jax.shard_map(step, mesh=m, in_specs=(P(), P(), P("d"), P("d")),
-                                     out_specs=(P(), P(), P())))
-        out = jax.block_until_ready(fn(*args))
-        first_s = time.perf_counter() - t0
-        loss = float(out[2])
-        norms = np.asarray([float(jnp.linalg.norm(a.astype(jnp.float32)))
-                            for a in jax.tree.leaves(out[0])])
-        if mode == "one GPU":
-          ref_loss, ref_norms = loss, norms
-        ms = timed(lambda fn=fn, args=args: fn(*args)[2])
-        loop_ms = (timed_loop(fn, args[:2], args[2:], ARGS.steps, reps=max(ARGS.reps // 4, 3))
-                   if ARGS.steps else None)
-        row = dict(part="vgg", variant=variant, mode=mode, devices=1 if mode == "one GPU" else N,
-                   global_batch=per * N, ms=ms, loop_ms=loop_ms, loop_steps=ARGS.steps,
-                   first_step_s=first_s, loss=loss,
-                   loss_vs_one_gpu=None if ref_loss is None else abs(loss - ref_loss),
-                   params_vs_one_gpu=None if ref_loss is None else float(
-                     np.max(np.abs(norms - ref_norms) / np.maximum(ref_norms, 1e-30))))
-        if counts is not None:
-          row["collectives"] = counts
-      except Exception as e:  # noqa: BLE001 - reported in the table
-        row = dict(part="vgg", variant=variant, mode=mode, error=f"{type(e).__name__}: {e}"[:300])
-      ROWS.append(row)
-      print(json.dumps(row), flush=True)
-  nn.max_pool = max_pool
+            m = mesh()
+            rep, data = NamedSharding(m, P()), NamedSharding(m, P("d"))
+            args = (jax.device_put(params, rep), jax.device_put(opt_state, rep),
+                    jax.device_put(images, data), jax.device_put(labels, data))
+            fn = jax.jit(jax.shard_map(step, mesh=m, in_specs=(P(), P(), P("d"), P("d")),
+                                       out_specs=(P(), P(), P())))
+          out = jax.block_until_ready(fn(*args))
+          first_s = time.perf_counter() - t0
+          loss = float(out[2])
+          norms = np.asarray([float(jnp.linalg.norm(a.astype(jnp.float32)))
+                              for a in jax.tree.leaves(out[0])])
+          new = [np.asarray(a.astype(jnp.float32)) for a in jax.tree.leaves(out[0])]
+          if mode == "one GPU":
+            ref_loss, ref_norms, ref_new = loss, norms, new
+          ms = timed(lambda fn=fn, args=args: fn(*args)[2])
+          loop_ms = (timed_loop(fn, args[:2], args[2:], ARGS.steps, reps=max(ARGS.reps // 4, 3))
+                     if ARGS.steps else None)
+          row = dict(part="vgg", variant=variant, mode=mode, devices=1 if mode == "one GPU" else N,
+                     global_batch=per * N, ms=ms, loop_ms=loop_ms, loop_steps=ARGS.steps,
+                     first_step_s=first_s, loss=loss,
+                     loss_vs_one_gpu=None if ref_loss is None else abs(loss - ref_loss),
+                     params_vs_one_gpu=None if ref_loss is None else float(
+                       np.max(np.abs(norms - ref_norms) / np.maximum(ref_norms, 1e-30))),
+                     update_vs_one_gpu=None if ref_new is None else update_gap(new, ref_new))
+          if counts is not None:
+            row["collectives"] = counts
+        except Exception as e:  # noqa: BLE001 - reported in the table
+          row = dict(part="vgg", variant=variant, mode=mode, error=f"{type(e).__name__}: {e}"[:300])
+        ROWS.append(row)
+        print(json.dumps(row), flush=True)
+  finally:
+    nn.max_pool = max_pool
 
 
 # ----------------------------------------------------------------------------- U-Net
@@ -480,7 +493,8 @@ def table() -> str:
       lines.append(f"vgg   {r['variant']:8} {r['mode']:9} x{r['devices']} {r['ms']:8.2f} ms"
                    f"{loop}  loss {r['loss']:.5f} "
                    f"(|d| vs 1 GPU {'n/a' if d is None else f'{d:.1e}'}"
-                   + (f", params {r['params_vs_one_gpu']:.1e})"
+                   + (f", params {r['params_vs_one_gpu']:.1e}"
+                      f", update {r.get('update_vs_one_gpu') or 0:.1e})"
                       if r.get("params_vs_one_gpu") is not None else ")")
                    + (f" {r['collectives']}" if "collectives" in r else ""))
     else:

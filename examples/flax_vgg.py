@@ -81,8 +81,9 @@ def benchmark_setup(batch: int, small: bool = False):
 
 
 def strided_slice_pool(x, window_shape, strides=None, padding="VALID"):
-  """A stand-in for ``nn.max_pool`` that keeps every ``strides``-th element (the pool's output
-  shape for this model's non-overlapping windows, at next to no cost). A step with it in place
+  """A stand-in for ``nn.max_pool`` that keeps every ``strides``-th element: the pool's output
+  shape for non-overlapping windows on sizes the stride divides (this model's), at next to no
+  cost; ``padding`` is ignored. A step with it in place
   of the pools bounds what any pooling can gain there, and shows how the rest of the step
   scales."""
   del padding

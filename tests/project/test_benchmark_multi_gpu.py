@@ -45,6 +45,7 @@ def test_vgg_fsdp_mode(tmp_path):
     # bfloat16 gradient: 1.5e-2 apart on the Auto mesh too). An update left out moves a
     # bias's norm by 1 (relative).
     assert row["params_vs_one_gpu"] < 5e-2, row
+    assert row["update_vs_one_gpu"] < 0.3, row
     counts = row["collectives"]
     # The parameters that are split are gathered whole for the model.
     assert counts.get("all-gather", 0) >= 1, counts
@@ -57,9 +58,12 @@ def test_vgg_fsdp_mode(tmp_path):
   for variant in ("plain", "optimize", "no_pool"):
     row = rows[variant, "fsdp_bf16"]
     assert "error" not in row, row
-    # The forward is one device's (the model casts its parameters to bfloat16 itself); the
-    # gradients are summed in bfloat16, within the update's check above.
-    assert row["loss_vs_one_gpu"] < 1e-5 and row["params_vs_one_gpu"] < 5e-2, row
+    # The forward is one device's (the model casts its parameters to bfloat16 itself). The
+    # gradients are summed in bfloat16: each array's update (new minus initial values) is one
+    # device's to the bfloat16 model's rounding (up to 5e-2 relative on some small array, on
+    # the Auto mesh too); a gradient summed but not averaged over the 2 devices, or counted
+    # twice, moves an array's update by 1 or more (relative).
+    assert row["loss_vs_one_gpu"] < 1e-5 and row["update_vs_one_gpu"] < 0.3, row
     counts = row["collectives"]
     # The split parameters are gathered and their gradients reduce-scattered (the gather's
     # transpose): the split dense kernel's part (512 x 128) is the largest piece a device keeps.
