@@ -339,29 +339,23 @@ def vgg_part():
         counts = None
         try:
           t0 = time.perf_counter()  # (first_step_s: compile and first step, in every mode)
-          if mode == "fsdp":
+          if mode in ("fsdp", "fsdp_bf16"):
             m = mesh()
-            split = fsdp_shardings(m, params)
-            step = make_step(apply, whole=NamedSharding(m, P()), split=split)
-            args = (jax.device_put(params, split),
-                    jax.device_put(opt_state, fsdp_shardings(m, opt_state)),
-                    jax.device_put(images, NamedSharding(m, P("d"))),
-                    jax.device_put(labels, NamedSharding(m, P("d"))))
-            fn = jax.jit(step).lower(*args).compile()
-            counts = collectives(fn)
-          elif mode == "fsdp_bf16":
-            m = mesh()
-            specs = jax.tree.map(lambda a: fsdp_spec(a.shape), params)
-            state_specs = jax.tree.map(lambda a: fsdp_spec(a.shape), opt_state)
-            dims = [next((i for i, e in enumerate(sp) if e == "d"), None)
-                    for sp in jax.tree.leaves(specs, is_leaf=lambda v: isinstance(v, P))]
             args = (jax.device_put(params, fsdp_shardings(m, params)),
                     jax.device_put(opt_state, fsdp_shardings(m, opt_state)),
                     jax.device_put(images, NamedSharding(m, P("d"))),
                     jax.device_put(labels, NamedSharding(m, P("d"))))
-            fn = jax.jit(jax.shard_map(fsdp_bf16_step(apply, dims), mesh=m,
-                                       in_specs=(specs, state_specs, P("d"), P("d")),
-                                       out_specs=(specs, state_specs, P())))
+            if mode == "fsdp":
+              fn = jax.jit(make_step(apply, whole=NamedSharding(m, P()),
+                                     split=fsdp_shardings(m, params)))
+            else:
+              specs = jax.tree.map(lambda a: fsdp_spec(a.shape), params)
+              state_specs = jax.tree.map(lambda a: fsdp_spec(a.shape), opt_state)
+              dims = [next((i for i, e in enumerate(sp) if e == "d"), None)
+                      for sp in jax.tree.leaves(specs, is_leaf=lambda v: isinstance(v, P))]
+              fn = jax.jit(jax.shard_map(fsdp_bf16_step(apply, dims), mesh=m,
+                                         in_specs=(specs, state_specs, P("d"), P("d")),
+                                         out_specs=(specs, state_specs, P())))
             fn = fn.lower(*args).compile()
             counts = collectives(fn)
           elif mode == "one GPU":
@@ -390,9 +384,8 @@ def vgg_part():
           out = jax.block_until_ready(fn(*args))
           first_s = time.perf_counter() - t0
           loss = float(out[2])
-          norms = np.asarray([float(jnp.linalg.norm(a.astype(jnp.float32)))
-                              for a in jax.tree.leaves(out[0])])
           new = [np.asarray(a.astype(jnp.float32)) for a in jax.tree.leaves(out[0])]
+          norms = np.asarray([float(np.linalg.norm(a)) for a in new])
           if mode == "one GPU":
             ref_loss, ref_norms, ref_new = loss, norms, new
           ms = timed(lambda fn=fn, args=args: fn(*args)[2])

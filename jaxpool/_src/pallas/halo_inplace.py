@@ -21,8 +21,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxpool._src.pallas.calls import KernelCall
-from jaxpool._src.pallas.halo import (DimPlan, cdiv, exchange, general, halo_parts, local_dim,
-                                      result_blocks)
+from jaxpool._src.pallas.halo import (DimPlan, cdiv, exchange, general, halo_parts, join,
+                                      local_dim, result_blocks)
 from jaxpool._src.windows import Geometry
 
 
@@ -144,9 +144,7 @@ def fast_plan(kc: KernelCall, p: DimPlan) -> tuple[_InPlace | None, ...] | None:
 def _halos(x: jax.Array, p: DimPlan) -> tuple[jax.Array | None, jax.Array | None]:
   """The ``p.left`` rows before ``x``'s block and the ``p.right`` rows after it."""
   lefts, rights = halo_parts(x, p)
-  join = lambda parts: (  # noqa: E731
-      None if not parts else parts[0] if len(parts) == 1 else lax.concatenate(parts, p.axis))
-  return join(lefts), join(rights)
+  return (join(lefts, p.axis) if lefts else None), (join(rights, p.axis) if rights else None)
 
 
 def fast(kc: KernelCall, p: DimPlan, plans, operands):
@@ -286,7 +284,7 @@ def _edge_outputs(kc: KernelCall, p: DimPlan, blocks, halos, edge: _Edge, before
   for x, halo in zip(blocks, halos):
     own = lax.slice_in_dim(x, edge.own[0], edge.own[1], axis=p.axis)
     near = lax.slice_in_dim(halo, edge.halo[0], edge.halo[1], axis=p.axis)
-    pieces.append(lax.concatenate([near, own] if before else [own, near], p.axis))
+    pieces.append(join([near, own] if before else [own, near], p.axis))
   return [lax.slice_in_dim(o, edge.skip, edge.skip + edge.count, axis=p.axis)
           for o in kc.run(pieces, _with_dim(kc.geom, p.spatial, edge.dim))]
 
