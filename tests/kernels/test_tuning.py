@@ -222,6 +222,40 @@ def test_tuner_skips_candidates_that_fail_to_compile(tmp_path):
   assert _tuner(tmp_path, fake).choose(KEY, H, CANDS, fake.trial()) == (8, 64, 4)
 
 
+def test_tuner_samples_in_rounds_so_a_warming_gpu_favours_no_candidate(tmp_path):
+  """A GPU whose first samples run slow (clocks still rising): timed one after the other, the
+  heuristic (timed first) lost to an equal candidate timed later; in rounds it keeps its key."""
+  fake = FakeTrial(dict.fromkeys(CANDS, 1.0))
+  calls = []
+
+  def warming(fn, args):
+    calls.append(fn(*args))
+    return fake.measure(fn, args) * (1.1 if len(calls) <= len(CANDS) - 1 else 1.0)
+
+  tuner = _tuner(tmp_path, measure=warming)
+  assert tuner.choose(KEY, H, CANDS, fake.trial()) == H
+  # Every candidate sampled ROUNDS times, each round starting one candidate later.
+  assert len(calls) == tuning.ROUNDS * len(CANDS)
+  assert [calls[r * len(CANDS)] for r in range(len(CANDS))] == CANDS
+  assert set(tuner.records[-1].times_ms.values()) == {1.0}
+
+
+def test_tuner_drops_a_candidate_that_fails_to_run(tmp_path):
+  fake = FakeTrial({H: 1.0, (16, 64, 8): 0.5, (8, 32, 8): 0.9, (8, 64, 4): 0.8})
+  runs = []
+
+  def flaky(fn, args):
+    launch = fn(*args)
+    runs.append(launch)
+    if launch == (16, 64, 8) and runs.count(launch) == 2:  # (fails in its second round)
+      raise RuntimeError("launch failed")
+    return fake.measure(fn, args)
+
+  tuner = _tuner(tmp_path, measure=flaky)
+  assert tuner.choose(KEY, H, CANDS, fake.trial()) == (8, 64, 4)
+  assert runs.count((16, 64, 8)) == 2 and "16x64x8" not in tuner.records[-1].times_ms
+
+
 def test_tuner_budget_bounds_the_time(tmp_path):
   cands = [H] + [(8, 64, w) for w in (1, 2, 4)] + [(16, 64, w) for w in (1, 2, 4, 8)]
   fake = FakeTrial(dict.fromkeys(cands, 1.0))

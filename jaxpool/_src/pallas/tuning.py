@@ -66,6 +66,8 @@ MODES = ("auto", "cached", "off")
 DEFAULT_BUDGET_S = 10.0
 DEFAULT_MAX_CANDIDATES = 6
 MARGIN = 0.02  # a candidate must beat the heuristic by more than this fraction to replace it
+ROUNDS = 5  # samples a candidate, taken in rounds over all candidates (:func:`rounds`)
+SAMPLE_MS = 5.0  # the calls of one sample last at least this long (as benchmarks/pooling_gpu.py's)
 COMPILE_SHARE = 0.8  # of a key's budget, the most its candidates' compiles take
 
 log = logging.getLogger("jaxpool.tune")
@@ -171,10 +173,11 @@ def candidates(heuristic: Launch, cols: int, lanes: int, itemsize: int, channels
 # ----------------------------------------------------------------------------- timing
 
 
-def time_ms(fn: Callable[..., Any], args: tuple, *, samples: int = 7,
-            sample_ms: float = 2.0) -> float:
-  """The median over ``samples`` samples of ``fn(*args)``'s time (ms), after warm-up; each
-  sample at least one call and about ``sample_ms`` of them, then blocks until done."""
+def time_ms(fn: Callable[..., Any], args: tuple, *, samples: int = 1,
+            sample_ms: float = SAMPLE_MS) -> float:
+  """The median over ``samples`` samples of ``fn(*args)``'s time (ms), after two warm-up calls;
+  each sample at least one call and about ``sample_ms`` of them back to back, then blocks until
+  done. (The tuner takes one sample a candidate a round, :data:`ROUNDS` rounds.)"""
   jax.block_until_ready(fn(*args))
   t0 = time.perf_counter()
   jax.block_until_ready(fn(*args))
@@ -189,6 +192,18 @@ def time_ms(fn: Callable[..., Any], args: tuple, *, samples: int = 7,
     jax.block_until_ready(out)
     times.append((time.perf_counter() - t0) / calls)
   return statistics.median(times) * 1e3
+
+
+def rounds(order: Sequence[Launch]) -> Iterator[Launch]:
+  """The order in which the tuner samples ``order``'s candidates: :data:`ROUNDS` rounds, each
+  sampling every candidate once, round ``r`` starting at candidate ``r`` (mod their count).
+  So each candidate is sampled early and late alike: a clock that is still rising, or a
+  GPU that warms up, favours none of them (timed one after the other, the first, the
+  heuristic, was measured slowest: ``docs/tuning.md``)."""
+  n = len(order)
+  for r in range(ROUNDS):
+    for i in range(n):
+      yield order[(r + i) % n]
 
 
 @dataclasses.dataclass
@@ -265,24 +280,27 @@ class Tuner(Store):
     budget = budget_s() if budget is None else budget
     start = time.perf_counter()
     order = [heuristic] + [c for c in dict.fromkeys(cands) if c != heuristic]
-    times: dict[Launch, float] = {}
     with jax.ensure_compile_time_eval():  # eager, even inside a jit trace
       # Compiling takes at most COMPILE_SHARE of the budget; timing (milliseconds a
       # candidate) the rest.
       compiled = self._compile_all(order, trial, start + COMPILE_SHARE * budget)
       args = trial.args()
-      for launch in order:
-        fn = compiled.get(launch)
-        if fn is None:
+      samples: dict[Launch, list[float]] = {}
+      failed: set[Launch] = set()
+      for launch in rounds([c for c in order if c in compiled]):
+        if launch in failed:
           continue
         if launch != heuristic and time.perf_counter() - start > budget:
           break
         try:
-          times[launch] = float(self.measure(fn, args))
+          samples.setdefault(launch, []).append(float(self.measure(compiled[launch], args)))
         except Exception as e:  # (a candidate that fails to run is skipped)
           if launch == heuristic:
             raise
           log.info("jaxpool: %s %s failed to run: %s", key.name(), launch, e)
+          failed.add(launch)
+          samples.pop(launch, None)
+      times = {c: statistics.median(v) for c, v in samples.items()}
       del args
     # The fastest (on equal times the earlier candidate), unless the heuristic is within
     # MARGIN of it: timing noise alone never moves a key off today's configuration.
