@@ -46,6 +46,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 os.environ.setdefault("JAXPOOL_TUNE", "off")
 from jaxpool._src import windows  # noqa: E402
 from jaxpool._src.pallas import triton as pk  # noqa: E402
+from jaxpool._src.pallas import triton_tile  # noqa: E402
+
+
+def _module(setting: str):
+  """The module that holds ``setting``."""
+  return triton_tile if setting == "ORDER" else pk
 
 CASES = [
     ("128x112x112x64 3x3/s2/p1 bf16", (128, 112, 112, 64), (3, 3), (2, 2), 1,
@@ -74,8 +80,11 @@ VARIANTS = {
     "ptx": dict(NAN_MAX="auto"),
     "beats": dict(NAN_MAX="beats"),
     "canonical": dict(NAN_MAX="canonical"),
+    # The programs numbered rows first (then column blocks, then lane blocks), as before the
+    # sixteenth session: triton_tile.ORDER
+    "rows_first": dict(ORDER="rows"),
 }
-SETTINGS = ("NAN_MAX", "launch_config")
+SETTINGS = ("NAN_MAX", "launch_config", "ORDER")
 
 
 def _previous(rev: str):
@@ -136,7 +145,7 @@ def main():
   copy_gbs = 2 * big.nbytes / _time(copy, big) / 1e6
   print(f"copy bandwidth: {copy_gbs:.0f} GB/s")
   rows, same_size, write_heavy = [], {}, {}
-  defaults = {k: getattr(pk, k) for k in SETTINGS}
+  defaults = {k: getattr(_module(k), k) for k in SETTINGS}
   for name, shape, window, strides, padding, fmt, dtype in cases:
     r = np.random.default_rng(0)
     x = r.standard_normal(shape, np.float32)
@@ -165,14 +174,14 @@ def main():
     for _ in range(3):  # rounds, alternating the variants
       for v, (_, settings) in variants.items():
         for k, val in {**defaults, **settings}.items():
-          setattr(pk, k, val)
+          setattr(_module(k), k, val)
         fwd, taps, bwd, avg = fns[v]
         times[v]["fwd"].append(_time(fwd, x))
         times[v]["fwd_taps"].append(_time(taps, x))
         times[v]["bwd"].append(_time(lambda d, b=bwd, i=taps0: b(i, d), dy))
         times[v]["avg"].append(_time(avg, x))
     for k, val in defaults.items():
-      setattr(pk, k, val)
+      setattr(_module(k), k, val)
     # The same pass at this case's size: what a 0.1 ms call's launch and tail leave of the copy
     # bandwidth (measured on 1 GiB) with this timer.
     small = jnp.zeros((bytes_fwd // 8,), jnp.float32)

@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from jaxpool._src.pallas import tuning
+from jaxpool._src.pallas import triton_tile, tuning
 from jaxpool._src.pallas.calls import out_struct
 from jaxpool._src.pallas.triton_avg import avg_kernel
 from jaxpool._src.pallas.triton_backward import backward_kernel, interleaves
@@ -161,18 +161,20 @@ def _window_call(x: jax.Array, geom: Geometry, mode: str, interpret: bool,
   bw, bl, warps = launch or launch_for(f"{mode}_fwd", x.shape, x.dtype, geom,
                                        interpret=interpret, include_pad=include_pad,
                                        divisor=divisor, activation=activation)
-  grid = (nb * Do * Ho, pl.cdiv(Wo, bw), pl.cdiv(lanes, bl))
+  rows = nb * Do * Ho
+  grid = triton_tile.grid(rows, pl.cdiv(Wo, bw), pl.cdiv(lanes, bl))
   shape4 = _view_shape(out_shape, g.out_spatial, g.channels_last)
   outs = [out_struct(shape4, x.dtype, x)]
   if mode == "argmax":
     outs.append(out_struct(shape4, taps_dtype(g.num_taps), x))
   kernel: Callable[..., None]
   if mode == "avg":
-    kernel = functools.partial(avg_kernel, g=g, bw=bw, bl=bl, lanes=lanes, interpret=interpret,
-                               include_pad=include_pad, divisor=divisor, ptx=_ptx(interpret))
+    kernel = functools.partial(avg_kernel, g=g, bw=bw, bl=bl, lanes=lanes, rows=rows,
+                               interpret=interpret, include_pad=include_pad, divisor=divisor,
+                               ptx=_ptx(interpret))
   else:
-    kernel = functools.partial(max_kernel, g=g, bw=bw, bl=bl, lanes=lanes, interpret=interpret,
-                               with_taps=mode == "argmax",
+    kernel = functools.partial(max_kernel, g=g, bw=bw, bl=bl, lanes=lanes, rows=rows,
+                               interpret=interpret, with_taps=mode == "argmax",
                                form=_max_form(compare_dtype(x.dtype), interpret),
                                activation=activation)
   n_in, n_out = x.size * x.dtype.itemsize, sum(
@@ -229,9 +231,11 @@ def _backward_call(operands, in_shape, geom: Geometry, mode: str, interpret: boo
   bw, bl, warps = launch or launch_for(f"{mode}_bwd", in_shape, dy.dtype, geom,
                                        interpret=interpret, include_pad=include_pad,
                                        divisor=divisor)
-  grid = (nb * mcount[0] * mcount[1], pl.cdiv(cols, bw), pl.cdiv(lanes, bl))
-  kernel = functools.partial(backward_kernel, g=g, bw=bw, bl=bl, lanes=lanes, mode=mode,
-                             include_pad=include_pad, divisor=divisor, interpret=interpret)
+  rows = nb * mcount[0] * mcount[1]
+  grid = triton_tile.grid(rows, pl.cdiv(cols, bw), pl.cdiv(lanes, bl))
+  kernel = functools.partial(backward_kernel, g=g, bw=bw, bl=bl, lanes=lanes, rows=rows,
+                             n_cols=cols, mode=mode, include_pad=include_pad, divisor=divisor,
+                             interpret=interpret)
   shape4 = _view_shape(in_shape, g.in_spatial, g.channels_last)
   nbytes = sum(o.size * o.dtype.itemsize for o in operands) + math.prod(shape4) * \
       dy.dtype.itemsize

@@ -47,11 +47,11 @@ def count_reciprocal(cnt, acc_t, ptx: bool):
   return np.array(1, acc_t) / d
 
 
-def avg_kernel(x_ref, o_ref, *, g: Geometry, bw: int, bl: int, lanes: int, include_pad: bool,
-               divisor: int | None, interpret: bool, ptx: bool):
+def avg_kernel(x_ref, o_ref, *, g: Geometry, bw: int, bl: int, lanes: int, rows: int,
+               include_pad: bool, divisor: int | None, interpret: bool, ptx: bool):
   """One output row's averages (``ptx``: compiled for an NVIDIA GPU, see
   :func:`count_reciprocal`)."""
-  row = output_row(g, bw, bl, lanes, interpret)
+  row = output_row(g, bw, bl, lanes, rows, interpret)
   tile, b, outs = row.tile, row.b, row.outs
   dtype = x_ref.dtype
   acc_t = accumulator_dtype(dtype)

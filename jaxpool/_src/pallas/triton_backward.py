@@ -16,19 +16,29 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from jaxpool._src.dtypes import accumulator_dtype
-from jaxpool._src.pallas.triton_tile import Tile, both_paths, counted_taps, load, split
+from jaxpool._src.pallas.triton_tile import (
+    Tile,
+    both_paths,
+    counted_taps,
+    load,
+    program,
+    split,
+)
 from jaxpool._src.windows import Geometry, phase_taps
 
 
-def backward_kernel(*refs, g: Geometry, bw: int, bl: int, lanes: int, mode: str,
-                    include_pad: bool, divisor: int | None, interpret: bool):
+def backward_kernel(*refs, g: Geometry, bw: int, bl: int, lanes: int, rows: int,
+                    n_cols: int, mode: str, include_pad: bool, divisor: int | None,
+                    interpret: bool):
   """``dx`` for a block of ``s_d x s_h`` input rows and ``s_w * bw`` (channels_last) or ``bw``
   (channels_first) columns, phase by phase.
 
   The input element ``(m_d s_d + r_d, m_h s_h + r_h, m s_w + r_w)`` lies at tap ``(a, i, j)`` of
   window ``(m_d + q_d, m_h + q_h, m + q_w)`` exactly when ``r + lo - tap * d = q * s`` in every
   dim: for a fixed phase ``r`` the taps that can hold it and the offsets ``q`` are static, and
-  each tap's windows are a contiguous run over ``m``. So each phase reads only the taps that
+  each tap's windows are a contiguous run over ``m``. (``rows`` and ``n_cols``: the launch's
+  rows, ``b x ceil(D / s_d) x ceil(H / s_h)``, and its columns, over which
+  :func:`triton_tile.program` numbers the programs.) So each phase reads only the taps that
   matter, as whole tiles (each loaded once for all the block's phases that read it), and sums
   them in descending tap order: the order in which JAX's transpose of the XLA path's tap
   gather adds them (the skipped taps add exact zeros there), so max-pool gradients have the
@@ -47,9 +57,10 @@ def backward_kernel(*refs, g: Geometry, bw: int, bl: int, lanes: int, mode: str,
     dy_ref, dx_ref = refs
   (D, H, W), (Do, Ho, Wo) = g.in_spatial, g.out_spatial
   mcount = [-(-n // s) for n, s in zip(g.in_spatial, g.strides)]
-  b, md, mh = split(pl.program_id(0), mcount[:2])
-  tile = Tile(bw, lanes, bl, interpret, g.channels_last)
-  c0 = pl.program_id(1) * bw
+  row, cb, lb = program(rows, pl.cdiv(n_cols, bw), pl.cdiv(lanes, bl), g.channels_last)
+  b, md, mh = split(row, mcount[:2])
+  tile = Tile(bw, lanes, bl, interpret, g.channels_last, lb)
+  c0 = cb * bw
   raw = c0 + jnp.arange(bw, dtype=jnp.int32)
   sw = g.strides[2]
   interleaved = not g.channels_last and interleaves(sw)

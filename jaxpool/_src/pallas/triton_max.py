@@ -40,14 +40,14 @@ def compare_dtype(dtype) -> np.dtype:
   return dtype
 
 
-def max_kernel(x_ref, *out_refs, g: Geometry, bw: int, bl: int, lanes: int, with_taps: bool,
-               form: str, interpret: bool, activation: str | None = None):
+def max_kernel(x_ref, *out_refs, g: Geometry, bw: int, bl: int, lanes: int, rows: int,
+               with_taps: bool, form: str, interpret: bool, activation: str | None = None):
   """One output row's maxima (then ``activation``), and with ``with_taps`` each window's
   winning tap (row-major, -1 where the window holds no real tap).
 
   ``form`` is :func:`nan_max`'s (one of :data:`FORMS`; "beats" for integers).
   """
-  row = output_row(g, bw, bl, lanes, interpret)
+  row = output_row(g, bw, bl, lanes, rows, interpret)
   tile, b, outs = row.tile, row.b, row.outs
   dtype = x_ref.dtype
   idx_t = out_refs[1].dtype if with_taps else np.dtype(np.int8)
