@@ -7,8 +7,10 @@
 #   3. runs benchmarks/pooling_gpu.py with that table only (an empty cache, JAXPOOL_TUNE=cached: no
 #      tuning), which prints each kernel row's configuration and where it came from, and the
 #      kernel rows below 0.85 of the copy bandwidth (bench.log, gpu.json).
-# Budget: TUNE_BUDGET_S seconds a kernel (default 6) for 30 kernels, at most 6 candidates each:
-# the tuning stops within about 30 x 6 s = 3 minutes; pooling_gpu.py (no PyTorch rows) takes 2-3.
+# Budget: TUNE_BUDGET_S seconds a kernel (default 12) for 30 kernels, at most 6 candidates each:
+# the tuning stops within 30 x 12 s = 6 minutes (about 2 minutes on an H100 or H200: most kernels
+# take 1-4 s; with 6 s, each case's first kernels compiled too slowly for any candidate but the
+# heuristic to be timed); pooling_gpu.py (no PyTorch rows) takes 2-3.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
@@ -20,8 +22,8 @@ from jaxpool._src.pallas.tuning import table_name
 print(table_name(jax.devices()[0].device_kind))")
 rm -rf "$OUT/cache_tune" "$OUT/cache_empty"
 t0=$(date +%s)
-JAXPOOL_CACHE_DIR=$OUT/cache_tune timeout 300 python3 -m jaxpool.tune --preset gpu-benchmark \
-  --retune --budget-s "${TUNE_BUDGET_S:-6}" --write-table "$TABLE" --json "$OUT/tune.json" \
+JAXPOOL_CACHE_DIR=$OUT/cache_tune timeout 420 python3 -m jaxpool.tune --preset gpu-benchmark \
+  --retune --budget-s "${TUNE_BUDGET_S:-12}" --write-table "$TABLE" --json "$OUT/tune.json" \
   > "$OUT/tune.log" 2>&1
 echo "tune: exit $?, $(( $(date +%s) - t0 )) s wall (process start included)" | tee -a "$OUT/tune.log"
 cp "$TABLE" "$OUT/" 2>/dev/null

@@ -13,7 +13,9 @@ arithmetic, against the real kernel, each as a fraction of a 1 GiB copy's bandwi
   ``(0 or -1, 0 or -1)`` (clamped at the edges), each gradient tile a select of one of them;
 - ``kernel``: ``triton.max_backward`` itself;
 - ``... cols first``: the same, the grid's first dim running over a row's column blocks first
-  (consecutive programs write consecutive blocks of a row; the kernels run the rows first).
+  (consecutive programs write consecutive blocks of a row: the kernels' order,
+  ``triton_tile.program``); without it the rows run first (the kernels' earlier order). The
+  ``kernel`` row runs the kernels' order.
 
 ``--dtypes bfloat16,float32``; ``--launch 8,64,4`` (``bw, bl, num_warps``; default: the
 kernel's heuristic). Prints a table and saves ``benchmarks/results/bwd_floor_gpu.json``. Needs a
