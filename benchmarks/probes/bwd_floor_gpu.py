@@ -27,9 +27,7 @@ from __future__ import annotations
 import functools
 import json
 import os
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 os.environ.setdefault("JAXPOOL_TUNE", "off")
 from jaxpool._src import windows  # noqa: E402
 from jaxpool._src.pallas import triton as pk  # noqa: E402
+from jaxpool._src.pallas import tuning  # noqa: E402
 from jaxpool._src.pallas.triton_tile import load, plgpu  # noqa: E402
 
 SHAPE = (128, 112, 112, 64)
@@ -49,19 +48,9 @@ def _arg(name, default):
   return sys.argv[sys.argv.index(name) + 1] if name in sys.argv else default
 
 
-def _time(fn, *args, reps=30):
-  jax.block_until_ready(fn(*args))
-  t0 = time.perf_counter()
-  jax.block_until_ready(fn(*args))
-  calls = max(10, int(5e-3 / max(time.perf_counter() - t0, 1e-6)))
-  samples = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    for _ in range(calls):
-      out = fn(*args)
-    jax.block_until_ready(out)
-    samples.append((time.perf_counter() - t0) / calls)
-  return statistics.median(samples) * 1e3
+def _time(fn, *args):
+  """Median ms of 30 samples of at least 5 ms of calls (the tuner's timer)."""
+  return tuning.time_ms(fn, args, samples=30, sample_ms=5.0)
 
 
 def _kernel(*refs, bw, bl, reads, Ho, Wo, cols_first):
