@@ -8,9 +8,9 @@
 #      tuning), which prints each kernel row's configuration and where it came from, and the
 #      kernel rows below 0.85 of the copy bandwidth (bench.log, gpu.json).
 # Budget: TUNE_BUDGET_S seconds a kernel (default 12) for 30 kernels, at most 6 candidates each:
-# the tuning stops within 30 x 12 s = 6 minutes (about 2 minutes on an H100 or H200: most kernels
-# take 1-4 s; with 6 s, each case's first kernels compiled too slowly for any candidate but the
-# heuristic to be timed); pooling_gpu.py (no PyTorch rows) takes 2-3.
+# most kernels take 1-4 s, about 2 minutes in all on an H100 or H200 (the heuristic's compile is
+# always waited for, so a case's first kernel can take longer; with 6 s, several of them had
+# only the heuristic timed, with 12 s one or two); pooling_gpu.py (no PyTorch rows) takes 2-3.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false

@@ -91,7 +91,7 @@ def tune_cases(cases: Sequence[Case], ops: Sequence[str]) -> list[dict]:
 
 def table(rows: Sequence[dict], env: dict, command: str) -> dict:
   """The shipped-table JSON of ``rows`` (key -> launch)."""
-  return {"format": 1, "device_kind": env.get("device_kind"), "produced_by": command,
+  return {"format": tuning.FORMAT, "device_kind": env.get("device_kind"), "produced_by": command,
           "produced_at": time.strftime("%Y-%m-%d %H:%M:%S"), "env": env,
           "entries": {r["key"]: r["launch"] for r in rows if r["key"]}}
 

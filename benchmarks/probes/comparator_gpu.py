@@ -80,8 +80,8 @@ VARIANTS = {
     "ptx": dict(NAN_MAX="auto"),
     "beats": dict(NAN_MAX="beats"),
     "canonical": dict(NAN_MAX="canonical"),
-    # The programs numbered rows first (then column blocks, then lane blocks), as before the
-    # sixteenth session: triton_tile.ORDER
+    # The programs numbered rows first (then column blocks, then lane blocks): the kernels'
+    # order before the memory order (CHANGELOG; triton_tile.ORDER)
     "rows_first": dict(ORDER="rows"),
 }
 SETTINGS = ("NAN_MAX", "launch_config", "ORDER")

@@ -59,3 +59,27 @@ def test_the_earlier_order_still_numbers_every_tile(monkeypatch):
   r, c, b = np.meshgrid(range(5), range(3), range(2), indexing="ij")
   np.testing.assert_array_equal(np.asarray(out), r * 100 + c * 10 + b)
 
+
+
+@pytest.mark.parametrize("data_format", ["channels_last", "channels_first"])
+def test_kernels_give_the_same_bits_in_either_order(monkeypatch, data_format):
+  """The forward with taps, the average forward and both backwards, numbered either way
+  (interpret mode, launch configurations that leave partial column and lane blocks)."""
+  from jaxpool._src import windows
+  from jaxpool._src.pallas import triton
+
+  shape = (2, 9, 11, 6) if data_format == "channels_last" else (2, 6, 9, 11)
+  geom = windows.make_geometry(shape, (3, 3), (2, 2), 1, data_format=data_format)
+  x = jnp.asarray(np.random.default_rng(0).integers(-3, 3, shape), jnp.float32)
+  outs = {}
+  for order in ("memory", "rows"):
+    monkeypatch.setattr(triton_tile, "ORDER", order)
+    launch = (4, 4, 1)
+    y, taps = triton._window_call(x, geom, "argmax", True, launch=launch)
+    avg = triton._window_call(x, geom, "avg", True, True, None, launch=launch)[0]
+    dy = y * 2 + 1
+    dmax = triton._backward_call((taps, dy), shape, geom, "max", True, launch=launch)
+    davg = triton._backward_call((dy,), shape, geom, "avg", True, True, None, launch=launch)
+    outs[order] = [np.asarray(v) for v in (y, taps, avg, dmax, davg)]
+  for a, b in zip(outs["memory"], outs["rows"]):
+    np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))

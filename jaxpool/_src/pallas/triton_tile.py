@@ -112,9 +112,7 @@ def program(rows: int, col_blocks: int, lane_blocks: int, channels_last: bool):
   column blocks of a row, then the rows; in channels_first (``(P, D, H, W)``) the column blocks
   of a row, then the rows of a plane block, then the plane (lane) blocks. Consecutive programs
   then read and write consecutive stretches of memory. (With the rows running fastest, the
-  channels_last kernels moved their bytes 5-8% slower on an H100: ``docs/tuning.md``.) One
-  grid dimension also holds any number of programs a GPU can launch (CUDA's second and third
-  grid dimensions stop at 65535)."""
+  3x3/s2 channels_last kernels took 6-8% longer on an H100: ``docs/tuning.md``.)"""
   if ORDER == "rows":
     return pl.program_id(0), pl.program_id(1), pl.program_id(2)
   pid = pl.program_id(0)

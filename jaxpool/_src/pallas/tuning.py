@@ -67,7 +67,7 @@ DEFAULT_BUDGET_S = 10.0
 DEFAULT_MAX_CANDIDATES = 6
 MARGIN = 0.02  # a candidate must beat the heuristic by more than this fraction to replace it
 ROUNDS = 5  # samples a candidate, taken in rounds over all candidates (:func:`rounds`)
-SAMPLE_MS = 5.0  # the calls of one sample last at least this long (as benchmarks/pooling_gpu.py's)
+SAMPLE_MS = 5.0  # one sample's calls last about this long (as benchmarks/pooling_gpu.py's)
 COMPILE_SHARE = 0.8  # of a key's budget, the most its candidates' compiles take
 
 log = logging.getLogger("jaxpool.tune")
@@ -235,7 +235,9 @@ class Tuner(Store):
     cache: the cache folder (default :func:`cache_dir`, read when first needed).
     env: what entries must match (default :func:`environment` of the default device).
     table: the shipped table (default :func:`shipped_table` of ``env``'s device kind).
-    measure: ``measure(fn, args) -> ms`` (default :func:`time_ms`).
+    measure: ``measure(fn, args) -> ms``, one sample of ``fn``'s time; the tuner calls it
+      once a candidate a round (:func:`rounds`) and keeps each candidate's fastest sample
+      (default :func:`time_ms`).
     fresh: tune every key once, whatever the cache and the table hold (``--retune``).
   """
 
@@ -281,8 +283,9 @@ class Tuner(Store):
     start = time.perf_counter()
     order = [heuristic] + [c for c in dict.fromkeys(cands) if c != heuristic]
     with jax.ensure_compile_time_eval():  # eager, even inside a jit trace
-      # Compiling takes at most COMPILE_SHARE of the budget; timing (milliseconds a
-      # candidate) the rest.
+      # Compiling takes at most COMPILE_SHARE of the budget; timing (ROUNDS samples of about
+      # SAMPLE_MS a candidate) the rest. Where the budget runs out within the rounds, the
+      # candidates timed have fewer samples (in the first round: one each, one after the other).
       compiled = self._compile_all(order, trial, start + COMPILE_SHARE * budget)
       args = trial.args()
       samples: dict[Launch, list[float]] = {}
@@ -300,7 +303,10 @@ class Tuner(Store):
           log.info("jaxpool: %s %s failed to run: %s", key.name(), launch, e)
           failed.add(launch)
           samples.pop(launch, None)
-      times = {c: statistics.median(v) for c, v in samples.items()}
+      # The fastest sample of each: interference (another process, the host falling behind)
+      # only ever adds time, and on a shared or busy machine it can hit most of a
+      # candidate's samples, where a median would take it in.
+      times = {c: min(v) for c, v in samples.items()}
       del args
     # The fastest (on equal times the earlier candidate), unless the heuristic is within
     # MARGIN of it: timing noise alone never moves a key off today's configuration.
@@ -311,6 +317,7 @@ class Tuner(Store):
     record = Record(key.name(), best, "tuned", seconds,
                     {"x".join(map(str, c)): t for c, t in times.items()})
     self.write(key, best, {"times_ms": record.times_ms, "seconds": seconds,
+                           "samples_ms": {"x".join(map(str, c)): v for c, v in samples.items()},
                            "tuned_at": time.strftime("%Y-%m-%dT%H:%M:%S")})
     log.info("jaxpool: tuned %s on %s in %.1f s (%d of %d candidates timed): %s, %.4f ms "
              "(heuristic %s, %.4f ms)", key.name(), self.env.get("device_kind"), seconds,

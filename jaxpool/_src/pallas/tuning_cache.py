@@ -30,7 +30,10 @@ import jax
 
 Launch = tuple[int, int, int]  # (bw, bl, num_warps)
 
-FORMAT = 1
+# The entries' and tables' format. 2: the kernels number their programs in memory order and
+# the tuner samples in rounds; an entry of format 1 was tuned for the kernels before, so it is
+# not used (silently, as an entry of another environment) and the kernel is tuned again.
+FORMAT = 2
 CACHE_ENV = "JAXPOOL_CACHE_DIR"
 TABLES = "launch_tables"  # the shipped tables: a package folder beside this module
 MAX_TILE = 8192  # elements: the largest tile a candidate (or the heuristic) has
@@ -86,13 +89,17 @@ def geometry_class(window: Sequence[int], strides: Sequence[int], dilation: Sequ
 # ----------------------------------------------------------------------- environment and tables
 
 
-def _driver_version() -> str:
+def _driver_version(path: str = "/proc/driver/nvidia/version") -> str:
+  """The NVIDIA driver's version from the first line of ``path``, e.g. ``NVRM version: NVIDIA
+  UNIX x86_64 Kernel Module  535.104.05  ...`` or ``... Open Kernel Module for x86_64
+  580.159.04  ...``; "" where it cannot be read."""
   try:
-    with open("/proc/driver/nvidia/version", encoding="utf-8") as f:
+    with open(path, encoding="utf-8") as f:
       line = f.readline()
   except OSError:
     return ""
-  m = re.search(r"Kernel Module\s+(\S+)", line) or re.search(r"(\d+\.\d+(\.\d+)?)", line)
+  m = (re.search(r"Kernel Module(?:\s+for\s+\S+)?\s+(\d+\.\d+(?:\.\d+)?)", line)
+       or re.search(r"\s(\d+\.\d+(?:\.\d+)?)\s", line))
   return m.group(1) if m else line.strip()
 
 
@@ -201,6 +208,9 @@ class Store:
                       f"{path} ({type(e).__name__}: {e}); the configuration is tuned again")
       return None
     launch = data.get("launch") if isinstance(data, dict) else None
+    if isinstance(data, dict) and isinstance(data.get("format"), int) \
+        and data["format"] != FORMAT:
+      return None  # another format: tuned for other kernels, not used
     if (not isinstance(data, dict) or data.get("format") != FORMAT
         or not _valid_launch(launch)):
       self._warn_once(f"corrupt:{path}", f"jaxpool: ignoring the malformed tuning cache entry "
