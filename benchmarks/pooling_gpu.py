@@ -171,7 +171,7 @@ def launches(shape, dtype, geom) -> dict[str, str]:
     key = records[-1].key if len(records) > n0 else None  # (none: JAXPOOL_TUNE=off)
     first = next((r for r in records if r.key == key and r.source != "memory"), None)
     source = first.source if first else ("heuristic" if key is None else "memory")
-    out[op] = f"{'x'.join(map(str, launch))} ({source})"
+    out[op] = f"{tuning.launch_name(launch)} ({source})"
   return out
 
 

@@ -81,10 +81,10 @@ def tune_cases(cases: Sequence[Case], ops: Sequence[str]) -> list[dict]:
         rows.append({"case": name, "dtype": dtype, "op": op, "launch": list(launch),
                      "key": rec.key if rec else None, "source": rec.source if rec else None,
                      "seconds": seconds, "times_ms": times})
-        best = times.get("x".join(map(str, launch)))
+        best = times.get(tuning.launch_name(launch))
         first = next(iter(times.values()), None)  # the heuristic is timed first
         gain = f" {first / best:.2f}x the heuristic" if best and first else ""
-        print(f"{name} {dtype} {op}: {'x'.join(map(str, launch))} ({rows[-1]['source']}, "
+        print(f"{name} {dtype} {op}: {tuning.launch_name(launch)} ({rows[-1]['source']}, "
               f"{seconds:.1f} s){gain}", flush=True)
   return rows
 

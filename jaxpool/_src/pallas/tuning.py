@@ -56,7 +56,7 @@ from jaxpool._src.pallas.tuning_cache import MAX_TILE, Key, Launch, Store, pow2_
 from jaxpool._src.pallas.tuning_cache import (  # noqa: F401
     CACHE_ENV as CACHE_ENV, FORMAT as FORMAT, TABLES as TABLES, TuningWarning as TuningWarning,
     _valid_launch as _valid_launch, cache_dir as cache_dir, geometry_class as geometry_class,
-    shipped_table as shipped_table, table_name as table_name)
+    launch_name as launch_name, shipped_table as shipped_table, table_name as table_name)
 
 TUNE_ENV = "JAXPOOL_TUNE"
 BUDGET_ENV = "JAXPOOL_TUNE_BUDGET_S"
@@ -315,9 +315,9 @@ class Tuner(Store):
       best = heuristic
     seconds = time.perf_counter() - start
     record = Record(key.name(), best, "tuned", seconds,
-                    {"x".join(map(str, c)): t for c, t in times.items()})
+                    {launch_name(c): t for c, t in times.items()})
     self.write(key, best, {"times_ms": record.times_ms, "seconds": seconds,
-                           "samples_ms": {"x".join(map(str, c)): v for c, v in samples.items()},
+                           "samples_ms": {launch_name(c): v for c, v in samples.items()},
                            "tuned_at": time.strftime("%Y-%m-%dT%H:%M:%S")})
     log.info("jaxpool: tuned %s on %s in %.1f s (%d of %d candidates timed): %s, %.4f ms "
              "(heuristic %s, %.4f ms)", key.name(), self.env.get("device_kind"), seconds,

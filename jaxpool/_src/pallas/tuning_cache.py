@@ -30,6 +30,11 @@ import jax
 
 Launch = tuple[int, int, int]  # (bw, bl, num_warps)
 
+
+def launch_name(launch: Sequence[int]) -> str:
+  """``(8, 64, 4)`` -> ``"8x64x4"``: how reports, logs and cache entries name a launch."""
+  return "x".join(map(str, launch))
+
 # The entries' and tables' format. 2: the kernels number their programs in memory order and
 # the tuner samples in rounds; an entry of format 1 was tuned for the kernels before, so it is
 # not used (silently, as an entry of another environment) and the kernel is tuned again.
