@@ -477,9 +477,17 @@ def depth_one_program_case():
     grad = jax.jit(lambda v, d: jax.vjp(lambda u: jaxpool.max_pool(u, **kw), v)[1](d)[0])
     placed = [jax.device_put(a, sharding) for a in (xs, dy)]
     text = grad.lower(*placed).compile().as_text()
-    rows = [int(m.group(1)) for m in
-            re.finditer(r"= \w+\[\d+,(\d+),[\d,]*\][^=\n]* concatenate\(", text)]
-    assert rows and max(rows) <= block, (
+    # The gradient's concatenates (the transpose's), in whatever rank the compiler left them:
+    # the pieces are joined through 2-D views (halo.join), and XLA may or may not fold them
+    # back. Each one's rows along the split dim: its elements over a cotangent row's.
+    row = dy.shape[0] * math.prod(dy.shape[2:])
+    sizes = [math.prod(int(d) for d in m.group(1).split(",")) for m in re.finditer(
+        r"= (?:f32|s8)\[([\d,]+)\][^=\n]* concatenate\([^\n]*op_name=\"[^\"]*transpose\(",
+        text)]
+    rows = [size // row for size in sizes]
+    assert rows and all(size % row == 0 for size in sizes), (
+        f"no concatenate of whole cotangent rows in the gradient (sizes {sizes}, a row {row})")
+    assert max(rows) <= block, (
         f"a concatenate of {max(rows)} rows along the split dim (a device holds {block})")
     one = jax.devices()[0]
     assert_equal(grad(*placed), grad(jax.device_put(xs, one), jax.device_put(dy, one)),
