@@ -77,10 +77,19 @@ def _launches(op, shape, dtype, geom):
   cols = g.out_spatial[2] if forward else triton._backward_cols(g)
   assert heuristic == triton.launch_config(cols, lanes, np.dtype(dtype).itemsize,
                                            g.channels_last)
+  # (the max forward's blocks of rows: those the tuner tries on a GPU, and in interpret mode,
+  # where its maximum is not PTX's, the same blocks wherever the geometry takes them)
+  blocks = triton.row_block_candidates(heuristic, g, dtype) if op == "max_fwd" else []
   cands = tuning.candidates(heuristic, cols, lanes, np.dtype(dtype).itemsize, g.channels_last,
                             64)
+  tuned = tuning.candidates(heuristic, cols, lanes, np.dtype(dtype).itemsize, g.channels_last,
+                            tuning.DEFAULT_MAX_CANDIDATES, blocks)
   tiles = list(dict.fromkeys((bw, bl, 1) for bw, bl, _ in cands))
-  return heuristic, cands, tiles
+  if op == "max_fwd" and triton.separable(g):
+    bw, bl = heuristic[:2]
+    tiles += [(bw, bl, 1, 1, 2), (max(bw // 2, 1), bl, 1, 2, 2), (bw, bl, 1, 1, 4),
+              (max(bw // 4, 1), bl, 1, 2, 1)]
+  return heuristic, tuned, tiles
 
 
 def _run(op, launch, x, dy, taps, shape, geom, interpret=True):
@@ -105,8 +114,9 @@ def _check_every_candidate(rng, case, dtype, interpret, ops=triton.OPS):
     assert len(cands) > 1, (op, cands)
     want = _run(op, heuristic, x, dy, taps, shape, geom, interpret)
     # (interpret mode: every tile; compiled: every configuration the tuner tries)
-    for launch in (tiles if interpret else cands[:tuning.DEFAULT_MAX_CANDIDATES]):
-      if launch == heuristic or (interpret and launch[:2] == heuristic[:2]):
+    for launch in (tiles if interpret else cands):
+      same_tile = interpret and launch[:2] == heuristic[:2] and len(launch) == 3
+      if launch == heuristic or same_tile:
         continue  # (itself)
       got = _run(op, launch, x, dy, taps, shape, geom, interpret)
       for a, b in zip(got, want, strict=True):
@@ -116,9 +126,10 @@ def _check_every_candidate(rng, case, dtype, interpret, ops=triton.OPS):
 
 
 def test_every_candidate_gives_the_same_bits_interpret_max(rng):
-  # (the tie rule and the backward's order; every kernel and layout: the slow tests below)
+  # (the tie rule, the blocks of rows and the backward's order; every kernel and layout: the
+  # slow tests below)
   assert _check_every_candidate(rng, BIT_CASES[0], jnp.float32, True,
-                                ("argmax_fwd", "max_bwd")) >= 4
+                                ("max_fwd", "argmax_fwd", "max_bwd")) >= 8
 
 
 # At XLA:CPU's default optimisation level, LLVM fuses the average gradient's quotient with the
@@ -262,20 +273,22 @@ def test_tuner_keeps_each_candidates_fastest_sample(tmp_path):
       + [1.5] * (tuning.ROUNDS // 2 + 1)
 
 
-def test_an_entry_of_an_earlier_format_is_not_used(tmp_path):
-  """Entries tuned for the kernels before their programs' order changed (format 1) are not
-  used, without a warning: the kernel is tuned again and the entry rewritten."""
+@pytest.mark.parametrize("earlier", [1, 2])
+def test_an_entry_of_an_earlier_format_is_not_used(tmp_path, earlier):
+  """Entries tuned for the kernels before their programs' order changed (format 1), or among
+  candidates without the max forward's blocks of rows (format 2), are not used, without a
+  warning: the kernel is tuned again and the entry rewritten."""
   fake = FakeTrial({H: 1.0, (16, 64, 8): 0.5, (8, 32, 8): 0.9, (8, 64, 4): 0.8})
   tuner = _tuner(tmp_path, fake)
   path = tuner.path(KEY)
   os.makedirs(os.path.dirname(path), exist_ok=True)
   with open(path, "w", encoding="utf-8") as f:
-    json.dump({"format": 1, "key": KEY.name(), "env": ENV, "launch": [8, 32, 8]}, f)
+    json.dump({"format": earlier, "key": KEY.name(), "env": ENV, "launch": [8, 32, 8]}, f)
   with warnings.catch_warnings():
     warnings.simplefilter("error")
     assert tuner.choose(KEY, H, CANDS, fake.trial()) == (16, 64, 8)
   assert tuner.records[-1].source == "tuned"
-  assert _entry(path)["format"] == tuning.FORMAT == 2
+  assert _entry(path)["format"] == tuning.FORMAT == 3
 
 
 @pytest.mark.parametrize("line,version", [
@@ -580,7 +593,8 @@ def test_launch_for_modes(monkeypatch, op):
   key, h, cands, trial, _ = fake.calls[-1]
   assert h == heuristic and cands[0] == heuristic and got == cands[-1]
   assert key.op == op and key.dtype == "float32" and key.layout == "channels_last"
-  assert len(cands) <= tuning.DEFAULT_MAX_CANDIDATES
+  # (the max forward tries its blocks of rows beyond the limit)
+  assert len(cands) <= tuning.DEFAULT_MAX_CANDIDATES + 3 * (op == "max_fwd")
   # The trial's inputs: the kernel's operands (taps in range for the max backward).
   args = trial.args()
   out_shape = geom.output_shape(shape)

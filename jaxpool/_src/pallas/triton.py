@@ -46,10 +46,11 @@ from jaxpool._src.pallas.calls import out_struct
 from jaxpool._src.pallas.triton_avg import avg_kernel
 from jaxpool._src.pallas.triton_backward import backward_kernel, interleaves
 from jaxpool._src.pallas.triton_max import compare_dtype, max_kernel
+from jaxpool._src.pallas.triton_rows import row_blocks, rows_kernel
 from jaxpool._src.pallas.triton_tile import plgpu
 from jaxpool._src.pallas.tuning_cache import Key, Launch, geometry_class
 from jaxpool._src.platforms import platform
-from jaxpool._src.windows import Geometry, taps_dtype
+from jaxpool._src.windows import Geometry, taps_dtype, window_counts_1d
 
 
 # ----------------------------------------------------------------------------- launch
@@ -158,24 +159,33 @@ def _window_call(x: jax.Array, geom: Geometry, mode: str, interpret: bool,
   x4 = _view(x, g.in_spatial, g.channels_last)
   lanes, nb = _lanes_and_batch(x4, g.channels_last)
   (Do, Ho, Wo) = g.out_spatial
-  bw, bl, warps = launch or launch_for(f"{mode}_fwd", x.shape, x.dtype, geom,
-                                       interpret=interpret, include_pad=include_pad,
-                                       divisor=divisor, activation=activation)
+  bw, bl, warps, *block = launch or launch_for(f"{mode}_fwd", x.shape, x.dtype, geom,
+                                               interpret=interpret, include_pad=include_pad,
+                                               divisor=divisor, activation=activation)
   rows = nb * Do * Ho
   grid = triton_tile.grid(rows, pl.cdiv(Wo, bw), pl.cdiv(lanes, bl))
   shape4 = _view_shape(out_shape, g.out_spatial, g.channels_last)
   outs = [out_struct(shape4, x.dtype, x)]
   if mode == "argmax":
     outs.append(out_struct(shape4, taps_dtype(g.num_taps), x))
+  form = _max_form(compare_dtype(x.dtype), interpret)
   kernel: Callable[..., None]
-  if mode == "avg":
+  if block and tuple(block) != (1, 1):
+    if mode != "max" or not separable(g):
+      raise ValueError(f"a block of output rows {tuple(block)} serves only the max forward "
+                       f"without taps, dilation 1 and no empty window, not {mode} of {g}")
+    bd, bh = block
+    grid = triton_tile.grid(nb * row_blocks(g, (bd, bh)), pl.cdiv(Wo, bw), pl.cdiv(lanes, bl))
+    kernel = functools.partial(rows_kernel, g=g, bw=bw, bl=bl, lanes=lanes, nb=nb,
+                               block=(bd, bh), form=form, interpret=interpret,
+                               activation=activation)
+  elif mode == "avg":
     kernel = functools.partial(avg_kernel, g=g, bw=bw, bl=bl, lanes=lanes, rows=rows,
                                interpret=interpret, include_pad=include_pad, divisor=divisor,
                                ptx=_ptx(interpret))
   else:
     kernel = functools.partial(max_kernel, g=g, bw=bw, bl=bl, lanes=lanes, rows=rows,
-                               interpret=interpret, with_taps=mode == "argmax",
-                               form=_max_form(compare_dtype(x.dtype), interpret),
+                               interpret=interpret, with_taps=mode == "argmax", form=form,
                                activation=activation)
   n_in, n_out = x.size * x.dtype.itemsize, sum(
       math.prod(o.shape) * np.dtype(o.dtype).itemsize for o in outs)
@@ -274,6 +284,32 @@ def avg_backward(dy: jax.Array, in_shape, geom: Geometry, *, interpret: bool,
 OPS = ("max_fwd", "argmax_fwd", "avg_fwd", "max_bwd", "avg_bwd")
 
 
+def separable(g: Geometry) -> bool:
+  """Whether the max forward of ``g`` (lifted to 3-D) may run in blocks of output rows
+  (``triton_rows.py``): dilation 1 and every window holding a real tap in each dim, where a
+  tap clamped into the input reads a tap of its own window."""
+  return all(d == 1 for d in g.dilation) and all(
+      bool((window_counts_1d(g, dim, False) > 0).all()) for dim in range(3))
+
+
+def row_block_candidates(heuristic: Launch, g: Geometry, dtype) -> list[Launch]:
+  """The max forward's (without taps) launches over blocks of output rows that the tuner tries
+  beside the one-row ones: ``1 x 2`` rows with the heuristic's tile and with half its lanes,
+  and ``2 x 2`` (3-D) or ``1 x 4`` (2-D) with half its columns and lanes (each row of a block
+  keeps a tile of maxima). Only where every block gives the one-row kernel's bits
+  (:func:`separable`, and a maximum that does not depend on the order of its operands: PTX's
+  ``max.NaN.f32`` or an integer maximum)."""
+  Do, Ho, _ = g.out_spatial
+  cmp_t = compare_dtype(dtype)
+  exact = jnp.issubdtype(cmp_t, jnp.integer) or _max_form(cmp_t, False) == "ptx"
+  if not exact or not separable(g) or Ho < 2:
+    return []
+  bw, bl, warps = heuristic[:3]
+  half_bw, half_bl = max(bw // 2, 1), max(bl // 2, 1)
+  four = (half_bw, half_bl, warps, 2, 2) if Do > 1 else (half_bw, half_bl, warps, 1, 4)
+  return list(dict.fromkeys([(bw, bl, warps, 1, 2), (bw, half_bl, warps, 1, 2), four]))
+
+
 def launch_for(op: str, in_shape, dtype, geom: Geometry, *, interpret: bool,
                include_pad: bool = False, divisor: int | None = None,
                activation: str | None = None) -> Launch:
@@ -301,8 +337,9 @@ def launch_for(op: str, in_shape, dtype, geom: Geometry, *, interpret: bool,
     return heuristic
   key = Key(op, dtype.name, "channels_last" if g.channels_last else "channels_first",
             geometry_class(g.window, g.strides, g.dilation, cols, lanes, math.prod(view)))
+  extra = row_block_candidates(heuristic, g, dtype) if op == "max_fwd" else []
   cands = tuning.candidates(heuristic, cols, lanes, dtype.itemsize, g.channels_last,
-                            tuning.max_candidates())
+                            tuning.max_candidates(), extra)
 
   def call(launch: Launch, *ops):
     if forward:
@@ -326,6 +363,11 @@ def launch_for(op: str, in_shape, dtype, geom: Geometry, *, interpret: bool,
       taps = jax.random.randint(k2, out_shape, -1, n_taps, jnp.int32).astype(taps_dtype(n_taps))
       return (taps, data)
 
-  return tuning.default_tuner().choose(key, heuristic, cands,
-                                       tuning.Trial(compile_launch, args),
-                                       tune=tuning.mode() == "auto")
+  chosen = tuning.default_tuner().choose(key, heuristic, cands,
+                                         tuning.Trial(compile_launch, args),
+                                         tune=tuning.mode() == "auto")
+  if len(chosen) > 3 and not extra:
+    # A block of rows chosen for this key's class (from the cache or a table), where this
+    # geometry cannot take one (e.g. padding that leaves a window empty): one row a program.
+    return chosen[:3]
+  return chosen

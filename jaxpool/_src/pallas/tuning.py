@@ -132,7 +132,8 @@ def budget_s() -> float:
 
 
 def max_candidates() -> int:
-  """``JAXPOOL_TUNE_MAX_CANDIDATES``: the most configurations tried a key (default 6)."""
+  """``JAXPOOL_TUNE_MAX_CANDIDATES``: the most one-row configurations tried a key (default 6;
+  the max forward also tries up to 3 blocks of rows)."""
   return int(_positive(CANDIDATES_ENV, DEFAULT_MAX_CANDIDATES, int))
 
 
@@ -141,9 +142,10 @@ def max_candidates() -> int:
 
 
 def candidates(heuristic: Launch, cols: int, lanes: int, itemsize: int, channels_last: bool,
-               limit: int) -> list[Launch]:
+               limit: int, extra: Sequence[Launch] = ()) -> list[Launch]:
   """Up to ``limit`` configurations around ``heuristic``, ``heuristic`` first, then the others
-  by how far they are from it (fewest changed factors, then smallest changes).
+  by how far they are from it (fewest changed factors, then smallest changes); then ``extra``
+  (the max forward's blocks of rows, ``triton.row_block_candidates``), beyond ``limit``.
 
   Columns ``bw`` from half to four times the heuristic's (at most the columns rounded up to
   a power of two), lanes ``bl`` from half to twice (at most the lanes so rounded, and 1024
@@ -166,7 +168,7 @@ def candidates(heuristic: Launch, cols: int, lanes: int, itemsize: int, channels
         steps = [abs(math.log2(a / b)) for a, b in zip(cand, heuristic)]
         found.append(((sum(s > 0 for s in steps), sum(steps), cand), cand))
   found.sort()
-  return [c for _, c in found][:max(int(limit), 1)]
+  return [c for _, c in found][:max(int(limit), 1)] + list(extra)
 
 
 

@@ -28,7 +28,9 @@ from typing import Any
 
 import jax
 
-Launch = tuple[int, int, int]  # (bw, bl, num_warps)
+# (bw, bl, num_warps), or (bw, bl, num_warps, rd, rh): the max forward (without its taps) over
+# blocks of rd x rh output rows a program (``triton_rows.py``); three numbers mean 1 x 1.
+Launch = tuple[int, ...]
 
 
 def launch_name(launch: Sequence[int]) -> str:
@@ -36,13 +38,16 @@ def launch_name(launch: Sequence[int]) -> str:
   return "x".join(map(str, launch))
 
 # The entries' and tables' format. 2: the kernels number their programs in memory order and
-# the tuner samples in rounds; an entry of format 1 was tuned for the kernels before, so it is
-# not used (silently, as an entry of another environment) and the kernel is tuned again.
-FORMAT = 2
+# the tuner samples in rounds. 3: the max forward's candidates include blocks of several
+# output rows. An entry of another format was tuned among other candidates or for other
+# kernels, so it is not used (silently, as an entry of another environment) and the kernel is
+# tuned again.
+FORMAT = 3
 CACHE_ENV = "JAXPOOL_CACHE_DIR"
 TABLES = "launch_tables"  # the shipped tables: a package folder beside this module
 MAX_TILE = 8192  # elements: the largest tile a candidate (or the heuristic) has
 MAX_WARPS = 32  # Triton's limit
+MAX_ROWS = 4  # output rows a program (rd x rh) at most
 
 
 class TuningWarning(UserWarning):
@@ -137,15 +142,17 @@ def shipped_table(device_kind: str) -> dict[str, Launch]:
   if not isinstance(data, dict) or data.get("format") != FORMAT:
     return {}
   entries = data.get("entries", {})
-  return {k: (v[0], v[1], v[2]) for k, v in entries.items() if _valid_launch(v)}
+  return {k: tuple(v) for k, v in entries.items() if _valid_launch(v)}
 
 
 
 def _valid_launch(v: Any) -> bool:
-  """Three powers of two, a tile of at most ``MAX_TILE`` elements, at most ``MAX_WARPS``."""
-  return (isinstance(v, (list, tuple)) and len(v) == 3
+  """Three (or five) powers of two: a tile of at most ``MAX_TILE`` elements, at most
+  ``MAX_WARPS`` warps (and a block of at most ``MAX_ROWS`` output rows)."""
+  return (isinstance(v, (list, tuple)) and len(v) in (3, 5)
           and all(isinstance(n, int) and n >= 1 and n & (n - 1) == 0 for n in v)
-          and v[0] * v[1] <= MAX_TILE and v[2] <= MAX_WARPS)
+          and v[0] * v[1] <= MAX_TILE and v[2] <= MAX_WARPS
+          and (len(v) == 3 or v[3] * v[4] <= MAX_ROWS))
 
 
 # ----------------------------------------------------------------------------- the store
@@ -224,7 +231,7 @@ class Store:
     if data.get("key") != key.name() or data.get("env") != self.env:
       return None  # another jaxlib, driver, device kind or jaxpool: not used
     assert isinstance(launch, list)  # (_valid_launch)
-    return (launch[0], launch[1], launch[2])
+    return tuple(launch)
 
   def write(self, key: Key, launch: Launch, extra: Mapping[str, Any]) -> bool:
     """Writes ``key``'s entry (a temporary file renamed over the entry); False where the

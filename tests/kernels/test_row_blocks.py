@@ -1,0 +1,155 @@
+"""The max forward over blocks of output rows a program (``triton_rows.py``): the bits of the
+XLA path (and of one row a program) for every block, both layouts, 1-3 spatial dims, with ties,
+NaN, infinities and signed zeros; which geometries and dtypes the tuner offers blocks for; and
+blocks refused where a clamped tap could leave its window. Interpret mode on a CPU."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from kernel_base import bits_equal, data
+
+from jaxpool._src import windows, xla
+from jaxpool._src.pallas import triton, tuning
+
+# (shape, window, strides, padding, ceil_mode, data_format): odd sizes, so blocks of rows and
+# columns overhang the output.
+CASES = {
+    "2d_last": ((2, 9, 13, 3), (3, 3), (2, 2), ((1, 1), (1, 2)), False, "channels_last"),
+    "3d_last": ((1, 7, 9, 11, 2), (3, 3, 3), (2, 2, 2), 1, False, "channels_last"),
+    "2d_first_ceil": ((2, 3, 10, 9), (3, 2), (2, 2), ((1, 0), (0, 1)), True, "channels_first"),
+    "1d_last": ((2, 17, 3), (4,), (3,), ((2, 1),), False, "channels_last"),
+}
+
+
+def _signed_zeros(x):
+  flat = np.array(x, np.float32).reshape(-1)
+  flat[::11] = -0.0
+  flat[5::13] = 0.0
+  return jnp.asarray(flat.reshape(x.shape))
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_every_block_of_rows_gives_the_bits_of_the_xla_path(name):
+  shape, window, strides, padding, ceil_mode, fmt = CASES[name]
+  geom = windows.make_geometry(shape, window, strides, padding, None, ceil_mode, fmt)
+  assert triton.separable(geom.lift(3))
+  x = _signed_zeros(data(np.random.default_rng(5), shape, jnp.float32))
+  want = xla.max_pool_taps(x, geom)[0]
+  launches = [(4, 2, 1, 1, 2), (2, 2, 1, 2, 2), (8, 4, 1, 1, 4), (4, 2, 1, 2, 1)]
+
+  @jax.jit
+  def run(x):
+    ys = [triton._window_call(x, geom, "max", True, launch=launch)[0] for launch in launches]
+    relu = triton._window_call(x, geom, "max", True, launch=launches[1], activation="relu")[0]
+    return ys, relu
+
+  ys, relu = run(x)
+  for y in ys:
+    bits_equal(y, want)
+  bits_equal(relu, jax.nn.relu(want))
+
+
+def test_blocks_are_refused_where_a_clamped_tap_could_leave_its_window():
+  x = jnp.zeros((1, 8, 9, 2), jnp.float32)
+  dilated = windows.make_geometry(x.shape, (3, 3), (1, 1), 0, (2, 1), False, "channels_last")
+  # (make_geometry gives no window without a real tap; a geometry built by hand can)
+  x4 = jnp.zeros((1, 4, 4, 2), jnp.float32)
+  empty = dataclasses.replace(
+      windows.make_geometry(x4.shape, (2, 2), (2, 2), 0, None, False, "channels_last"),
+      padding=((0, 0), (0, 4)), out_spatial=(2, 4))
+  assert windows.window_counts_1d(empty.lift(3), 2, False).tolist() == [2, 2, 0, 0]
+  for v, geom in ((x, dilated), (x4, empty)):
+    assert not triton.separable(geom.lift(3))
+    with pytest.raises(ValueError, match="block of output rows"):
+      triton._window_call(v, geom, "max", True, launch=(4, 2, 1, 1, 2))
+  fine = windows.make_geometry(x.shape, (3, 3), (2, 2), 1, None, False, "channels_last")
+  with pytest.raises(ValueError, match="block of output rows"):
+    triton._window_call(x, fine, "argmax", True, launch=(4, 2, 1, 1, 2))
+
+
+def test_which_launches_the_tuner_offers(monkeypatch):
+  g3 = windows.make_geometry((2, 16, 56, 56, 64), (3, 3, 3), (2, 2, 2), 1).lift(3)
+  g2 = windows.make_geometry((8, 112, 112, 64), (3, 3), (2, 2), 1).lift(3)
+  g1 = windows.make_geometry((8, 100, 64), (3,), (2,), 1).lift(3)
+  dilated = windows.make_geometry((8, 112, 112, 64), (3, 3), (1, 1), 2, (2, 2)).lift(3)
+  h = (16, 32, 8)
+  # Compiled for a CUDA GPU, float maxima are PTX's (the same bits in any order).
+  monkeypatch.setattr(triton, "_ptx", lambda interpret: not interpret)
+  three_d = [(16, 32, 8, 1, 2), (16, 16, 8, 1, 2), (8, 16, 8, 2, 2)]
+  assert triton.row_block_candidates(h, g3, jnp.float32) == three_d
+  assert triton.row_block_candidates(h, g2, jnp.bfloat16) == [(16, 32, 8, 1, 2),
+                                                              (16, 16, 8, 1, 2), (8, 16, 8, 1, 4)]
+  assert triton.row_block_candidates((8, 1, 1), g2, jnp.float32) == [(8, 1, 1, 1, 2),
+                                                                     (4, 1, 1, 1, 4)]
+  assert triton.row_block_candidates(h, g1, jnp.float32) == []  # one output row
+  assert triton.row_block_candidates(h, dilated, jnp.float32) == []
+  # float64 is compared by a select that keeps the first NaN: its bits depend on the order.
+  assert triton.row_block_candidates(h, g3, jnp.float64) == []
+  # Elsewhere (interpret mode's select) only integers, whose maximum has no order.
+  monkeypatch.setattr(triton, "_ptx", lambda interpret: False)
+  assert triton.row_block_candidates(h, g3, jnp.float32) == []
+  assert triton.row_block_candidates(h, g3, jnp.int32) == three_d
+  # The tuner tries them after the limit's one-row candidates, the heuristic first.
+  cands = tuning.candidates(h, 28, 64, 4, True, 6, three_d)
+  assert cands[0] == h and cands[-3:] == three_d and len(cands) == 9
+  assert tuning.candidates(h, 28, 64, 4, True, 1, three_d) == [h, *three_d]
+
+
+def test_launches_of_five_numbers_are_valid_within_bounds():
+  assert tuning._valid_launch([8, 32, 8, 2, 2]) and tuning._valid_launch([8, 32, 8, 1, 4])
+  assert not tuning._valid_launch([8, 32, 8, 4, 2])  # more than MAX_ROWS rows
+  assert not tuning._valid_launch([8, 32, 8, 2])
+  assert not tuning._valid_launch([8, 32, 8, 3, 1])
+
+
+def test_a_block_chosen_for_another_geometry_of_the_class_is_not_used(monkeypatch):
+  """A key's class leaves out the rows: a table's block of rows, tuned on many output rows,
+  is not used for a pool of one output row (one row a program, the block's tile)."""
+  shape = (512, 3, 56, 64)
+  geom = windows.make_geometry(shape, (3, 3), (2, 2), 0, None, False, "channels_last")
+  assert geom.lift(3).out_spatial[:2] == (1, 1)
+
+  class Table:
+    def choose(self, key, heuristic, cands, trial, *, tune=True):
+      return (8, 32, 8, 1, 2)
+
+  monkeypatch.setattr(triton, "platform", lambda: "cuda")
+  monkeypatch.setenv(tuning.TUNE_ENV, "cached")
+  with tuning.using(Table()):  # type: ignore[arg-type]
+    assert triton.launch_for("max_fwd", shape, jnp.float32, geom, interpret=False) == (8, 32, 8)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape,window,strides,fmt,dtype", [
+    ((4, 57, 45, 64), (3, 3), (2, 2), "channels_last", jnp.float32),
+    ((4, 57, 45, 64), (3, 3), (2, 2), "channels_last", jnp.bfloat16),
+    ((2, 9, 30, 33, 32), (3, 3, 3), (2, 2, 2), "channels_last", jnp.float32),
+    ((4, 64, 56, 57), (3, 3), (2, 2), "channels_first", jnp.float32),
+    ((3, 31, 29, 96), (5, 3), (2, 3), "channels_last", jnp.int32),
+], ids=["2d_f32", "2d_bf16", "3d_f32", "2d_first_f32", "2d_int32"])
+def test_gpu_blocks_of_rows_give_the_bits_of_the_xla_path(monkeypatch, shape, window, strides,
+                                                          fmt, dtype):
+  """Compiled (PTX's maximum): every block the tuner offers, and a few more, with NaN,
+  infinities, ties and signed zeros."""
+  from kernel_base import ON_GPU
+  if not ON_GPU:
+    pytest.skip("needs a GPU")
+  monkeypatch.setenv(tuning.TUNE_ENV, "off")
+  geom = windows.make_geometry(shape, window, strides, 1, None, False, fmt)
+  rng = np.random.default_rng(11)
+  if jnp.issubdtype(dtype, jnp.integer):
+    x = jnp.asarray(rng.integers(-50, 50, shape), dtype)
+  else:
+    x = _signed_zeros(data(rng, shape, jnp.float32)).astype(dtype)
+  want = xla.max_pool_taps(x, geom)[0]
+  h = triton.launch_for("max_fwd", shape, dtype, geom, interpret=False)
+  offered = triton.row_block_candidates(h, geom.lift(3), dtype)
+  assert len(offered) == 3
+  bw, bl, warps = h
+  for launch in offered + [(bw, bl, warps, 2, 1), (max(bw // 4, 1), bl, warps, 1, 4)]:
+    bits_equal(triton._window_call(x, geom, "max", False, launch=launch)[0], want)
