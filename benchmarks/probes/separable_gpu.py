@@ -28,9 +28,7 @@ import argparse
 import functools
 import json
 import os
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +38,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, ROOT)
 os.environ.setdefault("JAXPOOL_TUNE", "cached")
 from jaxpool._src.pallas import triton as pk  # noqa: E402
+from jaxpool._src.pallas import tuning  # noqa: E402
 from jaxpool._src.pallas.triton_max import nan_max  # noqa: E402
 from jaxpool._src.pallas.triton_tile import Tile, load, split  # noqa: E402
 from jaxpool._src.windows import make_geometry  # noqa: E402
@@ -59,9 +58,12 @@ SMALL = [
 def _sep_kernel(x_ref, o_ref, *, k, s, p, ins, outs, rd, rh, bw, bl, lanes, form, interpret):
   (D, H, W), (Do, Ho, Wo) = ins, outs
   nd, nh = -(-Do // rd), -(-Ho // rh)
-  b, dblk, hblk = split(pl.program_id(0), (nd, nh))
-  tile = Tile(bw, lanes, bl, interpret, True)
-  wo = pl.program_id(1) * bw + jnp.arange(bw, dtype=jnp.int32)
+  # Programs in memory order (as the kernels': triton_tile.program): lane blocks, then column
+  # blocks, then row blocks.
+  blocks, cb, lb = split(pl.program_id(0), (pl.cdiv(Wo, bw), pl.cdiv(lanes, bl)))
+  b, dblk, hblk = split(blocks, (nd, nh))
+  tile = Tile(bw, lanes, bl, interpret, True, lb)
+  wo = cb * bw + jnp.arange(bw, dtype=jnp.int32)
   col_mask = wo < Wo
   wo = jnp.minimum(wo, Wo - 1)
   cols = [jnp.clip(wo * s[2] - p[2] + j, 0, W - 1) for j in range(k[2])]
@@ -96,7 +98,7 @@ def _sep_kernel(x_ref, o_ref, *, k, s, p, ins, outs, rd, rh, bw, bl, lanes, form
       tile.store(o_ref, at, val, ok)
 
 
-def separable_max(x, k, s, p, rd, rh, bw, warps, interpret=False):
+def separable_max(x, k, s, p, rd, rh, bw, warps, bl=None, interpret=False):
   """The max pool of ``x`` (channels_last, 1-3 spatial dims, window ``k``, stride ``s``,
   symmetric padding ``p``, all per dim or one int) by the separable kernel."""
   nsp = x.ndim - 2
@@ -106,8 +108,8 @@ def separable_max(x, k, s, p, rd, rh, bw, warps, interpret=False):
   outs = tuple((n + 2 * pp - kk) // ss + 1 for n, kk, ss, pp in zip(ins, k, s, p))
   B, C = x.shape[0], x.shape[-1]
   x5 = x.reshape(B, *ins, C)
-  bl = min(C, 64 if x.dtype.itemsize == 4 else 128)
-  grid = (B * -(-outs[0] // rd) * -(-outs[1] // rh), pl.cdiv(outs[2], bw), pl.cdiv(C, bl))
+  bl = bl or min(C, 64 if x.dtype.itemsize == 4 else 128)
+  grid = (B * -(-outs[0] // rd) * -(-outs[1] // rh) * pl.cdiv(outs[2], bw) * pl.cdiv(C, bl),)
   form = "beats" if interpret else "ptx"
   kern = functools.partial(_sep_kernel, k=k, s=s, p=p, ins=ins, outs=outs, rd=rd, rh=rh, bw=bw,
                            bl=bl, lanes=C, form=form, interpret=interpret)
@@ -127,16 +129,9 @@ def reference(x, k, s, p, interpret):
   return pk.max_forward(x, geom, interpret=interpret)
 
 
-def median_ms(fn, x, reps=30, inner=10):
-  jax.block_until_ready(fn(x))
-  out = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    for _ in range(inner):
-      y = fn(x)
-    jax.block_until_ready(y)
-    out.append((time.perf_counter() - t0) / inner)
-  return statistics.median(out) * 1e3
+def median_ms(fn, x, reps=30):
+  """The median of ``reps`` samples of about 5 ms each (the tuner's timer)."""
+  return tuning.time_ms(fn, (x,), samples=reps)
 
 
 def main():
@@ -169,9 +164,10 @@ def main():
     for sh in shapes:
       if sh[0] > 1 and len(shape) < 5:
         continue  # (one plane: more planes a program only repeats the work)
-      fns["sep {}x{} bw{} w{}".format(*sh)] = jax.jit(functools.partial(
+      label = "sep {}x{} bw{} w{}".format(*sh) + (f" bl{sh[4]}" if len(sh) > 4 else "")
+      fns[label] = jax.jit(functools.partial(
           separable_max, k=k, s=s, p=p, rd=sh[0], rh=sh[1], bw=sh[2], warps=sh[3],
-          interpret=a.interpret))
+          bl=sh[4] if len(sh) > 4 else None, interpret=a.interpret))
     for label, fn in fns.items():
       y = fn(x)
       same = bool(jnp.all(jax.lax.bitcast_convert_type(y, jnp.uint16 if dtype == jnp.bfloat16
