@@ -1,9 +1,12 @@
 """Launch configurations chosen per GPU: a small autotuner, a disk cache and shipped tables.
 
 The GPU kernels (``triton.py``) take a launch configuration ``(bw, bl, num_warps)``: the
-tile's columns and lanes and the warps a program. Every configuration computes the same bits
-(each output element's arithmetic and order do not depend on the tile), so the choice is only
-a matter of speed, and the best one depends on the GPU. For a call that compiles for a CUDA GPU,
+tile's columns and lanes and the warps a program (the max forward without taps also
+``(bw, bl, num_warps, rd, rh)``: a block of ``rd x rh`` output rows a program,
+``triton_rows.py``). Every configuration computes the same bits (each output element's
+arithmetic and order do not depend on the tile; blocks of rows are offered only where their
+order cannot show), so the choice is only a matter of speed, and the best one depends on the
+GPU. For a call that compiles for a CUDA GPU,
 :meth:`Tuner.choose` looks the configuration up, in this order:
 
 1. this process's memory;
