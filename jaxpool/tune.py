@@ -80,6 +80,9 @@ def tune_cases(cases: Sequence[Case], ops: Sequence[str]) -> list[dict]:
         times = rec.times_ms if rec else {}
         rows.append({"case": name, "dtype": dtype, "op": op, "launch": list(launch),
                      "key": rec.key if rec else None, "source": rec.source if rec else None,
+                     # (the key's choice, which a table holds: ``launch`` where the case
+                     # could not take the key's block of rows is the heuristic)
+                     "chosen": list(rec.launch) if rec else list(launch),
                      "seconds": seconds, "times_ms": times})
         best = times.get(tuning.launch_name(launch))
         first = next(iter(times.values()), None)  # the heuristic is timed first
@@ -93,7 +96,7 @@ def table(rows: Sequence[dict], env: dict, command: str) -> dict:
   """The shipped-table JSON of ``rows`` (key -> launch)."""
   return {"format": tuning.FORMAT, "device_kind": env.get("device_kind"), "produced_by": command,
           "produced_at": time.strftime("%Y-%m-%d %H:%M:%S"), "env": env,
-          "entries": {r["key"]: r["launch"] for r in rows if r["key"]}}
+          "entries": {r["key"]: r.get("chosen", r["launch"]) for r in rows if r["key"]}}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -112,8 +115,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                   help=f"seconds a key at most (default ${tuning.BUDGET_ENV} or "
                        f"{tuning.DEFAULT_BUDGET_S:g})")
   ap.add_argument("--max-candidates", type=int, default=None,
-                  help=f"configurations a key at most (default ${tuning.CANDIDATES_ENV} or "
-                       f"{tuning.DEFAULT_MAX_CANDIDATES})")
+                  help=f"one-row configurations a key at most (default "
+                       f"${tuning.CANDIDATES_ENV} or {tuning.DEFAULT_MAX_CANDIDATES}; the max "
+                       f"forward also tries up to 3 blocks of rows)")
   ap.add_argument("--write-table", default=None, metavar="PATH",
                   help="also write the chosen configurations as a shipped table to PATH")
   ap.add_argument("--json", default=None, metavar="PATH", help="write the report to PATH")

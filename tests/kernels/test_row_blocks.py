@@ -1,7 +1,8 @@
 """The max forward over blocks of output rows a program (``triton_rows.py``): the bits of the
-XLA path (and of one row a program) for every block, both layouts, 1-3 spatial dims, with ties,
-NaN, infinities and signed zeros; which geometries and dtypes the tuner offers blocks for; and
-blocks refused where a clamped tap could leave its window. Interpret mode on a CPU."""
+XLA path for every block (with ties, NaN, -inf and signed zeros), both layouts, 1-3 spatial
+dims, and compiled those of one row a program; which geometries and dtypes the tuner offers
+blocks for; and blocks refused where they could give other bits. Interpret mode on a CPU, and
+compiled on a GPU (the tests marked ``gpu``)."""
 
 from __future__ import annotations
 
@@ -54,7 +55,7 @@ def test_every_block_of_rows_gives_the_bits_of_the_xla_path(name):
   bits_equal(relu, jax.nn.relu(want))
 
 
-def test_blocks_are_refused_where_a_clamped_tap_could_leave_its_window():
+def test_blocks_are_refused_where_they_could_give_other_bits(monkeypatch):
   x = jnp.zeros((1, 8, 9, 2), jnp.float32)
   dilated = windows.make_geometry(x.shape, (3, 3), (1, 1), 0, (2, 1), False, "channels_last")
   # (make_geometry gives no window without a real tap; a geometry built by hand can)
@@ -70,6 +71,14 @@ def test_blocks_are_refused_where_a_clamped_tap_could_leave_its_window():
   fine = windows.make_geometry(x.shape, (3, 3), (2, 2), 1, None, False, "channels_last")
   with pytest.raises(ValueError, match="block of output rows"):
     triton._window_call(x, fine, "argmax", True, launch=(4, 2, 1, 1, 2))
+  # Compiled, a maximum whose bits depend on the order (a select that keeps the first NaN:
+  # another form than PTX's; refused before anything compiles).
+  monkeypatch.setattr(triton, "_ptx", lambda interpret: not interpret)
+  monkeypatch.setattr(triton, "NAN_MAX", "beats")
+  with pytest.raises(ValueError, match="block of output rows"):
+    triton._window_call(x, fine, "max", False, launch=(4, 2, 1, 1, 2))
+  with pytest.raises(ValueError, match="block of output rows"):
+    triton._window_call(x, fine, "avg", True, False, None, launch=(4, 2, 1, 1, 2))
 
 
 def test_which_launches_the_tuner_offers(monkeypatch):
@@ -87,6 +96,9 @@ def test_which_launches_the_tuner_offers(monkeypatch):
   assert triton.row_block_candidates((8, 1, 1), g2, jnp.float32) == [(8, 1, 1, 1, 2),
                                                                      (4, 1, 1, 1, 4)]
   assert triton.row_block_candidates(h, g1, jnp.float32) == []  # one output row
+  # windows that share no input row (2x2/s2): nothing to gain
+  g22 = windows.make_geometry((8, 112, 112, 64), (2, 2), (2, 2), 0).lift(3)
+  assert triton.row_block_candidates(h, g22, jnp.float32) == []
   assert triton.row_block_candidates(h, dilated, jnp.float32) == []
   # float64 is compared by a select that keeps the first NaN: its bits depend on the order.
   assert triton.row_block_candidates(h, g3, jnp.float64) == []
@@ -109,7 +121,7 @@ def test_launches_of_five_numbers_are_valid_within_bounds():
 
 def test_a_block_chosen_for_another_geometry_of_the_class_is_not_used(monkeypatch):
   """A key's class leaves out the rows: a table's block of rows, tuned on many output rows,
-  is not used for a pool of one output row (one row a program, the block's tile)."""
+  is not used for a pool of one output row (the heuristic launch instead)."""
   shape = (512, 3, 56, 64)
   geom = windows.make_geometry(shape, (3, 3), (2, 2), 0, None, False, "channels_last")
   assert geom.lift(3).out_spatial[:2] == (1, 1)
@@ -121,7 +133,9 @@ def test_a_block_chosen_for_another_geometry_of_the_class_is_not_used(monkeypatc
   monkeypatch.setattr(triton, "platform", lambda: "cuda")
   monkeypatch.setenv(tuning.TUNE_ENV, "cached")
   with tuning.using(Table()):  # type: ignore[arg-type]
-    assert triton.launch_for("max_fwd", shape, jnp.float32, geom, interpret=False) == (8, 32, 8)
+    got = triton.launch_for("max_fwd", shape, jnp.float32, geom, interpret=False)
+  assert got == triton.launch_for("max_fwd", shape, jnp.float32, geom, interpret=True)  # heuristic
+  assert len(got) == 3
 
 
 @pytest.mark.gpu
@@ -134,8 +148,8 @@ def test_a_block_chosen_for_another_geometry_of_the_class_is_not_used(monkeypatc
 ], ids=["2d_f32", "2d_bf16", "3d_f32", "2d_first_f32", "2d_int32"])
 def test_gpu_blocks_of_rows_give_the_bits_of_the_xla_path(monkeypatch, shape, window, strides,
                                                           fmt, dtype):
-  """Compiled (PTX's maximum): every block the tuner offers, and a few more, with NaN,
-  infinities, ties and signed zeros."""
+  """Compiled (PTX's maximum): every block the tuner offers, and a few more, with NaN, -inf,
+  ties and signed zeros: the XLA path's values and one row a program's bits (NaN's too)."""
   from kernel_base import ON_GPU
   if not ON_GPU:
     pytest.skip("needs a GPU")
@@ -151,5 +165,9 @@ def test_gpu_blocks_of_rows_give_the_bits_of_the_xla_path(monkeypatch, shape, wi
   offered = triton.row_block_candidates(h, geom.lift(3), dtype)
   assert len(offered) == 3
   bw, bl, warps = h
+  one_row = np.asarray(triton._window_call(x, geom, "max", False, launch=h)[0])
+  raw = one_row.view(f"u{one_row.dtype.itemsize}")
   for launch in offered + [(bw, bl, warps, 2, 1), (max(bw // 4, 1), bl, warps, 1, 4)]:
-    bits_equal(triton._window_call(x, geom, "max", False, launch=launch)[0], want)
+    got = np.asarray(triton._window_call(x, geom, "max", False, launch=launch)[0])
+    bits_equal(got, want)
+    np.testing.assert_array_equal(got.view(raw.dtype), raw)  # (NaN's bits too)

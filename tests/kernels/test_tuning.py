@@ -78,7 +78,8 @@ def _launches(op, shape, dtype, geom):
   assert heuristic == triton.launch_config(cols, lanes, np.dtype(dtype).itemsize,
                                            g.channels_last)
   # (the max forward's blocks of rows: those the tuner tries on a GPU, and in interpret mode,
-  # where its maximum is not PTX's, the same blocks wherever the geometry takes them)
+  # where the maximum is not PTX's and the tuner offers none, four blocks wherever the geometry
+  # takes them)
   blocks = triton.row_block_candidates(heuristic, g, dtype) if op == "max_fwd" else []
   cands = tuning.candidates(heuristic, cols, lanes, np.dtype(dtype).itemsize, g.channels_last,
                             64)
@@ -372,6 +373,8 @@ def test_the_packaged_tables_parse():
     data = _entry(os.path.join(folder, name))
     assert data["format"] == tuning.FORMAT and tuning.table_name(data["device_kind"]) == name
     assert all(tuning._valid_launch(v) for v in data["entries"].values())
+    # (blocks of rows only where a kernel takes them)
+    assert all(k.startswith("max_fwd|") for k, v in data["entries"].items() if len(v) == 5)
     assert tuning.shipped_table(data["device_kind"]) == {
         k: tuple(v) for k, v in data["entries"].items()}
   assert tuning.shipped_table("No Such GPU") == {}
@@ -594,7 +597,11 @@ def test_launch_for_modes(monkeypatch, op):
   assert h == heuristic and cands[0] == heuristic and got == cands[-1]
   assert key.op == op and key.dtype == "float32" and key.layout == "channels_last"
   # (the max forward tries its blocks of rows beyond the limit)
-  assert len(cands) <= tuning.DEFAULT_MAX_CANDIDATES + 3 * (op == "max_fwd")
+  blocks = triton.row_block_candidates(heuristic, geom.lift(3), jnp.float32) \
+      if op == "max_fwd" else []
+  assert len(blocks) == 3 * (op == "max_fwd")
+  assert len(cands) <= tuning.DEFAULT_MAX_CANDIDATES + len(blocks)
+  assert cands[len(cands) - len(blocks):] == blocks
   # The trial's inputs: the kernel's operands (taps in range for the max backward).
   args = trial.args()
   out_shape = geom.output_shape(shape)

@@ -7,22 +7,29 @@ estimate) and the choice of launch configuration. The kernels live beside it:
   interior and edge code paths);
 - ``triton_max.py``: the max-pool forward (the maximum, and its tap);
 - ``triton_avg.py``: the average-pool forward;
+- ``triton_rows.py``: the max-pool forward without the tap over a block of output rows a
+  program, where the tuner chooses one;
 - ``triton_backward.py``: the backward of both, as gathers.
 
 Every kernel sees the spatial dims as ``(D, H, W)`` (1-D and 2-D pools get unit ``D`` and
-``H``). A program covers one output row (``b, d, h``), a block of ``bw`` columns and a block of
-``bl`` *lanes*: the channels in ``channels_last`` (the operand viewed as ``(B, D, H, W, C)``,
-channels contiguous) or the planes in ``channels_first`` (viewed as ``(P, D, H, W)`` with
-``P = batch * C``, columns contiguous). Each tap's load is a tile with the contiguous dim last:
+``H``). A program covers one output row (``b, d, h``; a block of ``rd x rh`` of them in
+``triton_rows.py``), a block of ``bw`` columns and a block of ``bl`` *lanes*: the channels in
+``channels_last`` (the operand viewed as ``(B, D, H, W, C)``, channels contiguous) or the
+planes in ``channels_first`` (viewed as ``(P, D, H, W)`` with ``P = batch * C``, columns
+contiguous). Each tap's load is a tile with the contiguous dim last:
 ``(bw, bl)`` in channels_last, ``(bl, bw)`` in channels_first (Triton spreads a warp's threads
 along the last dim, so that is what keeps the loads coalesced).
 
-The kernels never read or write out of bounds, compiled or in interpret mode. At the edges
+The kernels never read out of bounds, and compiled never write out of bounds. At the edges
 every index is clamped into the array: a max kernel's tap outside the input reads a copy of the
 nearest real tap of its own window (which cannot change the maximum; the winner is mapped back
 to the real tap), an average kernel masks such taps out of the sum, and stores are masked to the
-real columns and lanes (the block's overhang past ``W`` or the lanes). Programs whose windows all
-lie inside the array (most of them) take a second code path, chosen at run time, without clamps.
+real columns and lanes (the block's overhang past ``W`` or the lanes). In interpret mode, where
+stores are not masked, the forwards' columns past the end rewrite the last column's value,
+``triton_rows.py`` skips its block's rows past the end, and the backward's rows and columns
+past the end are out of bounds, which the interpreter's scatter drops. In ``triton_max.py``
+and ``triton_avg.py`` programs whose windows all lie inside the array (most of them) take a
+second code path, chosen at run time, without clamps.
 
 Forward kernels gather over the window's taps (max with the argmax, or a sum for average
 pooling). Backward kernels are gathers too: each input element visits the taps of the windows
@@ -171,9 +178,12 @@ def _window_call(x: jax.Array, geom: Geometry, mode: str, interpret: bool,
   form = _max_form(compare_dtype(x.dtype), interpret)
   kernel: Callable[..., None]
   if block and tuple(block) != (1, 1):
-    if mode != "max" or not separable(g):
+    if mode != "max" or not separable(g) or (not interpret
+                                             and not _order_free_max(x.dtype, interpret)):
       raise ValueError(f"a block of output rows {tuple(block)} serves only the max forward "
-                       f"without taps, dilation 1 and no empty window, not {mode} of {g}")
+                       f"without taps, with dilation 1, no empty window and (compiled) a "
+                       f"maximum whose bits do not depend on the order, not {mode} of "
+                       f"{x.dtype} over {g}")
     bd, bh = block
     grid = triton_tile.grid(nb * row_blocks(g, (bd, bh)), pl.cdiv(Wo, bw), pl.cdiv(lanes, bl))
     kernel = functools.partial(rows_kernel, g=g, bw=bw, bl=bl, lanes=lanes, nb=nb,
@@ -292,17 +302,23 @@ def separable(g: Geometry) -> bool:
       bool((window_counts_1d(g, dim, False) > 0).all()) for dim in range(3))
 
 
+def _order_free_max(dtype, interpret: bool) -> bool:
+  """Whether the max kernels' maximum of ``dtype`` gives the same bits in any order: PTX's
+  ``max.NaN.f32`` (NaN results canonical, ``+0.0`` above ``-0.0``) or an integer maximum."""
+  cmp_t = compare_dtype(dtype)
+  return bool(jnp.issubdtype(cmp_t, jnp.integer)) or _max_form(cmp_t, interpret) == "ptx"
+
+
 def row_block_candidates(heuristic: Launch, g: Geometry, dtype) -> list[Launch]:
   """The max forward's (without taps) launches over blocks of output rows that the tuner tries
   beside the one-row ones: ``1 x 2`` rows with the heuristic's tile and with half its lanes,
-  and ``2 x 2`` (3-D) or ``1 x 4`` (2-D) with half its columns and lanes (each row of a block
-  keeps a tile of maxima). Only where every block gives the one-row kernel's bits
-  (:func:`separable`, and a maximum that does not depend on the order of its operands: PTX's
-  ``max.NaN.f32`` or an integer maximum)."""
+  and ``2 x 2`` (several output planes) or ``1 x 4`` (one) with half its columns and lanes
+  (each row of a block keeps a tile of maxima). Only where windows share input rows, and where
+  every block gives the one-row kernel's bits: :func:`separable`, and a maximum whose bits do
+  not depend on the order (:func:`_order_free_max`)."""
   Do, Ho, _ = g.out_spatial
-  cmp_t = compare_dtype(dtype)
-  exact = jnp.issubdtype(cmp_t, jnp.integer) or _max_form(cmp_t, False) == "ptx"
-  if not exact or not separable(g) or Ho < 2:
+  shared = g.window[0] > g.strides[0] or g.window[1] > g.strides[1]  # rows read twice
+  if not _order_free_max(dtype, False) or not separable(g) or Ho < 2 or not shared:
     return []
   bw, bl, warps = heuristic[:3]
   half_bw, half_bl = max(bw // 2, 1), max(bl // 2, 1)
@@ -367,7 +383,7 @@ def launch_for(op: str, in_shape, dtype, geom: Geometry, *, interpret: bool,
                                          tuning.Trial(compile_launch, args),
                                          tune=tuning.mode() == "auto")
   if len(chosen) > 3 and not extra:
-    # A block of rows chosen for this key's class (from the cache or a table), where this
-    # geometry cannot take one (e.g. padding that leaves a window empty): one row a program.
-    return chosen[:3]
+    # A block of rows chosen for this key's class (from the cache or a table) where this call
+    # cannot take one (one output row, another NaN_MAX form): the heuristic.
+    return heuristic
   return chosen

@@ -1,19 +1,20 @@
-"""The max-pool forward over a block of output rows a program (Pallas Triton), without the taps.
+"""The max-pool forward without the taps over a block of output rows a program (Pallas Triton).
 
 A window's maximum is separable: the maximum over its planes of the maxima over their rows of
 the maxima over each row's column taps. A program of this kernel covers ``rd x rh`` output rows
 (and a tile of columns and lanes, as ``triton_tile.py``'s programs), reduces each input row it
 reads over its column taps once, then the rows of each plane, then the planes, so the output
 rows whose windows share an input row (3x3/s2 windows share one row in three) load and reduce
-it once. The L2 cache then passes fewer bytes: on an H200 that bounds the 3-D forward
-(``docs/tuning.md``).
+it once, and fewer bytes pass through the L2 cache (which bounds the 3-D forward on an H200:
+``docs/tuning.md``).
 
 The maximum without the taps does not depend on the order of its operands when each maximum
 is PTX's ``max.NaN.f32`` (NaN results canonical, ``+0.0`` above ``-0.0``) or an integer
-maximum, so these programs give the bits of ``triton_max.py``'s: the tuner offers row blocks
-only where that holds (``triton.row_block_candidates``). At the edges every index is clamped
-into the input: with dilation 1, and every window holding a real tap in each dim, a clamped tap
-reads a tap of its own window, which cannot change the maximum.
+maximum, so there these programs are bit-identical to ``triton_max.max_kernel``'s: the tuner
+offers blocks only where that holds (``triton.row_block_candidates``), and a compiled call
+with another maximum refuses them. At the edges every index is clamped into the input: with
+dilation 1, and every window holding a real tap in each dim, a clamped tap reads a tap of its
+own window, which cannot change the maximum.
 """
 
 from __future__ import annotations
@@ -55,9 +56,13 @@ def rows_kernel(x_ref, o_ref, *, g: Geometry, bw: int, bl: int, lanes: int, nb: 
   cmp_t = compare_dtype(x_ref.dtype)
   acc: list[list[Any]] = [[None] * rh for _ in range(rd)]
   for a in range((rd - 1) * s[0] + k[0]):  # the block's input planes
+    if not any(0 <= a - q * s[0] < k[0] for q in range(rd)):
+      continue  # (between windows: a stride past the window)
     d = jnp.clip(d0 + a, 0, D - 1)
     hm: list[Any] = [None] * rh  # each output row's maximum over this plane's rows
     for t in range((rh - 1) * s[1] + k[1]):  # the block's input rows
+      if not any(0 <= t - r * s[1] < k[1] for r in range(rh)):
+        continue
       h = jnp.clip(h0 + t, 0, H - 1)
       wm: Any = None  # this input row's maximum over each window's column taps
       for c in cols:
@@ -75,10 +80,13 @@ def rows_kernel(x_ref, o_ref, *, g: Geometry, bw: int, bl: int, lanes: int, nb: 
       do, ho = dblk * rd + q, hblk * rh + r
       val, _ = apply_activation(acc[q][r], None, activation)
       val = val.astype(o_ref.dtype)
-      if interpret:
-        # Unmasked stores: a row past the end is out of bounds, which the store drops.
-        tile.store(o_ref, tile.index(b, do, ho, wo), val)
+      real = (do < Do) & (ho < Ho)  # (the block's rows past the end are not stored)
+      at = tile.index(b, jnp.minimum(do, Do - 1), jnp.minimum(ho, Ho - 1), wo)
+      if interpret:  # (stores unmasked: the columns past the end rewrite the last one's value)
+
+        def store(at=at, val=val):
+          tile.store(o_ref, at, val)
+
+        pl.when(real)(store)
       else:
-        ok = (raw < Wo) & (do < Do) & (ho < Ho)
-        at = tile.index(b, jnp.minimum(do, Do - 1), jnp.minimum(ho, Ho - 1), wo)
-        tile.store(o_ref, at, val, ok)
+        tile.store(o_ref, at, val, (raw < Wo) & real)
