@@ -1,25 +1,22 @@
-"""Probe: a separable max-pool forward over several output rows a program, against the kernel.
+"""Probe: the max-pool forward over blocks of output rows a program, against the one-row kernel.
 
 The max-pool forward kernel (``jaxpool/_src/pallas/triton_max.py``) computes one output row a
 program and takes every window's maximum over all its taps: 27 loads and 27 maxima an output
 element for a 3x3x3 window. A maximum is separable: the maximum over a window is the maximum
-over its planes of the maxima over their rows of the maxima over each row's column taps. This
-probe's kernel covers ``rd x rh`` output rows a program, reduces each input row it reads over
-its column taps once (shared by the output rows whose windows hold that row), then the rows of
-each plane, then the planes: for 3x3x3/s2 and ``rd x rh = 2 x 4``, about 17 loads and 22 maxima
-an output element.
+over its planes of the maxima over their rows of the maxima over each row's column taps.
+``triton_rows.py``'s kernel (this probe's own until the tuner offered it) covers ``rd x rh``
+output rows a program, reduces each input row it reads over its column taps once (shared by
+the output rows whose windows hold that row), then the rows of each plane, then the planes:
+for 3x3x3/s2 and ``rd x rh = 2 x 4``, about 17 loads and 22 maxima an output element.
 
 Without the taps the maximum's bits do not depend on the order (PTX's ``max.NaN.f32`` is
-commutative, its NaN result canonical), so the probe's results must equal the kernel's bit for
-bit; the probe checks that, then times both, rounds alternating. Edges: every index is clamped
-into the input (with dilation 1 a clamped tap reads a tap of its own window, which cannot
-change the maximum), so there is one code path.
+commutative, its NaN result canonical), so its results must equal the one-row kernel's bit for
+bit; the probe checks that, then times both, rounds alternating.
 
-Only what the probe needs: channels_last, dilation 1, the maximum without its taps, every
-window holding at least one real element. ``--cases`` picks cases by name; ``--shapes
-"rd,rh,bw,warps;..."`` the separable launches. Prints a table; saves
-``benchmarks/results/separable_gpu.json``. Needs a GPU (``--interpret`` checks the bits on a
-CPU, small shapes).
+``--cases`` picks cases by name; ``--shapes "rd,rh,bw,warps[,bl];..."`` the launches (``bl``:
+lanes, default whole channel rows up to 256 bytes; ``1,1,...``: the one-row kernel at that
+tile). Prints a table; saves ``benchmarks/results/separable_gpu.json`` (``--out``). Needs a GPU
+(``--interpret`` checks the bits on a CPU, small shapes).
 """
 
 from __future__ import annotations
@@ -32,15 +29,12 @@ import sys
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 os.environ.setdefault("JAXPOOL_TUNE", "cached")
 from jaxpool._src.pallas import triton as pk  # noqa: E402
 from jaxpool._src.pallas import tuning  # noqa: E402
-from jaxpool._src.pallas.triton_max import nan_max  # noqa: E402
-from jaxpool._src.pallas.triton_tile import Tile, load, split  # noqa: E402
 from jaxpool._src.windows import make_geometry  # noqa: E402
 
 CASES = [
@@ -55,71 +49,15 @@ SMALL = [
 ]
 
 
-def _sep_kernel(x_ref, o_ref, *, k, s, p, ins, outs, rd, rh, bw, bl, lanes, form, interpret):
-  (D, H, W), (Do, Ho, Wo) = ins, outs
-  nd, nh = -(-Do // rd), -(-Ho // rh)
-  # Programs in memory order (as the kernels': triton_tile.program): lane blocks, then column
-  # blocks, then row blocks.
-  blocks, cb, lb = split(pl.program_id(0), (pl.cdiv(Wo, bw), pl.cdiv(lanes, bl)))
-  b, dblk, hblk = split(blocks, (nd, nh))
-  tile = Tile(bw, lanes, bl, interpret, True, lb)
-  wo = cb * bw + jnp.arange(bw, dtype=jnp.int32)
-  col_mask = wo < Wo
-  wo = jnp.minimum(wo, Wo - 1)
-  cols = [jnp.clip(wo * s[2] - p[2] + j, 0, W - 1) for j in range(k[2])]
-  d0, h0 = dblk * rd * s[0] - p[0], hblk * rh * s[1] - p[1]
-  planes, rows = (rd - 1) * s[0] + k[0], (rh - 1) * s[1] + k[1]
-  cmp_t = jnp.float32
-  acc = [[None] * rh for _ in range(rd)]
-  for a in range(planes):
-    d = jnp.clip(d0 + a, 0, D - 1)
-    hm = [None] * rh
-    for t in range(rows):
-      h = jnp.clip(h0 + t, 0, H - 1)
-      wm = None
-      for c in cols:
-        v = load(x_ref, tile.index(b, d, h, c)).astype(cmp_t)
-        wm = nan_max(v, v, form) if wm is None else nan_max(wm, v, form)
-      for r in range(rh):
-        if 0 <= t - r * s[1] < k[1]:
-          hm[r] = wm if hm[r] is None else nan_max(hm[r], wm, form)
-    for q in range(rd):
-      if 0 <= a - q * s[0] < k[0]:
-        for r in range(rh):
-          acc[q][r] = hm[r] if acc[q][r] is None else nan_max(acc[q][r], hm[r], form)
-  for q in range(rd):
-    for r in range(rh):
-      do, ho = dblk * rd + q, hblk * rh + r
-      ok = col_mask & (do < Do) & (ho < Ho)
-      at = tile.index(b, jnp.minimum(do, Do - 1), jnp.minimum(ho, Ho - 1), wo)
-      val = acc[q][r].astype(o_ref.dtype)
-      if interpret:  # (unmasked stores: a row past the end rewrites the last row's values)
-        val = jnp.where((do < Do) & (ho < Ho), val, load(o_ref, at))
-      tile.store(o_ref, at, val, ok)
-
-
 def separable_max(x, k, s, p, rd, rh, bw, warps, bl=None, interpret=False):
-  """The max pool of ``x`` (channels_last, 1-3 spatial dims, window ``k``, stride ``s``,
-  symmetric padding ``p``, all per dim or one int) by the separable kernel."""
-  nsp = x.ndim - 2
-  lift = lambda v: (1,) * (3 - nsp) + ((v,) * nsp if isinstance(v, int) else tuple(v))  # noqa: E731
-  k, s, p = lift(k), lift(s), tuple(0 for _ in range(3 - nsp)) + lift(p)[3 - nsp:]
-  ins = (1,) * (3 - nsp) + tuple(x.shape[1:-1])
-  outs = tuple((n + 2 * pp - kk) // ss + 1 for n, kk, ss, pp in zip(ins, k, s, p))
-  B, C = x.shape[0], x.shape[-1]
-  x5 = x.reshape(B, *ins, C)
-  bl = bl or min(C, 64 if x.dtype.itemsize == 4 else 128)
-  grid = (B * -(-outs[0] // rd) * -(-outs[1] // rh) * pl.cdiv(outs[2], bw) * pl.cdiv(C, bl),)
-  form = "beats" if interpret else "ptx"
-  kern = functools.partial(_sep_kernel, k=k, s=s, p=p, ins=ins, outs=outs, rd=rd, rh=rh, bw=bw,
-                           bl=bl, lanes=C, form=form, interpret=interpret)
-  kw = {}
-  if not interpret:
-    from jax.experimental.pallas import triton as plgpu
-    kw["compiler_params"] = plgpu.CompilerParams(num_warps=warps, num_stages=1)
-  y = pl.pallas_call(kern, out_shape=jax.ShapeDtypeStruct((B, *outs, C), x.dtype), grid=grid,
-                     interpret=interpret, name="separable_max_fwd", **kw)(x5)
-  return y.reshape(x.shape[0], *outs[3 - nsp:], C)
+  """The max pool of ``x`` (channels_last, window ``k``, stride ``s``, symmetric padding ``p``,
+  each one int) over blocks of ``rd x rh`` output rows: ``triton_rows.py``'s kernel (1 x 1:
+  the one-row kernel)."""
+  n = x.ndim - 2
+  geom = make_geometry(x.shape, (k,) * n, (s,) * n, ((p, p),) * n, (1,) * n, False,
+                       "channels_last")
+  bl = bl or min(x.shape[-1], 64 if x.dtype.itemsize == 4 else 128)
+  return pk._window_call(x, geom, "max", interpret, launch=(bw, bl, warps, rd, rh))[0]
 
 
 def reference(x, k, s, p, interpret):
