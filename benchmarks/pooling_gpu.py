@@ -161,7 +161,8 @@ ROW_KERNELS = {
 
 
 def launches(shape, dtype, geom) -> dict[str, str]:
-  """Each kernel's launch configuration on this case, ``bw x bl x num_warps (source)``: the
+  """Each kernel's launch configuration on this case, ``bw x bl x num_warps[ x rd x rh]
+  (source)`` (``rd x rh``: the max forward's block of output rows, where it has one): the
   source is where the tuner first found it (tuned, cache, table, heuristic)."""
   out = {}
   records = tuning.default_tuner().records

@@ -93,7 +93,8 @@ def tune_cases(cases: Sequence[Case], ops: Sequence[str]) -> list[dict]:
 
 
 def table(rows: Sequence[dict], env: dict, command: str) -> dict:
-  """The shipped-table JSON of ``rows`` (key -> launch)."""
+  """The shipped-table JSON of ``rows`` (key -> the key's choice; a call that cannot take the
+  key's block of rows runs the heuristic, which its row's ``launch`` shows)."""
   return {"format": tuning.FORMAT, "device_kind": env.get("device_kind"), "produced_by": command,
           "produced_at": time.strftime("%Y-%m-%d %H:%M:%S"), "env": env,
           "entries": {r["key"]: r.get("chosen", r["launch"]) for r in rows if r["key"]}}

@@ -11,7 +11,9 @@ for 3x3x3/s2 and ``rd x rh = 2 x 4``, about 17 loads and 22 maxima an output ele
 
 Without the taps the maximum's bits do not depend on the order (PTX's ``max.NaN.f32`` is
 commutative, its NaN result canonical), so its results must equal the one-row kernel's bit for
-bit; the probe checks that, then times both, rounds alternating.
+bit; the probe checks that, then times both, rounds alternating. (The ``kernel`` row is the
+package's own launch: with ``JAXPOOL_TUNE=cached`` the shipped table's, which on an H200 is a
+block of rows for these cases; ``1,1,...`` shapes give the one-row kernel at their tile.)
 
 ``--cases`` picks cases by name; ``--shapes "rd,rh,bw,warps[,bl];..."`` the launches (``bl``:
 lanes, default whole channel rows up to 256 bytes; ``1,1,...``: the one-row kernel at that

@@ -121,7 +121,8 @@ def test_launches_of_five_numbers_are_valid_within_bounds():
 
 def test_a_block_chosen_for_another_geometry_of_the_class_is_not_used(monkeypatch):
   """A key's class leaves out the rows: a table's block of rows, tuned on many output rows,
-  is not used for a pool of one output row (the heuristic launch instead)."""
+  is not used for a pool of one output row, nor where the maximum's bits would depend on the
+  order (the heuristic launch instead)."""
   shape = (512, 3, 56, 64)
   geom = windows.make_geometry(shape, (3, 3), (2, 2), 0, None, False, "channels_last")
   assert geom.lift(3).out_spatial[:2] == (1, 1)
@@ -134,8 +135,17 @@ def test_a_block_chosen_for_another_geometry_of_the_class_is_not_used(monkeypatc
   monkeypatch.setenv(tuning.TUNE_ENV, "cached")
   with tuning.using(Table()):  # type: ignore[arg-type]
     got = triton.launch_for("max_fwd", shape, jnp.float32, geom, interpret=False)
+    # nor where the maximum's bits depend on the order (another form than PTX's)
+    monkeypatch.setattr(triton, "_ptx", lambda interpret: not interpret)
+    many_rows = (2, 57, 56, 64)
+    g2 = windows.make_geometry(many_rows, (3, 3), (2, 2), 0, None, False, "channels_last")
+    ptx = triton.launch_for("max_fwd", many_rows, jnp.float32, g2, interpret=False)
+    monkeypatch.setattr(triton, "NAN_MAX", "beats")
+    beats = triton.launch_for("max_fwd", many_rows, jnp.float32, g2, interpret=False)
   assert got == triton.launch_for("max_fwd", shape, jnp.float32, geom, interpret=True)  # heuristic
   assert len(got) == 3
+  assert ptx == (8, 32, 8, 1, 2)
+  assert beats == triton.launch_for("max_fwd", many_rows, jnp.float32, g2, interpret=True)
 
 
 @pytest.mark.gpu

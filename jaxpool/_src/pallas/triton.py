@@ -312,7 +312,8 @@ def _order_free_max(dtype, interpret: bool) -> bool:
 def row_block_candidates(heuristic: Launch, g: Geometry, dtype) -> list[Launch]:
   """The max forward's (without taps) launches over blocks of output rows that the tuner tries
   beside the one-row ones: ``1 x 2`` rows with the heuristic's tile and with half its lanes,
-  and ``2 x 2`` (several output planes) or ``1 x 4`` (one) with half its columns and lanes
+  and ``2 x 2`` (output planes that share input planes) or ``1 x 4`` with half its columns and
+  lanes
   (each row of a block keeps a tile of maxima). Only where windows share input rows, and where
   every block gives the one-row kernel's bits: :func:`separable`, and a maximum whose bits do
   not depend on the order (:func:`_order_free_max`)."""
@@ -322,7 +323,8 @@ def row_block_candidates(heuristic: Launch, g: Geometry, dtype) -> list[Launch]:
     return []
   bw, bl, warps = heuristic[:3]
   half_bw, half_bl = max(bw // 2, 1), max(bl // 2, 1)
-  four = (half_bw, half_bl, warps, 2, 2) if Do > 1 else (half_bw, half_bl, warps, 1, 4)
+  planes = Do > 1 and g.window[0] > g.strides[0]  # (output planes sharing input planes)
+  four = (half_bw, half_bl, warps, 2, 2) if planes else (half_bw, half_bl, warps, 1, 4)
   return list(dict.fromkeys([(bw, bl, warps, 1, 2), (bw, half_bl, warps, 1, 2), four]))
 
 
@@ -384,6 +386,7 @@ def launch_for(op: str, in_shape, dtype, geom: Geometry, *, interpret: bool,
                                          tune=tuning.mode() == "auto")
   if len(chosen) > 3 and not extra:
     # A block of rows chosen for this key's class (from the cache or a table) where this call
-    # cannot take one (one output row, another NaN_MAX form): the heuristic.
+    # cannot take one (one output row, padding that leaves a window empty, another NAN_MAX
+    # form): the heuristic.
     return heuristic
   return chosen

@@ -15,7 +15,8 @@ GPU. For a call that compiles for a CUDA GPU,
    driver it was tuned with are this process's;
 3. the table shipped with the package for this device kind (``launch_tables/*.json``);
 4. tuning: each candidate (:func:`candidates` around today's heuristic, at most
-   ``JAXPOOL_TUNE_MAX_CANDIDATES``) is compiled (in parallel threads) and timed on random data
+   ``JAXPOOL_TUNE_MAX_CANDIDATES``, and for the max forward up to 3 blocks of rows more) is
+   compiled (in parallel threads) and timed on random data
    of the call's shape, for at most ``JAXPOOL_TUNE_BUDGET_S`` seconds a key; the fastest is
    written to the disk cache.
 

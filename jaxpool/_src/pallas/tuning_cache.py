@@ -222,7 +222,7 @@ class Store:
     launch = data.get("launch") if isinstance(data, dict) else None
     if isinstance(data, dict) and isinstance(data.get("format"), int) \
         and data["format"] != FORMAT:
-      return None  # another format: tuned for other kernels, not used
+      return None  # another format: tuned for other kernels or candidates, not used
     if (not isinstance(data, dict) or data.get("format") != FORMAT
         or not _valid_launch(launch)):
       self._warn_once(f"corrupt:{path}", f"jaxpool: ignoring the malformed tuning cache entry "
