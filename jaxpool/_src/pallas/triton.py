@@ -178,8 +178,7 @@ def _window_call(x: jax.Array, geom: Geometry, mode: str, interpret: bool,
   form = _max_form(compare_dtype(x.dtype), interpret)
   kernel: Callable[..., None]
   if block and tuple(block) != (1, 1):
-    if mode != "max" or not separable(g) or (not interpret
-                                             and not _order_free_max(x.dtype, interpret)):
+    if mode != "max" or not _blocks_exact(g, x.dtype, interpret):
       raise ValueError(f"a block of output rows {tuple(block)} serves only the max forward "
                        f"without taps, with dilation 1, no empty window and (compiled) a "
                        f"maximum whose bits do not depend on the order, not {mode} of "
@@ -302,11 +301,16 @@ def separable(g: Geometry) -> bool:
       bool((window_counts_1d(g, dim, False) > 0).all()) for dim in range(3))
 
 
-def _order_free_max(dtype, interpret: bool) -> bool:
-  """Whether the max kernels' maximum of ``dtype`` gives the same bits in any order: PTX's
-  ``max.NaN.f32`` (NaN results canonical, ``+0.0`` above ``-0.0``) or an integer maximum."""
+def _blocks_exact(g: Geometry, dtype, interpret: bool) -> bool:
+  """Whether blocks of output rows give the one-row kernel's bits for the max forward of
+  ``g`` in ``dtype``: :func:`separable`, and compiled a maximum whose bits do not depend on
+  the order: PTX's ``max.NaN.f32`` (NaN results canonical, ``+0.0`` above ``-0.0``) or an
+  integer maximum. (Interpret mode, for tests, runs any block; a NaN's payload may differ.)"""
+  if not separable(g):
+    return False
   cmp_t = compare_dtype(dtype)
-  return bool(jnp.issubdtype(cmp_t, jnp.integer)) or _max_form(cmp_t, interpret) == "ptx"
+  return (interpret or bool(jnp.issubdtype(cmp_t, jnp.integer))
+          or _max_form(cmp_t, interpret) == "ptx")
 
 
 def row_block_candidates(heuristic: Launch, g: Geometry, dtype) -> list[Launch]:
@@ -315,11 +319,10 @@ def row_block_candidates(heuristic: Launch, g: Geometry, dtype) -> list[Launch]:
   and ``2 x 2`` (output planes that share input planes) or ``1 x 4`` with half its columns and
   lanes
   (each row of a block keeps a tile of maxima). Only where windows share input rows, and where
-  every block gives the one-row kernel's bits: :func:`separable`, and a maximum whose bits do
-  not depend on the order (:func:`_order_free_max`)."""
+  every block gives the one-row kernel's bits compiled (:func:`_blocks_exact`)."""
   Do, Ho, _ = g.out_spatial
   shared = g.window[0] > g.strides[0] or g.window[1] > g.strides[1]  # rows read twice
-  if not _order_free_max(dtype, False) or not separable(g) or Ho < 2 or not shared:
+  if not _blocks_exact(g, dtype, False) or Ho < 2 or not shared:
     return []
   bw, bl, warps = heuristic[:3]
   half_bw, half_bl = max(bw // 2, 1), max(bl // 2, 1)
