@@ -1,17 +1,22 @@
-"""The max forward over blocks of output rows a program (``triton_rows.py``): the bits of the
-XLA path for every block (with ties, NaN, -inf and signed zeros), both layouts, 1-3 spatial
-dims, and compiled those of one row a program; which geometries and dtypes the tuner offers
-blocks for; and blocks refused where they could give other bits. Interpret mode on a CPU, and
-compiled on a GPU (the tests marked ``gpu``)."""
+"""The max forward over blocks of output rows a program (``triton_rows.py``), with and without
+the taps: the bits of the XLA path for every block (with ties, NaN, -inf and signed zeros),
+both layouts, 1-3 spatial dims, the NumPy reference's maxima and taps on random
+configurations, and compiled those of one row a program; which geometries and dtypes the tuner
+offers blocks for; and blocks refused where they could give other bits. Interpret mode on a
+CPU, and compiled on a GPU (the tests marked ``gpu``)."""
 
 from __future__ import annotations
 
 import dataclasses
 
+import hypothesis
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import reference
+from core_strategies import pool_configs, split, tie_rich
+from hypothesis import strategies as st
 from kernel_base import bits_equal, data
 
 from jaxpool._src import windows, xla
@@ -40,19 +45,57 @@ def test_every_block_of_rows_gives_the_bits_of_the_xla_path(name):
   geom = windows.make_geometry(shape, window, strides, padding, None, ceil_mode, fmt)
   assert triton.separable(geom.lift(3))
   x = _signed_zeros(data(np.random.default_rng(5), shape, jnp.float32))
-  want = xla.max_pool_taps(x, geom)[0]
+  want, want_taps = xla.max_pool_taps(x, geom)
   launches = [(4, 2, 1, 1, 2), (2, 2, 1, 2, 2), (8, 4, 1, 1, 4), (4, 2, 1, 2, 1)]
 
   @jax.jit
   def run(x):
     ys = [triton._window_call(x, geom, "max", True, launch=launch)[0] for launch in launches]
-    relu = triton._window_call(x, geom, "max", True, launch=launches[1], activation="relu")[0]
-    return ys, relu
+    with_taps = [triton._window_call(x, geom, "argmax", True, launch=launch)
+                 for launch in launches]
+    relu = [triton._window_call(x, geom, mode, True, launch=launches[1], activation="relu")
+            for mode in ("max", "argmax")]
+    return ys, with_taps, relu
 
-  ys, relu = run(x)
+  ys, with_taps, relu = run(x)
   for y in ys:
     bits_equal(y, want)
-  bits_equal(relu, jax.nn.relu(want))
+  for y, taps in with_taps:
+    bits_equal(y, want)
+    np.testing.assert_array_equal(taps, want_taps)
+  for y, *_ in relu:
+    bits_equal(y, jax.nn.relu(want))
+  np.testing.assert_array_equal(relu[1][1], np.where(want > 0, want_taps, -1))
+
+
+@st.composite
+def _separable_cases(draw):
+  """A configuration whose max forward may run in blocks of rows, and a block."""
+  cfg = draw(pool_configs(allow_dilation=False))
+  shape, kw = split(cfg)
+  geom = windows.make_geometry(shape, kw["window_shape"], kw["strides"], kw["padding"], None,
+                               kw["ceil_mode"], kw["data_format"])
+  hypothesis.assume(triton.separable(geom.lift(3)))
+  block = draw(st.sampled_from([(1, 2), (2, 1), (2, 2), (1, 4)]))
+  return cfg, geom, (draw(st.sampled_from([1, 2, 4])), 2, 1, *block)
+
+
+@hypothesis.settings(max_examples=16, deadline=None, derandomize=True,
+                     suppress_health_check=list(hypothesis.HealthCheck))
+@hypothesis.given(_separable_cases(), st.booleans())
+def test_blocks_give_the_reference_maxima_and_taps(case, relu):
+  """Random configurations (either layout, 1-3 dims, padding, ceil mode), tie-rich inputs with
+  NaN and infinities: a block's maxima and taps are the NumPy reference's (the first tap,
+  row-major, of the window's maximum; the first NaN)."""
+  cfg, geom, launch = case
+  shape, kw = split(cfg)
+  x = tie_rich(np.random.default_rng(len(shape)), shape, specials=True)
+  activation = "relu" if relu else None
+  y, taps = triton._window_call(jnp.asarray(x), geom, "argmax", True, launch=launch,
+                                activation=activation)
+  want, want_taps = reference.max_pool_with_taps(x, activation=activation, **kw)
+  np.testing.assert_array_equal(np.asarray(y), want)  # (NaN where the reference has NaN)
+  np.testing.assert_array_equal(np.asarray(taps), want_taps)
 
 
 def test_blocks_are_refused_where_they_could_give_other_bits(monkeypatch):
@@ -70,13 +113,14 @@ def test_blocks_are_refused_where_they_could_give_other_bits(monkeypatch):
       triton._window_call(v, geom, "max", True, launch=(4, 2, 1, 1, 2))
   fine = windows.make_geometry(x.shape, (3, 3), (2, 2), 1, None, False, "channels_last")
   with pytest.raises(ValueError, match="block of output rows"):
-    triton._window_call(x, fine, "argmax", True, launch=(4, 2, 1, 1, 2))
+    triton._window_call(x, dilated, "argmax", True, launch=(4, 2, 1, 1, 2))
   # Compiled, a maximum whose bits depend on the order (a select that keeps the first NaN:
   # another form than PTX's; refused before anything compiles).
   monkeypatch.setattr(triton, "_ptx", lambda interpret: not interpret)
   monkeypatch.setattr(triton, "NAN_MAX", "beats")
-  with pytest.raises(ValueError, match="block of output rows"):
-    triton._window_call(x, fine, "max", False, launch=(4, 2, 1, 1, 2))
+  for mode in ("max", "argmax"):
+    with pytest.raises(ValueError, match="block of output rows"):
+      triton._window_call(x, fine, mode, False, launch=(4, 2, 1, 1, 2))
   with pytest.raises(ValueError, match="block of output rows"):
     triton._window_call(x, fine, "avg", True, False, None, launch=(4, 2, 1, 1, 2))
 
@@ -159,7 +203,8 @@ def test_a_block_chosen_for_another_geometry_of_the_class_is_not_used(monkeypatc
 def test_gpu_blocks_of_rows_give_the_bits_of_the_xla_path(monkeypatch, shape, window, strides,
                                                           fmt, dtype):
   """Compiled (PTX's maximum): every block the tuner offers, and a few more, with NaN, -inf,
-  ties and signed zeros: the XLA path's values and one row a program's bits (NaN's too)."""
+  ties and signed zeros: the XLA path's values and taps, and one row a program's bits (NaN's
+  too), with and without the taps."""
   from kernel_base import ON_GPU
   if not ON_GPU:
     pytest.skip("needs a GPU")
@@ -170,7 +215,7 @@ def test_gpu_blocks_of_rows_give_the_bits_of_the_xla_path(monkeypatch, shape, wi
     x = jnp.asarray(rng.integers(-50, 50, shape), dtype)
   else:
     x = _signed_zeros(data(rng, shape, jnp.float32)).astype(dtype)
-  want = xla.max_pool_taps(x, geom)[0]
+  want, want_taps = xla.max_pool_taps(x, geom)
   h = triton.launch_for("max_fwd", shape, dtype, geom, interpret=False)
   offered = triton.row_block_candidates(h, geom.lift(3), dtype)
   assert len(offered) == 3
@@ -181,3 +226,6 @@ def test_gpu_blocks_of_rows_give_the_bits_of_the_xla_path(monkeypatch, shape, wi
     got = np.asarray(triton._window_call(x, geom, "max", False, launch=launch)[0])
     bits_equal(got, want)
     np.testing.assert_array_equal(got.view(raw.dtype), raw)  # (NaN's bits too)
+    got, taps = triton._window_call(x, geom, "argmax", False, launch=launch)
+    np.testing.assert_array_equal(np.asarray(got).view(raw.dtype), raw)
+    np.testing.assert_array_equal(taps, want_taps)

@@ -33,6 +33,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 ENV = {"jaxpool": "0.1.0", "jax": "0.10.2", "jaxlib": "0.10.2", "device_kind": "Fake GPU 80GB",
        "platform_version": "cuda 12080", "driver": "570.00"}
 KEY = tuning.Key("max_fwd", "float32", "channels_last", "k3x3s2x2d1x1w64l64L")
+MAX_FWD = ("max_fwd", "argmax_fwd")  # (the kernels that take blocks of rows)
 
 
 def _entry(path):
@@ -81,13 +82,13 @@ def _launches(op, shape, dtype, geom):
   # (the max forward's blocks of rows: those the tuner tries on a GPU, and in interpret mode,
   # where the maximum is not PTX's and the tuner offers none, four blocks wherever the geometry
   # takes them)
-  blocks = triton.row_block_candidates(heuristic, g, dtype) if op == "max_fwd" else []
+  blocks = triton.row_block_candidates(heuristic, g, dtype) if op in MAX_FWD else []
   cands = tuning.candidates(heuristic, cols, lanes, np.dtype(dtype).itemsize, g.channels_last,
                             64)
   tuned = tuning.candidates(heuristic, cols, lanes, np.dtype(dtype).itemsize, g.channels_last,
                             tuning.DEFAULT_MAX_CANDIDATES, blocks)
   tiles = list(dict.fromkeys((bw, bl, 1) for bw, bl, _ in cands))
-  if op == "max_fwd" and triton.separable(g):
+  if op in MAX_FWD and triton.separable(g):
     bw, bl = heuristic[:2]
     tiles += [(bw, bl, 1, 1, 2), (max(bw // 2, 1), bl, 1, 2, 2), (bw, bl, 1, 1, 4),
               (max(bw // 4, 1), bl, 1, 2, 1)]
@@ -131,9 +132,9 @@ def test_every_candidate_gives_the_same_bits_interpret_max(rng):
   # (the tie rule, the blocks of rows and the backward's order; every kernel and layout: the
   # slow tests below)
   g = windows.make_geometry(*BIT_CASES[0][:5], data_format=BIT_CASES[0][5]).lift(3)
-  assert triton.separable(g)  # (so the max forward runs its blocks of rows too)
+  assert triton.separable(g)  # (so the max forwards run their blocks of rows too)
   assert _check_every_candidate(rng, BIT_CASES[0], jnp.float32, True,
-                                ("max_fwd", "argmax_fwd", "max_bwd")) >= 12
+                                ("max_fwd", "argmax_fwd", "max_bwd")) >= 16
 
 
 # At XLA:CPU's default optimisation level, LLVM fuses the average gradient's quotient with the
@@ -377,7 +378,8 @@ def test_the_packaged_tables_parse():
     assert data["format"] == tuning.FORMAT and tuning.table_name(data["device_kind"]) == name
     assert all(tuning._valid_launch(v) for v in data["entries"].values())
     # (blocks of rows only where a kernel takes them)
-    assert all(k.startswith("max_fwd|") for k, v in data["entries"].items() if len(v) == 5)
+    assert all(k.startswith(("max_fwd|", "argmax_fwd|"))
+               for k, v in data["entries"].items() if len(v) == 5)
     assert tuning.shipped_table(data["device_kind"]) == {
         k: tuple(v) for k, v in data["entries"].items()}
   assert tuning.shipped_table("No Such GPU") == {}
@@ -601,8 +603,8 @@ def test_launch_for_modes(monkeypatch, op):
   assert key.op == op and key.dtype == "float32" and key.layout == "channels_last"
   # (the max forward tries its blocks of rows beyond the limit)
   blocks = triton.row_block_candidates(heuristic, geom.lift(3), jnp.float32) \
-      if op == "max_fwd" else []
-  assert len(blocks) == 3 * (op == "max_fwd")
+      if op in MAX_FWD else []
+  assert len(blocks) == 3 * (op in MAX_FWD)
   assert len(cands) <= tuning.DEFAULT_MAX_CANDIDATES + len(blocks)
   assert cands[len(cands) - len(blocks):] == blocks
   # The trial's inputs: the kernel's operands (taps in range for the max backward).

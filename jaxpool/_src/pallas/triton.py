@@ -7,8 +7,8 @@ estimate) and the choice of launch configuration. The kernels live beside it:
   interior and edge code paths);
 - ``triton_max.py``: the max-pool forward (the maximum, and its tap);
 - ``triton_avg.py``: the average-pool forward;
-- ``triton_rows.py``: the max-pool forward without the tap over a block of output rows a
-  program, where the tuner chooses one;
+- ``triton_rows.py``: the max-pool forward (the maximum, and its tap) over a block of output
+  rows a program, where the tuner chooses one;
 - ``triton_backward.py``: the backward of both, as gathers.
 
 Every kernel sees the spatial dims as ``(D, H, W)`` (1-D and 2-D pools get unit ``D`` and
@@ -178,16 +178,15 @@ def _window_call(x: jax.Array, geom: Geometry, mode: str, interpret: bool,
   form = _max_form(compare_dtype(x.dtype), interpret)
   kernel: Callable[..., None]
   if block and tuple(block) != (1, 1):
-    if mode != "max" or not _blocks_exact(g, x.dtype, interpret):
-      raise ValueError(f"a block of output rows {tuple(block)} serves only the max forward "
-                       f"without taps, with dilation 1, no empty window and (compiled) a "
-                       f"maximum whose bits do not depend on the order, not {mode} of "
-                       f"{x.dtype} over {g}")
+    if mode == "avg" or not _blocks_exact(g, x.dtype, interpret):
+      raise ValueError(f"a block of output rows {tuple(block)} serves only the max forward, "
+                       f"with dilation 1, no empty window and (compiled) a maximum whose "
+                       f"bits do not depend on the order, not {mode} of {x.dtype} over {g}")
     bd, bh = block
     grid = triton_tile.grid(nb * row_blocks(g, (bd, bh)), pl.cdiv(Wo, bw), pl.cdiv(lanes, bl))
     kernel = functools.partial(rows_kernel, g=g, bw=bw, bl=bl, lanes=lanes, nb=nb,
                                block=(bd, bh), form=form, interpret=interpret,
-                               activation=activation)
+                               with_taps=mode == "argmax", activation=activation)
   elif mode == "avg":
     kernel = functools.partial(avg_kernel, g=g, bw=bw, bl=bl, lanes=lanes, rows=rows,
                                interpret=interpret, include_pad=include_pad, divisor=divisor,
@@ -314,12 +313,12 @@ def _blocks_exact(g: Geometry, dtype, interpret: bool) -> bool:
 
 
 def row_block_candidates(heuristic: Launch, g: Geometry, dtype) -> list[Launch]:
-  """The max forward's (without taps) launches over blocks of output rows that the tuner tries
-  beside the one-row ones: ``1 x 2`` rows with the heuristic's tile and with half its lanes,
-  and ``2 x 2`` (output planes that share input planes) or ``1 x 4`` with half its columns and
-  lanes
-  (each row of a block keeps a tile of maxima). Only where windows share input rows, and where
-  every block gives the one-row kernel's bits compiled (:func:`_blocks_exact`)."""
+  """The max forward's launches (with or without the taps) over blocks of output rows that
+  the tuner tries beside the one-row ones: ``1 x 2`` rows with the heuristic's tile and with
+  half its lanes, and ``2 x 2`` (output planes that share input planes) or ``1 x 4`` with half
+  its columns and lanes (each row of a block keeps a tile of maxima, and of taps). Only where
+  windows share input rows, and where every block gives the one-row kernel's bits compiled
+  (:func:`_blocks_exact`)."""
   Do, Ho, _ = g.out_spatial
   shared = g.window[0] > g.strides[0] or g.window[1] > g.strides[1]  # rows read twice
   if not _blocks_exact(g, dtype, False) or Ho < 2 or not shared:
@@ -358,7 +357,7 @@ def launch_for(op: str, in_shape, dtype, geom: Geometry, *, interpret: bool,
     return heuristic
   key = Key(op, dtype.name, "channels_last" if g.channels_last else "channels_first",
             geometry_class(g.window, g.strides, g.dilation, cols, lanes, math.prod(view)))
-  extra = row_block_candidates(heuristic, g, dtype) if op == "max_fwd" else []
+  extra = row_block_candidates(heuristic, g, dtype) if op in ("max_fwd", "argmax_fwd") else []
   cands = tuning.candidates(heuristic, cols, lanes, dtype.itemsize, g.channels_last,
                             tuning.max_candidates(), extra)
 

@@ -89,7 +89,7 @@ def max_kernel(x_ref, *out_refs, g: Geometry, bw: int, bl: int, lanes: int, rows
         continue
       new = nan_max(best, xt, form)
       if with_taps:
-        idx = jnp.where(_bits(new) != _bits(best), np.array(t, idx_t), idx)
+        idx = jnp.where(bits(new) != bits(best), np.array(t, idx_t), idx)
       best = new
     out_at = tile.index(b, *outs)
     if real is not None:
@@ -149,7 +149,7 @@ def nan_max(best, x, form: str):
   return new
 
 
-def _bits(v):
+def bits(v):
   """``v``'s bits as unsigned integers (floats), or ``v``."""
   if not jnp.issubdtype(v.dtype, jnp.floating):
     return v
