@@ -607,8 +607,19 @@ def test_launch_for_modes(monkeypatch, op):
   assert len(blocks) == 3 * (op in MAX_FWD)
   assert len(cands) <= tuning.DEFAULT_MAX_CANDIDATES + len(blocks)
   assert cands[len(cands) - len(blocks):] == blocks
-  # The trial's inputs: the kernel's operands (taps in range for the max backward).
+  # The trial's inputs: the kernel's operands (taps in range for the max backward), drawn by
+  # one compiled program (op by op, a large input's random bits took seconds on a GPU).
+  drawn_in_a_trace = []
+  normal = jax.random.normal
+
+  def recording_normal(key, *a, **kw):
+    drawn_in_a_trace.append(isinstance(key, jax.core.Tracer))
+    return normal(key, *a, **kw)
+
+  monkeypatch.setattr(jax.random, "normal", recording_normal)
   args = trial.args()
+  assert drawn_in_a_trace == [True]
+  assert all(isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer) for a in args)
   out_shape = geom.output_shape(shape)
   if op.endswith("_fwd"):
     assert [a.shape for a in args] == [shape]
@@ -731,7 +742,12 @@ def test_tuning_on_the_gpu(tmp_path, monkeypatch, rng):
   with tuning.using(tuning.Tuner(table={})) as tuner:
     got = jax.jit(lambda v: triton.max_forward_taps(v, geom, interpret=False))(x)
     rec = [r for r in tuner.records if r.key.startswith("argmax_fwd")][0]
-  assert rec.source == "tuned" and 1 <= len(rec.times_ms) <= tuning.DEFAULT_MAX_CANDIDATES
+  # (the limit's one-row candidates, then the blocks of rows, as far as the budget reaches)
+  heuristic = triton.launch_config(28, 64, 4, True)
+  blocks = triton.row_block_candidates(heuristic, geom.lift(3), jnp.float32)
+  offered = tuning.candidates(heuristic, 28, 64, 4, True, tuning.DEFAULT_MAX_CANDIDATES, blocks)
+  assert len(blocks) == 3 and set(rec.times_ms) <= {tuning.launch_name(c) for c in offered}
+  assert rec.source == "tuned" and len(rec.times_ms) >= 1
   assert rec.seconds <= tuning.DEFAULT_BUDGET_S + 30  # (the heuristic's compile is waited for)
   for a, b in zip(got, want, strict=True):
     bits_equal(a, b)

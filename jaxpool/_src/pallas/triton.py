@@ -374,14 +374,22 @@ def launch_for(op: str, in_shape, dtype, geom: Geometry, *, interpret: bool,
   def compile_launch(launch: Launch):
     return jax.jit(functools.partial(call, launch)).lower(*operand_types).compile()
 
+  def make_args(seed):
+    k1, k2 = jax.random.split(jax.random.key(seed))
+    data = jax.random.normal(k1, operand_types[-1].shape, jnp.float32).astype(dtype)
+    if forward or kind == "avg":
+      return (data,)
+    taps = jax.random.randint(k2, out_shape, -1, n_taps, jnp.int32).astype(taps_dtype(n_taps))
+    return (taps, data)
+
   def args():
-    with jax.ensure_compile_time_eval():  # (concrete arrays, even inside a trace)
-      k1, k2 = jax.random.split(jax.random.key(0))
-      data = jax.random.normal(k1, operand_types[-1].shape, jnp.float32).astype(dtype)
-      if forward or kind == "avg":
-        return (data,)
-      taps = jax.random.randint(k2, out_shape, -1, n_taps, jnp.int32).astype(taps_dtype(n_taps))
-      return (taps, data)
+    # One compiled program, run now (concrete arrays, even inside a trace). Its input is an
+    # argument, so that it is traced, not run op by op as ensure_compile_time_eval runs what
+    # depends only on constants: op by op, the random bits of a large input took 6-21 s on an
+    # H100, most of a kernel's tuning budget (benchmarks/probes/tune_phases_gpu.py).
+    seed = np.int32(0)
+    with jax.ensure_compile_time_eval():
+      return tuple(jax.jit(make_args).lower(seed).compile()(seed))
 
   chosen = tuning.default_tuner().choose(key, heuristic, cands,
                                          tuning.Trial(compile_launch, args),
