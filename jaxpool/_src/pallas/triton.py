@@ -330,6 +330,45 @@ def row_block_candidates(heuristic: Launch, g: Geometry, dtype) -> list[Launch]:
   return list(dict.fromkeys([(bw, bl, warps, 1, 2), (bw, half_bl, warps, 1, 2), four]))
 
 
+@functools.lru_cache(maxsize=32)
+def _inputs_program(shape, dtype: str, taps):
+  """The compiled program of :func:`trial_inputs` (one a shape, reused by every kernel)."""
+
+  def bits(salt):
+    """Pseudo-random bits of each element's position (a multiplicative hash): elementwise,
+    so that it compiles in a fraction of a second and runs at memory speed."""
+    h = jnp.arange(math.prod(shape), dtype=jnp.uint32).reshape(shape) ^ salt
+    for mul, shift in ((0x7FEB352D, 15), (0x846CA68B, 16)):
+      h = (h ^ (h >> 16)) * np.uint32(mul)
+      h = h ^ (h >> shift)
+    return h
+
+  def draw(salt):
+    data = ((bits(salt) >> 8).astype(jnp.float32) * np.float32(2.0 ** -23) - 1).astype(dtype)
+    if taps is None:
+      return (data,)
+    t_dtype, n_taps = taps
+    t = (bits(salt ^ np.uint32(0x9E3779B9)) % np.uint32(n_taps + 1)).astype(jnp.int32) - 1
+    return (t.astype(t_dtype), data)
+
+  salt = np.uint32(0)
+  with jax.ensure_compile_time_eval():  # (lowered from its argument, not run op by op)
+    return functools.partial(jax.jit(draw).lower(salt).compile(), salt)
+
+
+def trial_inputs(shape, dtype: str, taps=None) -> tuple:
+  """A tuning trial's inputs, as concrete arrays (also while a jit trace is running): values in
+  ``[-1, 1)`` of ``shape`` and ``dtype`` and, with ``taps = (dtype, n)``, taps in ``[-1, n)``
+  of that shape before them.
+
+  From a hash of each element's position by one compiled program a shape: random bits drawn op
+  by op (as ``ensure_compile_time_eval`` runs them) took 6-21 s for a large input on an H100,
+  most of a kernel's tuning budget, and as one program their compile took as long
+  (``benchmarks/probes/tune_phases_gpu.py``)."""
+  with jax.ensure_compile_time_eval():
+    return tuple(_inputs_program(tuple(shape), dtype, taps)())
+
+
 def launch_for(op: str, in_shape, dtype, geom: Geometry, *, interpret: bool,
                include_pad: bool = False, divisor: int | None = None,
                activation: str | None = None) -> Launch:
@@ -374,22 +413,9 @@ def launch_for(op: str, in_shape, dtype, geom: Geometry, *, interpret: bool,
   def compile_launch(launch: Launch):
     return jax.jit(functools.partial(call, launch)).lower(*operand_types).compile()
 
-  def make_args(seed):
-    k1, k2 = jax.random.split(jax.random.key(seed))
-    data = jax.random.normal(k1, operand_types[-1].shape, jnp.float32).astype(dtype)
-    if forward or kind == "avg":
-      return (data,)
-    taps = jax.random.randint(k2, out_shape, -1, n_taps, jnp.int32).astype(taps_dtype(n_taps))
-    return (taps, data)
-
   def args():
-    # One compiled program, run now (concrete arrays, even inside a trace). Its input is an
-    # argument, so that it is traced, not run op by op as ensure_compile_time_eval runs what
-    # depends only on constants: op by op, the random bits of a large input took 6-21 s on an
-    # H100, most of a kernel's tuning budget (benchmarks/probes/tune_phases_gpu.py).
-    seed = np.int32(0)
-    with jax.ensure_compile_time_eval():
-      return tuple(jax.jit(make_args).lower(seed).compile()(seed))
+    taps = (np.dtype(taps_dtype(n_taps)).name, n_taps) if kind == "max" and not forward else None
+    return trial_inputs(operand_types[-1].shape, dtype.name, taps)
 
   chosen = tuning.default_tuner().choose(key, heuristic, cands,
                                          tuning.Trial(compile_launch, args),
