@@ -1,8 +1,8 @@
 """Launch configurations chosen per GPU: a small autotuner, a disk cache and shipped tables.
 
 The GPU kernels (``triton.py``) take a launch configuration ``(bw, bl, num_warps)``: the
-tile's columns and lanes and the warps a program (the max forward without taps also
-``(bw, bl, num_warps, rd, rh)``: a block of ``rd x rh`` output rows a program,
+tile's columns and lanes and the warps a program (the max forward, with or without taps,
+also ``(bw, bl, num_warps, rd, rh)``: a block of ``rd x rh`` output rows a program,
 ``triton_rows.py``). Every configuration computes the same bits (each output element's
 arithmetic and order do not depend on the tile; blocks of rows are offered only where their
 order cannot show), so the choice is only a matter of speed, and the best one depends on the
@@ -137,7 +137,7 @@ def budget_s() -> float:
 
 def max_candidates() -> int:
   """``JAXPOOL_TUNE_MAX_CANDIDATES``: the most one-row configurations tried a key (default 6;
-  the max forward also tries up to 3 blocks of rows)."""
+  the max forwards also try up to 3 blocks of rows)."""
   return int(_positive(CANDIDATES_ENV, DEFAULT_MAX_CANDIDATES, int))
 
 

@@ -28,8 +28,8 @@ from typing import Any
 
 import jax
 
-# (bw, bl, num_warps), or (bw, bl, num_warps, rd, rh): the max forward (without its taps) over
-# blocks of rd x rh output rows a program (``triton_rows.py``); three numbers mean 1 x 1.
+# (bw, bl, num_warps), or (bw, bl, num_warps, rd, rh): the max forward (with or without its
+# taps) over blocks of rd x rh output rows a program (``triton_rows.py``); three numbers mean 1 x 1.
 Launch = tuple[int, ...]
 
 
