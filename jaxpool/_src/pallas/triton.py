@@ -39,6 +39,7 @@ their share (average): no atomics, the same bits on every run.
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import math
 from collections.abc import Callable
@@ -332,7 +333,8 @@ def row_block_candidates(heuristic: Launch, g: Geometry, dtype) -> list[Launch]:
 
 @functools.lru_cache(maxsize=32)
 def _inputs_program(shape, dtype: str, taps):
-  """The compiled program of :func:`trial_inputs` (one a shape, reused by every kernel)."""
+  """The compiled program of :func:`trial_inputs` for one shape, dtype and taps (shared by the
+  kernels that take them)."""
 
   def bits(salt):
     """Pseudo-random bits of each element's position (a multiplicative hash): elementwise,
@@ -344,7 +346,11 @@ def _inputs_program(shape, dtype: str, taps):
     return h
 
   def draw(salt):
-    data = ((bits(salt) >> 8).astype(jnp.float32) * np.float32(2.0 ** -23) - 1).astype(dtype)
+    h = bits(salt)
+    if np.dtype(dtype).kind in "biu":  # (integers from -2^14 to 2^14 - 1, wrapped to dtype)
+      data = ((h >> 17).astype(jnp.int32) - 16384).astype(dtype)
+    else:
+      data = ((h >> 8).astype(jnp.float32) * np.float32(2.0 ** -23) - 1).astype(dtype)
     if taps is None:
       return (data,)
     t_dtype, n_taps = taps
@@ -352,19 +358,22 @@ def _inputs_program(shape, dtype: str, taps):
     return (t.astype(t_dtype), data)
 
   salt = np.uint32(0)
-  with jax.ensure_compile_time_eval():  # (lowered from its argument, not run op by op)
-    return functools.partial(jax.jit(draw).lower(salt).compile(), salt)
+  # Lowered in a thread of its own, where no trace and no ensure_compile_time_eval of the
+  # caller's (both belong to a thread) run the positions eagerly into a constant of the
+  # program: as large as the input, and kept as long as the program is.
+  with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+    compiled = pool.submit(lambda: jax.jit(draw).lower(salt).compile()).result()
+  return functools.partial(compiled, salt)
 
 
 def trial_inputs(shape, dtype: str, taps=None) -> tuple:
-  """A tuning trial's inputs, as concrete arrays (also while a jit trace is running): values in
-  ``[-1, 1)`` of ``shape`` and ``dtype`` and, with ``taps = (dtype, n)``, taps in ``[-1, n)``
-  of that shape before them.
+  """A tuning trial's inputs, as concrete arrays (also while a jit trace is running): values of
+  ``shape`` and ``dtype`` (floats in ``[-1, 1]``, integers in ``[-2^14, 2^14)`` wrapped to the
+  dtype) and, with ``taps = (dtype, n)``, taps in ``[-1, n)`` of that shape before them.
 
-  From a hash of each element's position by one compiled program a shape: random bits drawn op
-  by op (as ``ensure_compile_time_eval`` runs them) took 6-21 s for a large input on an H100,
-  most of a kernel's tuning budget, and as one program their compile took as long
-  (``benchmarks/probes/tune_phases_gpu.py``)."""
+  From a hash of each element's position, by one compiled program a shape: random bits drawn
+  op by op (as ``ensure_compile_time_eval`` runs ``jax.random``) took 6-21 s for a large input
+  on an H100, most of a kernel's tuning budget (``benchmarks/probes/tune_phases_gpu.py``)."""
   with jax.ensure_compile_time_eval():
     return tuple(_inputs_program(tuple(shape), dtype, taps)())
 

@@ -16,8 +16,8 @@ GPU. For a call that compiles for a CUDA GPU,
 3. the table shipped with the package for this device kind (``launch_tables/*.json``);
 4. tuning: each candidate (:func:`candidates` around today's heuristic, at most
    ``JAXPOOL_TUNE_MAX_CANDIDATES``, and for the max forward up to 3 blocks of rows more) is
-   compiled (in parallel threads) and timed on random data
-   of the call's shape, for at most ``JAXPOOL_TUNE_BUDGET_S`` seconds a key; the fastest is
+   compiled (in parallel threads) and timed on pseudo-random data of the call's shape
+   (``triton.trial_inputs``), for at most ``JAXPOOL_TUNE_BUDGET_S`` seconds a key; the fastest is
    written to the disk cache.
 
 Steps 1 to 3 and the keys are ``tuning_cache.py``'s (:class:`~tuning_cache.Store`, which a
@@ -94,8 +94,9 @@ def mode() -> str:
 
 def _inside_manual_axes() -> bool:
   """Whether this trace is inside a ``shard_map`` (yours, or the one an Explicit mesh runs the
-  kernels under). A tuning run there would build its random inputs on the manual axes, which
-  JAX cannot run eagerly; the kernel takes the table's, the cache's or the heuristic
+  kernels under). A tuning run needs concrete arrays (its inputs, the candidates' timings),
+  which JAX does not make eagerly on the manual axes (drawing the inputs there raised an error
+  on a GPU); the kernel takes the table's, the cache's or the heuristic
   configuration instead (``python -m jaxpool.tune`` tunes ahead)."""
   return bool(getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()))
 
