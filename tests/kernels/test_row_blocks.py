@@ -39,7 +39,8 @@ def _signed_zeros(x):
   return jnp.asarray(flat.reshape(x.shape))
 
 
-# (the 3-D case, the longest, in `make test-all`: 3-D blocks meet the NumPy reference below)
+# (the 3-D case, the longest, in `make test-all`: a 3-D block of 2 x 2 rows meets the NumPy
+# reference below)
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n.startswith("3d")
                                   else n for n in CASES])
 def test_every_block_of_rows_gives_the_bits_of_the_xla_path(name):
@@ -54,7 +55,7 @@ def test_every_block_of_rows_gives_the_bits_of_the_xla_path(name):
   def run(x):
     ys = [triton._window_call(x, geom, "max", True, launch=launch)[0] for launch in launches]
     with_taps = [triton._window_call(x, geom, "argmax", True, launch=launch)
-                 for launch in launches[1:3]]  # (every block: the reference test below)
+                 for launch in launches[1:3]]  # (the others: the reference test below)
     relu = [triton._window_call(x, geom, mode, True, launch=launches[1], activation="relu")
             for mode in ("max", "argmax")]
     return ys, with_taps, relu
@@ -84,9 +85,23 @@ def _separable_cases(draw):
       st.integers(0, 2**16))
 
 
+def _example(shape, window, strides, padding, ceil_mode, fmt, launch, dtype):
+  """A case of :func:`_separable_cases` written out."""
+  n = len(window)
+  cfg = dict(shape=shape, window_shape=window, strides=strides, padding=padding,
+             dilation=(1,) * n, ceil_mode=ceil_mode, data_format=fmt)
+  geom = windows.make_geometry(shape, window, strides, padding, None, ceil_mode, fmt)
+  return cfg, geom, launch, dtype, 7
+
+
 @hypothesis.settings(max_examples=16, deadline=None, derandomize=True,
                      suppress_health_check=list(hypothesis.HealthCheck))
 @hypothesis.given(_separable_cases(), st.booleans())
+# (besides the drawn ones: planes and rows that overlap, blocks of 2 x 2 and 1 x 4 rows)
+@hypothesis.example(_example((2, 7, 9, 10, 3), (3, 3, 3), (2, 2, 2), 1, False, "channels_last",
+                             (4, 2, 1, 2, 2), np.float32), False)
+@hypothesis.example(_example((2, 3, 12, 9), (3, 3), (2, 2), ((1, 0), (0, 1)), True,
+                             "channels_first", (4, 2, 1, 1, 4), jnp.bfloat16), True)
 def test_blocks_give_the_reference_maxima_and_taps(case, relu):
   """Random configurations (either layout, 1-3 dims, padding, ceil mode), tie-rich inputs
   (floats with NaN, infinities and signed zeros): a block's maxima, bit for bit, and taps are
@@ -97,7 +112,8 @@ def test_blocks_give_the_reference_maxima_and_taps(case, relu):
   rng = np.random.default_rng(seed)
   floats = dtype != np.int32
   x = tie_rich(rng, shape, specials=floats)
-  if floats:
+  if floats:  # (zeros of both signs in many windows)
+    x[x == 3] = 0.0
     x[(x == 0) & (rng.random(shape) < 0.5)] = -0.0
   x = np.asarray(jnp.asarray(x).astype(dtype))
   activation = "relu" if relu else None

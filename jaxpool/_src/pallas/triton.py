@@ -360,7 +360,9 @@ def _inputs_program(shape, dtype: str, taps):
   salt = np.uint32(0)
   # Lowered in a thread of its own, where no trace and no ensure_compile_time_eval of the
   # caller's (both belong to a thread) run the positions eagerly into a constant of the
-  # program: as large as the input, and kept as long as the program is.
+  # program: as large as the input, and kept as long as the program is. Like the candidates
+  # (tuning.Tuner._compile_all), it follows the process's default device and x64 setting,
+  # not a caller's jax.default_device or enable_x64 context.
   with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
     compiled = pool.submit(lambda: jax.jit(draw).lower(salt).compile()).result()
   return functools.partial(compiled, salt)
@@ -371,9 +373,10 @@ def trial_inputs(shape, dtype: str, taps=None) -> tuple:
   ``shape`` and ``dtype`` (floats in ``[-1, 1]``, integers in ``[-2^14, 2^14)`` wrapped to the
   dtype) and, with ``taps = (dtype, n)``, taps in ``[-1, n)`` of that shape before them.
 
-  From a hash of each element's position, by one compiled program a shape: random bits drawn
-  op by op (as ``ensure_compile_time_eval`` runs ``jax.random``) took 6-21 s for a large input
-  on an H100, most of a kernel's tuning budget (``benchmarks/probes/tune_phases_gpu.py``)."""
+  From a hash of each element's position, by one compiled program per shape, dtype and taps
+  (shared by the kernels that take them): random bits drawn op by op (as
+  ``ensure_compile_time_eval`` runs ``jax.random``) took 6-21 s for a large input on an H100,
+  most of a kernel's tuning budget (``benchmarks/probes/tune_phases_gpu.py``)."""
   with jax.ensure_compile_time_eval():
     return tuple(_inputs_program(tuple(shape), dtype, taps)())
 

@@ -94,9 +94,9 @@ def mode() -> str:
 
 def _inside_manual_axes() -> bool:
   """Whether this trace is inside a ``shard_map`` (yours, or the one an Explicit mesh runs the
-  kernels under). A tuning run needs concrete arrays (its inputs, the candidates' timings),
-  which JAX does not make eagerly on the manual axes (drawing the inputs there raised an error
-  on a GPU); the kernel takes the table's, the cache's or the heuristic
+  kernels under). There a tuning run's random inputs, drawn with ``jax.random`` before they
+  were a hash (``triton.trial_inputs``), raised an error from JAX on a GPU (not tried again
+  with the hash); the kernel takes the table's, the cache's or the heuristic
   configuration instead (``python -m jaxpool.tune`` tunes ahead)."""
   return bool(getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()))
 
