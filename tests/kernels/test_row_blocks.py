@@ -124,6 +124,22 @@ def test_blocks_give_the_reference_maxima_and_taps(case, relu):
   np.testing.assert_array_equal(np.asarray(taps), want_taps)
 
 
+@pytest.mark.parametrize("mode", ["max", "argmax"])
+def test_blocks_lower_to_triton_for_cuda(monkeypatch, mode):
+  """Compiled (PTX's maximum), blocks of rows with and without the taps lower to a Triton call
+  for CUDA on any host: Pallas' Triton lowering runs; Triton's compiler (on a GPU) does not."""
+  monkeypatch.setattr(triton, "platform", lambda: "cuda")
+  monkeypatch.setenv(tuning.TUNE_ENV, "off")  # (lowered, never run: nothing to tune)
+  shape = (1, 7, 9, 11, 2)
+  geom = windows.make_geometry(shape, (3, 3, 3), (2, 2, 2), 1)
+  x = jax.ShapeDtypeStruct(shape, jnp.float32)
+  for launch in [(4, 2, 1, 2, 2), (4, 2, 1, 1, 4)]:
+    fn = jax.jit(lambda a, launch=launch: triton._window_call(a, geom, mode, False,
+                                                              launch=launch))
+    text = fn.trace(x).lower(lowering_platforms=("cuda",)).as_text()
+    assert "xla.gpu.triton" in text and "max.NaN.f32" in text
+
+
 def test_blocks_are_refused_where_they_could_give_other_bits(monkeypatch):
   x = jnp.zeros((1, 8, 9, 2), jnp.float32)
   dilated = windows.make_geometry(x.shape, (3, 3), (1, 1), 0, (2, 1), False, "channels_last")
