@@ -336,16 +336,18 @@ def _inputs_program(shape, dtype: str, taps):
   """The compiled program of :func:`trial_inputs` for one shape, dtype and taps (shared by the
   kernels that take them)."""
 
-  def bits(salt):
-    """Pseudo-random bits of each element's position (a multiplicative hash): elementwise,
-    so that it compiles in a fraction of a second and runs at memory speed."""
-    h = jnp.arange(math.prod(shape), dtype=jnp.uint32).reshape(shape) ^ salt
-    for mul, shift in ((0x7FEB352D, 15), (0x846CA68B, 16)):
-      h = (h ^ (h >> 16)) * np.uint32(mul)
-      h = h ^ (h >> shift)
-    return h
-
   def draw(salt):
+    position = jnp.arange(math.prod(shape), dtype=jnp.uint32).reshape(shape)
+
+    def bits(salt):
+      """Pseudo-random bits of each element's position (a multiplicative hash): elementwise,
+      so that it compiles in a fraction of a second and runs at memory speed."""
+      h = position ^ salt
+      for mul, shift in ((0x7FEB352D, 15), (0x846CA68B, 16)):
+        h = (h ^ (h >> 16)) * np.uint32(mul)
+        h = h ^ (h >> shift)
+      return h
+
     h = bits(salt)
     if np.dtype(dtype).kind in "biu":  # (integers from -2^14 to 2^14 - 1, wrapped to dtype)
       data = ((h >> 17).astype(jnp.int32) - 16384).astype(dtype)
