@@ -17,7 +17,8 @@ block of rows for these cases; ``1,1,...`` shapes give the one-row kernel at the
 
 ``--cases`` picks cases by name; ``--shapes "rd,rh,bw,warps[,bl];..."`` the launches (``bl``:
 lanes, default whole channel rows up to 256 bytes; ``1,1,...``: the one-row kernel at that
-tile). Prints a table; saves ``benchmarks/results/separable_gpu.json`` (``--out``). Needs a GPU
+tile); ``--rounds`` (default 2) rounds of 15 samples each; ``--taps``: the forward with the
+taps (the maxima's bits compared; the taps in the tests). Prints a table; saves ``benchmarks/results/separable_gpu.json`` (``--out``). Needs a GPU
 (``--interpret`` checks the bits on a CPU, small shapes).
 """
 
@@ -37,7 +38,7 @@ sys.path.insert(0, ROOT)
 os.environ.setdefault("JAXPOOL_TUNE", "cached")
 from jaxpool._src.pallas import triton as pk  # noqa: E402
 from jaxpool._src.pallas import tuning  # noqa: E402
-from jaxpool._src.windows import make_geometry  # noqa: E402
+from jaxpool._src.windows import make_geometry, taps_dtype  # noqa: E402
 
 CASES = [
     ("16x16x56x56x64 3x3x3/s2/p1 f32", (16, 16, 56, 56, 64), 3, 2, 1, jnp.float32),
@@ -51,7 +52,7 @@ SMALL = [
 ]
 
 
-def separable_max(x, k, s, p, rd, rh, bw, warps, bl=None, interpret=False):
+def separable_max(x, k, s, p, rd, rh, bw, warps, bl=None, interpret=False, mode="max"):
   """The max pool of ``x`` (channels_last, window ``k``, stride ``s``, symmetric padding ``p``,
   each one int) over blocks of ``rd x rh`` output rows: ``triton_rows.py``'s kernel (1 x 1:
   the one-row kernel)."""
@@ -59,14 +60,14 @@ def separable_max(x, k, s, p, rd, rh, bw, warps, bl=None, interpret=False):
   geom = make_geometry(x.shape, (k,) * n, (s,) * n, ((p, p),) * n, (1,) * n, False,
                        "channels_last")
   bl = bl or min(x.shape[-1], 64 if x.dtype.itemsize == 4 else 128)
-  return pk._window_call(x, geom, "max", interpret, launch=(bw, bl, warps, rd, rh))[0]
+  return pk._window_call(x, geom, mode, interpret, launch=(bw, bl, warps, rd, rh))[0]
 
 
-def reference(x, k, s, p, interpret):
+def reference(x, k, s, p, interpret, mode="max"):
   n = x.ndim - 2
   geom = make_geometry(x.shape, (k,) * n, (s,) * n, ((p, p),) * n, (1,) * n, False,
                        "channels_last")
-  return pk.max_forward(x, geom, interpret=interpret)
+  return pk._window_call(x, geom, mode, interpret)[0]
 
 
 def median_ms(fn, x, reps=30):
@@ -80,6 +81,9 @@ def main():
   ap.add_argument("--shapes", default="1,1,16,8;1,2,16,8;1,4,16,8;2,2,16,8;2,4,16,8;2,4,8,4;"
                   "1,4,8,4;2,2,8,4")
   ap.add_argument("--interpret", action="store_true")
+  ap.add_argument("--rounds", type=int, default=2, help="rounds of 15 samples, alternating")
+  ap.add_argument("--taps", action="store_true", help="the forward with the taps (the "
+                  "maxima's bits and time; the taps are compared in the tests)")
   ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results",
                                                 "separable_gpu.json"))
   a = ap.parse_args()
@@ -97,17 +101,21 @@ def main():
     if a.interpret:  # ties, signed zeros and NaN
       x = jnp.round(x * 2) / 2
       x = x.at[(0,) * x.ndim].set(jnp.nan).at[(0,) * (x.ndim - 1) + (1,)].set(-0.0)
-    ref = reference(x, k, s, p, a.interpret)
+    mode = "argmax" if a.taps else "max"
+    ref = reference(x, k, s, p, a.interpret, mode)
     nbytes = x.nbytes + ref.nbytes
+    if a.taps:  # (the taps' bytes, written too)
+      nbytes += ref.size * jnp.dtype(taps_dtype(k ** (x.ndim - 2))).itemsize
     row = {"case": name, "bytes": nbytes}
-    fns = {"kernel": jax.jit(functools.partial(reference, k=k, s=s, p=p, interpret=a.interpret))}
+    fns = {"kernel": jax.jit(functools.partial(reference, k=k, s=s, p=p, interpret=a.interpret,
+                                               mode=mode))}
     for sh in shapes:
       if sh[0] > 1 and len(shape) < 5:
         continue  # (one plane: more planes a program only repeats the work)
       label = "sep {}x{} bw{} w{}".format(*sh) + (f" bl{sh[4]}" if len(sh) > 4 else "")
       fns[label] = jax.jit(functools.partial(
           separable_max, k=k, s=s, p=p, rd=sh[0], rh=sh[1], bw=sh[2], warps=sh[3],
-          bl=sh[4] if len(sh) > 4 else None, interpret=a.interpret))
+          bl=sh[4] if len(sh) > 4 else None, interpret=a.interpret, mode=mode))
     for label, fn in fns.items():
       y = fn(x)
       same = bool(jnp.all(jax.lax.bitcast_convert_type(y, jnp.uint16 if dtype == jnp.bfloat16
@@ -118,7 +126,7 @@ def main():
       if not same:
         print(f"{name} {label}: NOT bit-equal", flush=True)
     if not a.interpret:
-      for _ in range(2):  # rounds alternate the variants
+      for _ in range(a.rounds):  # rounds alternate the variants
         for label, fn in fns.items():
           ms = median_ms(fn, x, reps=15)
           row[label].setdefault("ms", []).append(ms)
