@@ -40,8 +40,7 @@ def launch_name(launch: Sequence[int]) -> str:
 # The entries' and tables' format. 2: the kernels number their programs in memory order and
 # the tuner samples in rounds. 3: the max forward's candidates include blocks of several
 # output rows. 4: so do those of the max forward with taps (and a format-3 entry may have
-# been tuned with only the heuristic timed: drawing the inputs spent the budget; the shipped
-# tables, tuned before that was fixed, hold such entries, which are the heuristic). An entry of
+# been tuned with only the heuristic timed: drawing the inputs spent the budget). An entry of
 # another format was tuned among other candidates or for other kernels, so it is not used
 # (silently, as an entry of another environment) and the kernel is tuned again.
 FORMAT = 4
