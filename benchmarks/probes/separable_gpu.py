@@ -18,8 +18,9 @@ block of rows for these cases; ``1,1,...`` shapes give the one-row kernel at the
 ``--cases`` picks cases by name; ``--shapes "rd,rh,bw,warps[,bl];..."`` the launches (``bl``:
 lanes, default whole channel rows up to 256 bytes; ``1,1,...``: the one-row kernel at that
 tile); ``--rounds`` (default 2) rounds of 15 samples each; ``--taps``: the forward with the
-taps (the maxima's bits compared; the taps in the tests). Prints a table; saves ``benchmarks/results/separable_gpu.json`` (``--out``). Needs a GPU
-(``--interpret`` checks the bits on a CPU, small shapes).
+taps (the maxima's bits compared; the taps in the tests). Prints a table; saves
+``benchmarks/results/separable_gpu.json`` (``--out``). Needs a GPU (``--interpret`` checks the
+bits on a CPU, small shapes).
 """
 
 from __future__ import annotations
