@@ -70,11 +70,15 @@ def tune_cases(cases: Sequence[Case], ops: Sequence[str]) -> list[dict]:
   for name, shape, window, strides, padding, data_format, dtypes in cases:
     geom = windows.make_geometry(shape, window, strides, padding, data_format=data_format)
     for dtype in dtypes:
-      for op in ops:
+      # (the average forward for both ways of counting its divisor, which its key holds:
+      # count_include_pad=True, avg_pool's default as PyTorch's and Flax's, and False)
+      for op, include_pad in [(o, pad) for o in ops
+                              for pad in ((True, False) if o == "avg_fwd" else (False,))]:
         tuner = tuning.default_tuner()
         n0 = len(tuner.records)
         t0 = time.perf_counter()
-        launch = triton.launch_for(op, shape, jnp.dtype(dtype), geom, interpret=False)
+        launch = triton.launch_for(op, shape, jnp.dtype(dtype), geom, interpret=False,
+                                   include_pad=include_pad)
         seconds = time.perf_counter() - t0
         rec = tuner.records[-1] if len(tuner.records) > n0 else None
         times = rec.times_ms if rec else {}
@@ -87,7 +91,8 @@ def tune_cases(cases: Sequence[Case], ops: Sequence[str]) -> list[dict]:
         best = times.get(tuning.launch_name(launch))
         first = next(iter(times.values()), None)  # the heuristic is timed first
         gain = f" {first / best:.2f}x the heuristic" if best and first else ""
-        print(f"{name} {dtype} {op}: {tuning.launch_name(launch)} ({rows[-1]['source']}, "
+        counting = f" ({triton.avg_counting(include_pad, None)})" if op == "avg_fwd" else ""
+        print(f"{name} {dtype} {op}{counting}: {tuning.launch_name(launch)} ({rows[-1]['source']}, "
               f"{seconds:.1f} s){gain}", flush=True)
   return rows
 

@@ -50,6 +50,8 @@ def test_every_block_of_rows_gives_the_bits_of_the_xla_path(name):
   x = _signed_zeros(data(np.random.default_rng(5), shape, jnp.float32))
   want, want_taps = xla.max_pool_taps(x, geom)
   launches = [(4, 2, 1, 1, 2), (2, 2, 1, 2, 2), (8, 4, 1, 1, 4), (4, 2, 1, 2, 1)]
+  if triton.plane_loop(geom.lift(3), 0):  # (and every output plane looped over)
+    launches += [(4, 2, 1, 0, 2), (2, 2, 1, 0, 3)]
 
   @jax.jit
   def run(x):
@@ -79,7 +81,9 @@ def _separable_cases(draw):
   geom = windows.make_geometry(shape, kw["window_shape"], kw["strides"], kw["padding"], None,
                                kw["ceil_mode"], kw["data_format"])
   hypothesis.assume(triton.separable(geom.lift(3)))
-  block = draw(st.sampled_from([(1, 2), (2, 1), (2, 2), (1, 4)]))
+  block = draw(st.sampled_from([(1, 2), (2, 1), (2, 2), (1, 4), (0, 1), (0, 2)]))
+  if block[0] == 0 and not triton.plane_loop(geom.lift(3), 0):
+    block = (1, block[1] + 1)  # (no output planes that share input planes to loop over)
   dtype = draw(st.sampled_from([np.float32, jnp.bfloat16, np.int32]))
   return cfg, geom, (draw(st.sampled_from([1, 2, 4])), 2, 1, *block), dtype, draw(
       st.integers(0, 2**16))
@@ -102,6 +106,8 @@ def _example(shape, window, strides, padding, ceil_mode, fmt, launch, dtype):
                              (4, 2, 1, 2, 2), np.float32), False)
 @hypothesis.example(_example((2, 3, 12, 9), (3, 3), (2, 2), ((1, 0), (0, 1)), True,
                              "channels_first", (4, 2, 1, 1, 4), jnp.bfloat16), True)
+@hypothesis.example(_example((1, 9, 5, 7, 2), (4, 3, 3), (2, 2, 1), ((2, 1), (1, 1), (1, 1)), True,
+                             "channels_last", (2, 2, 1, 0, 2), np.float32), False)
 def test_blocks_give_the_reference_maxima_and_taps(case, relu):
   """Random configurations (either layout, 1-3 dims, padding, ceil mode), tie-rich inputs
   (floats with NaN, infinities and signed zeros): a block's maxima, bit for bit, and taps are
@@ -163,8 +169,13 @@ def test_blocks_are_refused_where_they_could_give_other_bits(monkeypatch):
   for mode in ("max", "argmax"):
     with pytest.raises(ValueError, match="block of output rows"):
       triton._window_call(x, fine, mode, False, launch=(4, 2, 1, 1, 2))
+  # The average forward takes blocks with dilation 1 (its sums' order is fixed), not dilated;
+  # a loop over the output planes only where windows share input planes (one plane here).
   with pytest.raises(ValueError, match="block of output rows"):
-    triton._window_call(x, fine, "avg", True, False, None, launch=(4, 2, 1, 1, 2))
+    triton._window_call(x, dilated, "avg", True, False, None, launch=(4, 2, 1, 1, 2))
+  for mode in ("max", "avg"):
+    with pytest.raises(ValueError, match="block of output rows"):
+      triton._window_call(x, fine, mode, True, launch=(4, 2, 1, 0, 2))
 
 
 def test_which_launches_the_tuner_offers(monkeypatch):
@@ -175,8 +186,16 @@ def test_which_launches_the_tuner_offers(monkeypatch):
   h = (16, 32, 8)
   # Compiled for a CUDA GPU, float maxima are PTX's (the same bits in any order).
   monkeypatch.setattr(triton, "_ptx", lambda interpret: not interpret)
-  three_d = [(16, 32, 8, 1, 2), (16, 16, 8, 1, 2), (8, 16, 8, 2, 2)]
+  three_d = [(16, 32, 8, 1, 2), (16, 16, 8, 1, 2), (8, 16, 8, 2, 2),
+             (16, 32, 8, 0, 2), (8, 32, 4, 0, 2)]  # (rd = 0: every output plane, looped)
   assert triton.row_block_candidates(h, g3, jnp.float32) == three_d
+  # The average forward: 1 x 2 rows, and the loops where output planes share input planes.
+  assert triton.row_block_candidates(h, g3, jnp.float32, "avg_fwd") == [
+      (16, 32, 8, 1, 2), (16, 32, 8, 0, 2), (8, 32, 4, 0, 2)]
+  assert triton.row_block_candidates(h, g3, jnp.float64, "avg_fwd") == [
+      (16, 32, 8, 1, 2), (16, 32, 8, 0, 2), (8, 32, 4, 0, 2)]  # (a sum's order: fixed)
+  assert triton.row_block_candidates(h, g2, jnp.float32, "avg_fwd") == [(16, 32, 8, 1, 2)]
+  assert triton.row_block_candidates(h, dilated, jnp.float32, "avg_fwd") == []
   assert triton.row_block_candidates(h, g2, jnp.bfloat16) == [(16, 32, 8, 1, 2),
                                                               (16, 16, 8, 1, 2), (8, 16, 8, 1, 4)]
   assert triton.row_block_candidates((8, 1, 1), g2, jnp.float32) == [(8, 1, 1, 1, 2),
@@ -194,7 +213,7 @@ def test_which_launches_the_tuner_offers(monkeypatch):
   assert triton.row_block_candidates(h, g3, jnp.int32) == three_d
   # The tuner tries them after the limit's one-row candidates, the heuristic first.
   cands = tuning.candidates(h, 28, 64, 4, True, 6, three_d)
-  assert cands[0] == h and cands[-3:] == three_d and len(cands) == 9
+  assert cands[0] == h and cands[-5:] == three_d and len(cands) == 11
   assert tuning.candidates(h, 28, 64, 4, True, 1, three_d) == [h, *three_d]
 
 
@@ -203,6 +222,11 @@ def test_launches_of_five_numbers_are_valid_within_bounds():
   assert not tuning._valid_launch([8, 32, 8, 4, 2])  # more than MAX_ROWS rows
   assert not tuning._valid_launch([8, 32, 8, 2])
   assert not tuning._valid_launch([8, 32, 8, 3, 1])
+  # (0 planes: rows of every output plane, looped over)
+  assert tuning._valid_launch([8, 32, 8, 0, 2]) and tuning._valid_launch([8, 32, 8, 0, 4])
+  assert not tuning._valid_launch([8, 32, 8, 0, 8]) and not tuning._valid_launch([8, 32, 8, 0, 0])
+  assert not tuning._valid_launch([8, 32, 8, -1, 2]) and not tuning._valid_launch([8, 32, 0, 1, 2])
+  assert not tuning._valid_launch([8, 32, 8, False, 2])
 
 
 def test_a_block_chosen_for_another_geometry_of_the_class_is_not_used(monkeypatch):
@@ -260,7 +284,7 @@ def test_gpu_blocks_of_rows_give_the_bits_of_the_xla_path(monkeypatch, shape, wi
   want, want_taps = xla.max_pool_taps(x, geom)
   h = triton.launch_for("max_fwd", shape, dtype, geom, interpret=False)
   offered = triton.row_block_candidates(h, geom.lift(3), dtype)
-  assert len(offered) == 3
+  assert len(offered) == (5 if len(shape) == 5 else 3)  # (3-D: the loops over the planes)
   bw, bl, warps = h
   one_row = np.asarray(triton._window_call(x, geom, "max", False, launch=h)[0])
   raw = one_row.view(f"u{one_row.dtype.itemsize}")
@@ -271,3 +295,67 @@ def test_gpu_blocks_of_rows_give_the_bits_of_the_xla_path(monkeypatch, shape, wi
     got, taps = triton._window_call(x, geom, "argmax", False, launch=launch)
     np.testing.assert_array_equal(np.asarray(got).view(raw.dtype), raw)
     np.testing.assert_array_equal(taps, want_taps)
+
+
+AVG_CASES = {
+    "3d_last": ((2, 9, 10, 11, 3), (3, 3, 3), (2, 2, 2), 1, False, "channels_last"),
+    "3d_first_ceil": ((2, 2, 7, 8, 9), (4, 2, 3), (2, 1, 2), ((2, 1), (0, 1), (1, 0)), True,
+                      "channels_first"),
+    "2d_last": ((2, 9, 13, 3), (3, 3), (2, 2), ((1, 1), (1, 2)), False, "channels_last"),
+}
+
+
+def _avg_launches(geom):
+  launches = [(4, 2, 1, 1, 2), (2, 2, 1, 2, 2), (8, 4, 1, 1, 3)]
+  if triton.plane_loop(geom.lift(3), 0):
+    launches += [(4, 2, 1, 0, 2), (2, 4, 1, 0, 1)]
+  return launches
+
+
+@pytest.mark.parametrize("name", list(AVG_CASES))
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_average_blocks_give_the_bits_of_one_row(name, dtype):
+  """The average forward over blocks of rows and looped over the output planes: the one-row
+  kernel's bits (the same sums in the same order, the same divisors: counting the padding,
+  not, and an override), with ties and signed zeros; and the XLA path's values to rounding."""
+  shape, window, strides, padding, ceil_mode, fmt = AVG_CASES[name]
+  geom = windows.make_geometry(shape, window, strides, padding, None, ceil_mode, fmt)
+  x = _signed_zeros(data(np.random.default_rng(3), shape, jnp.float32)).astype(dtype)
+  settings = [(True, None), (False, None), (False, 5)]
+  launches = _avg_launches(geom)
+
+  @jax.jit
+  def run(x):
+    return [(triton._window_call(x, geom, "avg", True, pad, div)[0],
+             [triton._window_call(x, geom, "avg", True, pad, div, launch=lc)[0]
+              for lc in launches]) for pad, div in settings]
+
+  for (pad, div), (one, blocks) in zip(settings, run(x)):
+    want = xla.avg_pool(x.astype(jnp.float32), geom, pad, div)
+    tol = 1e-2 if dtype == jnp.bfloat16 else 1e-6
+    np.testing.assert_allclose(np.asarray(one, np.float32), want, rtol=tol, atol=tol)
+    for got in blocks:
+      bits_equal(got, one)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["3d_last", "2d_last"])
+def test_gpu_average_blocks_give_the_bits_of_one_row(monkeypatch, name):
+  """Compiled: every average block the tuner offers, and a few more, give the one-row
+  kernel's bits (the divisor's reciprocal computed per window there, a constant inside the
+  input here: the same number)."""
+  from kernel_base import ON_GPU
+  if not ON_GPU:
+    pytest.skip("needs a GPU")
+  monkeypatch.setenv(tuning.TUNE_ENV, "off")
+  shape = {"3d_last": (2, 9, 30, 33, 32), "2d_last": (4, 57, 45, 64)}[name]
+  n = len(shape) - 2
+  geom = windows.make_geometry(shape, (3,) * n, (2,) * n, 1, None, False, "channels_last")
+  x = _signed_zeros(data(np.random.default_rng(4), shape, jnp.float32))
+  h = triton.launch_for("avg_fwd", shape, jnp.float32, geom, interpret=False)
+  offered = triton.row_block_candidates(h, geom.lift(3), jnp.float32, "avg_fwd")
+  assert len(offered) == (3 if n == 3 else 1)
+  for pad, div in [(True, None), (False, None), (False, 7)]:
+    one = triton._window_call(x, geom, "avg", False, pad, div, launch=h)[0]
+    for launch in offered + _avg_launches(geom):
+      bits_equal(triton._window_call(x, geom, "avg", False, pad, div, launch=launch)[0], one)

@@ -278,11 +278,12 @@ def test_tuner_keeps_each_candidates_fastest_sample(tmp_path):
       + [1.5] * (tuning.ROUNDS // 2 + 1)
 
 
-@pytest.mark.parametrize("earlier", [1, 2, 3])
+@pytest.mark.parametrize("earlier", [1, 2, 3, 4])
 def test_an_entry_of_an_earlier_format_is_not_used(tmp_path, earlier):
   """Entries tuned for the kernels before their programs' order changed (format 1), among
-  candidates without the max forward's blocks of rows (format 2) or without those of the max
-  forward with taps (format 3), are not used, without a warning: the kernel is tuned again and
+  candidates without the max forward's blocks of rows (format 2), without those of the max
+  forward with taps (format 3) or without the loops over the output planes and the average
+  forward's blocks (format 4), are not used, without a warning: the kernel is tuned again and
   the entry rewritten."""
   fake = FakeTrial({H: 1.0, (16, 64, 8): 0.5, (8, 32, 8): 0.9, (8, 64, 4): 0.8})
   tuner = _tuner(tmp_path, fake)
@@ -294,7 +295,7 @@ def test_an_entry_of_an_earlier_format_is_not_used(tmp_path, earlier):
     warnings.simplefilter("error")
     assert tuner.choose(KEY, H, CANDS, fake.trial()) == (16, 64, 8)
   assert tuner.records[-1].source == "tuned"
-  assert _entry(path)["format"] == tuning.FORMAT == 4
+  assert _entry(path)["format"] == tuning.FORMAT == 5
 
 
 @pytest.mark.parametrize("line,version", [
@@ -379,8 +380,11 @@ def test_the_packaged_tables_parse():
     assert data["format"] == tuning.FORMAT and tuning.table_name(data["device_kind"]) == name
     assert all(tuning._valid_launch(v) for v in data["entries"].values())
     # (blocks of rows only where a kernel takes them)
-    assert all(k.startswith(("max_fwd|", "argmax_fwd|"))
+    assert all(k.startswith(("max_fwd|", "argmax_fwd|", "avg_fwd|"))
                for k, v in data["entries"].items() if len(v) == 5)
+    # (the average forward's keys hold how it counts its divisor)
+    assert all(k.rsplit("/", 1)[-1] in ("pad", "real", "divisor")
+               for k in data["entries"] if k.startswith("avg_fwd|"))
     assert tuning.shipped_table(data["device_kind"]) == {
         k: tuple(v) for k, v in data["entries"].items()}
   assert tuning.shipped_table("No Such GPU") == {}
@@ -602,10 +606,10 @@ def test_launch_for_modes(monkeypatch, op):
   key, h, cands, trial, _ = fake.calls[-1]
   assert h == heuristic and cands[0] == heuristic and got == cands[-1]
   assert key.op == op and key.dtype == "float32" and key.layout == "channels_last"
-  # (the max forward tries its blocks of rows beyond the limit)
-  blocks = triton.row_block_candidates(heuristic, geom.lift(3), jnp.float32) \
-      if op in MAX_FWD else []
-  assert len(blocks) == 3 * (op in MAX_FWD)
+  # (the forwards try their blocks of rows beyond the limit)
+  blocks = triton.row_block_candidates(heuristic, geom.lift(3), jnp.float32, op) \
+      if op.endswith("_fwd") else []
+  assert len(blocks) == {"max_fwd": 3, "argmax_fwd": 3, "avg_fwd": 1}.get(op, 0)
   assert len(cands) <= tuning.DEFAULT_MAX_CANDIDATES + len(blocks)
   assert cands[len(cands) - len(blocks):] == blocks
   # The trial's inputs: the kernel's operands (taps in range for the max backward).

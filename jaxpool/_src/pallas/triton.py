@@ -54,7 +54,7 @@ from jaxpool._src.pallas.calls import out_struct
 from jaxpool._src.pallas.triton_avg import avg_kernel
 from jaxpool._src.pallas.triton_backward import backward_kernel, interleaves
 from jaxpool._src.pallas.triton_max import compare_dtype, max_kernel
-from jaxpool._src.pallas.triton_rows import row_blocks, rows_kernel
+from jaxpool._src.pallas.triton_rows import plane_loop, row_blocks, rows_kernel
 from jaxpool._src.pallas.triton_tile import plgpu
 from jaxpool._src.pallas.tuning_cache import Key, Launch, geometry_class
 from jaxpool._src.platforms import platform
@@ -179,15 +179,20 @@ def _window_call(x: jax.Array, geom: Geometry, mode: str, interpret: bool,
   form = _max_form(compare_dtype(x.dtype), interpret)
   kernel: Callable[..., None]
   if block and tuple(block) != (1, 1):
-    if mode == "avg" or not _blocks_exact(g, x.dtype, interpret):
-      raise ValueError(f"a block of output rows {tuple(block)} serves only the max forward, "
-                       f"with dilation 1, no empty window and (compiled) a maximum whose "
-                       f"bits do not depend on the order, not {mode} of {x.dtype} over {g}")
     bd, bh = block
+    fits = avg_blocks(g) if mode == "avg" else _blocks_exact(g, x.dtype, interpret)
+    if not fits or bh < 1 or bd < 0 or (bd == 0 and not plane_loop(g, bd)):
+      raise ValueError(f"a block of output rows {tuple(block)} serves only the max forward "
+                       f"with dilation 1, no empty window and (compiled) a maximum whose bits "
+                       f"do not depend on the order, or the average forward with dilation 1 "
+                       f"(a loop over the output planes, 0 planes, only where windows share "
+                       f"input planes), not {mode} of {x.dtype} over {g}")
     grid = triton_tile.grid(nb * row_blocks(g, (bd, bh)), pl.cdiv(Wo, bw), pl.cdiv(lanes, bl))
     kernel = functools.partial(rows_kernel, g=g, bw=bw, bl=bl, lanes=lanes, nb=nb,
                                block=(bd, bh), form=form, interpret=interpret,
-                               with_taps=mode == "argmax", activation=activation)
+                               with_taps=mode == "argmax", activation=activation,
+                               mode="avg" if mode == "avg" else "max",
+                               include_pad=include_pad, divisor=divisor, ptx=_ptx(interpret))
   elif mode == "avg":
     kernel = functools.partial(avg_kernel, g=g, bw=bw, bl=bl, lanes=lanes, rows=rows,
                                interpret=interpret, include_pad=include_pad, divisor=divisor,
@@ -301,6 +306,12 @@ def separable(g: Geometry) -> bool:
       bool((window_counts_1d(g, dim, False) > 0).all()) for dim in range(3))
 
 
+def avg_blocks(g: Geometry) -> bool:
+  """Whether the average forward of ``g`` (lifted to 3-D) may run in blocks of output rows:
+  dilation 1 (each block reads whole rows; the sums' order is the one-row kernel's)."""
+  return all(d == 1 for d in g.dilation)
+
+
 def _blocks_exact(g: Geometry, dtype, interpret: bool) -> bool:
   """Whether blocks of output rows give the one-row kernel's bits for the max forward of
   ``g`` in ``dtype``: :func:`separable`, and compiled a maximum whose bits do not depend on
@@ -313,22 +324,40 @@ def _blocks_exact(g: Geometry, dtype, interpret: bool) -> bool:
           or _max_form(cmp_t, interpret) == "ptx")
 
 
-def row_block_candidates(heuristic: Launch, g: Geometry, dtype) -> list[Launch]:
-  """The max forward's launches (with or without the taps) over blocks of output rows that
-  the tuner tries beside the one-row ones: ``1 x 2`` rows with the heuristic's tile and with
-  half its lanes, and ``2 x 2`` (output planes that share input planes) or ``1 x 4`` with half
-  its columns and lanes (each row of a block keeps a tile of maxima, and of taps). Only where
-  windows share input rows, and where every block gives the one-row kernel's bits compiled
-  (:func:`_blocks_exact`)."""
+def row_block_candidates(heuristic: Launch, g: Geometry, dtype, op: str = "max_fwd"
+                         ) -> list[Launch]:
+  """The forward's launches over blocks of output rows that the tuner tries beside the
+  one-row ones, where windows share input rows.
+
+  The max forward (with or without the taps, ``op`` "max_fwd" or "argmax_fwd"), where every
+  block gives the one-row kernel's bits compiled (:func:`_blocks_exact`): ``1 x 2`` rows with
+  the heuristic's tile and with half its lanes, and ``2 x 2`` (output planes that share input
+  planes) or ``1 x 4`` with half its columns and lanes (each row of a block keeps a tile of
+  maxima, and of taps). The average forward ("avg_fwd", :func:`avg_blocks`): ``1 x 2`` rows
+  with the heuristic's tile. Both, where output planes share input planes: ``2`` rows of every
+  output plane, looped over (``rd = 0``: each input plane read once), with the heuristic's tile
+  and with half its columns and warps."""
   Do, Ho, _ = g.out_spatial
   shared = g.window[0] > g.strides[0] or g.window[1] > g.strides[1]  # rows read twice
-  if not _blocks_exact(g, dtype, False) or Ho < 2 or not shared:
+  fits = avg_blocks(g) if op == "avg_fwd" else _blocks_exact(g, dtype, False)
+  if not fits or Ho < 2 or not shared:
     return []
   bw, bl, warps = heuristic[:3]
   half_bw, half_bl = max(bw // 2, 1), max(bl // 2, 1)
   planes = Do > 1 and g.window[0] > g.strides[0]  # (output planes sharing input planes)
+  loops = ([(bw, bl, warps, 0, 2), (half_bw, bl, max(warps // 2, 1), 0, 2)]
+           if planes and plane_loop(g, 0) else [])
+  if op == "avg_fwd":
+    return list(dict.fromkeys([(bw, bl, warps, 1, 2), *loops]))
   four = (half_bw, half_bl, warps, 2, 2) if planes else (half_bw, half_bl, warps, 1, 4)
-  return list(dict.fromkeys([(bw, bl, warps, 1, 2), (bw, half_bl, warps, 1, 2), four]))
+  return list(dict.fromkeys([(bw, bl, warps, 1, 2), (bw, half_bl, warps, 1, 2), four, *loops]))
+
+
+def avg_counting(include_pad: bool, divisor: int | None) -> str:
+  """How an average forward counts its divisor, part of its tuning key (its blocks of rows
+  compute the count per window, the one-row kernel inside the input a constant): "divisor",
+  "pad" (``count_include_pad``) or "real"."""
+  return "divisor" if divisor is not None else ("pad" if include_pad else "real")
 
 
 @functools.lru_cache(maxsize=32)
@@ -408,9 +437,11 @@ def launch_for(op: str, in_shape, dtype, geom: Geometry, *, interpret: bool,
   heuristic = launch_config(cols, lanes, dtype.itemsize, g.channels_last)
   if interpret or tuning.mode() == "off" or platform() != "cuda":
     return heuristic
-  key = Key(op, dtype.name, "channels_last" if g.channels_last else "channels_first",
-            geometry_class(g.window, g.strides, g.dilation, cols, lanes, math.prod(view)))
-  extra = row_block_candidates(heuristic, g, dtype) if op in ("max_fwd", "argmax_fwd") else []
+  geometry = geometry_class(g.window, g.strides, g.dilation, cols, lanes, math.prod(view))
+  if op == "avg_fwd":
+    geometry += "/" + avg_counting(include_pad, divisor)
+  key = Key(op, dtype.name, "channels_last" if g.channels_last else "channels_first", geometry)
+  extra = row_block_candidates(heuristic, g, dtype, op) if forward else []
   cands = tuning.candidates(heuristic, cols, lanes, dtype.itemsize, g.channels_last,
                             tuning.max_candidates(), extra)
 

@@ -1,9 +1,12 @@
 """The average-pool forward kernel for GPUs (Pallas Triton): each window's sum over its divisor.
 
 A program covers one output row and a tile of columns and lanes (``triton_tile.py``). It sums
-the window's taps in tap order, in float32 for 16-bit inputs; at the edges a tap outside the
-input is masked out of the sum (its load reads zero). The divisor is ``divisor_override``, else
-the window's counted taps (with ``count_include_pad`` the padding counts too).
+each row's column taps, then the rows of each plane, then the planes, each in the window's
+order, in float32 for 16-bit inputs: the order of ``triton_rows.py``'s blocks of rows, which
+share the rows' and planes' sums between windows, so that every launch gives the same bits.
+At the edges a tap outside the input is masked out of the sum (its load reads zero). The
+divisor is ``divisor_override``, else the window's counted taps (with ``count_include_pad``
+the padding counts too).
 
 The sum is multiplied by the divisor's reciprocal, correctly rounded, on both code paths: an
 interior program's reciprocal is a constant (:func:`reciprocal`), an edge program's is computed
@@ -69,10 +72,16 @@ def avg_kernel(x_ref, o_ref, *, g: Geometry, bw: int, bl: int, lanes: int, rows:
     return load(x_ref, tile.index(b, *pos), ok, None if ok is None else np.array(0, dtype))
 
   def body(edge: bool):
-    acc: Any = None
-    for tap in g.taps():
-      xt = load_tap(tap, edge).astype(acc_t)
-      acc = xt if acc is None else acc + xt
+    acc: Any = None  # the planes' sums of the rows' sums of each row's taps, each in order
+    for a in range(g.window[0]):
+      plane: Any = None
+      for i in range(g.window[1]):
+        line: Any = None
+        for j in range(g.window[2]):
+          xt = load_tap((a, i, j), edge).astype(acc_t)
+          line = xt if line is None else line + xt
+        plane = line if plane is None else plane + line
+      acc = plane if acc is None else acc + plane
     if divisor is not None or not edge:  # an interior window counts all its taps
       scale: Any = reciprocal(divisor if divisor is not None else g.num_taps, acc_t)
     else:

@@ -27,104 +27,177 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 
 from jaxpool._src.autodiff import apply_activation
+from jaxpool._src.dtypes import accumulator_dtype
+from jaxpool._src.pallas.triton_avg import count_reciprocal, reciprocal
 from jaxpool._src.pallas.triton_max import bits, compare_dtype, nan_max
-from jaxpool._src.pallas.triton_tile import Tile, load, program, split
+from jaxpool._src.pallas.triton_tile import Tile, counted_taps, load, program, split
 from jaxpool._src.windows import Geometry
 
 
 def row_blocks(g: Geometry, block: tuple[int, int]) -> int:
-  """The programs' row blocks of ``block = (rd, rh)`` over the output rows (a batch's)."""
+  """The programs' row blocks of ``block = (rd, rh)`` over the output rows (a batch's; ``rd =
+  0``: every output plane in one block, looped over)."""
   Do, Ho, _ = g.out_spatial
-  return -(-Do // block[0]) * -(-Ho // block[1])
+  return (-(-Do // block[0]) if block[0] else 1) * -(-Ho // block[1])
+
+
+def plane_loop(g: Geometry, rd: int) -> bool:
+  """Whether ``rd`` (a block's output planes) asks for the loop over every output plane (0),
+  which ``g`` takes where consecutive windows share input planes (the loop carries them)."""
+  return rd == 0 and g.window[0] > g.strides[0]
 
 
 def rows_kernel(x_ref, *out_refs, g: Geometry, bw: int, bl: int, lanes: int, nb: int,
                 block: tuple[int, int], form: str, interpret: bool, with_taps: bool = False,
-                activation: str | None = None):
-  """The maxima (then ``activation``) of a block of ``rd x rh`` output rows, ``bw`` columns
-  and ``bl`` lanes, and with ``with_taps`` each window's winning tap (row-major). ``nb``: the
-  batches (1 in channels_first); ``form``: ``nan_max``'s."""
+                activation: str | None = None, mode: str = "max", include_pad: bool = False,
+                divisor: int | None = None, ptx: bool = False):
+  """A block of ``rd x rh`` output rows, ``bw`` columns and ``bl`` lanes: ``mode`` "max", the
+  maxima (then ``activation``) and with ``with_taps`` each window's winning tap (row-major;
+  ``form``: ``nan_max``'s); "avg", the averages (``triton_avg.avg_kernel``'s divisor, sum
+  order and ``ptx``). ``nb``: the batches (1 in channels_first).
+
+  ``rd = 0``: the program covers ``rh`` output rows of every output plane and loops over the
+  planes, carrying the reductions of the input planes that the next window shares (each input
+  plane is read once; with static blocks of ``rd`` planes, once a block)."""
   (D, H, W), (Do, Ho, Wo) = g.in_spatial, g.out_spatial
   rd, rh = block
   k, s, p = g.window, g.strides, g.pad_lo
   blocks, cb, lb = program(nb * row_blocks(g, block), pl.cdiv(Wo, bw), pl.cdiv(lanes, bl),
                            g.channels_last)
-  b, dblk, hblk = split(blocks, (-(-Do // rd), -(-Ho // rh)))
+  b, dblk, hblk = split(blocks, (-(-Do // rd) if rd else 1, -(-Ho // rh)))
   tile = Tile(bw, lanes, bl, interpret, g.channels_last, lb)
   raw = cb * bw + jnp.arange(bw, dtype=jnp.int32)
   # Columns past the last: clamped copies of it (their stores are masked).
   wo = jnp.minimum(raw, Wo - 1)
-  cols = [jnp.clip(wo * s[2] - p[2] + j, 0, W - 1) for j in range(k[2])]
-  d0, h0 = dblk * rd * s[0] - p[0], hblk * rh * s[1] - p[1]
-  cmp_t = compare_dtype(x_ref.dtype)
+  cols = [wo * s[2] - p[2] + j for j in range(k[2])]
+  h0 = hblk * rh * s[1] - p[1]
+  avg = mode == "avg"
+  acc_t = accumulator_dtype(x_ref.dtype) if avg else compare_dtype(x_ref.dtype)
 
   def take(best, at, v, v_at):
-    """The running maximum ``best`` (and the position ``at`` of its winner) after ``v``
-    (at ``v_at``), which comes later in the window's row-major order: where the maximum's
-    bits change, ``v`` wins (of equal values the first keeps it)."""
+    """The running reduction ``best`` after ``v``, the next in the window's row-major order:
+    a sum; or the maximum and the position ``at`` of its winner, where the maximum's bits
+    change ``v`` (at ``v_at``) wins (of equal values the first keeps it)."""
     if best is None:
       return v, v_at
+    if avg:
+      return best + v, None
     new = nan_max(best, v, form)
     if with_taps:
       at = jnp.where(bits(new) != bits(best), v_at, at)
     return new, at
 
-  # Each output row's maximum and, with the taps, its winner's position in the window: the
-  # plane's and the row's tap (``h - the window's first row``) as ``(dt * k[1] + ht) * k[2]``
-  # plus the input column (the window's first column is taken off at the end).
-  acc: list[list[Any]] = [[None] * rh for _ in range(rd)]
-  acc_at: list[list[Any]] = [[None] * rh for _ in range(rd)]
-  for a in range((rd - 1) * s[0] + k[0]):  # the block's input planes
-    if not any(0 <= a - q * s[0] < k[0] for q in range(rd)):
-      continue  # (between windows: a stride past the window)
-    d = jnp.clip(d0 + a, 0, D - 1)
-    hm: list[Any] = [None] * rh  # each output row's maximum over this plane's rows
+  def tap(d, h, c):
+    """The tile of input plane ``d``, row ``h``, columns ``c``: for the maximum clamped into
+    the input (a tap of the window's own, which cannot change it), for the sum masked (zero)."""
+    where = tile.index(b, jnp.clip(d, 0, D - 1), jnp.clip(h, 0, H - 1), jnp.clip(c, 0, W - 1))
+    if not avg:
+      v = load(x_ref, where).astype(acc_t)
+      return nan_max(v, v, form) if c is cols[0] else v  # (a row's first: NaN canonical)
+    ok = tile.cols_of((c >= 0) & (c < W)) & ((d >= 0) & (d < D) & (h >= 0) & (h < H))
+    return load(x_ref, where, ok, np.array(0, x_ref.dtype)).astype(acc_t)
+
+  def plane(d):
+    """Input plane ``d`` reduced for each of the block's output rows: ``[(the reduction over
+    the window's rows of each row's column taps, the maximum's winner or None)]``, the winner
+    as ``ht * k[2] + column`` (``ht``: the row's tap; the input column, from which the
+    window's first column is taken off at the end)."""
+    hm: list[Any] = [None] * rh
     hm_at: list[Any] = [None] * rh
     for t in range((rh - 1) * s[1] + k[1]):  # the block's input rows
       if not any(0 <= t - r * s[1] < k[1] for r in range(rh)):
-        continue
-      h = jnp.clip(h0 + t, 0, H - 1)
-      wm: Any = None  # this input row's maximum over each window's column taps
-      wm_at: Any = None  # (its input column)
+        continue  # (between windows: a stride past the window)
+      h = h0 + t
+      wm: Any = None  # this input row's reduction over each window's column taps
+      wm_at: Any = None  # (the maximum's input column)
       for c in cols:
-        v = load(x_ref, tile.index(b, d, h, c)).astype(cmp_t)
-        c_at = jnp.broadcast_to(tile.cols_of(c), tile.shape) if with_taps else None
-        wm, wm_at = take(wm, wm_at, nan_max(v, v, form) if wm is None else v, c_at)
+        c_at = (jnp.broadcast_to(tile.cols_of(jnp.clip(c, 0, W - 1)), tile.shape)
+                if with_taps else None)
+        wm, wm_at = take(wm, wm_at, tap(d, h, c), c_at)
       for r in range(rh):
         if 0 <= t - r * s[1] < k[1]:
-          ht = h - ((hblk * rh + r) * s[1] - p[1])
+          ht = jnp.clip(h, 0, H - 1) - ((hblk * rh + r) * s[1] - p[1])
           hm[r], hm_at[r] = take(hm[r], hm_at[r], wm,
                                  ht * k[2] + wm_at if with_taps else None)
-    for q in range(rd):
-      if 0 <= a - q * s[0] < k[0]:
-        dt = d - ((dblk * rd + q) * s[0] - p[0])
-        for r in range(rh):
-          acc[q][r], acc_at[q][r] = take(acc[q][r], acc_at[q][r], hm[r],
-                                         dt * (k[1] * k[2]) + hm_at[r] if with_taps else None)
+    return list(zip(hm, hm_at))
+
+  def add_plane(acc, do, d, reduced):
+    """``acc`` (each output row's running reduction of output plane ``do``) after input plane
+    ``d`` (``reduced``: :func:`plane`'s), the window's next plane."""
+    dt = jnp.clip(d, 0, D - 1) - (do * s[0] - p[0])
+    return [take(*acc[r], m, dt * (k[1] * k[2]) + m_at if with_taps else None)
+            for r, (m, m_at) in enumerate(reduced)]
+
   first_col = tile.cols_of(wo * s[2] - p[2])
-  for q in range(rd):
-    for r in range(rh):
-      do, ho = dblk * rd + q, hblk * rh + r
-      tap = None
-      if with_taps:
-        tap = (acc_at[q][r] - first_col).astype(out_refs[1].dtype)
-      val, tap = apply_activation(acc[q][r], tap, activation)
-      real = (do < Do) & (ho < Ho)  # (the block's rows past the end are not stored)
-      at = tile.index(b, jnp.minimum(do, Do - 1), jnp.minimum(ho, Ho - 1), wo)
+
+  def store(do, r, m, m_at):
+    """Output row ``(do, hblk * rh + r)``: its maxima and taps, or its averages, where it
+    exists."""
+    ho = hblk * rh + r
+    if avg:
+      if divisor is not None:
+        scale: Any = reciprocal(divisor, acc_t)
+      else:
+        cnt = counted_taps(g, (do, ho, wo), include_pad, bw)
+        scale = tile.cols_of(count_reciprocal(cnt, acc_t, ptx))
+      outs = [(out_refs[0], (m * scale).astype(out_refs[0].dtype))]
+    else:
+      taps = (m_at - first_col).astype(out_refs[1].dtype) if with_taps else None
+      val, taps = apply_activation(m, taps, activation)
       outs = [(out_refs[0], val.astype(out_refs[0].dtype))]
       if with_taps:
-        outs.append((out_refs[1], tap))
-      if interpret:  # (stores unmasked: the columns past the end rewrite the last one's value)
+        outs.append((out_refs[1], taps))
+    real = (do < Do) & (ho < Ho)  # (the block's rows past the end are not stored)
+    at = tile.index(b, jnp.minimum(do, Do - 1), jnp.minimum(ho, Ho - 1), wo)
+    if interpret:  # (stores unmasked: the columns past the end rewrite the last one's value)
 
-        def store(at=at, outs=outs):
-          for ref, v in outs:
-            tile.store(ref, at, v)
-
-        pl.when(real)(store)
-      else:
+      def store_all(at=at, outs=outs):
         for ref, v in outs:
-          tile.store(ref, at, v, (raw < Wo) & real)
+          tile.store(ref, at, v)
+
+      pl.when(real)(store_all)
+    else:
+      for ref, v in outs:
+        tile.store(ref, at, v, (raw < Wo) & real)
+
+  if rd == 0:
+    _plane_loop(g, plane, add_plane, store, rh)
+    return
+  d0 = dblk * rd * s[0] - p[0]
+  acc: list[list[Any]] = [[(None, None)] * rh for _ in range(rd)]
+  for a in range((rd - 1) * s[0] + k[0]):  # the block's input planes
+    if not any(0 <= a - q * s[0] < k[0] for q in range(rd)):
+      continue  # (between windows: a stride past the window)
+    reduced = plane(d0 + a)
+    for q in range(rd):
+      if 0 <= a - q * s[0] < k[0]:
+        acc[q] = add_plane(acc[q], dblk * rd + q, d0 + a, reduced)
+  for q in range(rd):
+    for r in range(rh):
+      store(dblk * rd + q, r, *acc[q][r])
+
+
+def _plane_loop(g: Geometry, plane, add_plane, store, rh: int) -> None:
+  """Every output plane of a block of ``rh`` rows, one after the other (``rows_kernel`` with
+  ``rd = 0``): the window's planes in order, the last ``k - s`` of them (the next window's
+  first) carried to the next step."""
+  k, s, p = g.window[0], g.strides[0], g.pad_lo[0]
+  keep = k - s  # (> 0: plane_loop)
+
+  def step(do, carried):
+    planes = list(carried) + [(do * s - p + a, plane(do * s - p + a)) for a in range(keep, k)]
+    acc = [(None, None)] * rh
+    for d, reduced in planes:
+      acc = add_plane(acc, do, d, reduced)
+    for r in range(rh):
+      store(do, r, *acc[r])
+    return planes[s:]
+
+  first = [jnp.int32(a - p) for a in range(keep)]
+  jax.lax.fori_loop(0, g.out_spatial[0], step, [(d, plane(d)) for d in first])

@@ -1,13 +1,13 @@
 """Launch configurations chosen per GPU: a small autotuner, a disk cache and shipped tables.
 
 The GPU kernels (``triton.py``) take a launch configuration ``(bw, bl, num_warps)``: the
-tile's columns and lanes and the warps a program (the max forward, with or without taps,
-also ``(bw, bl, num_warps, rd, rh)``: a block of ``rd x rh`` output rows a program,
-``triton_rows.py``). Every configuration computes the same bits (each output element's
-arithmetic and order do not depend on the tile; blocks of rows are offered only where their
-order cannot show), so the choice is only a matter of speed, and the best one depends on the
-GPU. For a call that compiles for a CUDA GPU,
-:meth:`Tuner.choose` looks the configuration up, in this order:
+tile's columns and lanes and the warps a program (the forwards also ``(bw, bl, num_warps, rd,
+rh)``: a block of ``rd x rh`` output rows a program, or with ``rd = 0`` ``rh`` rows of every
+output plane, looped over; ``triton_rows.py``). Every configuration computes the same bits
+(each output element's arithmetic and order do not depend on the tile; blocks of rows are
+offered only where their order cannot show), so the choice is only a matter of speed, and
+the best one depends on the GPU. For a call that compiles for a CUDA GPU, :meth:`Tuner.choose`
+looks the configuration up, in this order:
 
 1. this process's memory;
 2. the disk cache (``$JAXPOOL_CACHE_DIR``, else ``$XDG_CACHE_HOME/jaxpool``, else
@@ -15,7 +15,7 @@ GPU. For a call that compiles for a CUDA GPU,
    driver it was tuned with are this process's;
 3. the table shipped with the package for this device kind (``launch_tables/*.json``);
 4. tuning: each candidate (:func:`candidates` around today's heuristic, at most
-   ``JAXPOOL_TUNE_MAX_CANDIDATES``, and for the max forward up to 3 blocks of rows more) is
+   ``JAXPOOL_TUNE_MAX_CANDIDATES``, and for the forwards up to 5 blocks of rows more) is
    compiled (in parallel threads) and timed on pseudo-random data of the call's shape
    (``triton.trial_inputs``), for at most ``JAXPOOL_TUNE_BUDGET_S`` seconds a key; the fastest is
    written to the disk cache.
@@ -28,8 +28,9 @@ tuning); ``JAXPOOL_TUNE=cached`` uses the cache and the tables but never tunes (
 neither gets the heuristic). Interpret mode and non-CUDA platforms never tune.
 
 A key (:class:`Key`) is the op, dtype, layout and a geometry class (window, strides, dilation,
-the columns and lanes rounded up to powers of two, and a size class of the work), not the exact
-shape: shapes of one class share one configuration.
+the columns and lanes rounded up to powers of two, and a size class of the work; for the
+average forward also how it counts its divisor), not the exact shape: shapes of one class
+share one configuration.
 
 Tuning happens where the kernel is first traced, which is usually inside a ``jit`` trace: it
 runs the candidates eagerly there (``jax.ensure_compile_time_eval``), logs its cost on the
@@ -138,7 +139,7 @@ def budget_s() -> float:
 
 def max_candidates() -> int:
   """``JAXPOOL_TUNE_MAX_CANDIDATES``: the most one-row configurations tried a key (default 6;
-  the max forwards also try up to 3 blocks of rows)."""
+  the forwards also try up to 5 blocks of rows)."""
   return int(_positive(CANDIDATES_ENV, DEFAULT_MAX_CANDIDATES, int))
 
 
@@ -150,7 +151,7 @@ def candidates(heuristic: Launch, cols: int, lanes: int, itemsize: int, channels
                limit: int, extra: Sequence[Launch] = ()) -> list[Launch]:
   """Up to ``limit`` configurations around ``heuristic``, ``heuristic`` first, then the others
   by how far they are from it (fewest changed factors, then smallest changes); then ``extra``
-  (the max forward's blocks of rows, ``triton.row_block_candidates``), beyond ``limit``.
+  (the forwards' blocks of rows, ``triton.row_block_candidates``), beyond ``limit``.
 
   Columns ``bw`` from half to four times the heuristic's (at most the columns rounded up to
   a power of two), lanes ``bl`` from half to twice (at most the lanes so rounded, and 1024

@@ -42,8 +42,10 @@ def launch_name(launch: Sequence[int]) -> str:
 # output rows. 4: so do those of the max forward with taps (and a format-3 entry may have
 # been tuned with only the heuristic timed: drawing the inputs spent the budget). An entry of
 # another format was tuned among other candidates or for other kernels, so it is not used
-# (silently, as an entry of another environment) and the kernel is tuned again.
-FORMAT = 4
+# (silently, as an entry of another environment) and the kernel is tuned again. 5: the max
+# forwards' candidates include loops over the output planes, the average forward's blocks of
+# rows and loops, and the average forward's key how it counts its divisor.
+FORMAT = 5
 CACHE_ENV = "JAXPOOL_CACHE_DIR"
 TABLES = "launch_tables"  # the shipped tables: a package folder beside this module
 MAX_TILE = 8192  # elements: the largest tile a candidate (or the heuristic) has
@@ -149,11 +151,14 @@ def shipped_table(device_kind: str) -> dict[str, Launch]:
 
 def _valid_launch(v: Any) -> bool:
   """Three (or five) powers of two: a tile of at most ``MAX_TILE`` elements, at most
-  ``MAX_WARPS`` warps (and a block of at most ``MAX_ROWS`` output rows)."""
+  ``MAX_WARPS`` warps (and a block of at most ``MAX_ROWS`` output rows, or ``0`` planes: at
+  most ``MAX_ROWS`` rows of every plane, looped over)."""
+  loop = isinstance(v, (list, tuple)) and len(v) == 5 and v[3] == 0 and type(v[3]) is int
   return (isinstance(v, (list, tuple)) and len(v) in (3, 5)
-          and all(isinstance(n, int) and n >= 1 and n & (n - 1) == 0 for n in v)
+          and all(isinstance(n, int) and n >= 1 and n & (n - 1) == 0
+                  for i, n in enumerate(v) if not (loop and i == 3))
           and v[0] * v[1] <= MAX_TILE and v[2] <= MAX_WARPS
-          and (len(v) == 3 or v[3] * v[4] <= MAX_ROWS))
+          and (len(v) == 3 or max(v[3], 1) * v[4] <= MAX_ROWS))
 
 
 # ----------------------------------------------------------------------------- the store
