@@ -83,6 +83,7 @@ def tune_cases(cases: Sequence[Case], ops: Sequence[str]) -> list[dict]:
         rec = tuner.records[-1] if len(tuner.records) > n0 else None
         times = rec.times_ms if rec else {}
         rows.append({"case": name, "dtype": dtype, "op": op, "launch": list(launch),
+                     "include_pad": include_pad if op == "avg_fwd" else None,
                      "key": rec.key if rec else None, "source": rec.source if rec else None,
                      # (the key's choice, which a table holds: ``launch`` where the case
                      # could not take the key's block of rows is the heuristic)

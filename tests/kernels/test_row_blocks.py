@@ -130,20 +130,22 @@ def test_blocks_give_the_reference_maxima_and_taps(case, relu):
   np.testing.assert_array_equal(np.asarray(taps), want_taps)
 
 
-@pytest.mark.parametrize("mode", ["max", "argmax"])
+@pytest.mark.parametrize("mode", ["max", "argmax", "avg"])
 def test_blocks_lower_to_triton_for_cuda(monkeypatch, mode):
-  """Compiled (PTX's maximum), blocks of rows with and without the taps lower to a Triton call
-  for CUDA on any host: Pallas' Triton lowering runs; Triton's compiler (on a GPU) does not."""
+  """Compiled (PTX's maximum; the average's correctly rounded reciprocal), blocks of rows and
+  the loop over the output planes, with and without the taps, lower to a Triton call for CUDA
+  on any host: Pallas' Triton lowering runs; Triton's compiler (on a GPU) does not."""
   monkeypatch.setattr(triton, "platform", lambda: "cuda")
   monkeypatch.setenv(tuning.TUNE_ENV, "off")  # (lowered, never run: nothing to tune)
   shape = (1, 7, 9, 11, 2)
   geom = windows.make_geometry(shape, (3, 3, 3), (2, 2, 2), 1)
   x = jax.ShapeDtypeStruct(shape, jnp.float32)
-  for launch in [(4, 2, 1, 2, 2), (4, 2, 1, 1, 4)]:
+  for launch in [(4, 2, 1, 2, 2), (4, 2, 1, 1, 4), (4, 2, 1, 0, 2)]:
     fn = jax.jit(lambda a, launch=launch: triton._window_call(a, geom, mode, False,
                                                               launch=launch))
     text = fn.trace(x).lower(lowering_platforms=("cuda",)).as_text()
-    assert "xla.gpu.triton" in text and "max.NaN.f32" in text
+    assert "xla.gpu.triton" in text
+    assert ("rcp.rn.f32" if mode == "avg" else "max.NaN.f32") in text
 
 
 def test_blocks_are_refused_where_they_could_give_other_bits(monkeypatch):
@@ -227,6 +229,9 @@ def test_launches_of_five_numbers_are_valid_within_bounds():
   assert not tuning._valid_launch([8, 32, 8, 0, 8]) and not tuning._valid_launch([8, 32, 8, 0, 0])
   assert not tuning._valid_launch([8, 32, 8, -1, 2]) and not tuning._valid_launch([8, 32, 0, 1, 2])
   assert not tuning._valid_launch([8, 32, 8, False, 2])
+  assert not tuning._valid_launch([8, 32, 8, True, 2])
+  assert not tuning._valid_launch([8, 32, 8, 0, True])
+  assert not tuning._valid_launch([True, True, True])
 
 
 def test_a_block_chosen_for_another_geometry_of_the_class_is_not_used(monkeypatch):
@@ -299,6 +304,10 @@ def test_gpu_blocks_of_rows_give_the_bits_of_the_xla_path(monkeypatch, shape, wi
 
 AVG_CASES = {
     "3d_last": ((2, 9, 10, 11, 3), (3, 3, 3), (2, 2, 2), 1, False, "channels_last"),
+    # (windows sharing two planes: stride 1 in depth; three: 5 over stride 2)
+    "3d_stride1": ((1, 6, 7, 8, 2), (3, 3, 3), (1, 2, 2), 1, False, "channels_last"),
+    "3d_k5_first": ((1, 2, 9, 5, 6), (5, 3, 3), (2, 2, 2), ((2, 2), (1, 1), (0, 1)), True,
+                    "channels_first"),
     "3d_first_ceil": ((2, 2, 7, 8, 9), (4, 2, 3), (2, 1, 2), ((2, 1), (0, 1), (1, 0)), True,
                       "channels_first"),
     "2d_last": ((2, 9, 13, 3), (3, 3), (2, 2), ((1, 1), (1, 2)), False, "channels_last"),
@@ -312,15 +321,20 @@ def _avg_launches(geom):
   return launches
 
 
-@pytest.mark.parametrize("name", list(AVG_CASES))
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("name,dtype", [
+    pytest.param(n, d, marks=[pytest.mark.slow] if n in ("3d_first_ceil", "3d_k5_first") else [])
+    for n in AVG_CASES for d in (jnp.float32, jnp.bfloat16)
+    if d == jnp.float32 or n in ("3d_last", "2d_last")])
 def test_average_blocks_give_the_bits_of_one_row(name, dtype):
   """The average forward over blocks of rows and looped over the output planes: the one-row
   kernel's bits (the same sums in the same order, the same divisors: counting the padding,
-  not, and an override), with ties and signed zeros; and the XLA path's values to rounding."""
+  not, and an override), with ties and signed zeros (the first batch all -0.0: inside the
+  input -0.0, at the edges +0.0 from the masked taps, in every launch); and the XLA path's
+  values to rounding."""
   shape, window, strides, padding, ceil_mode, fmt = AVG_CASES[name]
   geom = windows.make_geometry(shape, window, strides, padding, None, ceil_mode, fmt)
   x = _signed_zeros(data(np.random.default_rng(3), shape, jnp.float32)).astype(dtype)
+  x = x.at[0].set(-0.0)
   settings = [(True, None), (False, None), (False, 5)]
   launches = _avg_launches(geom)
 
@@ -334,6 +348,10 @@ def test_average_blocks_give_the_bits_of_one_row(name, dtype):
     want = xla.avg_pool(x.astype(jnp.float32), geom, pad, div)
     tol = 1e-2 if dtype == jnp.bfloat16 else 1e-6
     np.testing.assert_allclose(np.asarray(one, np.float32), want, rtol=tol, atol=tol)
+    zeros = np.asarray(one[0], np.float32)
+    assert not zeros.any()
+    if name != "3d_k5_first":  # (there every window has a masked tap: +0.0 everywhere)
+      assert np.signbit(zeros).any() and (~np.signbit(zeros)).any()
     for got in blocks:
       bits_equal(got, one)
 

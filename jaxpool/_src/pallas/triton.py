@@ -7,8 +7,8 @@ estimate) and the choice of launch configuration. The kernels live beside it:
   interior and edge code paths);
 - ``triton_max.py``: the max-pool forward (the maximum, and its tap);
 - ``triton_avg.py``: the average-pool forward;
-- ``triton_rows.py``: the max-pool forward (the maximum, and its tap) over a block of output
-  rows a program, where the tuner chooses one;
+- ``triton_rows.py``: the forwards (the maximum and its tap, or the average) over a block of
+  output rows a program, or looped over the output planes, where the tuner chooses one;
 - ``triton_backward.py``: the backward of both, as gathers.
 
 Every kernel sees the spatial dims as ``(D, H, W)`` (1-D and 2-D pools get unit ``D`` and
@@ -465,9 +465,9 @@ def launch_for(op: str, in_shape, dtype, geom: Geometry, *, interpret: bool,
   chosen = tuning.default_tuner().choose(key, heuristic, cands,
                                          tuning.Trial(compile_launch, args),
                                          tune=tuning.mode() == "auto")
-  if len(chosen) > 3 and not extra:
+  if len(chosen) > 3 and (not extra or (chosen[3] == 0 and not plane_loop(g, 0))):
     # A block of rows chosen for this key's class (from the cache or a table) where this call
     # cannot take one (one output row, padding that leaves a window empty, another NAN_MAX
-    # form): the heuristic.
+    # form, no output planes sharing input planes to loop over): the heuristic.
     return heuristic
   return chosen

@@ -1,13 +1,20 @@
-"""The max-pool forward over a block of output rows a program (Pallas Triton): the maximum,
-and with the taps each window's winning tap.
+"""The forwards over a block of output rows a program (Pallas Triton): the maximum, with the
+taps each window's winning tap, or the average.
 
-A window's maximum is separable: the maximum over its planes of the maxima over their rows of
-the maxima over each row's column taps. A program of this kernel covers ``rd x rh`` output rows
-(and a tile of columns and lanes, as ``triton_tile.py``'s programs), reduces each input row it
-reads over its column taps once, then the rows of each plane, then the planes, so the output
-rows whose windows share an input row (3x3/s2 windows share one row in three) load and reduce
-it once, and fewer bytes pass through the L2 cache (which bounds the 3-D forward on an H200:
-``docs/tuning.md``).
+A window's maximum (or sum) is separable: the maximum over its planes of the maxima over their
+rows of the maxima over each row's column taps. A program of this kernel covers ``rd x rh``
+output rows (and a tile of columns and lanes, as ``triton_tile.py``'s programs), reduces each
+input row it reads over its column taps once, then the rows of each plane, then the planes, so
+the output rows whose windows share an input row (3x3/s2 windows share one row in three) load
+and reduce it once, and fewer bytes pass through the L2 cache (which bounds the 3-D forward on
+an H200: ``docs/tuning.md``). With ``rd = 0`` a program covers ``rh`` output rows of every
+output plane and loops over the planes, carrying the reductions of the input planes that the
+next window shares, so each input plane is read once.
+
+The average sums in that order in every launch, one row a program included
+(``triton_avg.avg_kernel``), with the taps outside the input masked to zero and the divisor's
+reciprocal computed per window (the same number as the one-row kernel's constant inside the
+input): every launch gives the same bits.
 
 The maximum does not depend on the order of its operands when each maximum is PTX's
 ``max.NaN.f32`` (NaN results canonical, ``+0.0`` above ``-0.0``) or an integer maximum, so
@@ -188,7 +195,10 @@ def _plane_loop(g: Geometry, plane, add_plane, store, rh: int) -> None:
   ``rd = 0``): the window's planes in order, the last ``k - s`` of them (the next window's
   first) carried to the next step."""
   k, s, p = g.window[0], g.strides[0], g.pad_lo[0]
-  keep = k - s  # (> 0: plane_loop)
+  keep = k - s
+  if keep <= 0:  # (windows that share no input plane: nothing to carry)
+    raise ValueError(f"a loop over the output planes needs windows that share input planes "
+                     f"(window > stride along depth), not window {k}, stride {s}")
 
   def step(do, carried):
     planes = list(carried) + [(do * s - p + a, plane(do * s - p + a)) for a in range(keep, k)]

@@ -28,8 +28,9 @@ from typing import Any
 
 import jax
 
-# (bw, bl, num_warps), or (bw, bl, num_warps, rd, rh): the max forward (with or without its
-# taps) over blocks of rd x rh output rows a program (``triton_rows.py``); three numbers mean 1 x 1.
+# (bw, bl, num_warps), or (bw, bl, num_warps, rd, rh): a forward (max with or without its taps,
+# or average) over blocks of rd x rh output rows a program, or with rd = 0 over rh rows of every
+# output plane, looped over (``triton_rows.py``); three numbers mean 1 x 1.
 Launch = tuple[int, ...]
 
 
@@ -153,10 +154,11 @@ def _valid_launch(v: Any) -> bool:
   """Three (or five) powers of two: a tile of at most ``MAX_TILE`` elements, at most
   ``MAX_WARPS`` warps (and a block of at most ``MAX_ROWS`` output rows, or ``0`` planes: at
   most ``MAX_ROWS`` rows of every plane, looped over)."""
-  loop = isinstance(v, (list, tuple)) and len(v) == 5 and v[3] == 0 and type(v[3]) is int
-  return (isinstance(v, (list, tuple)) and len(v) in (3, 5)
-          and all(isinstance(n, int) and n >= 1 and n & (n - 1) == 0
-                  for i, n in enumerate(v) if not (loop and i == 3))
+  if not (isinstance(v, (list, tuple)) and len(v) in (3, 5)
+          and all(type(n) is int for n in v)):  # (not bool, a subclass of int)
+    return False
+  loop = len(v) == 5 and v[3] == 0
+  return (all(n >= 1 and n & (n - 1) == 0 for i, n in enumerate(v) if not (loop and i == 3))
           and v[0] * v[1] <= MAX_TILE and v[2] <= MAX_WARPS
           and (len(v) == 3 or max(v[3], 1) * v[4] <= MAX_ROWS))
 
