@@ -50,7 +50,7 @@ def test_every_block_of_rows_gives_the_bits_of_the_xla_path(name):
   x = _signed_zeros(data(np.random.default_rng(5), shape, jnp.float32))
   want, want_taps = xla.max_pool_taps(x, geom)
   launches = [(4, 2, 1, 1, 2), (2, 2, 1, 2, 2), (8, 4, 1, 1, 4), (4, 2, 1, 2, 1)]
-  if triton.plane_loop(geom.lift(3), 0):  # (and every output plane looped over)
+  if triton.shares_planes(geom.lift(3)):  # (and every output plane looped over)
     launches += [(4, 2, 1, 0, 2), (2, 2, 1, 0, 3)]
 
   @jax.jit
@@ -82,7 +82,7 @@ def _separable_cases(draw):
                                kw["ceil_mode"], kw["data_format"])
   hypothesis.assume(triton.separable(geom.lift(3)))
   block = draw(st.sampled_from([(1, 2), (2, 1), (2, 2), (1, 4), (0, 1), (0, 2)]))
-  if block[0] == 0 and not triton.plane_loop(geom.lift(3), 0):
+  if block[0] == 0 and not triton.shares_planes(geom.lift(3)):
     block = (1, block[1] + 1)  # (no output planes that share input planes to loop over)
   dtype = draw(st.sampled_from([np.float32, jnp.bfloat16, np.int32]))
   return cfg, geom, (draw(st.sampled_from([1, 2, 4])), 2, 1, *block), dtype, draw(
@@ -263,6 +263,28 @@ def test_a_block_chosen_for_another_geometry_of_the_class_is_not_used(monkeypatc
   assert beats == triton.launch_for("max_fwd", many_rows, jnp.float32, g2, interpret=True)
 
 
+def test_a_cached_loop_over_planes_where_windows_share_none_is_not_used(monkeypatch):
+  """A loop over the output planes (``rd = 0``) from the cache or a table, for a geometry whose
+  windows share no input plane (a hand-edited entry: the key holds the window and strides),
+  gives the heuristic launch, not an error."""
+  shape = (2, 6, 29, 28, 16)
+  geom = windows.make_geometry(shape, (1, 3, 3), (1, 2, 2), 0, None, False, "channels_last")
+  monkeypatch.setattr(triton, "platform", lambda: "cuda")
+  monkeypatch.setattr(triton, "_ptx", lambda interpret: not interpret)
+  assert not triton.shares_planes(geom.lift(3))
+  assert triton.row_block_candidates((8, 16, 4), geom.lift(3), jnp.float32)  # (rows: shared)
+
+  class Table:
+    def choose(self, key, heuristic, cands, trial, *, tune=True):
+      return (8, 16, 4, 0, 2)
+
+  monkeypatch.setenv(tuning.TUNE_ENV, "cached")
+  with tuning.using(Table()):  # type: ignore[arg-type]
+    for op in ("max_fwd", "avg_fwd"):
+      got = triton.launch_for(op, shape, jnp.float32, geom, interpret=False)
+      assert got == triton.launch_for(op, shape, jnp.float32, geom, interpret=True)  # heuristic
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape,window,strides,fmt,dtype", [
     ((4, 57, 45, 64), (3, 3), (2, 2), "channels_last", jnp.float32),
@@ -316,7 +338,7 @@ AVG_CASES = {
 
 def _avg_launches(geom):
   launches = [(4, 2, 1, 1, 2), (2, 2, 1, 2, 2), (8, 4, 1, 1, 3)]
-  if triton.plane_loop(geom.lift(3), 0):
+  if triton.shares_planes(geom.lift(3)):
     launches += [(4, 2, 1, 0, 2), (2, 4, 1, 0, 1)]
   return launches
 

@@ -54,7 +54,7 @@ from jaxpool._src.pallas.calls import out_struct
 from jaxpool._src.pallas.triton_avg import avg_kernel
 from jaxpool._src.pallas.triton_backward import backward_kernel, interleaves
 from jaxpool._src.pallas.triton_max import compare_dtype, max_kernel
-from jaxpool._src.pallas.triton_rows import plane_loop, row_blocks, rows_kernel
+from jaxpool._src.pallas.triton_rows import row_blocks, rows_kernel, shares_planes
 from jaxpool._src.pallas.triton_tile import plgpu
 from jaxpool._src.pallas.tuning_cache import Key, Launch, geometry_class
 from jaxpool._src.platforms import platform
@@ -181,7 +181,7 @@ def _window_call(x: jax.Array, geom: Geometry, mode: str, interpret: bool,
   if block and tuple(block) != (1, 1):
     bd, bh = block
     fits = avg_blocks(g) if mode == "avg" else _blocks_exact(g, x.dtype, interpret)
-    if not fits or bh < 1 or bd < 0 or (bd == 0 and not plane_loop(g, bd)):
+    if not fits or bh < 1 or bd < 0 or (bd == 0 and not shares_planes(g)):
       raise ValueError(f"a block of output rows {tuple(block)} serves only the max forward "
                        f"with dilation 1, no empty window and (compiled) a maximum whose bits "
                        f"do not depend on the order, or the average forward with dilation 1 "
@@ -344,9 +344,8 @@ def row_block_candidates(heuristic: Launch, g: Geometry, dtype, op: str = "max_f
     return []
   bw, bl, warps = heuristic[:3]
   half_bw, half_bl = max(bw // 2, 1), max(bl // 2, 1)
-  planes = Do > 1 and g.window[0] > g.strides[0]  # (output planes sharing input planes)
-  loops = ([(bw, bl, warps, 0, 2), (half_bw, bl, max(warps // 2, 1), 0, 2)]
-           if planes and plane_loop(g, 0) else [])
+  planes = Do > 1 and shares_planes(g)  # (output planes sharing input planes)
+  loops = [(bw, bl, warps, 0, 2), (half_bw, bl, max(warps // 2, 1), 0, 2)] if planes else []
   if op == "avg_fwd":
     return list(dict.fromkeys([(bw, bl, warps, 1, 2), *loops]))
   four = (half_bw, half_bl, warps, 2, 2) if planes else (half_bw, half_bl, warps, 1, 4)
@@ -465,7 +464,7 @@ def launch_for(op: str, in_shape, dtype, geom: Geometry, *, interpret: bool,
   chosen = tuning.default_tuner().choose(key, heuristic, cands,
                                          tuning.Trial(compile_launch, args),
                                          tune=tuning.mode() == "auto")
-  if len(chosen) > 3 and (not extra or (chosen[3] == 0 and not plane_loop(g, 0))):
+  if len(chosen) > 3 and (not extra or (chosen[3] == 0 and not shares_planes(g))):
     # A block of rows chosen for this key's class (from the cache or a table) where this call
     # cannot take one (one output row, padding that leaves a window empty, another NAN_MAX
     # form, no output planes sharing input planes to loop over): the heuristic.

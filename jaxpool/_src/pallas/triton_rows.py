@@ -54,10 +54,10 @@ def row_blocks(g: Geometry, block: tuple[int, int]) -> int:
   return (-(-Do // block[0]) if block[0] else 1) * -(-Ho // block[1])
 
 
-def plane_loop(g: Geometry, rd: int) -> bool:
-  """Whether ``rd`` (a block's output planes) asks for the loop over every output plane (0),
-  which ``g`` takes where consecutive windows share input planes (the loop carries them)."""
-  return rd == 0 and g.window[0] > g.strides[0]
+def shares_planes(g: Geometry) -> bool:
+  """Whether consecutive windows of ``g`` share input planes: where a program may loop over
+  the output planes (``rd = 0``), carrying them."""
+  return g.window[0] > g.strides[0]
 
 
 def rows_kernel(x_ref, *out_refs, g: Geometry, bw: int, bl: int, lanes: int, nb: int,
@@ -82,7 +82,10 @@ def rows_kernel(x_ref, *out_refs, g: Geometry, bw: int, bl: int, lanes: int, nb:
   raw = cb * bw + jnp.arange(bw, dtype=jnp.int32)
   # Columns past the last: clamped copies of it (their stores are masked).
   wo = jnp.minimum(raw, Wo - 1)
+  # Each column tap's input columns: clamped into the input, and (the sum's mask) inside it.
   cols = [wo * s[2] - p[2] + j for j in range(k[2])]
+  cols_in = [jnp.clip(c, 0, W - 1) for c in cols]
+  cols_ok = [tile.cols_of((c >= 0) & (c < W)) for c in cols]
   h0 = hblk * rh * s[1] - p[1]
   avg = mode == "avg"
   acc_t = accumulator_dtype(x_ref.dtype) if avg else compare_dtype(x_ref.dtype)
@@ -100,14 +103,14 @@ def rows_kernel(x_ref, *out_refs, g: Geometry, bw: int, bl: int, lanes: int, nb:
       at = jnp.where(bits(new) != bits(best), v_at, at)
     return new, at
 
-  def tap(d, h, c):
-    """The tile of input plane ``d``, row ``h``, columns ``c``: for the maximum clamped into
+  def tap(d, h, j):
+    """The tile of input plane ``d``, row ``h``, column tap ``j``: for the maximum clamped into
     the input (a tap of the window's own, which cannot change it), for the sum masked (zero)."""
-    where = tile.index(b, jnp.clip(d, 0, D - 1), jnp.clip(h, 0, H - 1), jnp.clip(c, 0, W - 1))
+    where = tile.index(b, jnp.clip(d, 0, D - 1), jnp.clip(h, 0, H - 1), cols_in[j])
     if not avg:
       v = load(x_ref, where).astype(acc_t)
-      return nan_max(v, v, form) if c is cols[0] else v  # (a row's first: NaN canonical)
-    ok = tile.cols_of((c >= 0) & (c < W)) & ((d >= 0) & (d < D) & (h >= 0) & (h < H))
+      return nan_max(v, v, form) if j == 0 else v  # (a row's first: its NaN made canonical)
+    ok = cols_ok[j] & ((d >= 0) & (d < D) & (h >= 0) & (h < H))
     return load(x_ref, where, ok, np.array(0, x_ref.dtype)).astype(acc_t)
 
   def plane(d):
@@ -123,10 +126,9 @@ def rows_kernel(x_ref, *out_refs, g: Geometry, bw: int, bl: int, lanes: int, nb:
       h = h0 + t
       wm: Any = None  # this input row's reduction over each window's column taps
       wm_at: Any = None  # (the maximum's input column)
-      for c in cols:
-        c_at = (jnp.broadcast_to(tile.cols_of(jnp.clip(c, 0, W - 1)), tile.shape)
-                if with_taps else None)
-        wm, wm_at = take(wm, wm_at, tap(d, h, c), c_at)
+      for j in range(k[2]):
+        c_at = jnp.broadcast_to(tile.cols_of(cols_in[j]), tile.shape) if with_taps else None
+        wm, wm_at = take(wm, wm_at, tap(d, h, j), c_at)
       for r in range(rh):
         if 0 <= t - r * s[1] < k[1]:
           ht = jnp.clip(h, 0, H - 1) - ((hblk * rh + r) * s[1] - p[1])
@@ -196,7 +198,7 @@ def _plane_loop(g: Geometry, plane, add_plane, store, rh: int) -> None:
   first) carried to the next step."""
   k, s, p = g.window[0], g.strides[0], g.pad_lo[0]
   keep = k - s
-  if keep <= 0:  # (windows that share no input plane: nothing to carry)
+  if not shares_planes(g):  # (nothing to carry)
     raise ValueError(f"a loop over the output planes needs windows that share input planes "
                      f"(window > stride along depth), not window {k}, stride {s}")
 
