@@ -191,6 +191,9 @@ def test_which_launches_the_tuner_offers(monkeypatch):
   three_d = [(16, 32, 8, 1, 2), (16, 16, 8, 1, 2), (8, 16, 8, 2, 2),
              (16, 32, 8, 0, 2), (8, 32, 4, 0, 2)]  # (rd = 0: every output plane, looped)
   assert triton.row_block_candidates(h, g3, jnp.float32) == three_d
+  # With the taps, the loops with half the lanes too.
+  assert triton.row_block_candidates(h, g3, jnp.float32, "argmax_fwd") == three_d + [
+      (16, 16, 8, 0, 2), (8, 16, 4, 0, 2)]
   # The average forward: 1 x 2 rows, and the loops where output planes share input planes.
   assert triton.row_block_candidates(h, g3, jnp.float32, "avg_fwd") == [
       (16, 32, 8, 1, 2), (16, 32, 8, 0, 2), (8, 32, 4, 0, 2)]

@@ -27,7 +27,7 @@ from kernel_base import ON_GPU, bits_equal
 
 from jaxpool import tune as tune_cmd
 from jaxpool._src import windows
-from jaxpool._src.pallas import triton, tuning, tuning_cache
+from jaxpool._src.pallas import trials, triton, tuning, tuning_cache
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENV = {"jaxpool": "0.1.0", "jax": "0.10.2", "jaxlib": "0.10.2", "device_kind": "Fake GPU 80GB",
@@ -295,7 +295,7 @@ def test_an_entry_of_an_earlier_format_is_not_used(tmp_path, earlier):
     warnings.simplefilter("error")
     assert tuner.choose(KEY, H, CANDS, fake.trial()) == (16, 64, 8)
   assert tuner.records[-1].source == "tuned"
-  assert _entry(path)["format"] == tuning.FORMAT == 5
+  assert _entry(path)["format"] == tuning.FORMAT == 6
 
 
 @pytest.mark.parametrize("line,version", [
@@ -380,8 +380,10 @@ def test_the_packaged_tables_parse():
     assert data["format"] == tuning.FORMAT and tuning.table_name(data["device_kind"]) == name
     assert all(tuning._valid_launch(v) for v in data["entries"].values())
     # (blocks of rows only where a kernel takes them)
-    assert all(k.startswith(("max_fwd|", "argmax_fwd|", "avg_fwd|"))
+    assert all(k.startswith(("max_fwd|", "argmax_fwd|", "avg_fwd|", "max_bwd|", "avg_bwd|"))
                for k, v in data["entries"].items() if len(v) == 5)
+    # (a backward's blocks of rows: no loop over the planes)
+    assert all(v[3] >= 1 for k, v in data["entries"].items() if len(v) == 5 and "_bwd|" in k)
     # (the average forward's keys hold how it counts its divisor)
     assert all(k.rsplit("/", 1)[-1] in ("pad", "real", "divisor")
                for k in data["entries"] if k.startswith("avg_fwd|"))
@@ -606,10 +608,10 @@ def test_launch_for_modes(monkeypatch, op):
   key, h, cands, trial, _ = fake.calls[-1]
   assert h == heuristic and cands[0] == heuristic and got == cands[-1]
   assert key.op == op and key.dtype == "float32" and key.layout == "channels_last"
-  # (the forwards try their blocks of rows beyond the limit)
+  # (the forwards and backwards try their blocks of rows beyond the limit)
   blocks = triton.row_block_candidates(heuristic, geom.lift(3), jnp.float32, op) \
-      if op.endswith("_fwd") else []
-  assert len(blocks) == {"max_fwd": 3, "argmax_fwd": 3, "avg_fwd": 1}.get(op, 0)
+      if op.endswith("_fwd") else triton.backward_block_candidates(heuristic, geom.lift(3))
+  assert len(blocks) == {"max_fwd": 3, "argmax_fwd": 3, "avg_fwd": 1}.get(op, 3)
   assert len(cands) <= tuning.DEFAULT_MAX_CANDIDATES + len(blocks)
   assert cands[len(cands) - len(blocks):] == blocks
   # The trial's inputs: the kernel's operands (taps in range for the max backward).
@@ -629,7 +631,7 @@ def test_trial_inputs_compile_once_a_shape_and_spread(monkeypatch):
   shape, also while a jit trace runs: drawn op by op (as ``ensure_compile_time_eval`` runs
   jax.random), the random bits of a large input took most of a kernel's tuning budget on a GPU.
   The program computes the positions it hashes (an iota), not a constant of the input's size."""
-  triton._inputs_program.cache_clear()
+  trials._inputs_program.cache_clear()
   shape = (3, 37, 41, 5)
   programs = []
   lower = jax.stages.Traced.lower
@@ -643,8 +645,8 @@ def test_trial_inputs_compile_once_a_shape_and_spread(monkeypatch):
 
   @jax.jit
   def traced(x):
-    data, = triton.trial_inputs(shape, "bfloat16")
-    taps, again = triton.trial_inputs(shape, "float32", ("int8", 27))
+    data, = trials.trial_inputs(shape, "bfloat16")
+    taps, again = trials.trial_inputs(shape, "float32", ("int8", 27))
     assert not isinstance(data, jax.core.Tracer) and not isinstance(taps, jax.core.Tracer)
     return x + 1, data, taps, again
 
@@ -655,12 +657,12 @@ def test_trial_inputs_compile_once_a_shape_and_spread(monkeypatch):
   values = np.asarray(again)
   assert -1 <= values.min() < -0.99 and 0.99 < values.max() < 1
   assert len(np.unique(values)) > values.size // 2  # (few ties: no pattern a tile could favour)
-  triton.trial_inputs(shape, "float32", ("int8", 27))
+  trials.trial_inputs(shape, "float32", ("int8", 27))
   assert len(programs) == 2  # (the program reused)
-  ints, = triton.trial_inputs(shape, "int32")
+  ints, = trials.trial_inputs(shape, "int32")
   assert len(np.unique(np.asarray(ints))) > ints.size // 2
   with jax.ensure_compile_time_eval():  # (as the tuner calls it)
-    text = triton._inputs_program(shape, "float32", None).func.as_text()
+    text = trials._inputs_program(shape, "float32", None).func.as_text()
   assert "iota" in text and "{...}" not in text  # (XLA prints a large constant as {...})
 
 

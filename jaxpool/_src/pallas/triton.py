@@ -39,7 +39,6 @@ their share (average): no atomics, the same bits on every run.
 
 from __future__ import annotations
 
-import concurrent.futures
 import functools
 import math
 from collections.abc import Callable
@@ -51,6 +50,7 @@ from jax.experimental import pallas as pl
 
 from jaxpool._src.pallas import triton_tile, tuning
 from jaxpool._src.pallas.calls import out_struct
+from jaxpool._src.pallas.trials import trial_inputs
 from jaxpool._src.pallas.triton_avg import avg_kernel
 from jaxpool._src.pallas.triton_backward import backward_kernel, interleaves
 from jaxpool._src.pallas.triton_max import compare_dtype, max_kernel
@@ -58,7 +58,7 @@ from jaxpool._src.pallas.triton_rows import row_blocks, rows_kernel, shares_plan
 from jaxpool._src.pallas.triton_tile import plgpu
 from jaxpool._src.pallas.tuning_cache import Key, Launch, geometry_class
 from jaxpool._src.platforms import platform
-from jaxpool._src.windows import Geometry, taps_dtype, window_counts_1d
+from jaxpool._src.windows import Geometry, phase_taps, taps_dtype, window_counts_1d
 
 
 # ----------------------------------------------------------------------------- launch
@@ -252,14 +252,18 @@ def _backward_call(operands, in_shape, geom: Geometry, mode: str, interpret: boo
   # The column block counts phase columns ``m`` (or, channels_first with a stride that does not
   # interleave, input columns).
   cols = _backward_cols(g)
-  bw, bl, warps = launch or launch_for(f"{mode}_bwd", in_shape, dy.dtype, geom,
-                                       interpret=interpret, include_pad=include_pad,
-                                       divisor=divisor)
-  rows = nb * mcount[0] * mcount[1]
+  bw, bl, warps, *block = launch or launch_for(f"{mode}_bwd", in_shape, dy.dtype, geom,
+                                               interpret=interpret, include_pad=include_pad,
+                                               divisor=divisor)
+  bd, bh = block or (1, 1)
+  if bd < 1 or bh < 1:
+    raise ValueError(f"a backward's block of rows must be at least 1 x 1, got {tuple(block)}")
+  # Programs over blocks of ``bd x bh`` phase rows (``s_d x s_h`` input rows each).
+  rows = nb * -(-mcount[0] // bd) * -(-mcount[1] // bh)
   grid = triton_tile.grid(rows, pl.cdiv(cols, bw), pl.cdiv(lanes, bl))
   kernel = functools.partial(backward_kernel, g=g, bw=bw, bl=bl, lanes=lanes, rows=rows,
                              n_cols=cols, mode=mode, include_pad=include_pad, divisor=divisor,
-                             interpret=interpret)
+                             interpret=interpret, block=(bd, bh))
   shape4 = _view_shape(in_shape, g.in_spatial, g.channels_last)
   nbytes = sum(o.size * o.dtype.itemsize for o in operands) + math.prod(shape4) * \
       dy.dtype.itemsize
@@ -336,7 +340,7 @@ def row_block_candidates(heuristic: Launch, g: Geometry, dtype, op: str = "max_f
   maxima, and of taps). The average forward ("avg_fwd", :func:`avg_blocks`): ``1 x 2`` rows
   with the heuristic's tile. Both, where output planes share input planes: ``2`` rows of every
   output plane, looped over (``rd = 0``: each input plane read once), with the heuristic's tile
-  and with half its columns and warps."""
+  and with half its columns and warps (with the taps, each also with half its lanes)."""
   Do, Ho, _ = g.out_spatial
   shared = g.window[0] > g.strides[0] or g.window[1] > g.strides[1]  # rows read twice
   fits = avg_blocks(g) if op == "avg_fwd" else _blocks_exact(g, dtype, False)
@@ -346,10 +350,34 @@ def row_block_candidates(heuristic: Launch, g: Geometry, dtype, op: str = "max_f
   half_bw, half_bl = max(bw // 2, 1), max(bl // 2, 1)
   planes = Do > 1 and shares_planes(g)  # (output planes sharing input planes)
   loops = [(bw, bl, warps, 0, 2), (half_bw, bl, max(warps // 2, 1), 0, 2)] if planes else []
+  if planes and op == "argmax_fwd":  # (a tile of taps beside the maxima: half the lanes too)
+    loops += [(bw, half_bl, warps, 0, 2), (half_bw, half_bl, max(warps // 2, 1), 0, 2)]
   if op == "avg_fwd":
     return list(dict.fromkeys([(bw, bl, warps, 1, 2), *loops]))
   four = (half_bw, half_bl, warps, 2, 2) if planes else (half_bw, half_bl, warps, 1, 4)
   return list(dict.fromkeys([(bw, bl, warps, 1, 2), (bw, half_bl, warps, 1, 2), four, *loops]))
+
+
+def backward_block_candidates(heuristic: Launch, g: Geometry) -> list[Launch]:
+  """The backward's launches over blocks of rows that the tuner tries beside the one-block
+  ones, where neighbouring blocks read the same cotangent rows (windows that overlap in height):
+  ``1 x 2`` blocks with the heuristic's tile and with half its lanes, and ``2 x 2`` (windows
+  that overlap in depth too) or ``1 x 4`` with half its lanes. Every block gives the same bits
+  (each element's sum is the same, in the same order)."""
+  mcount = [-(-n // s) for n, s in zip(g.in_spatial, g.strides)]
+  if mcount[1] < 2 or len(_phase_offsets(g, 1)) < 2:
+    return []
+  bw, bl, warps = heuristic[:3]
+  half_bl = max(bl // 2, 1)
+  planes = mcount[0] > 1 and len(_phase_offsets(g, 0)) > 1
+  four = (bw, half_bl, warps, 2, 2) if planes else (bw, half_bl, warps, 1, 4)
+  return list(dict.fromkeys([(bw, bl, warps, 1, 2), (bw, half_bl, warps, 1, 2), four]))
+
+
+def _phase_offsets(g: Geometry, dim: int) -> set[int]:
+  """The offsets, from a block of the backward's rows, of the windows its phases read in
+  ``dim``: more than one where neighbouring blocks read the same windows."""
+  return {q for r in range(g.strides[dim]) for _, q in phase_taps(g, dim, r)}
 
 
 def avg_counting(include_pad: bool, divisor: int | None) -> str:
@@ -357,58 +385,6 @@ def avg_counting(include_pad: bool, divisor: int | None) -> str:
   compute the count per window, the one-row kernel inside the input a constant): "divisor",
   "pad" (``count_include_pad``) or "real"."""
   return "divisor" if divisor is not None else ("pad" if include_pad else "real")
-
-
-@functools.lru_cache(maxsize=32)
-def _inputs_program(shape, dtype: str, taps):
-  """The compiled program of :func:`trial_inputs` for one shape, dtype and taps (shared by the
-  kernels that take them)."""
-
-  def draw(salt):
-    position = jnp.arange(math.prod(shape), dtype=jnp.uint32).reshape(shape)
-
-    def bits(salt):
-      """Pseudo-random bits of each element's position (a multiplicative hash): elementwise,
-      so that it compiles in a fraction of a second and runs at memory speed."""
-      h = position ^ salt
-      for mul, shift in ((0x7FEB352D, 15), (0x846CA68B, 16)):
-        h = (h ^ (h >> 16)) * np.uint32(mul)
-        h = h ^ (h >> shift)
-      return h
-
-    h = bits(salt)
-    if np.dtype(dtype).kind in "biu":  # (integers from -2^14 to 2^14 - 1, wrapped to dtype)
-      data = ((h >> 17).astype(jnp.int32) - 16384).astype(dtype)
-    else:
-      data = ((h >> 8).astype(jnp.float32) * np.float32(2.0 ** -23) - 1).astype(dtype)
-    if taps is None:
-      return (data,)
-    t_dtype, n_taps = taps
-    t = (bits(salt ^ np.uint32(0x9E3779B9)) % np.uint32(n_taps + 1)).astype(jnp.int32) - 1
-    return (t.astype(t_dtype), data)
-
-  salt = np.uint32(0)
-  # Lowered in a thread of its own, where no trace and no ensure_compile_time_eval of the
-  # caller's (both belong to a thread) run the positions eagerly into a constant of the
-  # program: as large as the input, and kept as long as the program is. Like the candidates
-  # (tuning.Tuner._compile_all), it follows the process's default device and x64 setting,
-  # not a caller's jax.default_device or enable_x64 context.
-  with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
-    compiled = pool.submit(lambda: jax.jit(draw).lower(salt).compile()).result()
-  return functools.partial(compiled, salt)
-
-
-def trial_inputs(shape, dtype: str, taps=None) -> tuple:
-  """A tuning trial's inputs, as concrete arrays (also while a jit trace is running): values of
-  ``shape`` and ``dtype`` (floats in ``[-1, 1]``, integers in ``[-2^14, 2^14)`` wrapped to the
-  dtype) and, with ``taps = (dtype, n)``, taps in ``[-1, n)`` of that shape before them.
-
-  From a hash of each element's position, by one compiled program per shape, dtype and taps
-  (shared by the kernels that take them): random bits drawn op by op (as
-  ``ensure_compile_time_eval`` runs ``jax.random``) took 6-21 s for a large input on an H100,
-  most of a kernel's tuning budget (``benchmarks/probes/tune_phases_gpu.py``)."""
-  with jax.ensure_compile_time_eval():
-    return tuple(_inputs_program(tuple(shape), dtype, taps)())
 
 
 def launch_for(op: str, in_shape, dtype, geom: Geometry, *, interpret: bool,
@@ -440,7 +416,8 @@ def launch_for(op: str, in_shape, dtype, geom: Geometry, *, interpret: bool,
   if op == "avg_fwd":
     geometry += "/" + avg_counting(include_pad, divisor)
   key = Key(op, dtype.name, "channels_last" if g.channels_last else "channels_first", geometry)
-  extra = row_block_candidates(heuristic, g, dtype, op) if forward else []
+  extra = (row_block_candidates(heuristic, g, dtype, op) if forward
+           else backward_block_candidates(heuristic, g))
   cands = tuning.candidates(heuristic, cols, lanes, dtype.itemsize, g.channels_last,
                             tuning.max_candidates(), extra)
 
@@ -464,9 +441,11 @@ def launch_for(op: str, in_shape, dtype, geom: Geometry, *, interpret: bool,
   chosen = tuning.default_tuner().choose(key, heuristic, cands,
                                          tuning.Trial(compile_launch, args),
                                          tune=tuning.mode() == "auto")
-  if len(chosen) > 3 and (not extra or (chosen[3] == 0 and not shares_planes(g))):
+  if len(chosen) > 3 and (not extra or (chosen[3] == 0 and (not forward
+                                                              or not shares_planes(g)))):
     # A block of rows chosen for this key's class (from the cache or a table) where this call
     # cannot take one (one output row, padding that leaves a window empty, another NAN_MAX
-    # form, no output planes sharing input planes to loop over): the heuristic.
+    # form, no output planes sharing input planes to loop over, a backward's loop): the
+    # heuristic.
     return heuristic
   return chosen

@@ -29,17 +29,20 @@ from jaxpool._src.windows import Geometry, phase_taps
 
 def backward_kernel(*refs, g: Geometry, bw: int, bl: int, lanes: int, rows: int,
                     n_cols: int, mode: str, include_pad: bool, divisor: int | None,
-                    interpret: bool):
+                    interpret: bool, block: tuple[int, int] = (1, 1)):
   """``dx`` for a block of ``s_d x s_h`` input rows and ``s_w * bw`` (channels_last) or ``bw``
-  (channels_first) columns, phase by phase.
+  (channels_first) columns, phase by phase; with ``block = (bd, bh)``, for ``bd x bh`` such
+  blocks of rows (``bd`` of them in depth, ``bh`` in height).
 
   The input element ``(m_d s_d + r_d, m_h s_h + r_h, m s_w + r_w)`` lies at tap ``(a, i, j)`` of
   window ``(m_d + q_d, m_h + q_h, m + q_w)`` exactly when ``r + lo - tap * d = q * s`` in every
   dim: for a fixed phase ``r`` the taps that can hold it and the offsets ``q`` are static, and
   each tap's windows are a contiguous run over ``m``. (``rows`` and ``n_cols``: the launch's
-  rows, ``b x ceil(D / s_d) x ceil(H / s_h)``, and its columns, over which
-  :func:`triton_tile.program` numbers the programs.) So each phase reads only the taps that
-  matter, as whole tiles (each loaded once for all the block's phases that read it), and sums
+  blocks of rows, ``b x ceil(ceil(D / s_d) / bd) x ceil(ceil(H / s_h) / bh)``, and its columns,
+  over which :func:`triton_tile.program` numbers the programs.) So each phase reads only the
+  taps that
+  matter, as whole tiles (each loaded once for all the phases of the program's blocks that read
+  it: neighbouring blocks of rows share the windows' rows where windows overlap), and sums
   them in descending tap order: the order in which JAX's transpose of the XLA path's tap
   gather adds them (the skipped taps add exact zeros there), so max-pool gradients have the
   same bits on both paths. In channels_first the columns are the
@@ -57,8 +60,10 @@ def backward_kernel(*refs, g: Geometry, bw: int, bl: int, lanes: int, rows: int,
     dy_ref, dx_ref = refs
   (D, H, W), (Do, Ho, Wo) = g.in_spatial, g.out_spatial
   mcount = [-(-n // s) for n, s in zip(g.in_spatial, g.strides)]
+  bd, bh = block
   row, cb, lb = program(rows, pl.cdiv(n_cols, bw), pl.cdiv(lanes, bl), g.channels_last)
-  b, md, mh = split(row, mcount[:2])
+  b, md, mh = split(row, (-(-mcount[0] // bd), -(-mcount[1] // bh)))
+  md, mh = md * bd, mh * bh  # the first block's phase rows (blocks past the end: masked)
   tile = Tile(bw, lanes, bl, interpret, g.channels_last, lb)
   c0 = cb * bw
   raw = c0 + jnp.arange(bw, dtype=jnp.int32)
@@ -91,11 +96,11 @@ def backward_kernel(*refs, g: Geometry, bw: int, bl: int, lanes: int, rows: int,
   # Interior: every phase's rows exist and every window the (real) tile visits is real; the
   # columns past W are masked on both paths.
   interior = None
-  for dim, first_m, last_m in ((0, md, md), (1, mh, mh), (2, *m_span)):
+  for dim, first_m, last_m in ((0, md, md + bd - 1), (1, mh, mh + bh - 1), (2, *m_span)):
     qs = [q for r in range(g.strides[dim]) for _, q in phase_taps(g, dim, r)]
     inside = (first_m + min(qs) >= 0) & (last_m + max(qs) < g.out_spatial[dim])
     if dim < 2:
-      inside &= (first_m + 1) * g.strides[dim] <= g.in_spatial[dim]
+      inside &= (last_m + 1) * g.strides[dim] <= g.in_spatial[dim]
     interior = inside if interior is None else interior & inside
   dtype = dy_ref.dtype
   # Max pooling sums in the cotangents' dtype, rounding after every add as the XLA path does
@@ -125,25 +130,27 @@ def backward_kernel(*refs, g: Geometry, bw: int, bl: int, lanes: int, rows: int,
       mask = rows if mask is None else (mask & rows)
     tile.store(dx_ref, tile.index(b, d, h, w), acc.astype(dtype), mask)
 
-  # Every phase (``rd, rh`` and a column group) sums its taps in descending tap order. A tap's
-  # windows are a tile at a static offset ``(qd, qh, qw)`` from the block (``j``, not ``qw``,
-  # where each lane has its own column phase), and phases share offsets (a 3x3/s2 block's four
-  # phases read four tiles, for nine taps): so the tiles are loaded once each, in ascending
-  # offset order, which is every phase's descending tap order, and added into every phase
-  # that reads them.
-  phases = [(rd, rh, gi) for rd, rh in itertools.product(range(g.strides[0]), range(g.strides[1]))
-            for gi in range(len(groups))]
+  # Every phase (a block ``kd, kh``, its ``rd, rh`` and a column group) sums its taps in
+  # descending tap order. A tap's windows are a tile at a static offset ``(kd + qd, kh + qh,
+  # qw)`` from the program's first block (``j``, not ``qw``, where each lane has its own column
+  # phase), and phases share offsets (a 3x3/s2 block's four phases read four tiles, for nine
+  # taps; two blocks in height, six): so the tiles are loaded once each, in ascending offset
+  # order, which is every phase's descending tap order, and added into every phase that reads
+  # them.
+  row_phases = [(kd, kh, rd, rh) for kd, kh in itertools.product(range(bd), range(bh))
+                for rd, rh in itertools.product(range(g.strides[0]), range(g.strides[1]))]
+  phases = [(*rp, gi) for rp in row_phases for gi in range(len(groups))]
   uses: dict[tuple[int, int, int], list[tuple[int, int]]] = {}  # offset -> [(phase, tap)]
   lane_oks: dict[tuple[int, int, int], Any] = {}
   cols: dict[tuple[int, int, int], Any] = {}
   every_tap = []  # whether each phase visits every tap of the window
-  for p, (rd, rh, gi) in enumerate(phases):
+  for p, (kd, kh, rd, rh, gi) in enumerate(phases):
     _, m, jtaps = groups[gi]
     n = 0
     for a, qd in phase_taps(g, 0, rd):
       for i, qh in phase_taps(g, 1, rh):
         for j, qw, lane_ok in jtaps:
-          key = (qd, qh, qw if lane_ok is None else -j)
+          key = (kd + qd, kh + qh, qw if lane_ok is None else -j)
           uses.setdefault(key, []).append((p, (a * g.window[1] + i) * g.window[2] + j))
           lane_oks[key], cols[key] = lane_ok, m + qw
           n += 1
@@ -197,8 +204,8 @@ def backward_kernel(*refs, g: Geometry, bw: int, bl: int, lanes: int, rows: int,
           accs[p] = jnp.where((acc == 0) & skipped, zero, acc)
     accs = [zero if acc is None else acc for acc in accs]
     ng = len(groups)
-    for n, (rd, rh) in enumerate(itertools.product(range(g.strides[0]), range(g.strides[1]))):
-      d, h = md * g.strides[0] + rd, mh * g.strides[1] + rh
+    for n, (kd, kh, rd, rh) in enumerate(row_phases):
+      d, h = (md + kd) * g.strides[0] + rd, (mh + kh) * g.strides[1] + rh
       mine = accs[n * ng:(n + 1) * ng]
       if interleaved:
         # Whole lines of ``sw * bw`` columns: column ``m * sw + r`` from phase ``r``.

@@ -17,7 +17,7 @@ looks the configuration up, in this order:
 4. tuning: each candidate (:func:`candidates` around today's heuristic, at most
    ``JAXPOOL_TUNE_MAX_CANDIDATES``, and for the forwards up to 5 blocks of rows more) is
    compiled (in parallel threads) and timed on pseudo-random data of the call's shape
-   (``triton.trial_inputs``), for at most ``JAXPOOL_TUNE_BUDGET_S`` seconds a key; the fastest is
+   (``trials.trial_inputs``), for at most ``JAXPOOL_TUNE_BUDGET_S`` seconds a key; the fastest is
    written to the disk cache.
 
 Steps 1 to 3 and the keys are ``tuning_cache.py``'s (:class:`~tuning_cache.Store`, which a
@@ -96,7 +96,7 @@ def mode() -> str:
 def _inside_manual_axes() -> bool:
   """Whether this trace is inside a ``shard_map`` (yours, or the one an Explicit mesh runs the
   kernels under). There a tuning run's random inputs, drawn with ``jax.random`` before they
-  were a hash (``triton.trial_inputs``), raised an error from JAX on a GPU (not tried again
+  were a hash (``trials.trial_inputs``), raised an error from JAX on a GPU (not tried again
   with the hash); the kernel takes the table's, the cache's or the heuristic
   configuration instead (``python -m jaxpool.tune`` tunes ahead)."""
   return bool(getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()))
@@ -139,7 +139,8 @@ def budget_s() -> float:
 
 def max_candidates() -> int:
   """``JAXPOOL_TUNE_MAX_CANDIDATES``: the most one-row configurations tried a key (default 6;
-  the forwards also try up to 5 blocks of rows)."""
+  the forwards also try up to 7 blocks or loops of output rows, the backwards up to 3 blocks
+  of rows)."""
   return int(_positive(CANDIDATES_ENV, DEFAULT_MAX_CANDIDATES, int))
 
 

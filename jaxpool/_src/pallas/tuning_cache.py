@@ -46,7 +46,7 @@ def launch_name(launch: Sequence[int]) -> str:
 # (silently, as an entry of another environment) and the kernel is tuned again. 5: the max
 # forwards' candidates include loops over the output planes, the average forward's blocks of
 # rows and loops, and the average forward's key how it counts its divisor.
-FORMAT = 5
+FORMAT = 6
 CACHE_ENV = "JAXPOOL_CACHE_DIR"
 TABLES = "launch_tables"  # the shipped tables: a package folder beside this module
 MAX_TILE = 8192  # elements: the largest tile a candidate (or the heuristic) has
