@@ -28,7 +28,7 @@ def rng(request):
 # would leave one worker idle while the other finishes it. The order changes no test.
 FIRST = ("sharding/test_partitioning_spatial.py", "sharding/test_partitioning.py",
          "kernels/test_pallas.py", "reliability/test_reliability.py", "optimize/test_optimize.py",
-         "sharding/test_sharding.py")
+         "sharding/test_sharding.py", "kernels/test_backward_blocks.py")
 _HERE = Path(__file__).parent
 
 

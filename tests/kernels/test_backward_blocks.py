@@ -25,6 +25,8 @@ from jaxpool._src.pallas import triton, tuning
 CASES = {
     "2d_last": ((2, 11, 13, 3), (3, 3), (2, 2), ((1, 1), (1, 2)), None, False, "channels_last"),
     "3d_last": ((1, 7, 9, 11, 2), (3, 3, 3), (2, 2, 2), 1, None, False, "channels_last"),
+    # (small: blocks in depth and height that share tiles, in `make test`)
+    "3d_small": ((1, 5, 6, 3, 2), (3, 3, 2), (2, 2, 2), 1, None, False, "channels_last"),
     # (channels_first, stride 2: the phases' columns interleaved into whole lines)
     "2d_first_ceil": ((2, 3, 10, 9), (3, 2), (2, 2), ((1, 0), (0, 1)), None, True,
                       "channels_first"),
@@ -48,19 +50,26 @@ def _cotangent(rng, shape):
   return jnp.asarray(dy.reshape(shape))
 
 
-# (`make test` runs two layouts' column paths; `make test-all` every case)
-@pytest.mark.parametrize("name", [n if n in ("2d_last", "2d_first_s3_dilated")
+# (`make test` runs both layouts' column paths and blocks in depth; `make test-all` every case)
+@pytest.mark.parametrize("name", [n if n in ("2d_last", "2d_first_ceil", "3d_small")
                                   else pytest.param(n, marks=pytest.mark.slow) for n in CASES])
 def test_every_backward_block_gives_the_bits_of_one_block(name):
   """Max pooling (tie-rich input: many windows choose the same element) and average pooling
   (counting the padding, not, and an override): every block gives one block's bits, and the
-  max gradient the XLA path's."""
+  max gradient the XLA path's.
+
+  (With one lane a program, XLA:CPU, which runs interpret mode, rounds the average gradient
+  differently from wider launches, one block or several: docs/tuning.md. So the average's
+  blocks are compared with one block of as many lanes.)"""
   shape, geom = _geometry(name)
   rng = np.random.default_rng(2)
   x = jnp.asarray(tie_rich(rng, shape))
   dy = _cotangent(rng, geom.output_shape(shape))
   launches = [(2, 2, 1, *b) for b in BLOCKS] + [(4, 4, 1, 2, 2)]
   settings = [(True, None), (False, None), (False, 5)]
+  # (one block, then blocks of its lanes)
+  avg_launches = [((2, 2, 1), [(2, 2, 1, 1, 2), (2, 2, 1, 2, 2), (4, 2, 1, 1, 3)]),
+                  ((4, 1, 1), [(4, 1, 1, 2, 2)])]
 
   @jax.jit
   def run(x, dy):
@@ -69,11 +78,9 @@ def test_every_backward_block_gives_the_bits_of_one_block(name):
     maxes = [triton._backward_call((taps, dy), shape, geom, "max", True, launch=launch)
              for launch in [(2, 2, 1), *launches, (4, 1, 1, 2, 2)]]
     avgs = [[triton._backward_call((dy,), shape, geom, "avg", True, pad, div, launch=launch)
-             for launch in [(2, 2, 1), *launches]] for pad, div in settings]
+             for launch in [one, *blocks]] for pad, div in settings for one, blocks in avg_launches]
     return want, maxes, avgs
 
-  # (The average's launches keep 2 lanes or more: with one lane a program, XLA:CPU, which runs
-  # interpret mode, rounds the average gradient's sums differently, one block or several.)
   want, (one, *blocks), avgs = run(x, dy)
   bits_equal(one, want)
   for got in blocks:
@@ -92,9 +99,21 @@ def _cases(draw):
   return cfg, launch, draw(st.integers(0, 2**16))
 
 
+def _example(shape, window, strides, padding, fmt, launch):
+  """A case of :func:`_cases` written out."""
+  n = len(window)
+  cfg = dict(shape=shape, window_shape=window, strides=strides, padding=padding,
+             dilation=(1,) * n, ceil_mode=False, data_format=fmt)
+  return cfg, launch, 3
+
+
 @hypothesis.settings(max_examples=12, deadline=None, derandomize=True,
                      suppress_health_check=list(hypothesis.HealthCheck))
 @hypothesis.given(_cases())
+# (besides the drawn ones: blocks that share tiles in height, and in depth and height)
+@hypothesis.example(_example((2, 3, 11, 10), (3, 3), (2, 2), 1, "channels_first", (2, 2, 1, 1, 3)))
+@hypothesis.example(_example((1, 6, 7, 5, 2), (3, 3, 2), (2, 2, 2), 1, "channels_last",
+                             (2, 2, 1, 2, 2)))
 def test_backward_blocks_give_the_reference_gradients(case):
   """Random configurations (either layout, 1-3 dims, padding, dilation, ceil mode), tie-rich
   inputs and small integer cotangents (exact sums): a block's max gradient is the NumPy
@@ -144,10 +163,14 @@ def test_which_backward_blocks_the_tuner_offers(monkeypatch):
   g2 = windows.make_geometry((8, 112, 112, 64), (3, 3), (2, 2), 1).lift(3)
   assert triton.backward_block_candidates(h, g2) == [(8, 64, 4, 1, 2), (8, 32, 4, 1, 2),
                                                      (8, 32, 4, 1, 4)]
+  # Windows that overlap in depth too: 2 x 2 blocks, where a block reads at most 4 tiles (a
+  # 3 x 3 x 1 window at stride 2 x 2 x 1); not a 3x3x3/s2 pool's 8 (slower on both GPUs).
+  g331 = windows.make_geometry((2, 16, 56, 56, 64), (3, 3, 1), (2, 2, 1), 0).lift(3)
+  assert triton.backward_block_candidates(h, g331)[-1] == (8, 32, 4, 2, 2)
   g3 = windows.make_geometry((2, 16, 56, 56, 64), (3, 3, 3), (2, 2, 2), 1).lift(3)
-  assert triton.backward_block_candidates(h, g3)[-1] == (8, 32, 4, 2, 2)
-  # Windows that do not overlap in height (2x2/s2, or 3x1 taps one apart in a 1 x 3 stride):
-  # each block reads its own cotangent rows, nothing to share.
+  assert triton._block_tiles(g3) == 8 and triton.backward_block_candidates(h, g3) == []
+  # Windows that do not overlap in height (2x2/s2, or a 1 x 3 window at stride 1 x 3): each
+  # block reads its own cotangent rows, nothing to share.
   for window, strides in (((2, 2), (2, 2)), ((1, 3), (1, 3))):
     g = windows.make_geometry((8, 112, 111, 64), window, strides, 0).lift(3)
     assert triton.backward_block_candidates(h, g) == []
@@ -174,6 +197,18 @@ def test_which_backward_blocks_the_tuner_offers(monkeypatch):
     Table.rows = 0
     assert triton.launch_for("avg_bwd", shape, jnp.float32, geom, interpret=False) == heuristic
 
+  # A block from the cache or a table for a call that is offered none (a 3x3x3/s2 pool, whose
+  # key's class may hold a block tuned elsewhere): the heuristic.
+  class Blocks:
+    def choose(self, key, heuristic, cands, trial, *, tune=True):
+      return (*heuristic, 1, 2)
+
+  shape3 = (2, 16, 56, 56, 64)
+  geom3 = windows.make_geometry(shape3, (3, 3, 3), (2, 2, 2), 1)
+  with tuning.using(Blocks()):  # type: ignore[arg-type]
+    got = triton.launch_for("max_bwd", shape3, jnp.float32, geom3, interpret=False)
+  assert got == triton.launch_for("max_bwd", shape3, jnp.float32, geom3, interpret=True)
+
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape,fmt,dtype", [
@@ -183,8 +218,9 @@ def test_which_backward_blocks_the_tuner_offers(monkeypatch):
     ((4, 64, 56, 57), "channels_first", jnp.float32),
 ], ids=["2d_f32", "2d_bf16", "3d_f32", "2d_first_f32"])
 def test_gpu_backward_blocks_give_the_bits_of_one_block(monkeypatch, shape, fmt, dtype):
-  """Compiled: every block the tuner offers, and a few more, give the bits of one block a
-  program (max and average pooling) and, for max pooling, the XLA path's."""
+  """Compiled: every block the tuner offers, and a few more (in 3-D, blocks in depth), give the
+  bits of one block a program (max and average pooling) and, for max pooling, the XLA
+  path's."""
   from kernel_base import ON_GPU
   if not ON_GPU:
     pytest.skip("needs a GPU")
@@ -198,7 +234,7 @@ def test_gpu_backward_blocks_give_the_bits_of_one_block(monkeypatch, shape, fmt,
   want = jax.vjp(lambda t: xla.gather_at_taps(t, taps, geom), x)[1](dy)[0]
   h = triton.launch_for("max_bwd", shape, dtype, geom, interpret=False)
   offered = triton.backward_block_candidates(h, geom.lift(3))
-  assert len(offered) == 3
+  assert len(offered) == (0 if n == 3 else 3)  # (3x3x3/s2: 8 tiles a block, none offered)
   bw, bl, warps = h
   one = triton._backward_call((dy,), shape, geom, "avg", False, True, None, launch=h)
   for launch in offered + [(bw, bl, warps, 2, 1), (max(bw // 2, 1), bl, warps, 1, 3)]:

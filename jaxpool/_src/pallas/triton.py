@@ -360,12 +360,13 @@ def row_block_candidates(heuristic: Launch, g: Geometry, dtype, op: str = "max_f
 
 def backward_block_candidates(heuristic: Launch, g: Geometry) -> list[Launch]:
   """The backward's launches over blocks of rows that the tuner tries beside the one-block
-  ones, where neighbouring blocks read the same cotangent rows (windows that overlap in height):
-  ``1 x 2`` blocks with the heuristic's tile and with half its lanes, and ``2 x 2`` (windows
-  that overlap in depth too) or ``1 x 4`` with half its lanes. Every block gives the same bits
-  (each element's sum is the same, in the same order)."""
+  ones, where neighbouring blocks read the same cotangent rows (windows that overlap in height)
+  and a block reads at most :data:`BLOCK_TILES` tiles: ``1 x 2`` blocks with the heuristic's
+  tile and with half its lanes, and ``2 x 2`` (windows that overlap in depth too) or ``1 x 4``
+  with half its lanes. Every block gives the same bits (each element's sum is the same, in the
+  same order)."""
   mcount = [-(-n // s) for n, s in zip(g.in_spatial, g.strides)]
-  if mcount[1] < 2 or len(_phase_offsets(g, 1)) < 2:
+  if mcount[1] < 2 or len(_phase_offsets(g, 1)) < 2 or _block_tiles(g) > BLOCK_TILES:
     return []
   bw, bl, warps = heuristic[:3]
   half_bl = max(bl // 2, 1)
@@ -378,6 +379,21 @@ def _phase_offsets(g: Geometry, dim: int) -> set[int]:
   """The offsets, from a block of the backward's rows, of the windows its phases read in
   ``dim``: more than one where neighbouring blocks read the same windows."""
   return {q for r in range(g.strides[dim]) for _, q in phase_taps(g, dim, r)}
+
+
+# The most tiles (of cotangents, and of taps) one block of the backward's rows may read for the
+# tuner to offer blocks: a 3x3/s2 pool reads 4, a 3x3x3/s2 one 8, where every block ran slower
+# than one block a program on an H100 and an H200 (a program of 2 x 2 such blocks sums 32
+# phases) and took seconds more to compile (benchmarks/probes/NOTES.md).
+BLOCK_TILES = 4
+
+
+def _block_tiles(g: Geometry) -> int:
+  """The tiles one block of the backward's rows reads (each column tap's own, in channels_first
+  with a stride that does not interleave)."""
+  cols = (len(_phase_offsets(g, 2)) if g.channels_last or interleaves(g.strides[2])
+          else g.window[2])
+  return len(_phase_offsets(g, 0)) * len(_phase_offsets(g, 1)) * cols
 
 
 def avg_counting(include_pad: bool, divisor: int | None) -> str:

@@ -40,10 +40,9 @@ def backward_kernel(*refs, g: Geometry, bw: int, bl: int, lanes: int, rows: int,
   each tap's windows are a contiguous run over ``m``. (``rows`` and ``n_cols``: the launch's
   blocks of rows, ``b x ceil(ceil(D / s_d) / bd) x ceil(ceil(H / s_h) / bh)``, and its columns,
   over which :func:`triton_tile.program` numbers the programs.) So each phase reads only the
-  taps that
-  matter, as whole tiles (each loaded once for all the phases of the program's blocks that read
-  it: neighbouring blocks of rows share the windows' rows where windows overlap), and sums
-  them in descending tap order: the order in which JAX's transpose of the XLA path's tap
+  taps that matter, as whole tiles (each loaded once for all the phases of the program's blocks
+  that read it: neighbouring blocks of rows share the windows' rows where windows overlap), and
+  sums them in descending tap order: the order in which JAX's transpose of the XLA path's tap
   gather adds them (the skipped taps add exact zeros there), so max-pool gradients have the
   same bits on both paths. In channels_first the columns are the
   contiguous dim, so a block is a run of input columns (stored whole) and the column phase is

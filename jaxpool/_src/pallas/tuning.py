@@ -15,7 +15,8 @@ looks the configuration up, in this order:
    driver it was tuned with are this process's;
 3. the table shipped with the package for this device kind (``launch_tables/*.json``);
 4. tuning: each candidate (:func:`candidates` around today's heuristic, at most
-   ``JAXPOOL_TUNE_MAX_CANDIDATES``, and for the forwards up to 5 blocks of rows more) is
+   ``JAXPOOL_TUNE_MAX_CANDIDATES``, and up to 7 blocks or loops of rows more for the forwards,
+   3 blocks of rows for the backwards) is
    compiled (in parallel threads) and timed on pseudo-random data of the call's shape
    (``trials.trial_inputs``), for at most ``JAXPOOL_TUNE_BUDGET_S`` seconds a key; the fastest is
    written to the disk cache.
@@ -152,7 +153,8 @@ def candidates(heuristic: Launch, cols: int, lanes: int, itemsize: int, channels
                limit: int, extra: Sequence[Launch] = ()) -> list[Launch]:
   """Up to ``limit`` configurations around ``heuristic``, ``heuristic`` first, then the others
   by how far they are from it (fewest changed factors, then smallest changes); then ``extra``
-  (the forwards' blocks of rows, ``triton.row_block_candidates``), beyond ``limit``.
+  (the forwards' blocks of rows, ``triton.row_block_candidates``, or the backwards',
+  ``triton.backward_block_candidates``), beyond ``limit``.
 
   Columns ``bw`` from half to four times the heuristic's (at most the columns rounded up to
   a power of two), lanes ``bl`` from half to twice (at most the lanes so rounded, and 1024

@@ -30,7 +30,8 @@ import jax
 
 # (bw, bl, num_warps), or (bw, bl, num_warps, rd, rh): a forward (max with or without its taps,
 # or average) over blocks of rd x rh output rows a program, or with rd = 0 over rh rows of every
-# output plane, looped over (``triton_rows.py``); three numbers mean 1 x 1.
+# output plane, looped over (``triton_rows.py``); a backward over rd x rh blocks of input rows
+# (each block one row per stride phase, ``triton_backward.py``); three numbers mean 1 x 1.
 Launch = tuple[int, ...]
 
 
@@ -45,13 +46,14 @@ def launch_name(launch: Sequence[int]) -> str:
 # another format was tuned among other candidates or for other kernels, so it is not used
 # (silently, as an entry of another environment) and the kernel is tuned again. 5: the max
 # forwards' candidates include loops over the output planes, the average forward's blocks of
-# rows and loops, and the average forward's key how it counts its divisor.
+# rows and loops, and the average forward's key how it counts its divisor. 6: the backwards'
+# candidates include blocks of rows, the max forward with taps' loops with half the lanes.
 FORMAT = 6
 CACHE_ENV = "JAXPOOL_CACHE_DIR"
 TABLES = "launch_tables"  # the shipped tables: a package folder beside this module
 MAX_TILE = 8192  # elements: the largest tile a candidate (or the heuristic) has
 MAX_WARPS = 32  # Triton's limit
-MAX_ROWS = 4  # output rows a program (rd x rh) at most
+MAX_ROWS = 4  # rows (rd x rh: output rows, or a backward's blocks of input rows) a program at most
 
 
 class TuningWarning(UserWarning):
@@ -152,8 +154,9 @@ def shipped_table(device_kind: str) -> dict[str, Launch]:
 
 def _valid_launch(v: Any) -> bool:
   """Three (or five) powers of two: a tile of at most ``MAX_TILE`` elements, at most
-  ``MAX_WARPS`` warps (and a block of at most ``MAX_ROWS`` output rows, or ``0`` planes: at
-  most ``MAX_ROWS`` rows of every plane, looped over)."""
+  ``MAX_WARPS`` warps (and a block of at most ``MAX_ROWS`` rows, output rows for a forward and
+  blocks of input rows for a backward, or ``0`` planes: at most ``MAX_ROWS`` rows of every
+  plane, looped over)."""
   if not (isinstance(v, (list, tuple)) and len(v) in (3, 5)
           and all(type(n) is int for n in v)):  # (not bool, a subclass of int)
     return False
