@@ -353,6 +353,13 @@ def phase_taps(geom: Geometry, dim: int, r: int) -> list[tuple[int, int]]:
   return out
 
 
+def phase_offsets(geom: Geometry, dim: int) -> set[int]:
+  """The offsets ``q`` (:func:`phase_taps`) of every input phase along ``dim``: the windows,
+  relative to a block of the backward's rows, that the block reads (more than one where
+  neighbouring blocks read the same windows)."""
+  return {q for r in range(geom.strides[dim]) for _, q in phase_taps(geom, dim, r)}
+
+
 def taps_dtype(num_taps: int) -> np.dtype:
   """The narrowest signed int holding a tap index and the "no real element" sentinel."""
   if num_taps <= np.iinfo(np.int8).max:

@@ -52,13 +52,18 @@ from jaxpool._src.pallas import triton_tile, tuning
 from jaxpool._src.pallas.calls import out_struct
 from jaxpool._src.pallas.trials import trial_inputs
 from jaxpool._src.pallas.triton_avg import avg_kernel
-from jaxpool._src.pallas.triton_backward import backward_kernel, interleaves
+from jaxpool._src.pallas.triton_backward import (
+    backward_kernel,
+    block_rows,
+    interleaves,
+    phase_rows,
+)
 from jaxpool._src.pallas.triton_max import compare_dtype, max_kernel
 from jaxpool._src.pallas.triton_rows import row_blocks, rows_kernel, shares_planes
 from jaxpool._src.pallas.triton_tile import plgpu
 from jaxpool._src.pallas.tuning_cache import Key, Launch, geometry_class
 from jaxpool._src.platforms import platform
-from jaxpool._src.windows import Geometry, phase_taps, taps_dtype, window_counts_1d
+from jaxpool._src.windows import Geometry, phase_offsets, taps_dtype, window_counts_1d
 
 
 # ----------------------------------------------------------------------------- launch
@@ -248,7 +253,6 @@ def _backward_call(operands, in_shape, geom: Geometry, mode: str, interpret: boo
   dy = operands[-1]
   ops4 = [_view(o, g.out_spatial, g.channels_last) for o in operands]
   lanes, nb = _lanes_and_batch(ops4[0], g.channels_last)
-  mcount = [-(-n // s) for n, s in zip(g.in_spatial, g.strides)]
   # The column block counts phase columns ``m`` (or, channels_first with a stride that does not
   # interleave, input columns).
   cols = _backward_cols(g)
@@ -258,8 +262,7 @@ def _backward_call(operands, in_shape, geom: Geometry, mode: str, interpret: boo
   bd, bh = block or (1, 1)
   if bd < 1 or bh < 1:
     raise ValueError(f"a backward's block of rows must be at least 1 x 1, got {tuple(block)}")
-  # Programs over blocks of ``bd x bh`` phase rows (``s_d x s_h`` input rows each).
-  rows = nb * -(-mcount[0] // bd) * -(-mcount[1] // bh)
+  rows = nb * math.prod(block_rows(g, (bd, bh)))
   grid = triton_tile.grid(rows, pl.cdiv(cols, bw), pl.cdiv(lanes, bl))
   kernel = functools.partial(backward_kernel, g=g, bw=bw, bl=bl, lanes=lanes, rows=rows,
                              n_cols=cols, mode=mode, include_pad=include_pad, divisor=divisor,
@@ -365,20 +368,14 @@ def backward_block_candidates(heuristic: Launch, g: Geometry) -> list[Launch]:
   tile and with half its lanes, and ``2 x 2`` (windows that overlap in depth too) or ``1 x 4``
   with half its lanes. Every block gives the same bits (each element's sum is the same, in the
   same order)."""
-  mcount = [-(-n // s) for n, s in zip(g.in_spatial, g.strides)]
-  if mcount[1] < 2 or len(_phase_offsets(g, 1)) < 2 or _block_tiles(g) > BLOCK_TILES:
+  depth, height = phase_rows(g)
+  if height < 2 or len(phase_offsets(g, 1)) < 2 or _block_tiles(g) > BLOCK_TILES:
     return []
   bw, bl, warps = heuristic[:3]
   half_bl = max(bl // 2, 1)
-  planes = mcount[0] > 1 and len(_phase_offsets(g, 0)) > 1
+  planes = depth > 1 and len(phase_offsets(g, 0)) > 1
   four = (bw, half_bl, warps, 2, 2) if planes else (bw, half_bl, warps, 1, 4)
   return list(dict.fromkeys([(bw, bl, warps, 1, 2), (bw, half_bl, warps, 1, 2), four]))
-
-
-def _phase_offsets(g: Geometry, dim: int) -> set[int]:
-  """The offsets, from a block of the backward's rows, of the windows its phases read in
-  ``dim``: more than one where neighbouring blocks read the same windows."""
-  return {q for r in range(g.strides[dim]) for _, q in phase_taps(g, dim, r)}
 
 
 # The most tiles (of cotangents, and of taps) one block of the backward's rows may read for the
@@ -391,9 +388,9 @@ BLOCK_TILES = 4
 def _block_tiles(g: Geometry) -> int:
   """The tiles one block of the backward's rows reads (each column tap's own, in channels_first
   with a stride that does not interleave)."""
-  cols = (len(_phase_offsets(g, 2)) if g.channels_last or interleaves(g.strides[2])
+  cols = (len(phase_offsets(g, 2)) if g.channels_last or interleaves(g.strides[2])
           else g.window[2])
-  return len(_phase_offsets(g, 0)) * len(_phase_offsets(g, 1)) * cols
+  return len(phase_offsets(g, 0)) * len(phase_offsets(g, 1)) * cols
 
 
 def avg_counting(include_pad: bool, divisor: int | None) -> str:
@@ -457,8 +454,8 @@ def launch_for(op: str, in_shape, dtype, geom: Geometry, *, interpret: bool,
   chosen = tuning.default_tuner().choose(key, heuristic, cands,
                                          tuning.Trial(compile_launch, args),
                                          tune=tuning.mode() == "auto")
-  if len(chosen) > 3 and (not extra or (chosen[3] == 0 and (not forward
-                                                              or not shares_planes(g)))):
+  loops = forward and shares_planes(g)  # (a loop over the output planes: rd = 0)
+  if len(chosen) > 3 and (not extra or (chosen[3] == 0 and not loops)):
     # A block of rows chosen for this key's class (from the cache or a table) where this call
     # cannot take one (one output row, padding that leaves a window empty, another NAN_MAX
     # form, no output planes sharing input planes to loop over, a backward's loop): the

@@ -24,7 +24,7 @@ from jaxpool._src.pallas.triton_tile import (
     program,
     split,
 )
-from jaxpool._src.windows import Geometry, phase_taps
+from jaxpool._src.windows import Geometry, phase_offsets, phase_taps
 
 
 def backward_kernel(*refs, g: Geometry, bw: int, bl: int, lanes: int, rows: int,
@@ -61,7 +61,7 @@ def backward_kernel(*refs, g: Geometry, bw: int, bl: int, lanes: int, rows: int,
   mcount = [-(-n // s) for n, s in zip(g.in_spatial, g.strides)]
   bd, bh = block
   row, cb, lb = program(rows, pl.cdiv(n_cols, bw), pl.cdiv(lanes, bl), g.channels_last)
-  b, md, mh = split(row, (-(-mcount[0] // bd), -(-mcount[1] // bh)))
+  b, md, mh = split(row, block_rows(g, block))
   md, mh = md * bd, mh * bh  # the first block's phase rows (blocks past the end: masked)
   tile = Tile(bw, lanes, bl, interpret, g.channels_last, lb)
   c0 = cb * bw
@@ -96,7 +96,7 @@ def backward_kernel(*refs, g: Geometry, bw: int, bl: int, lanes: int, rows: int,
   # columns past W are masked on both paths.
   interior = None
   for dim, first_m, last_m in ((0, md, md + bd - 1), (1, mh, mh + bh - 1), (2, *m_span)):
-    qs = [q for r in range(g.strides[dim]) for _, q in phase_taps(g, dim, r)]
+    qs = phase_offsets(g, dim)
     inside = (first_m + min(qs) >= 0) & (last_m + max(qs) < g.out_spatial[dim])
     if dim < 2:
       inside &= (last_m + 1) * g.strides[dim] <= g.in_spatial[dim]
@@ -214,6 +214,18 @@ def backward_kernel(*refs, g: Geometry, bw: int, bl: int, lanes: int, rows: int,
           store(d, h, w, acc, edge)
 
   both_paths(interior, body)
+
+
+def phase_rows(g: Geometry) -> tuple[int, int]:
+  """The backward's blocks of ``s_d x s_h`` input rows in depth and height (``g`` lifted to
+  3-D): ``ceil(D / s_d)`` and ``ceil(H / s_h)``."""
+  return -(-g.in_spatial[0] // g.strides[0]), -(-g.in_spatial[1] // g.strides[1])
+
+
+def block_rows(g: Geometry, block: tuple[int, int]) -> tuple[int, int]:
+  """The programs' rows of ``block = (bd, bh)`` blocks in depth and height (a batch's)."""
+  depth, height = phase_rows(g)
+  return -(-depth // block[0]), -(-height // block[1])
 
 
 def interleaves(stride: int) -> bool:
