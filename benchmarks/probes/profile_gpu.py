@@ -6,7 +6,8 @@ Run under Nsight Compute on a GPU machine from the repository root, e.g.::
   ncu -k regex:jaxpool --metrics gpu__time_duration.sum,dram__bytes.sum,lts__t_bytes.sum \\
     python3 benchmarks/probes/profile_gpu.py [--cases 3x3x3]
 
-Each kernel (the max forward, with its taps, the backward, the average forward) runs twice
+Each kernel (the max forward, with its taps, the max backward, the average forward and
+backward) runs twice
 (the first call compiles): profile the second (``--launch-skip 1`` per kernel name, or read
 the last rows). ``--cases a,b``: the cases whose name contains a or b; ``--dtypes bfloat16``:
 only those dtypes.
@@ -45,11 +46,14 @@ def main() -> None:
       avg = jax.jit(lambda a, g=geom: pk.avg_forward(a, g, interpret=False,
                                                      count_include_pad=True,
                                                      divisor_override=None))
+      avg_bwd = jax.jit(lambda d, g=geom, s=shape: pk.avg_backward(
+          d, s, g, interpret=False, count_include_pad=True, divisor_override=None))
       for _ in range(2):
         jax.block_until_ready(fwd(x))
         y, i = jax.block_until_ready(taps(x))
         jax.block_until_ready(bwd(i, y))
         jax.block_until_ready(avg(x))
+        jax.block_until_ready(avg_bwd(y))
       print(name, dtype, flush=True)
 
 

@@ -161,28 +161,31 @@ def test_a_backward_block_of_no_rows_is_refused():
 def test_which_backward_blocks_the_tuner_offers(monkeypatch):
   h = (8, 64, 4)
   g2 = windows.make_geometry((8, 112, 112, 64), (3, 3), (2, 2), 1).lift(3)
-  assert triton.backward_block_candidates(h, g2) == [(8, 64, 4, 1, 2), (8, 32, 4, 1, 2),
-                                                     (8, 32, 4, 1, 4)]
+  assert triton.backward_block_candidates(h, g2, 4) == [(8, 64, 4, 1, 2), (8, 32, 4, 1, 2),
+                                                        (8, 32, 4, 1, 4), (4, 64, 2, 1, 2)]
+  # bfloat16: the heuristic's tile and half its columns with 16 bytes a thread (2 warps, 1)
+  assert triton.backward_block_candidates(h, g2, 2)[-2:] == [(8, 64, 2, 1, 2), (4, 64, 1, 1, 2)]
   # Windows that overlap in depth too: 2 x 2 blocks, where a block reads at most 4 tiles (a
   # 3 x 3 x 1 window at stride 2 x 2 x 1); not a 3x3x3/s2 pool's 8 (slower on both GPUs).
   g331 = windows.make_geometry((2, 16, 56, 56, 64), (3, 3, 1), (2, 2, 1), 0).lift(3)
-  assert triton.backward_block_candidates(h, g331)[-1] == (8, 32, 4, 2, 2)
+  assert triton.backward_block_candidates(h, g331, 4)[2] == (8, 32, 4, 2, 2)
   g3 = windows.make_geometry((2, 16, 56, 56, 64), (3, 3, 3), (2, 2, 2), 1).lift(3)
-  assert triton._block_tiles(g3) == 8 and triton.backward_block_candidates(h, g3) == []
+  assert triton._block_tiles(g3) == 8 and triton.backward_block_candidates(h, g3, 4) == []
   # Windows that do not overlap in height (2x2/s2, or a 1 x 3 window at stride 1 x 3): each
   # block reads its own cotangent rows, nothing to share.
   for window, strides in (((2, 2), (2, 2)), ((1, 3), (1, 3))):
     g = windows.make_geometry((8, 112, 111, 64), window, strides, 0).lift(3)
-    assert triton.backward_block_candidates(h, g) == []
+    assert triton.backward_block_candidates(h, g, 4) == []
   # one block of rows in height (a 1-D pool)
   g1 = windows.make_geometry((8, 100, 64), (3,), (2,), 1).lift(3)
-  assert triton.backward_block_candidates(h, g1) == []
+  assert triton.backward_block_candidates(h, g1, 4) == []
   # The tuner tries them after the one-block candidates; a loop over the planes (a hand-edited
   # cache entry: no backward loops) gives the heuristic.
 
   class Table:
     def choose(self, key, heuristic, cands, trial, *, tune=True):
-      assert cands[-3:] == triton.backward_block_candidates(heuristic, g2)
+      blocks = triton.backward_block_candidates(heuristic, g2, 4)
+      assert blocks and cands[-len(blocks):] == blocks
       return (*heuristic, Table.rows, 2)
 
   shape = (8, 112, 112, 64)
@@ -233,8 +236,8 @@ def test_gpu_backward_blocks_give_the_bits_of_one_block(monkeypatch, shape, fmt,
   _, taps = xla.max_pool_taps(x, geom)
   want = jax.vjp(lambda t: xla.gather_at_taps(t, taps, geom), x)[1](dy)[0]
   h = triton.launch_for("max_bwd", shape, dtype, geom, interpret=False)
-  offered = triton.backward_block_candidates(h, geom.lift(3))
-  assert len(offered) == (0 if n == 3 else 3)  # (3x3x3/s2: 8 tiles a block, none offered)
+  offered = triton.backward_block_candidates(h, geom.lift(3), np.dtype(dtype).itemsize)
+  assert bool(offered) == (n != 3)  # (3x3x3/s2: 8 tiles a block, none offered)
   bw, bl, warps = h
   one = triton._backward_call((dy,), shape, geom, "avg", False, True, None, launch=h)
   for launch in offered + [(bw, bl, warps, 2, 1), (max(bw // 2, 1), bl, warps, 1, 3)]:

@@ -191,9 +191,9 @@ def test_which_launches_the_tuner_offers(monkeypatch):
   three_d = [(16, 32, 8, 1, 2), (16, 16, 8, 1, 2), (8, 16, 8, 2, 2),
              (16, 32, 8, 0, 2), (8, 32, 4, 0, 2)]  # (rd = 0: every output plane, looped)
   assert triton.row_block_candidates(h, g3, jnp.float32) == three_d
-  # With the taps, the loops with half the lanes too.
+  # With the taps, the loops with half the lanes too, and one row of every plane.
   assert triton.row_block_candidates(h, g3, jnp.float32, "argmax_fwd") == three_d + [
-      (16, 16, 8, 0, 2), (8, 16, 4, 0, 2)]
+      (16, 16, 8, 0, 2), (8, 16, 4, 0, 2), (16, 32, 8, 0, 1)]
   # The average forward: 1 x 2 rows, and the loops where output planes share input planes.
   assert triton.row_block_candidates(h, g3, jnp.float32, "avg_fwd") == [
       (16, 32, 8, 1, 2), (16, 32, 8, 0, 2), (8, 32, 4, 0, 2)]
@@ -313,8 +313,9 @@ def test_gpu_blocks_of_rows_give_the_bits_of_the_xla_path(monkeypatch, shape, wi
     x = _signed_zeros(data(rng, shape, jnp.float32)).astype(dtype)
   want, want_taps = xla.max_pool_taps(x, geom)
   h = triton.launch_for("max_fwd", shape, dtype, geom, interpret=False)
-  offered = triton.row_block_candidates(h, geom.lift(3), dtype)
-  assert len(offered) == (5 if len(shape) == 5 else 3)  # (3-D: the loops over the planes)
+  # (the forward with the taps is offered what the max forward is, and in 3-D more loops)
+  offered = triton.row_block_candidates(h, geom.lift(3), dtype, "argmax_fwd")
+  assert len(offered) == (8 if len(shape) == 5 else 3)  # (3-D: the loops over the planes)
   bw, bl, warps = h
   one_row = np.asarray(triton._window_call(x, geom, "max", False, launch=h)[0])
   raw = one_row.view(f"u{one_row.dtype.itemsize}")

@@ -167,6 +167,20 @@ def test_candidates_are_bounded_powers_of_two_heuristic_first():
   assert tuning.candidates((8, 1, 1), 3, 1, 4, True, limit=100)[0] == (8, 1, 1)
 
 
+def test_candidates_give_threads_sixteen_bytes_right_after_the_heuristic():
+  # The heuristic gives each thread 8 bytes of a tile where 8 warps do not bound it: next come
+  # its tile and half its columns with 16 bytes a thread (bfloat16 8 x 64: 2 warps; 4 x 64: 1).
+  assert tuning.sixteen_byte_warps(8, 64, 2) == 2 and tuning.sixteen_byte_warps(4, 64, 2) == 1
+  assert tuning.sixteen_byte_warps(16, 64, 4) == 8 and tuning.sixteen_byte_warps(64, 64, 4) == 8
+  assert tuning.sixteen_byte_warps(2, 2, 4) == 1 and tuning.sixteen_byte_warps(24, 64, 2) == 4
+  assert tuning.candidates((8, 64, 4), 56, 64, 2, True, 6)[:3] == [(8, 64, 4), (8, 64, 2),
+                                                                  (4, 64, 1)]
+  # Where the heuristic's warps already give 16 bytes (float32 16 x 64, 8 warps), only half
+  # its columns is new; none with one column.
+  assert tuning.candidates((16, 64, 8), 28, 64, 4, True, 6)[:2] == [(16, 64, 8), (8, 64, 4)]
+  assert tuning.candidates((1, 64, 1), 1, 64, 4, True, 2) == [(1, 64, 1), (1, 32, 1)]
+
+
 # ----------------------------------------------------------------------------- fakes
 
 
@@ -610,8 +624,8 @@ def test_launch_for_modes(monkeypatch, op):
   assert key.op == op and key.dtype == "float32" and key.layout == "channels_last"
   # (the forwards and backwards try their blocks of rows beyond the limit)
   blocks = triton.row_block_candidates(heuristic, geom.lift(3), jnp.float32, op) \
-      if op.endswith("_fwd") else triton.backward_block_candidates(heuristic, geom.lift(3))
-  assert len(blocks) == {"max_fwd": 3, "argmax_fwd": 3, "avg_fwd": 1}.get(op, 3)
+      if op.endswith("_fwd") else triton.backward_block_candidates(heuristic, geom.lift(3), 4)
+  assert len(blocks) == {"max_fwd": 3, "argmax_fwd": 3, "avg_fwd": 1}.get(op, 4)
   assert len(cands) <= tuning.DEFAULT_MAX_CANDIDATES + len(blocks)
   assert cands[len(cands) - len(blocks):] == blocks
   # The trial's inputs: the kernel's operands (taps in range for the max backward).

@@ -343,7 +343,9 @@ def row_block_candidates(heuristic: Launch, g: Geometry, dtype, op: str = "max_f
   maxima, and of taps). The average forward ("avg_fwd", :func:`avg_blocks`): ``1 x 2`` rows
   with the heuristic's tile. Both, where output planes share input planes: ``2`` rows of every
   output plane, looped over (``rd = 0``: each input plane read once), with the heuristic's tile
-  and with half its columns and warps (with the taps, each also with half its lanes)."""
+  and with half its columns and warps (with the taps, each also with half its lanes, and one
+  row of every output plane with the heuristic's tile: each row holds a tile of taps beside
+  its maxima)."""
   Do, Ho, _ = g.out_spatial
   shared = g.window[0] > g.strides[0] or g.window[1] > g.strides[1]  # rows read twice
   fits = avg_blocks(g) if op == "avg_fwd" else _blocks_exact(g, dtype, False)
@@ -353,21 +355,25 @@ def row_block_candidates(heuristic: Launch, g: Geometry, dtype, op: str = "max_f
   half_bw, half_bl = max(bw // 2, 1), max(bl // 2, 1)
   planes = Do > 1 and shares_planes(g)  # (output planes sharing input planes)
   loops = [(bw, bl, warps, 0, 2), (half_bw, bl, max(warps // 2, 1), 0, 2)] if planes else []
-  if planes and op == "argmax_fwd":  # (a tile of taps beside the maxima: half the lanes too)
-    loops += [(bw, half_bl, warps, 0, 2), (half_bw, half_bl, max(warps // 2, 1), 0, 2)]
+  if planes and op == "argmax_fwd":  # (a tile of taps beside the maxima: half the lanes too,
+    # and one row of every plane)
+    loops += [(bw, half_bl, warps, 0, 2), (half_bw, half_bl, max(warps // 2, 1), 0, 2),
+              (bw, bl, warps, 0, 1)]
   if op == "avg_fwd":
     return list(dict.fromkeys([(bw, bl, warps, 1, 2), *loops]))
   four = (half_bw, half_bl, warps, 2, 2) if planes else (half_bw, half_bl, warps, 1, 4)
   return list(dict.fromkeys([(bw, bl, warps, 1, 2), (bw, half_bl, warps, 1, 2), four, *loops]))
 
 
-def backward_block_candidates(heuristic: Launch, g: Geometry) -> list[Launch]:
+def backward_block_candidates(heuristic: Launch, g: Geometry, itemsize: int) -> list[Launch]:
   """The backward's launches over blocks of rows that the tuner tries beside the one-block
   ones, where neighbouring blocks read the same cotangent rows (windows that overlap in height)
   and a block reads at most :data:`BLOCK_TILES` tiles: ``1 x 2`` blocks with the heuristic's
-  tile and with half its lanes, and ``2 x 2`` (windows that overlap in depth too) or ``1 x 4``
-  with half its lanes. Every block gives the same bits (each element's sum is the same, in the
-  same order)."""
+  tile and with half its lanes, ``2 x 2`` (windows that overlap in depth too) or ``1 x 4``
+  with half its lanes, and ``1 x 2`` blocks of the heuristic's tile and of half its columns
+  with 16 bytes of a tile a thread (``tuning.sixteen_byte_warps``; ``itemsize``: the
+  cotangents'). Every block gives the same bits (each element's sum is the same, in the same
+  order)."""
   depth, height = phase_rows(g)
   if height < 2 or len(phase_offsets(g, 1)) < 2 or _block_tiles(g) > BLOCK_TILES:
     return []
@@ -375,7 +381,10 @@ def backward_block_candidates(heuristic: Launch, g: Geometry) -> list[Launch]:
   half_bl = max(bl // 2, 1)
   planes = depth > 1 and len(phase_offsets(g, 0)) > 1
   four = (bw, half_bl, warps, 2, 2) if planes else (bw, half_bl, warps, 1, 4)
-  return list(dict.fromkeys([(bw, bl, warps, 1, 2), (bw, half_bl, warps, 1, 2), four]))
+  sixteen = [(w, bl, tuning.sixteen_byte_warps(w, bl, itemsize), 1, 2)
+             for w in (bw, bw // 2) if w]
+  return list(dict.fromkeys([(bw, bl, warps, 1, 2), (bw, half_bl, warps, 1, 2), four,
+                             *sixteen]))
 
 
 # The most tiles (of cotangents, and of taps) one block of the backward's rows may read for the
@@ -430,7 +439,7 @@ def launch_for(op: str, in_shape, dtype, geom: Geometry, *, interpret: bool,
     geometry += "/" + avg_counting(include_pad, divisor)
   key = Key(op, dtype.name, "channels_last" if g.channels_last else "channels_first", geometry)
   extra = (row_block_candidates(heuristic, g, dtype, op) if forward
-           else backward_block_candidates(heuristic, g))
+           else backward_block_candidates(heuristic, g, dtype.itemsize))
   cands = tuning.candidates(heuristic, cols, lanes, dtype.itemsize, g.channels_last,
                             tuning.max_candidates(), extra)
 

@@ -15,8 +15,8 @@ looks the configuration up, in this order:
    driver it was tuned with are this process's;
 3. the table shipped with the package for this device kind (``launch_tables/*.json``);
 4. tuning: each candidate (:func:`candidates` around today's heuristic, at most
-   ``JAXPOOL_TUNE_MAX_CANDIDATES``, and up to 7 blocks or loops of rows more for the forwards,
-   3 blocks of rows for the backwards) is
+   ``JAXPOOL_TUNE_MAX_CANDIDATES``, and up to 8 blocks or loops of rows more for the forwards,
+   5 blocks of rows for the backwards) is
    compiled (in parallel threads) and timed on pseudo-random data of the call's shape
    (``trials.trial_inputs``), for at most ``JAXPOOL_TUNE_BUDGET_S`` seconds a key; the fastest is
    written to the disk cache.
@@ -140,7 +140,7 @@ def budget_s() -> float:
 
 def max_candidates() -> int:
   """``JAXPOOL_TUNE_MAX_CANDIDATES``: the most one-row configurations tried a key (default 6;
-  the forwards also try up to 7 blocks or loops of output rows, the backwards up to 3 blocks
+  the forwards also try up to 8 blocks or loops of output rows, the backwards up to 5 blocks
   of rows)."""
   return int(_positive(CANDIDATES_ENV, DEFAULT_MAX_CANDIDATES, int))
 
@@ -151,10 +151,12 @@ def max_candidates() -> int:
 
 def candidates(heuristic: Launch, cols: int, lanes: int, itemsize: int, channels_last: bool,
                limit: int, extra: Sequence[Launch] = ()) -> list[Launch]:
-  """Up to ``limit`` configurations around ``heuristic``, ``heuristic`` first, then the others
-  by how far they are from it (fewest changed factors, then smallest changes); then ``extra``
-  (the forwards' blocks of rows, ``triton.row_block_candidates``, or the backwards',
-  ``triton.backward_block_candidates``), beyond ``limit``.
+  """Up to ``limit`` configurations around ``heuristic``, ``heuristic`` first, then its tile
+  and the tile of half its columns with the warps that give each thread 16 bytes of a tile
+  (:func:`sixteen_byte_warps`), then the others by how far they are from it (fewest changed
+  factors, then smallest changes); then ``extra`` (the forwards' blocks of rows,
+  ``triton.row_block_candidates``, or the backwards', ``triton.backward_block_candidates``),
+  beyond ``limit``.
 
   Columns ``bw`` from half to four times the heuristic's (at most the columns rounded up to
   a power of two), lanes ``bl`` from half to twice (at most the lanes so rounded, and 1024
@@ -177,7 +179,19 @@ def candidates(heuristic: Launch, cols: int, lanes: int, itemsize: int, channels
         steps = [abs(math.log2(a / b)) for a, b in zip(cand, heuristic)]
         found.append(((sum(s > 0 for s in steps), sum(steps), cand), cand))
   found.sort()
-  return [c for _, c in found][:max(int(limit), 1)] + list(extra)
+  sixteen = [(bw, bl0, sixteen_byte_warps(bw, bl0, itemsize)) for bw in (bw0, bw0 // 2) if bw]
+  ordered = list(dict.fromkeys([tuple(heuristic), *sixteen, *(c for _, c in found)]))
+  return ordered[:max(int(limit), 1)] + list(extra)
+
+
+def sixteen_byte_warps(bw: int, bl: int, itemsize: int) -> int:
+  """The warps (a power of two, 1 to 8) that give each thread 16 bytes of a ``bw x bl`` tile
+  of ``itemsize``-byte elements, as near as they can: one 16-byte load or store a thread and
+  tile, the widest a thread issues. (The heuristic gives each thread 8 bytes where 8 warps
+  do not bound it; the tuning runs of an H200 found 16 faster for the bfloat16 and 3-D
+  backwards: ``benchmarks/probes/NOTES.md``.)"""
+  warps = max(bw * bl * itemsize // (16 * 32), 1)
+  return min(1 << (warps.bit_length() - 1), 8)
 
 
 

@@ -1,0 +1,113 @@
+"""Probe: any kernel of ``pooling_gpu.py``'s cases at any launch configurations, side by side.
+
+``--runs "case:op=bw,bl,w[,rd,rh];bw,bl,w[,rd,rh] case:op=..."``: for each case (a short name
+below) and op (``max_fwd``, ``argmax_fwd``, ``avg_fwd`` with the padding counted, ``max_bwd``,
+``avg_bwd``), times each launch in ``--rounds`` interleaved rounds (each launch's fastest
+round kept, the tuner's timer), checks that every launch gives the first one's bits, and
+prints each launch's time and fraction of the copy bandwidth (bytes counted as
+``pooling_gpu.py`` counts them: forward ``x + y`` (+ the taps), backward ``dy`` (+ the taps)
+``+ dx``; the copy ``x + 1`` over 1 GiB read and written). Saves
+``benchmarks/results/launches_gpu.json`` (``--out``). Needs a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+os.environ.setdefault("JAXPOOL_TUNE", "off")
+from jaxpool._src import windows  # noqa: E402
+from jaxpool._src.pallas import triton as pk  # noqa: E402
+from jaxpool._src.pallas import tuning  # noqa: E402
+
+CASES = {  # name: (shape, window, strides, padding, data_format, dtype)
+    "2d_f32": ((128, 112, 112, 64), (3, 3), (2, 2), 1, "channels_last", "float32"),
+    "2d_bf16": ((128, 112, 112, 64), (3, 3), (2, 2), 1, "channels_last", "bfloat16"),
+    "2d_nchw": ((128, 64, 112, 112), (3, 3), (2, 2), 1, "channels_first", "float32"),
+    "3d_f32": ((16, 16, 56, 56, 64), (3, 3, 3), (2, 2, 2), 1, "channels_last", "float32"),
+}
+
+
+def _parse(text: str) -> tuple[int, ...]:
+  return tuple(int(v) for v in text.split(","))
+
+
+def _call(op, geom, shape, launch, *ops):
+  kind = op[:-4]
+  if op.endswith("_fwd"):
+    return pk._window_call(ops[0], geom, kind, False, include_pad=True, launch=launch)
+  return pk._backward_call(ops, shape, geom, kind, False, include_pad=True, launch=launch)
+
+
+def _copy_ms(nbytes: int) -> float:
+  x = jnp.zeros((nbytes // 8,), jnp.float32)
+  return tuning.time_ms(jax.jit(lambda v: v + 1), (x,), samples=15)
+
+
+def _operands(op, shape, geom, dtype):
+  rng = np.random.default_rng(0)
+  out_shape = geom.output_shape(shape)
+  n_taps = geom.lift(3).num_taps
+  if op.endswith("_fwd"):
+    return (jnp.asarray(rng.normal(size=shape), dtype),)
+  dy = jnp.asarray(rng.normal(size=out_shape), dtype)
+  if op == "avg_bwd":
+    return (dy,)
+  return (jnp.asarray(rng.integers(-1, n_taps, out_shape), windows.taps_dtype(n_taps)), dy)
+
+
+def main() -> None:
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--runs", required=True)
+  ap.add_argument("--rounds", type=int, default=4)
+  ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results",
+                                                "launches_gpu.json"))
+  args = ap.parse_args()
+  copy_gbs = (1 << 31) / _copy_ms(1 << 31) / 1e6
+  dev = jax.devices()[0].device_kind
+  print(f"device {dev}; jax {jax.__version__}; copy {copy_gbs:.0f} GB/s", flush=True)
+  results = {"device": dev, "copy_gbs": copy_gbs, "runs": []}
+  for run in args.runs.split():
+    head, launches_text = run.split("=")
+    name, op = head.split(":")
+    shape, window, strides, padding, fmt, dtype = CASES[name]
+    geom = windows.make_geometry(shape, window, strides, padding, data_format=fmt)
+    ops = _operands(op, shape, geom, dtype)
+    launches = [_parse(t) for t in launches_text.split(";")]
+    fns = {lc: jax.jit(functools.partial(_call, op, geom, shape, lc)) for lc in launches}
+    outs = {lc: jax.block_until_ready(fn(*ops)) for lc, fn in fns.items()}
+    nbytes = sum(o.nbytes for o in ops) + sum(o.nbytes for o in jax.tree.leaves(
+        outs[launches[0]]))
+    want = [np.asarray(o) for o in jax.tree.leaves(outs[launches[0]])]
+    same = {lc: all(np.array_equal(np.asarray(a).view(np.uint8), b.view(np.uint8))
+                    for a, b in zip(jax.tree.leaves(o), want)) for lc, o in outs.items()}
+    del outs
+    best = {lc: float("inf") for lc in launches}
+    for r in range(args.rounds):
+      for lc in launches[r % len(launches):] + launches[:r % len(launches)]:
+        best[lc] = min(best[lc], tuning.time_ms(fns[lc], ops, samples=3))
+    print(f"\n{name} {op} {shape} {dtype} {fmt}: {nbytes / 1e6:.0f} MB", flush=True)
+    rows = []
+    for lc in sorted(launches, key=lambda lc: best[lc]):
+      frac = nbytes / best[lc] / 1e6 / copy_gbs
+      print(f"  {'x'.join(map(str, lc)):14s} {best[lc]:.4f} ms  {frac:.3f} of copy"
+            f"{'' if same[lc] else '  OTHER BITS'}", flush=True)
+      rows.append({"launch": list(lc), "ms": best[lc], "of_copy": frac, "same_bits": same[lc]})
+    results["runs"].append({"case": name, "op": op, "shape": list(shape), "dtype": dtype,
+                            "layout": fmt, "bytes": nbytes, "launches": rows})
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+      json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+  main()
