@@ -20,7 +20,7 @@ if [ "${PART:-tests}" = tests ]; then
   # The tests run the heuristic launch configurations (tuning every test shape would cost
   # minutes); tests/kernels/test_tuning.py sets its own.
   export JAXPOOL_TUNE=${JAXPOOL_TUNE:-off}
-  timeout 200 python3 -m pytest -q -p no:cacheprovider -p no:benchmark -n 4 -m gpu tests \
+  timeout 300 python3 -m pytest -q -p no:cacheprovider -p no:benchmark -n 6 -m gpu tests \
     > "$OUT/gpu_tests.log" 2>&1
   timeout 330 python3 -m pytest -q -p no:cacheprovider -p no:benchmark -n 12 -m "not gpu" tests \
     --ignore=tests/project/packaging_check.py > "$OUT/suite.log" 2>&1  # (-m "not gpu": slow ones too)
