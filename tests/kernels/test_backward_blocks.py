@@ -200,6 +200,16 @@ def test_which_backward_blocks_the_tuner_offers(monkeypatch):
     Table.rows = 0
     assert triton.launch_for("avg_bwd", shape, jnp.float32, geom, interpret=False) == heuristic
 
+  # The cotangents' dtype sets the 16-byte blocks' warps: bfloat16 8 x 64 tiles, 2 warps.
+  class Offered:
+    def choose(self, key, heuristic, cands, trial, *, tune=True):
+      Offered.cands = cands
+      return heuristic
+
+  with tuning.using(Offered()):  # type: ignore[arg-type]
+    triton.launch_for("max_bwd", shape, jnp.bfloat16, geom, interpret=False)
+  assert Offered.cands[-2:] == [(8, 64, 2, 1, 2), (4, 64, 1, 1, 2)]
+
   # A block from the cache or a table for a call that is offered none (a 3x3x3/s2 pool, whose
   # key's class may hold a block tuned elsewhere): the heuristic.
   class Blocks:
@@ -237,7 +247,9 @@ def test_gpu_backward_blocks_give_the_bits_of_one_block(monkeypatch, shape, fmt,
   want = jax.vjp(lambda t: xla.gather_at_taps(t, taps, geom), x)[1](dy)[0]
   h = triton.launch_for("max_bwd", shape, dtype, geom, interpret=False)
   offered = triton.backward_block_candidates(h, geom.lift(3), np.dtype(dtype).itemsize)
-  assert bool(offered) == (n != 3)  # (3x3x3/s2: 8 tiles a block, none offered)
+  # (3x3x3/s2: 8 tiles a block, none offered; channels_first: the heuristic's 16-byte tile is
+  # itself)
+  assert len(offered) == (0 if n == 3 else 4 if fmt == "channels_first" else 5)
   bw, bl, warps = h
   one = triton._backward_call((dy,), shape, geom, "avg", False, True, None, launch=h)
   for launch in offered + [(bw, bl, warps, 2, 1), (max(bw // 2, 1), bl, warps, 1, 3)]:

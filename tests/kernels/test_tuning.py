@@ -170,9 +170,16 @@ def test_candidates_are_bounded_powers_of_two_heuristic_first():
 def test_candidates_give_threads_sixteen_bytes_right_after_the_heuristic():
   # The heuristic gives each thread 8 bytes of a tile where 8 warps do not bound it: next come
   # its tile and half its columns with 16 bytes a thread (bfloat16 8 x 64: 2 warps; 4 x 64: 1).
-  assert tuning.sixteen_byte_warps(8, 64, 2) == 2 and tuning.sixteen_byte_warps(4, 64, 2) == 1
-  assert tuning.sixteen_byte_warps(16, 64, 4) == 8 and tuning.sixteen_byte_warps(64, 64, 4) == 8
-  assert tuning.sixteen_byte_warps(2, 2, 4) == 1 and tuning.sixteen_byte_warps(24, 64, 2) == 4
+  assert tuning.sixteen_byte_tiles(8, 64, 2) == [(8, 64, 2), (4, 64, 1)]
+  assert tuning.sixteen_byte_tiles(64, 64, 4) == [(64, 64, 8), (32, 64, 8)]  # (8 warps at most)
+  assert tuning.sixteen_byte_tiles(1, 2, 4) == [(1, 2, 1)]  # (no tile of half a column)
+  assert tuning.warps_for(24, 64, 2, 16) == 4 and tuning.warps_for(8, 64, 4, 8) == 8
+  # The heuristic's warps are the 8-byte ones (launch_config).
+  for width, lanes, itemsize, fmt in [(56, 64, 2, True), (28, 64, 4, True), (3, 1, 4, True),
+                                      (112, 8192, 4, False), (56, 96, 1, True)]:
+    bw, bl, warps = triton.launch_config(width, lanes, itemsize, fmt)
+    assert warps == tuning.warps_for(bw, bl, itemsize, 8)
+    assert warps == min(1 << (max(bw * bl * itemsize // 256, 1).bit_length() - 1), 8)
   assert tuning.candidates((8, 64, 4), 56, 64, 2, True, 6)[:3] == [(8, 64, 4), (8, 64, 2),
                                                                   (4, 64, 1)]
   # Where the heuristic's warps already give 16 bytes (float32 16 x 64, 8 warps), only half
@@ -292,13 +299,13 @@ def test_tuner_keeps_each_candidates_fastest_sample(tmp_path):
       + [1.5] * (tuning.ROUNDS // 2 + 1)
 
 
-@pytest.mark.parametrize("earlier", [1, 2, 3, 4])
+@pytest.mark.parametrize("earlier", [1, 2, 3, 4, 5, 6])
 def test_an_entry_of_an_earlier_format_is_not_used(tmp_path, earlier):
   """Entries tuned for the kernels before their programs' order changed (format 1), among
   candidates without the max forward's blocks of rows (format 2), without those of the max
   forward with taps (format 3) or without the loops over the output planes and the average
-  forward's blocks (format 4), are not used, without a warning: the kernel is tuned again and
-  the entry rewritten."""
+  forward's blocks (format 4), or without the 16-byte tiles (format 6), are not used, without a
+  warning: the kernel is tuned again and the entry rewritten."""
   fake = FakeTrial({H: 1.0, (16, 64, 8): 0.5, (8, 32, 8): 0.9, (8, 64, 4): 0.8})
   tuner = _tuner(tmp_path, fake)
   path = tuner.path(KEY)
@@ -309,7 +316,7 @@ def test_an_entry_of_an_earlier_format_is_not_used(tmp_path, earlier):
     warnings.simplefilter("error")
     assert tuner.choose(KEY, H, CANDS, fake.trial()) == (16, 64, 8)
   assert tuner.records[-1].source == "tuned"
-  assert _entry(path)["format"] == tuning.FORMAT == 6
+  assert _entry(path)["format"] == tuning.FORMAT == 7
 
 
 @pytest.mark.parametrize("line,version", [

@@ -96,12 +96,7 @@ def launch_config(width: int, lanes: int, itemsize: int, channels_last: bool) ->
   else:
     bw = min(_next_pow2(width), 64)
     bl = min(_next_pow2(lanes), max(1024 // bw, 1))
-  warps = min(max(bw * bl * itemsize // 256, 1), 8)
-  return bw, bl, _pow2_at_most(warps)
-
-
-def _pow2_at_most(n: int) -> int:
-  return 1 << (max(int(n), 1).bit_length() - 1)
+  return bw, bl, tuning.warps_for(bw, bl, itemsize, 8)
 
 
 def _compiler_params(num_warps: int):
@@ -371,9 +366,8 @@ def backward_block_candidates(heuristic: Launch, g: Geometry, itemsize: int) -> 
   and a block reads at most :data:`BLOCK_TILES` tiles: ``1 x 2`` blocks with the heuristic's
   tile and with half its lanes, ``2 x 2`` (windows that overlap in depth too) or ``1 x 4``
   with half its lanes, and ``1 x 2`` blocks of the heuristic's tile and of half its columns
-  with 16 bytes of a tile a thread (``tuning.sixteen_byte_warps``; ``itemsize``: the
-  cotangents'). Every block gives the same bits (each element's sum is the same, in the same
-  order)."""
+  with 16 bytes per thread (``tuning.sixteen_byte_tiles``; ``itemsize``: the cotangents').
+  Every block gives the same bits (each element's sum is the same, in the same order)."""
   depth, height = phase_rows(g)
   if height < 2 or len(phase_offsets(g, 1)) < 2 or _block_tiles(g) > BLOCK_TILES:
     return []
@@ -381,8 +375,7 @@ def backward_block_candidates(heuristic: Launch, g: Geometry, itemsize: int) -> 
   half_bl = max(bl // 2, 1)
   planes = depth > 1 and len(phase_offsets(g, 0)) > 1
   four = (bw, half_bl, warps, 2, 2) if planes else (bw, half_bl, warps, 1, 4)
-  sixteen = [(w, bl, tuning.sixteen_byte_warps(w, bl, itemsize), 1, 2)
-             for w in (bw, bw // 2) if w]
+  sixteen = [(*tile, 1, 2) for tile in tuning.sixteen_byte_tiles(bw, bl, itemsize)]
   return list(dict.fromkeys([(bw, bl, warps, 1, 2), (bw, half_bl, warps, 1, 2), four,
                              *sixteen]))
 

@@ -151,17 +151,16 @@ def max_candidates() -> int:
 
 def candidates(heuristic: Launch, cols: int, lanes: int, itemsize: int, channels_last: bool,
                limit: int, extra: Sequence[Launch] = ()) -> list[Launch]:
-  """Up to ``limit`` configurations around ``heuristic``, ``heuristic`` first, then its tile
-  and the tile of half its columns with the warps that give each thread 16 bytes of a tile
-  (:func:`sixteen_byte_warps`), then the others by how far they are from it (fewest changed
-  factors, then smallest changes); then ``extra`` (the forwards' blocks of rows,
-  ``triton.row_block_candidates``, or the backwards', ``triton.backward_block_candidates``),
-  beyond ``limit``.
+  """Up to ``limit`` configurations around ``heuristic``, ``heuristic`` first, then
+  :func:`sixteen_byte_tiles` (its tile and the tile of half its columns with 16 bytes per
+  thread), then the others by how far they are from it (fewest changed factors, then smallest
+  changes); then ``extra`` (the forwards' blocks of rows, ``triton.row_block_candidates``, or
+  the backwards', ``triton.backward_block_candidates``), beyond ``limit``.
 
   Columns ``bw`` from half to four times the heuristic's (at most the columns rounded up to
   a power of two), lanes ``bl`` from half to twice (at most the lanes so rounded, and 1024
-  bytes a channel row in channels_last), warps from half to twice (1 to 8), tiles of at most
-  8192 elements: all powers of two, as Triton's blocks must be.
+  bytes a channel row in channels_last), warps from half to twice (1 to 8; the 16-byte tiles'
+  may be fewer), tiles of at most 8192 elements: all powers of two, as Triton's blocks must be.
   """
   bw0, bl0, w0 = heuristic
   top_w, top_l = pow2_ceil(cols), pow2_ceil(lanes)
@@ -179,19 +178,24 @@ def candidates(heuristic: Launch, cols: int, lanes: int, itemsize: int, channels
         steps = [abs(math.log2(a / b)) for a, b in zip(cand, heuristic)]
         found.append(((sum(s > 0 for s in steps), sum(steps), cand), cand))
   found.sort()
-  sixteen = [(bw, bl0, sixteen_byte_warps(bw, bl0, itemsize)) for bw in (bw0, bw0 // 2) if bw]
-  ordered = list(dict.fromkeys([tuple(heuristic), *sixteen, *(c for _, c in found)]))
-  return ordered[:max(int(limit), 1)] + list(extra)
+  ordered = [tuple(heuristic), *sixteen_byte_tiles(bw0, bl0, itemsize), *(c for _, c in found)]
+  return list(dict.fromkeys(ordered))[:max(int(limit), 1)] + list(extra)
 
 
-def sixteen_byte_warps(bw: int, bl: int, itemsize: int) -> int:
-  """The warps (a power of two, 1 to 8) that give each thread 16 bytes of a ``bw x bl`` tile
-  of ``itemsize``-byte elements, as near as they can: one 16-byte load or store a thread and
-  tile, the widest a thread issues. (The heuristic gives each thread 8 bytes where 8 warps
-  do not bound it; the tuning runs of an H200 found 16 faster for the bfloat16 and 3-D
-  backwards: ``benchmarks/probes/NOTES.md``.)"""
-  warps = max(bw * bl * itemsize // (16 * 32), 1)
+def warps_for(bw: int, bl: int, itemsize: int, thread_bytes: int) -> int:
+  """The warps (a power of two, 1 to 8) that give each thread about ``thread_bytes`` bytes of a
+  ``bw x bl`` tile of ``itemsize``-byte elements (at least that many where 8 warps cap it)."""
+  warps = max(bw * bl * itemsize // (thread_bytes * 32), 1)
   return min(1 << (warps.bit_length() - 1), 8)
+
+
+def sixteen_byte_tiles(bw: int, bl: int, itemsize: int) -> list[Launch]:
+  """The tile ``bw x bl`` and the tile of half its columns, each with the warps that give a
+  thread 16 bytes of it: one 16-byte load or store a thread and tile, the widest a thread
+  issues. (The heuristic gives each thread 8 bytes where 8 warps do not cap it; on an H200 the
+  3-D and bfloat16 backwards ran fastest in such smaller programs with 16 bytes per thread:
+  ``docs/tuning.md``.)"""
+  return [(w, bl, warps_for(w, bl, itemsize, 16)) for w in (bw, bw // 2) if w]
 
 
 

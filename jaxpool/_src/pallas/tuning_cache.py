@@ -48,7 +48,10 @@ def launch_name(launch: Sequence[int]) -> str:
 # forwards' candidates include loops over the output planes, the average forward's blocks of
 # rows and loops, and the average forward's key how it counts its divisor. 6: the backwards'
 # candidates include blocks of rows, the max forward with taps' loops with half the lanes.
-FORMAT = 6
+# 7: every kernel's candidates include its tile and the tile of half its columns with 16 bytes
+# per thread (the backwards' in blocks of rows too), the max forward with taps' the loop with
+# one row.
+FORMAT = 7
 CACHE_ENV = "JAXPOOL_CACHE_DIR"
 TABLES = "launch_tables"  # the shipped tables: a package folder beside this module
 MAX_TILE = 8192  # elements: the largest tile a candidate (or the heuristic) has
