@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a lent GPU machine, from the repository root (logs under $OUT): an Nsight Compute profile of
-# each kernel's second call (profile_gpu.py) with the shipped table's launches, as CSV
-# ($OUT/ncu.csv). CASES (default: the 3x3/s2 channels_last case and the 3-D one), DTYPES
+# each kernel (profile_gpu.py runs each twice: both calls are profiled) with the shipped table's
+# launches, as CSV ($OUT/ncu.csv). CASES (default: the 3x3/s2 channels_last case and the 3-D one), DTYPES
 # (default: every dtype of those cases).
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
