@@ -27,8 +27,10 @@ sys.path.insert(0, ROOT)
 os.environ.setdefault("JAXPOOL_TUNE", "off")
 from jaxpool._src import windows  # noqa: E402
 from jaxpool._src.pallas import triton as pk  # noqa: E402
-from jaxpool._src.pallas import tuning  # noqa: E402
 from jaxpool._src.windows import taps_dtype  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from launches_gpu import _copy_ms, _parse, fastest_in_rounds  # noqa: E402
 
 CASES = {
     "2d_bf16": ((128, 112, 112, 64), 2, "channels_last", "bfloat16"),
@@ -46,18 +48,8 @@ LAUNCHES = {
 }
 
 
-def _parse(text: str) -> tuple[int, ...]:
-  return tuple(int(v) for v in text.split(","))
-
-
 def _backward(taps, dy, *, shape, geom, launch):
   return pk._backward_call((taps, dy), shape, geom, "max", False, launch=launch)
-
-
-def _copy_ms(nbytes: int) -> float:
-  """A copy moving ``nbytes`` (``x + 1``: half of them read, half written)."""
-  x = jnp.zeros((nbytes // 8,), jnp.float32)
-  return tuning.time_ms(jax.jit(lambda v: v + 1), (x,), samples=15)
 
 
 def main() -> None:
@@ -90,10 +82,7 @@ def main() -> None:
     for lc, fn in fns.items():  # (every launch the same bits)
       got = np.asarray(fn(taps, dy))
       assert np.array_equal(got.view(np.uint8), want.view(np.uint8)), lc
-    best = {lc: float("inf") for lc in launches}
-    for r in range(args.rounds):
-      for lc in launches[r % len(launches):] + launches[:r % len(launches)]:
-        best[lc] = min(best[lc], tuning.time_ms(fns[lc], (taps, dy), samples=5))
+    best = fastest_in_rounds(fns, (taps, dy), args.rounds, samples=5)
     same_size = nbytes / _copy_ms(nbytes) / 1e6 / copy_gbs
     print(f"\n{name} {shape} {dtype} {fmt}: {nbytes / 1e6:.0f} MB; a copy of as many bytes "
           f"{same_size:.2f} of copy")

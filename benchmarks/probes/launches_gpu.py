@@ -49,8 +49,20 @@ def _call(op, geom, shape, launch, *ops):
 
 
 def _copy_ms(nbytes: int) -> float:
+  """A copy moving ``nbytes`` (``x + 1``: half of them read, half written)."""
   x = jnp.zeros((nbytes // 8,), jnp.float32)
   return tuning.time_ms(jax.jit(lambda v: v + 1), (x,), samples=15)
+
+
+def fastest_in_rounds(fns: dict, args: tuple, rounds: int, samples: int) -> dict:
+  """Each of ``fns``' fastest time (ms) over ``rounds`` rounds of the tuner's timer
+  (``samples`` a round), each round starting one function later."""
+  order = list(fns)
+  best = {k: float("inf") for k in order}
+  for r in range(rounds):
+    for k in order[r % len(order):] + order[:r % len(order)]:
+      best[k] = min(best[k], tuning.time_ms(fns[k], args, samples=samples))
+  return best
 
 
 def _operands(op, shape, geom, dtype):
@@ -91,10 +103,7 @@ def main() -> None:
     same = {lc: all(np.array_equal(np.asarray(a).view(np.uint8), b.view(np.uint8))
                     for a, b in zip(jax.tree.leaves(o), want)) for lc, o in outs.items()}
     del outs
-    best = {lc: float("inf") for lc in launches}
-    for r in range(args.rounds):
-      for lc in launches[r % len(launches):] + launches[:r % len(launches)]:
-        best[lc] = min(best[lc], tuning.time_ms(fns[lc], ops, samples=3))
+    best = fastest_in_rounds(fns, ops, args.rounds, samples=3)
     print(f"\n{name} {op} {shape} {dtype} {fmt}: {nbytes / 1e6:.0f} MB", flush=True)
     rows = []
     for lc in sorted(launches, key=lambda lc: best[lc]):
