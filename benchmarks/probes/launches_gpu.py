@@ -81,6 +81,8 @@ def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--runs", required=True)
   ap.add_argument("--rounds", type=int, default=4)
+  ap.add_argument("--samples", type=int, default=3,
+                  help="samples of the tuner's timer a launch a round (the tuner takes 1)")
   ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results",
                                                 "launches_gpu.json"))
   args = ap.parse_args()
@@ -103,7 +105,7 @@ def main() -> None:
     same = {lc: all(np.array_equal(np.asarray(a).view(np.uint8), b.view(np.uint8))
                     for a, b in zip(jax.tree.leaves(o), want)) for lc, o in outs.items()}
     del outs
-    best = fastest_in_rounds(fns, ops, args.rounds, samples=3)
+    best = fastest_in_rounds(fns, ops, args.rounds, samples=args.samples)
     print(f"\n{name} {op} {shape} {dtype} {fmt}: {nbytes / 1e6:.0f} MB", flush=True)
     rows = []
     for lc in sorted(launches, key=lambda lc: best[lc]):
