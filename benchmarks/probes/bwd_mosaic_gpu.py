@@ -1,0 +1,238 @@
+"""Probe: the 2-D channels_last max-pool backward in Pallas' Mosaic GPU backend, each program's
+cotangents and taps copied once into shared memory (the bulk copy engine, TMA).
+
+A program (one warpgroup) covers ``th x tw`` windows: it copies the ``(th + 1) x (tw + 1)``
+windows' cotangents and taps it reads (its own and the next row and column: the windows that
+share input rows and columns with them; past the end, the copy fills zeros, which add exact
+zeros) into shared memory, reads each tap's windows from there as shifted views, sums every
+input phase's taps in the library's order (descending taps), writes the ``2 th x 2 tw`` input
+block to shared memory and copies it out. The library's Triton kernel reads each window's tiles
+from the L2 once for every phase offset that needs them (3-4 times a row); here the L2 is read
+once (and a halo). Even input sizes (every input row and column lies in a window), stride 2.
+
+``--runs "bf16:th,tw[,per];f32:th,tw[,per]"``: the same bits as the library's kernel checked,
+then timed side by side with the library's table launch (and ``--lib`` launches) in
+interleaved rounds; fractions of the copy bandwidth (bytes ``dy + taps + dx``). Needs a Hopper GPU
+(``--interpret``: Mosaic GPU's interpreter, a small case, bits only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+os.environ.setdefault("JAXPOOL_TUNE", "cached")
+from jaxpool._src import windows  # noqa: E402
+from jaxpool._src.pallas import triton as pk  # noqa: E402
+
+
+def plan(g):
+  """For each input phase ``(rh, rw)``: its taps ``(t, qh, qw)`` in ascending offset order (the
+  library's descending tap order)."""
+  out = {}
+  for rh in range(g.strides[1]):
+    for rw in range(g.strides[2]):
+      taps = [(i * g.window[2] + j, qh, qw) for i, qh in windows.phase_taps(g, 1, rh)
+              for j, qw in windows.phase_taps(g, 2, rw)]
+      out[rh, rw] = sorted(taps, key=lambda t: (t[1], t[2]))
+  return out
+
+
+def mosaic_backward(taps, dy, in_shape, geom, *, th, tw, per=1, interpret=False):
+  """``per``: the blocks of ``th x tw`` windows a program covers one after the other, the next
+  block's copies in flight while it sums the current one (two buffers), and its input block's
+  copy out left in flight while it sums the next."""
+  g = geom.lift(3)
+  N, Ho, Wo, C = dy.shape
+  H, W = in_shape[1:3]
+  sh, sw = g.strides[1:]
+  assert g.channels_last and (H, W) == (sh * Ho, sw * Wo) and Ho % th == 0 and Wo % tw == 0
+  phases = plan(g)
+  qh_max = max(q for ts in phases.values() for _, q, _ in ts)
+  qw_max = max(q for ts in phases.values() for _, _, q in ts)
+  assert min(q for ts in phases.values() for _, q, q2 in ts for q in (q, q2)) >= 0
+  rows, cols = th + qh_max, tw + qw_max
+  n_cols = Wo // tw
+  blocks = N * (Ho // th) * n_cols
+  assert blocks % per == 0
+  slots = 2 if per > 1 else 1
+
+  def padded_rows(itemsize):
+    """Rows a buffer slot holds: at least ``rows``, so that each slot starts 1024-byte aligned
+    (the bulk copy engine's destinations must be aligned)."""
+    r = rows
+    while (r * cols * C * itemsize) % 1024:
+      r += 1
+    return r
+  layout = plgpu.Layout.WG_STRIDED((th, tw, C), vec_size=8)
+
+  def body(idx_g, dy_g, dx_g, dy_s, idx_s, dx_s, bars):
+    first = jax.lax.axis_index("p") * per
+
+    def where(blk):
+      r, c = blk // n_cols, blk % n_cols
+      b, i = r // (Ho // th), r % (Ho // th)
+      return r, c, (b, pl.ds(i * th, rows), pl.ds(c * tw, cols), slice(None))
+
+    def start(blk, slot):
+      _, _, window = where(blk)
+      plgpu.copy_gmem_to_smem(dy_g.at[window], dy_s.at[slot, pl.ds(0, rows)],
+                              bars.at[2 * slot])
+      plgpu.copy_gmem_to_smem(idx_g.at[window], idx_s.at[slot, pl.ds(0, rows)],
+                              bars.at[2 * slot + 1])
+
+    def step(k, carry):
+      blk, slot = first + k, k % slots
+      if per > 1:
+        @pl.when(k + 1 < per)
+        def _():
+          start(blk + 1, 1 - slot)
+      plgpu.barrier_wait(bars.at[2 * slot])
+      plgpu.barrier_wait(bars.at[2 * slot + 1])
+      d_s, i_s, o_s = dy_s.at[slot], idx_s.at[slot], dx_s.at[slot]
+      zero = jnp.zeros((th, tw, C), dy.dtype)
+      loaded = {}
+
+      def tiles(qh, qw):
+        if (qh, qw) not in loaded:
+          at = (pl.ds(qh, th), pl.ds(qw, tw), slice(None))
+          if interpret:  # (the interpreter has no plgpu.load; layouts do not matter there)
+            loaded[qh, qw] = (d_s[at], i_s[at])
+          else:  # (one layout for both, so that the taps' compare selects the cotangents)
+            loaded[qh, qw] = (plgpu.load(d_s.at[at], (), layout=layout, optimized=False),
+                              plgpu.load(i_s.at[at], (), layout=layout, optimized=False))
+        return loaded[qh, qw]
+
+      if per > 1:  # (this slot's previous copy out has read its buffer)
+        plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+      for (rh, rw), ts in phases.items():
+        acc = None
+        for t, qh, qw in ts:
+          d, it = tiles(qh, qw)
+          term = jnp.where(it == t, d, zero)
+          acc = jnp.where(term == 0, zero, term) if acc is None else acc + term
+        o_s[:, rh, :, rw, :] = acc
+      plgpu.commit_smem()
+      r, c, _ = where(blk)
+      plgpu.copy_smem_to_gmem(o_s, dx_g.at[pl.ds(r * th, th), :, pl.ds(c * tw, tw), :, :])
+      return carry
+
+    start(first, 0)
+    jax.lax.fori_loop(0, per, step, 0)
+    plgpu.wait_smem_to_gmem(0)
+
+  kernel = plgpu.kernel(
+      body, out_type=jax.ShapeDtypeStruct((N * Ho, sh, Wo, sw, C), dy.dtype),
+      scratch_types=[plgpu.SMEM((slots, padded_rows(dy.dtype.itemsize), cols, C), dy.dtype),
+                     plgpu.SMEM((slots, padded_rows(taps.dtype.itemsize), cols, C),
+                                taps.dtype),
+                     plgpu.SMEM((slots, th, sh, tw, sw, C), dy.dtype),
+                     plgpu.Barrier(num_barriers=2 * slots)],
+      grid=(blocks // per,), grid_names=("p",),
+      interpret=_interpreter() if interpret else None)
+  if interpret:  # (the interpreter has no out-of-bounds fill: zeros past the end, as TMA's)
+    pads = ((0, 0), (0, qh_max), (0, qw_max), (0, 0))
+    taps, dy = jnp.pad(taps, pads), jnp.pad(dy, pads)
+  return kernel(taps, dy).reshape(in_shape)
+
+
+def _interpreter():
+  """Mosaic GPU's interpreter (shared memory, barriers and bulk copies simulated on a CPU)."""
+  from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+  return InterpretGPUParams()
+
+
+CASES = {
+    "bf16": ((128, 112, 112, 64), "bfloat16"),
+    "f32": ((128, 112, 112, 64), "float32"),
+    "small": ((2, 16, 16, 64), "bfloat16"),
+}
+
+
+def operands(shape, geom, dtype, seed=0):
+  rng = np.random.default_rng(seed)
+  out_shape = geom.output_shape(shape)
+  n_taps = geom.lift(3).num_taps
+  dy = jnp.asarray(rng.normal(size=out_shape), dtype)
+  # Tie-rich cotangents too: small integers, zeros of both signs among them.
+  ints = jnp.asarray(rng.integers(-2, 3, out_shape), dtype)
+  signs = jnp.asarray(np.where(rng.random(out_shape) < 0.5, -1.0, 1.0), dtype)
+  dy = jnp.where(jnp.asarray(rng.random(out_shape) < 0.3), ints * signs, dy)
+  idx = jnp.asarray(rng.integers(-1, n_taps, out_shape), windows.taps_dtype(n_taps))
+  return idx, dy
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--runs", default="bf16:8,8;bf16:4,8;bf16:8,4;f32:8,8;f32:4,8")
+  ap.add_argument("--lib", default="bf16:4,64,1,1,2;bf16:8,64,2")
+  ap.add_argument("--interpret", action="store_true")
+  ap.add_argument("--rounds", type=int, default=3)
+  ap.add_argument("--samples", type=int, default=5)
+  ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks/results/bwd_mosaic_gpu.json"))
+  a = ap.parse_args()
+  by_case: dict = {}
+  for spec, kind in [(s, "mosaic") for s in a.runs.split(";")] + \
+                    [(s, "lib") for s in (a.lib.split(";") if a.lib else [])]:
+    case, launch = spec.split(":")
+    by_case.setdefault(case, {"mosaic": [], "lib": []})[kind].append(
+        tuple(int(v) for v in launch.split(",")))
+  results = {}
+  for case, runs in by_case.items():
+    shape, dtype = CASES[case]
+    geom = windows.make_geometry(shape, (3, 3), (2, 2), 1, data_format="channels_last")
+    idx, dy = operands(shape, geom, dtype)
+
+    def library(i, d, launch=None, shape=shape, geom=geom):
+      return pk._backward_call((i, d), shape, geom, "max", a.interpret, launch=launch)
+
+    fns = {"table": jax.jit(library)}
+    for launch in runs["lib"]:
+      fns["lib " + "x".join(map(str, launch))] = jax.jit(functools.partial(library,
+                                                                          launch=launch))
+    for th, tw, *per in runs["mosaic"]:
+      fns["mosaic " + "x".join(map(str, (th, tw, *per)))] = jax.jit(functools.partial(
+          mosaic_backward, in_shape=shape, geom=geom, th=th, tw=tw, per=per[0] if per else 1,
+          interpret=a.interpret))
+    view = np.uint16 if dtype == "bfloat16" else np.uint32
+    ref = np.asarray(fns["table"](idx, dy)).view(view)
+    same = {}
+    for k, f in list(fns.items()):
+      try:
+        got = np.asarray(f(idx, dy)).view(view)
+      except Exception as e:  # (a launch Mosaic GPU does not lower: reported, not timed)
+        print(f"{case} {k}: FAILED {type(e).__name__}: {str(e)[:2000]}", flush=True)
+        del fns[k]
+        continue
+      same[k] = bool(np.array_equal(got, ref))
+      print(f"{case} {k}: bits {'equal' if same[k] else 'DIFFER'}"
+            + ("" if same[k] else f" ({int((got != ref).sum())} of {ref.size})"), flush=True)
+    if a.interpret:
+      continue
+    from launches_gpu import _copy_ms, fastest_in_rounds
+    nbytes = idx.nbytes + dy.nbytes + int(np.prod(shape)) * jnp.dtype(dtype).itemsize
+    copy = _copy_ms(2 ** 30) / 2 ** 30
+    best = fastest_in_rounds(fns, (idx, dy), a.rounds, a.samples)
+    results[case] = {k: {"ms": v, "of_copy": copy * nbytes / v, "bits_equal": same[k]}
+                     for k, v in best.items()}
+    for k, v in best.items():
+      print(f"{case:5s} {k:24s} {v:.4f} ms  {copy * nbytes / v:.3f} of copy", flush=True)
+  if results:
+    with open(a.out, "w") as f:
+      json.dump({"device": jax.devices()[0].device_kind, "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+  main()
