@@ -10,7 +10,7 @@ block to shared memory and copies it out. The library's Triton kernel reads each
 from the L2 once for every phase offset that needs them (3-4 times a row); here the L2 is read
 once (and a halo). Even input sizes (every input row and column lies in a window), stride 2.
 
-``--runs "bf16:th,tw[,per];f32:th,tw[,per]"``: the same bits as the library's kernel checked,
+``--runs "bf16:th,tw[,per[,read_only]];f32:..."``: the same bits as the library's kernel checked,
 then timed side by side with the library's table launch (and ``--lib`` launches) in
 interleaved rounds; fractions of the copy bandwidth (bytes ``dy + taps + dx``). Needs a Hopper GPU
 (``--interpret``: Mosaic GPU's interpreter, a small case, bits only).
@@ -50,10 +50,13 @@ def plan(g):
   return out
 
 
-def mosaic_backward(taps, dy, in_shape, geom, *, th, tw, per=1, interpret=False):
+def mosaic_backward(taps, dy, in_shape, geom, *, th, tw, per=1, read_only=0,
+                    interpret=False):
   """``per``: the blocks of ``th x tw`` windows a program covers one after the other, the next
   block's copies in flight while it sums the current one (two buffers), and its input block's
-  copy out left in flight while it sums the next."""
+  copy out left in flight while it sums the next. ``read_only``: a program ends once its last
+  copy out has read the shared memory (the writes finish before the kernel does), not once it
+  has written."""
   g = geom.lift(3)
   N, Ho, Wo, C = dy.shape
   H, W = in_shape[1:3]
@@ -131,7 +134,7 @@ def mosaic_backward(taps, dy, in_shape, geom, *, th, tw, per=1, interpret=False)
 
     start(first, 0)
     jax.lax.fori_loop(0, per, step, 0)
-    plgpu.wait_smem_to_gmem(0)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=bool(read_only))
 
   kernel = plgpu.kernel(
       body, out_type=jax.ShapeDtypeStruct((N * Ho, sh, Wo, sw, C), dy.dtype),
@@ -202,10 +205,11 @@ def main():
     for launch in runs["lib"]:
       fns["lib " + "x".join(map(str, launch))] = jax.jit(functools.partial(library,
                                                                           launch=launch))
-    for th, tw, *per in runs["mosaic"]:
-      fns["mosaic " + "x".join(map(str, (th, tw, *per)))] = jax.jit(functools.partial(
-          mosaic_backward, in_shape=shape, geom=geom, th=th, tw=tw, per=per[0] if per else 1,
-          interpret=a.interpret))
+    for th, tw, *more in runs["mosaic"]:
+      per, read_only = (*more, 1, 0)[:2]
+      fns["mosaic " + "x".join(map(str, (th, tw, *more)))] = jax.jit(functools.partial(
+          mosaic_backward, in_shape=shape, geom=geom, th=th, tw=tw, per=per,
+          read_only=read_only, interpret=a.interpret))
     view = np.uint16 if dtype == "bfloat16" else np.uint32
     ref = np.asarray(fns["table"](idx, dy)).view(view)
     same = {}
