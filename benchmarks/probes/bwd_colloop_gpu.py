@@ -10,17 +10,14 @@ the tiles that the next step reads at offset ``q - 1`` are passed on to it, so e
 tile is loaded once and a program reads ``(bh + 1) x (L + 1)`` tiles for ``bh x L`` blocks.
 The same taps summed in the same order as the library's kernel: the same bits (checked).
 
-``--runs "bf16:K,L,bh,bl,warps;..."`` times each launch side by side with the library's table
-launch (and ``--lib`` launches) in interleaved rounds and prints fractions of the copy
-bandwidth (bytes ``dy + taps + dx``). Needs a GPU (``--interpret`` checks bits on a CPU on a
-small case).
+``--runs "bf16:K,L,bh,bl,warps;..."``; the rest of the command line is ``bwd_probe.py``'s
+(``--interpret --runs "small:2,5,2,16,1;odd:4,3,1,16,1" --lib ""`` checks bits on a CPU).
+Writes ``benchmarks/results/bwd_colloop_gpu.json`` (``--out``). Needs a GPU.
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
-import json
 import os
 import sys
 
@@ -29,11 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-os.environ.setdefault("JAXPOOL_TUNE", "cached")
-from jaxpool._src import windows  # noqa: E402
+import bwd_probe  # noqa: E402
 from jaxpool._src.pallas import triton as pk  # noqa: E402
 from jaxpool._src.pallas.triton_tile import Tile, both_paths, load, split  # noqa: E402
 
@@ -61,19 +55,11 @@ def colloop_kernel(idx_ref, dy_ref, dx_ref, *, g, K, L, bh, bl, lanes, interpret
   zero = jnp.zeros(tile.shape, dtype)
   ks = jnp.arange(K, dtype=jnp.int32)
   base = strip * (K * L)
-  # The plan: for each phase (rh, rw), its taps (t, qh, qw) in ascending offset order (the
-  # library's descending tap order).
-  plan = {}
-  for rh in range(sh):
-    for rw in range(sw):
-      taps = [(i * g.window[2] + j, qh, qw) for i, qh in windows.phase_taps(g, 1, rh)
-              for j, qw in windows.phase_taps(g, 2, rw)]
-      plan[rh, rw] = sorted(taps, key=lambda t: (t[1], t[2]))
-  qhs = sorted({q for taps in plan.values() for _, q, _ in taps})
-  qws = sorted({q for taps in plan.values() for _, _, q in taps})
+  phases = bwd_probe.plan(g)
+  qhs = sorted({q for taps, _ in phases.values() for _, q, _ in taps})
+  qws = sorted({q for taps, _ in phases.values() for _, _, q in taps})
   assert qhs[0] >= 0 and qws[0] >= 0, (qhs, qws)
   row_offsets = range(bh + qhs[-1])  # window rows mh0 + r the program reads
-  every = all(len(t) == g.window[1] * g.window[2] for t in plan.values())
 
   def body(edge):
     def tile_at(r, x):
@@ -99,17 +85,12 @@ def colloop_kernel(idx_ref, dy_ref, dx_ref, *, g, K, L, bh, bl, lanes, interpret
             have[r, c + qw] = tile_at(r, c + qw)
       m = base + ks * L + c
       for kh in range(bh):
-        for (rh, rw), taps in plan.items():
-          acc = None
+        for (rh, rw), (taps, every) in phases.items():
+          terms = []
           for t, qh, qw in taps:
             dyt, it = have[kh + qh, c + qw]
-            term = jnp.where(it == t, dyt, np.array(0, dtype))
-            if acc is None:
-              acc = term if every else jnp.where(term == 0, zero, term)
-            else:
-              acc = acc + term
-          if acc is None:
-            acc = zero
+            terms.append(jnp.where(it == t, dyt, np.array(0, dtype)))
+          acc = bwd_probe.phase_sum(terms, every, zero)
           h = (mh0 + kh) * sh + rh
           w = m * sw + rw
           mask = None if n_strips == 1 and ((K - 1) * L + c) * sw + rw < W else w < W
@@ -141,82 +122,12 @@ def colloop_backward(taps, dy, in_shape, geom, *, K, L, bh, bl, warps, interpret
   return dx.reshape(in_shape)
 
 
-CASES = {
-    "bf16": ((128, 112, 112, 64), "bfloat16"),
-    "f32": ((128, 112, 112, 64), "float32"),
-    "small": ((2, 14, 18, 16), "bfloat16"),
-    "odd": ((2, 13, 17, 16), "float32"),
-}
-
-
-def operands(shape, geom, dtype, seed=0):
-  rng = np.random.default_rng(seed)
-  out_shape = geom.output_shape(shape)
-  n_taps = geom.lift(3).num_taps
-  dy = jnp.asarray(rng.normal(size=out_shape), dtype)
-  # Tie-rich cotangents too: small integers, with zeros of both signs.
-  dy = jnp.where(jnp.asarray(rng.random(out_shape) < 0.3), jnp.asarray(
-      rng.integers(-2, 3, out_shape), dtype) * jnp.asarray(-0.0 if seed % 2 else 1.0, dtype), dy)
-  idx = jnp.asarray(rng.integers(-1, n_taps, out_shape), windows.taps_dtype(n_taps))
-  return idx, dy
-
-
-def main():
-  ap = argparse.ArgumentParser()
-  ap.add_argument("--runs", default="bf16:8,7,2,64,2;bf16:8,7,1,64,2")
-  ap.add_argument("--lib", default="bf16:4,64,1,1,2;bf16:8,64,2,1,2")
-  ap.add_argument("--interpret", action="store_true")
-  ap.add_argument("--rounds", type=int, default=3)
-  ap.add_argument("--samples", type=int, default=15)
-  ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks/results/bwd_colloop_gpu.json"))
-  a = ap.parse_args()
-  by_case = {}
-  for spec in a.runs.split(";"):
-    case, launch = spec.split(":")
-    by_case.setdefault(case, {"colloop": [], "lib": []})["colloop"].append(
-        tuple(int(v) for v in launch.split(",")))
-  for spec in a.lib.split(";") if a.lib else []:
-    case, launch = spec.split(":")
-    by_case.setdefault(case, {"colloop": [], "lib": []})["lib"].append(
-        tuple(int(v) for v in launch.split(",")))
-  results = {}
-  for case, runs in by_case.items():
-    shape, dtype = CASES[case]
-    geom = windows.make_geometry(shape, (3, 3), (2, 2), 1, data_format="channels_last")
-    idx, dy = operands(shape, geom, dtype)
-    def library(i, d, launch=None, shape=shape, geom=geom):
-      return pk._backward_call((i, d), shape, geom, "max", a.interpret, launch=launch)
-
-    fns = {"table": jax.jit(library)}
-    for launch in runs["lib"]:
-      fns["lib " + "x".join(map(str, launch))] = jax.jit(functools.partial(library,
-                                                                          launch=launch))
-    for K, L, bh, bl, w in runs["colloop"]:
-      fns[f"loop {K}x{L}x{bh}x{bl}x{w}"] = jax.jit(functools.partial(
-          colloop_backward, in_shape=shape, geom=geom, K=K, L=L, bh=bh, bl=bl, warps=w,
-          interpret=a.interpret))
-    ref = np.asarray(fns["table"](idx, dy).view(np.uint16 if dtype == "bfloat16"
-                                                  else np.uint32))
-    same = {}
-    for k, f in fns.items():
-      got = np.asarray(f(idx, dy).view(ref.dtype))
-      same[k] = bool(np.array_equal(got, ref))
-      print(f"{case} {k}: bits {'equal' if same[k] else 'DIFFER'}"
-            + ("" if same[k] else f" ({int((got != ref).sum())} of {ref.size})"), flush=True)
-    if a.interpret:
-      continue
-    from launches_gpu import _copy_ms, fastest_in_rounds
-    nbytes = idx.nbytes + dy.nbytes + int(np.prod(shape)) * jnp.dtype(dtype).itemsize
-    copy = _copy_ms(2 ** 30) / 2 ** 30
-    best = fastest_in_rounds(fns, (idx, dy), a.rounds, a.samples)
-    results[case] = {k: {"ms": v, "of_copy": copy * nbytes / v, "bits_equal": same[k]}
-                     for k, v in best.items()}
-    for k, v in best.items():
-      print(f"{case:5s} {k:24s} {v:.4f} ms  {copy * nbytes / v:.3f} of copy", flush=True)
-  if results:
-    with open(a.out, "w") as f:
-      json.dump({"device": jax.devices()[0].device_kind, "results": results}, f, indent=1)
+def make(params, *, shape, geom, interpret):
+  K, L, bh, bl, warps = params
+  return jax.jit(functools.partial(colloop_backward, in_shape=shape, geom=geom, K=K, L=L, bh=bh,
+                                   bl=bl, warps=warps, interpret=interpret))
 
 
 if __name__ == "__main__":
-  main()
+  bwd_probe.main("colloop", make, "bf16:8,7,2,64,2;bf16:8,7,1,64,2",
+                 "bf16:4,64,1,1,2;bf16:8,64,2,1,2", __doc__)

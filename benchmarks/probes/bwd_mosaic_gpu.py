@@ -10,44 +10,25 @@ block to shared memory and copies it out. The library's Triton kernel reads each
 from the L2 once for every phase offset that needs them (3-4 times a row); here the L2 is read
 once (and a halo). Even input sizes (every input row and column lies in a window), stride 2.
 
-``--runs "bf16:th,tw[,per[,read_only]];f32:..."``: the same bits as the library's kernel checked,
-then timed side by side with the library's table launch (and ``--lib`` launches) in
-interleaved rounds; fractions of the copy bandwidth (bytes ``dy + taps + dx``). Needs a Hopper GPU
-(``--interpret``: Mosaic GPU's interpreter, a small case, bits only).
+``--runs "bf16:th,tw[,per[,read_only]];..."``; the rest of the command line is
+``bwd_probe.py``'s (``--interpret --runs "small:8,8;small:4,8,2" --lib ""`` checks bits in
+Mosaic GPU's interpreter on a CPU). Writes ``benchmarks/results/bwd_mosaic_gpu.json``
+(``--out``). Needs a Hopper GPU.
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
-import json
 import os
 import sys
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-os.environ.setdefault("JAXPOOL_TUNE", "cached")
-from jaxpool._src import windows  # noqa: E402
-from jaxpool._src.pallas import triton as pk  # noqa: E402
-
-
-def plan(g):
-  """For each input phase ``(rh, rw)``: its taps ``(t, qh, qw)`` in ascending offset order (the
-  library's descending tap order)."""
-  out = {}
-  for rh in range(g.strides[1]):
-    for rw in range(g.strides[2]):
-      taps = [(i * g.window[2] + j, qh, qw) for i, qh in windows.phase_taps(g, 1, rh)
-              for j, qw in windows.phase_taps(g, 2, rw)]
-      out[rh, rw] = sorted(taps, key=lambda t: (t[1], t[2]))
-  return out
+import bwd_probe  # noqa: E402
 
 
 def mosaic_backward(taps, dy, in_shape, geom, *, th, tw, per=1, read_only=0,
@@ -62,10 +43,10 @@ def mosaic_backward(taps, dy, in_shape, geom, *, th, tw, per=1, read_only=0,
   H, W = in_shape[1:3]
   sh, sw = g.strides[1:]
   assert g.channels_last and (H, W) == (sh * Ho, sw * Wo) and Ho % th == 0 and Wo % tw == 0
-  phases = plan(g)
-  qh_max = max(q for ts in phases.values() for _, q, _ in ts)
-  qw_max = max(q for ts in phases.values() for _, _, q in ts)
-  assert min(q for ts in phases.values() for _, q, q2 in ts for q in (q, q2)) >= 0
+  phases = bwd_probe.plan(g)
+  qh_max = max(q for ts, _ in phases.values() for _, q, _ in ts)
+  qw_max = max(q for ts, _ in phases.values() for _, _, q in ts)
+  assert min(q for ts, _ in phases.values() for _, q, q2 in ts for q in (q, q2)) >= 0
   rows, cols = th + qh_max, tw + qw_max
   n_cols = Wo // tw
   blocks = N * (Ho // th) * n_cols
@@ -120,12 +101,12 @@ def mosaic_backward(taps, dy, in_shape, geom, *, th, tw, per=1, read_only=0,
 
       if per > 1:  # (this slot's previous copy out has read its buffer)
         plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-      for (rh, rw), ts in phases.items():
-        acc = None
+      for (rh, rw), (ts, every) in phases.items():
+        terms = []
         for t, qh, qw in ts:
           d, it = tiles(qh, qw)
-          term = jnp.where(it == t, d, zero)
-          acc = jnp.where(term == 0, zero, term) if acc is None else acc + term
+          terms.append(jnp.where(it == t, d, zero))
+        acc = bwd_probe.phase_sum(terms, every, zero)
         o_s[:, rh, :, rw, :] = acc
       plgpu.commit_smem()
       r, c, _ = where(blk)
@@ -157,86 +138,12 @@ def _interpreter():
   return InterpretGPUParams()
 
 
-CASES = {
-    "bf16": ((128, 112, 112, 64), "bfloat16"),
-    "f32": ((128, 112, 112, 64), "float32"),
-    "small": ((2, 16, 16, 64), "bfloat16"),
-}
-
-
-def operands(shape, geom, dtype, seed=0):
-  rng = np.random.default_rng(seed)
-  out_shape = geom.output_shape(shape)
-  n_taps = geom.lift(3).num_taps
-  dy = jnp.asarray(rng.normal(size=out_shape), dtype)
-  # Tie-rich cotangents too: small integers, zeros of both signs among them.
-  ints = jnp.asarray(rng.integers(-2, 3, out_shape), dtype)
-  signs = jnp.asarray(np.where(rng.random(out_shape) < 0.5, -1.0, 1.0), dtype)
-  dy = jnp.where(jnp.asarray(rng.random(out_shape) < 0.3), ints * signs, dy)
-  idx = jnp.asarray(rng.integers(-1, n_taps, out_shape), windows.taps_dtype(n_taps))
-  return idx, dy
-
-
-def main():
-  ap = argparse.ArgumentParser()
-  ap.add_argument("--runs", default="bf16:8,8;bf16:4,8;bf16:8,4;f32:8,8;f32:4,8")
-  ap.add_argument("--lib", default="bf16:4,64,1,1,2;bf16:8,64,2")
-  ap.add_argument("--interpret", action="store_true")
-  ap.add_argument("--rounds", type=int, default=3)
-  ap.add_argument("--samples", type=int, default=5)
-  ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks/results/bwd_mosaic_gpu.json"))
-  a = ap.parse_args()
-  by_case: dict = {}
-  for spec, kind in [(s, "mosaic") for s in a.runs.split(";")] + \
-                    [(s, "lib") for s in (a.lib.split(";") if a.lib else [])]:
-    case, launch = spec.split(":")
-    by_case.setdefault(case, {"mosaic": [], "lib": []})[kind].append(
-        tuple(int(v) for v in launch.split(",")))
-  results = {}
-  for case, runs in by_case.items():
-    shape, dtype = CASES[case]
-    geom = windows.make_geometry(shape, (3, 3), (2, 2), 1, data_format="channels_last")
-    idx, dy = operands(shape, geom, dtype)
-
-    def library(i, d, launch=None, shape=shape, geom=geom):
-      return pk._backward_call((i, d), shape, geom, "max", a.interpret, launch=launch)
-
-    fns = {"table": jax.jit(library)}
-    for launch in runs["lib"]:
-      fns["lib " + "x".join(map(str, launch))] = jax.jit(functools.partial(library,
-                                                                          launch=launch))
-    for th, tw, *more in runs["mosaic"]:
-      per, read_only = (*more, 1, 0)[:2]
-      fns["mosaic " + "x".join(map(str, (th, tw, *more)))] = jax.jit(functools.partial(
-          mosaic_backward, in_shape=shape, geom=geom, th=th, tw=tw, per=per,
-          read_only=read_only, interpret=a.interpret))
-    view = np.uint16 if dtype == "bfloat16" else np.uint32
-    ref = np.asarray(fns["table"](idx, dy)).view(view)
-    same = {}
-    for k, f in list(fns.items()):
-      try:
-        got = np.asarray(f(idx, dy)).view(view)
-      except Exception as e:  # (a launch Mosaic GPU does not lower: reported, not timed)
-        print(f"{case} {k}: FAILED {type(e).__name__}: {str(e)[:2000]}", flush=True)
-        del fns[k]
-        continue
-      same[k] = bool(np.array_equal(got, ref))
-      print(f"{case} {k}: bits {'equal' if same[k] else 'DIFFER'}"
-            + ("" if same[k] else f" ({int((got != ref).sum())} of {ref.size})"), flush=True)
-    if a.interpret:
-      continue
-    from launches_gpu import _copy_ms, fastest_in_rounds
-    nbytes = idx.nbytes + dy.nbytes + int(np.prod(shape)) * jnp.dtype(dtype).itemsize
-    copy = _copy_ms(2 ** 30) / 2 ** 30
-    best = fastest_in_rounds(fns, (idx, dy), a.rounds, a.samples)
-    results[case] = {k: {"ms": v, "of_copy": copy * nbytes / v, "bits_equal": same[k]}
-                     for k, v in best.items()}
-    for k, v in best.items():
-      print(f"{case:5s} {k:24s} {v:.4f} ms  {copy * nbytes / v:.3f} of copy", flush=True)
-  if results:
-    with open(a.out, "w") as f:
-      json.dump({"device": jax.devices()[0].device_kind, "results": results}, f, indent=1)
+def make(params, *, shape, geom, interpret):
+  th, tw, per, read_only = (*params, 1, 0)[:4]
+  return jax.jit(functools.partial(mosaic_backward, in_shape=shape, geom=geom, th=th, tw=tw,
+                                   per=per, read_only=read_only, interpret=interpret))
 
 
 if __name__ == "__main__":
-  main()
+  bwd_probe.main("mosaic", make, "bf16:8,8;bf16:4,8,1,1;bf16:8,4,1,1;f32:8,8",
+                 "bf16:4,64,1,1,2;bf16:8,64,2", __doc__)
