@@ -1,6 +1,6 @@
 """Probe: any kernel of ``pooling_gpu.py``'s cases at any launch configurations, side by side.
 
-``--runs "case:op=bw,bl,w[,rd,rh];bw,bl,w[,rd,rh] case:op=..."``: for each case (a short name
+``--runs "case:op=bw,bl,w[,rd,rh][@stages];... case:op=..."``: for each case (a short name
 below) and op (``max_fwd``, ``argmax_fwd``, ``avg_fwd`` with the padding counted, ``max_bwd``,
 ``avg_bwd``), times each launch in ``--rounds`` interleaved rounds (each launch's fastest
 round kept, the tuner's timer), checks that every launch gives the first one's bits, and
@@ -39,6 +39,12 @@ CASES = {  # name: (shape, window, strides, padding, data_format, dtype)
 
 def _parse(text: str) -> tuple[int, ...]:
   return tuple(int(v) for v in text.split(","))
+
+
+def _parse_staged(text: str) -> tuple[tuple[int, ...], int]:
+  """``bw,bl,w[,rd,rh][@stages]``: a launch and Triton's pipelining depth (default 1)."""
+  launch, _, stages = text.partition("@")
+  return _parse(launch), int(stages or 1)
 
 
 def _call(op, geom, shape, launch, *ops):
@@ -96,9 +102,16 @@ def main() -> None:
     shape, window, strides, padding, fmt, dtype = CASES[name]
     geom = windows.make_geometry(shape, window, strides, padding, data_format=fmt)
     ops = _operands(op, shape, geom, dtype)
-    launches = [_parse(t) for t in launches_text.split(";")]
-    fns = {lc: jax.jit(functools.partial(_call, op, geom, shape, lc)) for lc in launches}
-    outs = {lc: jax.block_until_ready(fn(*ops)) for lc, fn in fns.items()}
+    staged = [_parse_staged(t) for t in launches_text.split(";")]
+    launches = [lc if st == 1 else (*lc, f"@{st}") for lc, st in staged]
+    fns, outs = {}, {}
+    for key, (lc, st) in zip(launches, staged):
+      fns[key] = jax.jit(functools.partial(_call, op, geom, shape, lc))
+      pk.NUM_STAGES = st  # (read while the first call traces the kernel)
+      try:
+        outs[key] = jax.block_until_ready(fns[key](*ops))
+      finally:
+        pk.NUM_STAGES = 1
     nbytes = sum(o.nbytes for o in ops) + sum(o.nbytes for o in jax.tree.leaves(
         outs[launches[0]]))
     want = [np.asarray(o) for o in jax.tree.leaves(outs[launches[0]])]

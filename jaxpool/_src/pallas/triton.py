@@ -99,10 +99,16 @@ def launch_config(width: int, lanes: int, itemsize: int, channels_last: bool) ->
   return bw, bl, tuning.warps_for(bw, bl, itemsize, 8)
 
 
+# Triton's software pipelining depth (``num_stages``) for every kernel, read when a kernel is
+# traced: 1, since most kernels have no loop; the loops over the output planes (``rd = 0``) are
+# the exception (benchmarks/probes/launches_gpu.py times them with other depths).
+NUM_STAGES = 1
+
+
 def _compiler_params(num_warps: int):
   if plgpu is None:
     return None
-  return plgpu.CompilerParams(num_warps=num_warps, num_stages=1)
+  return plgpu.CompilerParams(num_warps=num_warps, num_stages=NUM_STAGES)
 
 
 def _call_kwargs(interpret: bool, num_warps: int):
