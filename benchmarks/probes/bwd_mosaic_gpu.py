@@ -139,7 +139,7 @@ def _interpreter():
 
 
 def make(params, *, shape, geom, interpret):
-  th, tw, per, read_only = (*params, 1, 0)[:4]
+  th, tw, per, read_only = (*params, *(1, 0)[len(params) - 2:])
   return jax.jit(functools.partial(mosaic_backward, in_shape=shape, geom=geom, th=th, tw=tw,
                                    per=per, read_only=read_only, interpret=interpret))
 

@@ -102,16 +102,15 @@ def main() -> None:
     shape, window, strides, padding, fmt, dtype = CASES[name]
     geom = windows.make_geometry(shape, window, strides, padding, data_format=fmt)
     ops = _operands(op, shape, geom, dtype)
-    staged = [_parse_staged(t) for t in launches_text.split(";")]
-    launches = [lc if st == 1 else (*lc, f"@{st}") for lc, st in staged]
+    launches = [_parse_staged(t) for t in launches_text.split(";")]  # (launch, stages)
     fns, outs = {}, {}
-    for key, (lc, st) in zip(launches, staged):
-      fns[key] = jax.jit(functools.partial(_call, op, geom, shape, lc))
-      pk.NUM_STAGES = st  # (read while the first call traces the kernel)
+    for key in launches:
+      fns[key] = jax.jit(functools.partial(_call, op, geom, shape, key[0]))
+      before, pk.NUM_STAGES = pk.NUM_STAGES, key[1]  # (read while the first call traces)
       try:
         outs[key] = jax.block_until_ready(fns[key](*ops))
       finally:
-        pk.NUM_STAGES = 1
+        pk.NUM_STAGES = before
     nbytes = sum(o.nbytes for o in ops) + sum(o.nbytes for o in jax.tree.leaves(
         outs[launches[0]]))
     want = [np.asarray(o) for o in jax.tree.leaves(outs[launches[0]])]
@@ -121,11 +120,13 @@ def main() -> None:
     best = fastest_in_rounds(fns, ops, args.rounds, samples=args.samples)
     print(f"\n{name} {op} {shape} {dtype} {fmt}: {nbytes / 1e6:.0f} MB", flush=True)
     rows = []
-    for lc in sorted(launches, key=lambda lc: best[lc]):
-      frac = nbytes / best[lc] / 1e6 / copy_gbs
-      print(f"  {'x'.join(map(str, lc)):14s} {best[lc]:.4f} ms  {frac:.3f} of copy"
-            f"{'' if same[lc] else '  OTHER BITS'}", flush=True)
-      rows.append({"launch": list(lc), "ms": best[lc], "of_copy": frac, "same_bits": same[lc]})
+    for key in sorted(launches, key=lambda key: best[key]):
+      frac = nbytes / best[key] / 1e6 / copy_gbs
+      label = "x".join(map(str, key[0])) + ("" if key[1] == 1 else f"@{key[1]}")
+      print(f"  {label:16s} {best[key]:.4f} ms  {frac:.3f} of copy"
+            f"{'' if same[key] else '  OTHER BITS'}", flush=True)
+      rows.append({"launch": list(key[0]), "stages": key[1], "ms": best[key], "of_copy": frac,
+                   "same_bits": same[key]})
     results["runs"].append({"case": name, "op": op, "shape": list(shape), "dtype": dtype,
                             "layout": fmt, "bytes": nbytes, "launches": rows})
     os.makedirs(os.path.dirname(args.out), exist_ok=True)

@@ -99,9 +99,10 @@ def launch_config(width: int, lanes: int, itemsize: int, channels_last: bool) ->
   return bw, bl, tuning.warps_for(bw, bl, itemsize, 8)
 
 
-# Triton's software pipelining depth (``num_stages``) for every kernel, read when a kernel is
-# traced: 1, since most kernels have no loop; the loops over the output planes (``rd = 0``) are
-# the exception (benchmarks/probes/launches_gpu.py times them with other depths).
+# Triton's software pipelining depth (``num_stages``) for every kernel: 1, since most kernels
+# have no loop; the loops over the output planes (``rd = 0``) are the exception, and ran within
+# 2% with 2 or 3 stages (docs/tuning.md). Read when a kernel is traced: a program already traced
+# or compiled keeps the value it had. (benchmarks/probes/launches_gpu.py sets it per launch.)
 NUM_STAGES = 1
 
 
