@@ -32,14 +32,10 @@ from jaxpool._src.pallas import triton as pk  # noqa: E402
 from jaxpool._src.pallas.triton_tile import Tile, both_paths, load, split  # noqa: E402
 
 
-def _cdiv(a: int, b: int) -> int:
-  return -(-a // b)
-
-
 def programs(g, K, L, bh):
   """A batch's blocks of ``bh`` phase rows, and the strips of ``K * L`` phase columns."""
   H, W = g.in_spatial[1:]
-  return _cdiv(_cdiv(H, g.strides[1]), bh), _cdiv(_cdiv(W, g.strides[2]), K * L)
+  return pl.cdiv(pl.cdiv(H, g.strides[1]), bh), pl.cdiv(pl.cdiv(W, g.strides[2]), K * L)
 
 
 def colloop_kernel(idx_ref, dy_ref, dx_ref, *, g, K, L, bh, bl, lanes, interpret):
@@ -47,7 +43,7 @@ def colloop_kernel(idx_ref, dy_ref, dx_ref, *, g, K, L, bh, bl, lanes, interpret
   sh, sw = g.strides[1], g.strides[2]
   n_rows, n_strips = programs(g, K, L, bh)
   pid = pl.program_id(0)
-  row, strip, lb = split(pid, (n_strips, _cdiv(lanes, bl)))
+  row, strip, lb = split(pid, (n_strips, pl.cdiv(lanes, bl)))
   b, mb = split(row, (n_rows,))
   mh0 = mb * bh
   tile = Tile(K, lanes, bl, interpret, True, lb)
@@ -56,9 +52,7 @@ def colloop_kernel(idx_ref, dy_ref, dx_ref, *, g, K, L, bh, bl, lanes, interpret
   ks = jnp.arange(K, dtype=jnp.int32)
   base = strip * (K * L)
   phases = bwd_probe.plan(g)
-  qhs = sorted({q for taps, _ in phases.values() for _, q, _ in taps})
-  qws = sorted({q for taps, _ in phases.values() for _, _, q in taps})
-  assert qhs[0] >= 0 and qws[0] >= 0, (qhs, qws)
+  qhs, qws = bwd_probe.offsets(phases)
   row_offsets = range(bh + qhs[-1])  # window rows mh0 + r the program reads
 
   def body(edge):
@@ -112,7 +106,7 @@ def colloop_backward(taps, dy, in_shape, geom, *, K, L, bh, bl, warps, interpret
   ops = [pk._view(o, g.out_spatial, True) for o in (taps, dy)]
   lanes, nb = ops[0].shape[-1], ops[0].shape[0]
   n_rows, n_strips = programs(g, K, L, bh)
-  grid = (nb * n_rows * n_strips * _cdiv(lanes, bl),)
+  grid = (nb * n_rows * n_strips * pl.cdiv(lanes, bl),)
   shape5 = pk._view_shape(in_shape, g.in_spatial, True)
   kernel = functools.partial(colloop_kernel, g=g, K=K, L=L, bh=bh, bl=bl, lanes=lanes,
                              interpret=interpret)

@@ -44,9 +44,8 @@ def mosaic_backward(taps, dy, in_shape, geom, *, th, tw, per=1, read_only=0,
   sh, sw = g.strides[1:]
   assert g.channels_last and (H, W) == (sh * Ho, sw * Wo) and Ho % th == 0 and Wo % tw == 0
   phases = bwd_probe.plan(g)
-  qh_max = max(q for ts, _ in phases.values() for _, q, _ in ts)
-  qw_max = max(q for ts, _ in phases.values() for _, _, q in ts)
-  assert min(q for ts, _ in phases.values() for _, q, q2 in ts for q in (q, q2)) >= 0
+  qhs, qws = bwd_probe.offsets(phases)
+  qh_max, qw_max = qhs[-1], qws[-1]
   rows, cols = th + qh_max, tw + qw_max
   n_cols = Wo // tw
   blocks = N * (Ho // th) * n_cols
@@ -60,6 +59,7 @@ def mosaic_backward(taps, dy, in_shape, geom, *, th, tw, per=1, read_only=0,
     while (r * cols * C * itemsize) % 1024:
       r += 1
     return r
+
   layout = plgpu.Layout.WG_STRIDED((th, tw, C), vec_size=8)
 
   def body(idx_g, dy_g, dx_g, dy_s, idx_s, dx_s, bars):

@@ -54,6 +54,15 @@ def plan(g) -> dict[tuple[int, int], tuple[list[tuple[int, int, int]], bool]]:
   return out
 
 
+def offsets(phases) -> tuple[list[int], list[int]]:
+  """The window offsets ``q`` in height and in width that :func:`plan`'s phases read, ascending
+  (all at least 0: a block reads its own windows and later ones)."""
+  qhs = sorted({q for taps, _ in phases.values() for _, q, _ in taps})
+  qws = sorted({q for taps, _ in phases.values() for _, _, q in taps})
+  assert qhs[0] >= 0 and qws[0] >= 0, (qhs, qws)
+  return qhs, qws
+
+
 def phase_sum(terms, every: bool, zero):
   """The library's sum of a phase's terms (in order): the first one's zero as ``+0.0`` unless
   the phase visits every tap, then added one by one in the cotangents' dtype."""
