@@ -1,12 +1,14 @@
 """Probe: any kernel of ``pooling_gpu.py``'s cases at any launch configurations, side by side.
 
-``--runs "case:op=bw,bl,w[,rd,rh][@stages];... case:op=..."``: for each case (a short name
+``--runs "case:op=bw,bl,w[,rd,rh][@stages][~];... case:op=..."``: for each case (a short name
 below) and op (``max_fwd``, ``argmax_fwd``, ``avg_fwd`` with the padding counted, ``max_bwd``,
 ``avg_bwd``), times each launch in ``--rounds`` interleaved rounds (each launch's fastest
 round kept, the tuner's timer), checks that every launch gives the first one's bits, and
 prints each launch's time and fraction of the copy bandwidth (bytes counted as
 ``pooling_gpu.py`` counts them: forward ``x + y`` (+ the taps), backward ``dy`` (+ the taps)
-``+ dx``; the copy ``x + 1`` over 1 GiB read and written). Saves
+``+ dx``; the copy ``x + 1`` over 1 GiB read and written). ``@stages``: Triton's pipelining
+depth (``triton.NUM_STAGES``, default 1); a trailing ``~``: the max backward's selects one
+lane at a time (``triton.PACKED_SELECT`` off). Saves
 ``benchmarks/results/launches_gpu.json`` (``--out``). Needs a GPU.
 """
 
@@ -41,10 +43,12 @@ def _parse(text: str) -> tuple[int, ...]:
   return tuple(int(v) for v in text.split(","))
 
 
-def _parse_staged(text: str) -> tuple[tuple[int, ...], int]:
-  """``bw,bl,w[,rd,rh][@stages]``: a launch and Triton's pipelining depth (default 1)."""
-  launch, _, stages = text.partition("@")
-  return _parse(launch), int(stages or 1)
+def _parse_staged(text: str) -> tuple[tuple[int, ...], int, bool]:
+  """``bw,bl,w[,rd,rh][@stages][~]``: a launch, Triton's pipelining depth (default 1) and
+  whether the max backward selects two lanes at a time (no ``~``)."""
+  packed = not text.endswith("~")
+  launch, _, stages = text.rstrip("~").partition("@")
+  return _parse(launch), int(stages or 1), packed
 
 
 def _call(op, geom, shape, launch, *ops):
@@ -77,7 +81,10 @@ def _operands(op, shape, geom, dtype):
   n_taps = geom.lift(3).num_taps
   if op.endswith("_fwd"):
     return (jnp.asarray(rng.normal(size=shape), dtype),)
-  dy = jnp.asarray(rng.normal(size=out_shape), dtype)
+  dyn = rng.normal(size=out_shape)
+  dyn[rng.random(out_shape) < 0.05] = 0.0  # (zeros of both signs: the backward's rule for them)
+  dyn[rng.random(out_shape) < 0.05] = -0.0
+  dy = jnp.asarray(dyn, dtype)
   if op == "avg_bwd":
     return (dy,)
   return (jnp.asarray(rng.integers(-1, n_taps, out_shape), windows.taps_dtype(n_taps)), dy)
@@ -102,15 +109,16 @@ def main() -> None:
     shape, window, strides, padding, fmt, dtype = CASES[name]
     geom = windows.make_geometry(shape, window, strides, padding, data_format=fmt)
     ops = _operands(op, shape, geom, dtype)
-    launches = [_parse_staged(t) for t in launches_text.split(";")]  # (launch, stages)
+    launches = [_parse_staged(t) for t in launches_text.split(";")]  # (launch, stages, packed)
     fns, outs = {}, {}
     for key in launches:
       fns[key] = jax.jit(functools.partial(_call, op, geom, shape, key[0]))
-      before, pk.NUM_STAGES = pk.NUM_STAGES, key[1]  # (read while the first call traces)
+      before = pk.NUM_STAGES, pk.PACKED_SELECT
+      pk.NUM_STAGES, pk.PACKED_SELECT = key[1], key[2]  # (read while the first call traces)
       try:
         outs[key] = jax.block_until_ready(fns[key](*ops))
       finally:
-        pk.NUM_STAGES = before
+        pk.NUM_STAGES, pk.PACKED_SELECT = before
     nbytes = sum(o.nbytes for o in ops) + sum(o.nbytes for o in jax.tree.leaves(
         outs[launches[0]]))
     want = [np.asarray(o) for o in jax.tree.leaves(outs[launches[0]])]
@@ -122,11 +130,12 @@ def main() -> None:
     rows = []
     for key in sorted(launches, key=lambda key: best[key]):
       frac = nbytes / best[key] / 1e6 / copy_gbs
-      label = "x".join(map(str, key[0])) + ("" if key[1] == 1 else f"@{key[1]}")
+      label = ("x".join(map(str, key[0])) + ("" if key[1] == 1 else f"@{key[1]}")
+               + ("" if key[2] else "~"))
       print(f"  {label:16s} {best[key]:.4f} ms  {frac:.3f} of copy"
             f"{'' if same[key] else '  OTHER BITS'}", flush=True)
-      rows.append({"launch": list(key[0]), "stages": key[1], "ms": best[key], "of_copy": frac,
-                   "same_bits": same[key]})
+      rows.append({"launch": list(key[0]), "stages": key[1], "packed_select": key[2],
+                   "ms": best[key], "of_copy": frac, "same_bits": same[key]})
     results["runs"].append({"case": name, "op": op, "shape": list(shape), "dtype": dtype,
                             "layout": fmt, "bytes": nbytes, "launches": rows})
     os.makedirs(os.path.dirname(args.out), exist_ok=True)

@@ -53,6 +53,7 @@ from jaxpool._src.pallas.calls import out_struct
 from jaxpool._src.pallas.trials import trial_inputs
 from jaxpool._src.pallas.triton_avg import avg_kernel
 from jaxpool._src.pallas.triton_backward import (
+    PICK16_TAPS,
     backward_kernel,
     block_rows,
     interleaves,
@@ -268,7 +269,8 @@ def _backward_call(operands, in_shape, geom: Geometry, mode: str, interpret: boo
   grid = triton_tile.grid(rows, pl.cdiv(cols, bw), pl.cdiv(lanes, bl))
   kernel = functools.partial(backward_kernel, g=g, bw=bw, bl=bl, lanes=lanes, rows=rows,
                              n_cols=cols, mode=mode, include_pad=include_pad, divisor=divisor,
-                             interpret=interpret, block=(bd, bh))
+                             interpret=interpret, block=(bd, bh),
+                             packed=_packed_select(mode, operands, g, bw * bl, warps, interpret))
   shape4 = _view_shape(in_shape, g.in_spatial, g.channels_last)
   nbytes = sum(o.size * o.dtype.itemsize for o in operands) + math.prod(shape4) * \
       dy.dtype.itemsize
@@ -279,6 +281,25 @@ def _backward_call(operands, in_shape, geom: Geometry, mode: str, interpret: boo
                                     bytes_accessed=nbytes),
       **_call_kwargs(interpret, warps))(*ops4)
   return dx.reshape(in_shape)
+
+
+# Whether the max backward of 16-bit floats selects two lanes an instruction where it can
+# (triton_backward.pick16); off: one lane at a time, as for other dtypes (the same bits).
+PACKED_SELECT = True
+
+
+def _packed_select(mode: str, operands, g: Geometry, tile: int, warps: int,
+                   interpret: bool) -> bool:
+  """Whether the backward kernel runs :func:`triton_backward.pick16`: the max backward of a
+  16-bit float compiled for an NVIDIA GPU, taps of at most 16 bits (fewer than ``PICK16_TAPS``
+  a window), and each thread holding an even number of the ``tile``'s elements (they are
+  paired in registers)."""
+  if mode != "max" or not PACKED_SELECT or not _ptx(interpret):
+    return False
+  taps, dy = operands
+  return (jnp.issubdtype(dy.dtype, jnp.floating) and dy.dtype.itemsize == 2
+          and taps.dtype.itemsize <= 2 and g.num_taps <= PICK16_TAPS
+          and tile % (64 * warps) == 0)
 
 
 def max_backward(taps: jax.Array, dy: jax.Array, in_shape, geom: Geometry, *,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
@@ -21,6 +22,7 @@ from jaxpool._src.pallas.triton_tile import (
     both_paths,
     counted_taps,
     load,
+    plgpu,
     program,
     split,
 )
@@ -29,7 +31,7 @@ from jaxpool._src.windows import Geometry, phase_offsets, phase_taps
 
 def backward_kernel(*refs, g: Geometry, bw: int, bl: int, lanes: int, rows: int,
                     n_cols: int, mode: str, include_pad: bool, divisor: int | None,
-                    interpret: bool, block: tuple[int, int] = (1, 1)):
+                    interpret: bool, block: tuple[int, int] = (1, 1), packed: bool = False):
   """``dx`` for a block of ``s_d x s_h`` input rows and ``s_w * bw`` (channels_last) or ``bw``
   (channels_first) columns, phase by phase; with ``block = (bd, bh)``, for ``bd x bh`` such
   blocks of rows (``bd`` of them in depth, ``bh`` in height).
@@ -47,6 +49,10 @@ def backward_kernel(*refs, g: Geometry, bw: int, bl: int, lanes: int, rows: int,
   same bits on both paths. In channels_first the columns are the
   contiguous dim, so a block is a run of input columns (stored whole) and the column phase is
   per lane: every column tap is visited, masked to the lanes it can hold.
+
+  ``packed`` (max pooling of 16-bit floats, compiled for an NVIDIA GPU, each thread holding an
+  even number of a tile's elements): each tap's select runs on pairs of lanes (:func:`pick16`)
+  instead of one lane at a time; the same bits.
 
   Average pooling divides each cotangent by its window's divisor, computed on both code paths
   alike. (A multiply by the reciprocal, as the forward does, would let the compilers contract
@@ -172,14 +178,20 @@ def backward_kernel(*refs, g: Geometry, bw: int, bl: int, lanes: int, rows: int,
       dyt = load(dy_ref, where, ok, None if ok is None else np.array(0, dtype))
       if mode == "max":
         it = load(idx_ref, where, ok, None if ok is None else np.array(-1, idx_ref.dtype))
+        if packed:
+          it = it.astype(jnp.int16)
         for p, t in uses[key]:
-          c = jnp.where(it == t, dyt, np.array(0, dtype))
-          if accs[p] is None and not every_tap[p]:
-            # The XLA path adds a zero for each tap this phase skips, so its sums are never
-            # -0.0: -0.0 + 0.0 is +0.0. (A select: XLA:CPU would simplify zero + c to c.)
-            accs[p] = jnp.where(c == 0, zero, c)
+          # The XLA path adds a zero for each tap this phase skips, so its sums are never
+          # -0.0: -0.0 + 0.0 is +0.0. So the first term of such a phase maps -0.0 to +0.0.
+          # (A select: XLA:CPU would simplify zero + c to c.)
+          first_zero = accs[p] is None and not every_tap[p]
+          if packed:
+            c = pick16(dyt, it, t, first_zero)
           else:
-            accs[p] = c if accs[p] is None else accs[p] + c
+            c = jnp.where(it == t, dyt, np.array(0, dtype))
+            if first_zero:
+              c = jnp.where(c == 0, zero, c)
+          accs[p] = c if accs[p] is None else accs[p] + c
       else:
         c = dyt.astype(acc_t) / divisor_of((od, oh, ow))
         if ok is not None:
@@ -214,6 +226,34 @@ def backward_kernel(*refs, g: Geometry, bw: int, bl: int, lanes: int, rows: int,
           store(d, h, w, acc, edge)
 
   both_paths(interior, body)
+
+
+PICK16_TAPS = 0x7C00  # (taps below it are finite half floats' bits)
+
+
+def pick16(dy, taps, tap: int, plus_zero: bool):
+  """``where(taps == tap, dy, +0.0)`` for 16-bit floats ``dy`` and int16 ``taps`` (``-1`` or a
+  tap), two lanes an instruction (inline PTX on pairs packed in 32-bit registers); with
+  ``plus_zero`` a ``-0.0`` in ``dy`` gives ``+0.0`` too.
+
+  The taps' bits are compared as half floats (``set.eq.u32.f16x2``: ``0xFFFF`` where equal):
+  a tap ``0 <= t < 0x7C00`` is a finite half float (a subnormal below ``2**10``: no flush to
+  zero), equal only to itself, and ``-1`` is a NaN, equal to nothing. The mask is ANDed with
+  ``dy``'s bits. ``dy``'s zeros of either sign are half-float zeros in both formats (bits
+  ``0x0000`` and ``0x8000``), so the same compare against ``0`` finds them, and a three-input
+  logic op (``lop3``, ``dy & mask & ~zero``) clears them."""
+  assert plgpu is not None and 0 <= tap < PICK16_TAPS
+  pair = tap * 0x10001
+  if plus_zero:
+    body = ("mov.b32 jp_z, 0; set.eq.u32.f16x2 jp_n, $1, jp_z; "
+            "lop3.b32 $0, $1, jp_m, jp_n, 0x40;")  # (a & b & ~c)
+  else:
+    body = "and.b32 $0, $1, jp_m;"
+  asm = ("{ .reg .b32 jp_k, jp_m, jp_z, jp_n; "
+         f"mov.b32 jp_k, {pair}; set.eq.u32.f16x2 jp_m, $2, jp_k; {body} }}")
+  return plgpu.elementwise_inline_asm(
+      asm, args=[dy, taps], constraints="=r,r,r", pack=2,
+      result_shape_dtypes=[jax.ShapeDtypeStruct(dy.shape, dy.dtype)])[0]
 
 
 def phase_rows(g: Geometry) -> tuple[int, int]:
