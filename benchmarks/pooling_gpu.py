@@ -54,6 +54,7 @@ INNER = 10
 SAMPLE_MS = 5.0  # (0 with --inner: INNER calls a sample)
 REPS = 30
 NO_TORCH = False  # (--no-torch)
+IN_JIT = 0  # (--in-jit K: K calls a jit)
 # The Pallas kernels' rows (each one kernel); the summary lists those below 0.8 of copy.
 KERNELS = ("pallas_fwd", "pallas_fwd_argmax", "pallas_bwd", "pallas_avg_fwd")
 CASES = [
@@ -92,6 +93,16 @@ def _median_ms(call, sync) -> float:
 
 
 def time_jax(fn, *args) -> float:
+  """The median time of ``fn(*args)`` (ms); with ``IN_JIT = K``, of ``K`` calls inside one jit
+  on ``K`` copies of ``args``, divided by ``K``."""
+  if IN_JIT:
+    copies = [jax.tree.map(jnp.copy, args) for _ in range(IN_JIT)]
+    many = jax.jit(lambda sets: [fn(*a) for a in sets])
+    return _time_calls(many, copies) / IN_JIT
+  return _time_calls(fn, *args)
+
+
+def _time_calls(fn, *args) -> float:
   last: list = [None]
 
   def call():
@@ -307,11 +318,18 @@ def main():
   ap.add_argument("--cases", default="",
                   help="only the cases whose name contains one of these (comma-separated)")
   ap.add_argument("--no-torch", action="store_true", help="leave PyTorch's rows out")
+  ap.add_argument("--in-jit", type=int, default=0, metavar="K",
+                  help="time K calls inside one jit, each on its own copy of the arguments "
+                       "(the GPU's time of the op inside a jitted step; PyTorch's rows left "
+                       "out)")
   ap.add_argument("--torch-rows", default=None, help=argparse.SUPPRESS)  # (the child process)
   args = ap.parse_args()
   cases = [c for c in CASES if any(w in c[0] for w in args.cases.split(","))]
-  global INNER, SAMPLE_MS, NO_TORCH
-  NO_TORCH = args.no_torch
+  global INNER, SAMPLE_MS, NO_TORCH, IN_JIT
+  if args.in_jit < 0:
+    ap.error(f"--in-jit must be at least 0, got {args.in_jit}")
+  IN_JIT = args.in_jit
+  NO_TORCH = args.no_torch or bool(IN_JIT)
   if args.inner is not None:
     if args.inner < 1:
       ap.error(f"--inner must be at least 1, got {args.inner}")
@@ -361,7 +379,10 @@ def main():
           flush=True)
   meta = {"device": dev.device_kind, "jax": jax.__version__, "copy_GBps": copy_gbs,
           "timer": f"median of {REPS} samples, each at least {INNER} calls and {SAMPLE_MS} ms "
-                   "of calls, then block_until_ready",
+                   "of calls, then block_until_ready"
+                   + (f"; each call {IN_JIT} calls in one jit, time divided by {IN_JIT}"
+                      if IN_JIT else ""),
+          "in_jit": IN_JIT,
           "time": time.strftime("%Y-%m-%d %H:%M:%S"), "tuning": tuning.mode(),
           "tuning_seconds": sum(r.seconds for r in tuning.report() if r.source == "tuned")}
   if torch_version:
