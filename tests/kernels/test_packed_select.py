@@ -1,19 +1,22 @@
 """The max backward of 16-bit floats selects two lanes an instruction on NVIDIA GPUs
 (``triton_backward.pick16``, inline PTX on lanes paired in 32-bit registers): where it applies
-(``triton._packed_select``), that its PTX lowers, and compiled on a GPU (the tests marked
-``gpu``) the bits of every launch the tuner offers against the one-lane select's, with ties,
-zeros of both signs and windows that take no element."""
+(``triton._packed_select``), that its PTX lowers, the encoding it rests on (a NumPy model of
+its instructions against the one-lane select, over every 16-bit cotangent), and compiled on a
+GPU (the tests marked ``gpu``) the bits of every launch the tuner offers against the one-lane
+select's, with ties, zeros of both signs, NaN, infinities, subnormals, and windows that take no
+element."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 from kernel_base import ON_GPU, bits_equal
 
 from jaxpool._src import windows
-from jaxpool._src.pallas import triton, tuning
+from jaxpool._src.pallas import triton, triton_backward, tuning
 
 gpu = pytest.mark.gpu
 
@@ -24,6 +27,8 @@ CASES = {
     "2d_first": ((4, 24, 37, 61), (3, 3), (2, 2), 1, "channels_first"),
     "3d_last": ((2, 9, 21, 19, 40), (3, 3, 3), (2, 2, 2), 1, "channels_last"),
     "2d_s1": ((4, 15, 17, 64), (3, 2), (1, 1), 1, "channels_last"),
+    # (channels_first, stride 3: each lane its own column phase, the column taps masked per lane)
+    "2d_first_s3": ((2, 24, 37, 61), (4, 4), (3, 3), 1, "channels_first"),
 }
 
 
@@ -89,11 +94,72 @@ def test_the_packed_select_lowers_for_cuda(monkeypatch, dtype, packed):
   assert "set.eq.u32.f16x2" not in lowered()
 
 
-def _tied(rng, shape, dtype):
-  """Small integers (many ties), zeros of both signs."""
+def _set_eq_f16x2(a, b):
+  """PTX's ``set.eq.u32.f16x2`` on one lane: ``0xFFFF`` where the 16-bit patterns ``a`` and
+  ``b``, read as half floats, compare equal (IEEE: NaN equals nothing, ``-0 == +0``,
+  subnormals kept: no ``.ftz``)."""
+  with np.errstate(invalid="ignore"):
+    return np.where(a.view(np.float16) == b.view(np.float16), 0xFFFF, 0).astype(np.uint16)
+
+
+def _model_pick16(dy_bits, taps16, tap, plus_zero):
+  """:func:`triton_backward.pick16`'s instructions on one lane, in NumPy."""
+  mask = _set_eq_f16x2(taps16.view(np.uint16), np.full_like(dy_bits, tap))
+  if not plus_zero:
+    return dy_bits & mask
+  zero = _set_eq_f16x2(dy_bits, np.zeros_like(dy_bits))
+  return dy_bits & mask & ~zero  # (lop3 with table 0x40)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered")  # (NaN compared)
+@pytest.mark.parametrize("dtype", [ml_dtypes.bfloat16, np.float16], ids=["bf16", "f16"])
+def test_the_packed_select_encoding_gives_the_one_lane_select(dtype):
+  """Every 16-bit cotangent (all 65536 patterns: NaN, infinities, subnormals, zeros of both
+  signs) against taps of -1, 0, a few taps and the largest a window may have: the model of
+  :func:`triton_backward.pick16` gives the one-lane select's bits, ``where(taps == t, dy, 0)``
+  and, for a sum's first term, ``where(c == 0, +0.0, c)`` in the cotangents' own dtype."""
+  dy_bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+  dy = dy_bits.view(dtype)
+  last = triton_backward.PICK16_TAPS - 1
+  for taps_value in (-1, 0, 1, 8, 1023, 1024, last):
+    taps16 = np.full(dy.shape, taps_value, np.int16)
+    for tap in (0, 1, 8, 1023, 1024, last):
+      want = np.where(taps16 == tap, dy, dtype(0))
+      for plus_zero in (False, True):
+        if plus_zero:
+          want = np.where(want == 0, dtype(0), want)
+        got = _model_pick16(dy_bits, taps16, tap, plus_zero)
+        np.testing.assert_array_equal(got, want.view(np.uint16))
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered")  # (NaN compared)
+def test_the_packed_select_encoding_test_can_fail():
+  """The check above finds a first term's select that keeps ``-0.0`` (``and`` alone), and a
+  tap past :data:`triton_backward.PICK16_TAPS` (``0x7C01``: a half float's NaN, equal to
+  nothing, so its cotangents would be dropped)."""
+  dy_bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+  dy = dy_bits.view(ml_dtypes.bfloat16)
+  taps16 = np.zeros(dy.shape, np.int16)
+  want = np.where(dy == 0, ml_dtypes.bfloat16(0), dy).view(np.uint16)
+  assert (_model_pick16(dy_bits, taps16, 0, False) != want).sum() == 1  # (-0.0)
+  past = np.full(dy.shape, 0x7C01, np.int16)
+  assert triton_backward.PICK16_TAPS <= 0x7C01
+  assert (_model_pick16(dy_bits, past, 0x7C01, False) == 0).all()
+
+
+def _tied(rng, shape, dtype, extremes=False):
+  """Small integers (many ties), zeros of both signs; with ``extremes`` also NaN, infinities,
+  the largest finite values and subnormals."""
   v = rng.integers(-3, 4, shape).astype(np.float32)
   v[rng.random(shape) < 0.1] = -0.0
-  return jnp.asarray(v).astype(dtype)
+  out = np.array(jnp.asarray(v).astype(dtype))
+  if extremes:
+    info = jnp.finfo(dtype)
+    special = np.array([np.nan, np.inf, -np.inf, info.max, -info.max, info.tiny / 4,
+                        -info.tiny / 4, info.smallest_subnormal], dtype=out.dtype)
+    pick = rng.random(shape) < 0.05
+    out[pick] = special[rng.integers(0, special.size, int(pick.sum()))]
+  return jnp.asarray(out)
 
 
 def _offered(shape, dtype, geom):
@@ -121,7 +187,7 @@ def test_gpu_packed_select_gives_the_one_lane_bits(rng, monkeypatch, case, dtype
   taps = triton.max_forward_taps(x, geom, interpret=False)[1]
   # (-1: windows that take no element, as a masked or empty window's taps)
   taps = jnp.where(jnp.asarray(rng.random(taps.shape) < 0.05), -1, taps).astype(taps.dtype)
-  dy = _tied(rng, geom.output_shape(shape), dtype)
+  dy = _tied(rng, geom.output_shape(shape), dtype, extremes=True)
   g = geom.lift(3)
   packed = 0
   for launch in _offered(shape, dtype, geom):

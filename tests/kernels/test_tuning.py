@@ -316,7 +316,7 @@ def test_an_entry_of_an_earlier_format_is_not_used(tmp_path, earlier):
     warnings.simplefilter("error")
     assert tuner.choose(KEY, H, CANDS, fake.trial()) == (16, 64, 8)
   assert tuner.records[-1].source == "tuned"
-  assert _entry(path)["format"] == tuning.FORMAT == 7
+  assert _entry(path)["format"] == tuning.FORMAT == 8
 
 
 @pytest.mark.parametrize("line,version", [
