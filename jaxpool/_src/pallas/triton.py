@@ -291,8 +291,8 @@ PACKED_SELECT = True
 def _packed_select(mode: str, operands, g: Geometry, tile: int, warps: int,
                    interpret: bool) -> bool:
   """Whether the backward kernel runs :func:`triton_backward.pick16`: the max backward of a
-  16-bit float compiled for an NVIDIA GPU, taps of at most 16 bits (fewer than ``PICK16_TAPS``
-  a window), and each thread holding an even number of the ``tile``'s elements (so that each
+  16-bit float compiled for an NVIDIA GPU, taps of at most 16 bits (at most ``PICK16_TAPS``
+  taps a window), and each thread holding an even number of the ``tile``'s elements (so that each
   32-bit register pairs two of them)."""
   if mode != "max" or not PACKED_SELECT or not _ptx(interpret):
     return False
