@@ -1,14 +1,17 @@
 """The SASS instructions a GPU kernel executes, by opcode (Nsight Compute's source page).
 
-``run`` compiles and runs the max-pool backward of 128x112x112x64 3x3/s2/p1 once (``--dtype``,
-default bfloat16; the launch jaxpool picks on this GPU, ``JAXPOOL_TUNE`` as usual;
-``--plain``: the 16-bit selects one lane at a time, ``triton.PACKED_SELECT`` off), for Nsight
-Compute to profile; ``count`` reads the source page that Nsight Compute printed and prints the
-opcodes by how many warp instructions executed them (and how many lines of SASS each has)::
+``run`` compiles and runs one kernel once, for Nsight Compute to profile: ``--op`` (default
+``max_bwd``) on ``--case``, one of ``launches_gpu.py``'s (default ``2d_bf16``, 128x112x112x64
+3x3/s2/p1 bfloat16), with ``--launch bw,bl,w[,rd,rh]`` or the launch jaxpool picks on this GPU
+(``JAXPOOL_TUNE=cached``: the shipped table's; unset, the heuristic's, as in
+``launches_gpu.py``; ``--plain``: the 16-bit max backward's selects one lane at a time,
+``triton.PACKED_SELECT`` off). ``count`` reads the source page that Nsight Compute printed and
+prints the opcodes by how many warp instructions executed them (and how many lines of SASS
+each has)::
 
-  ncu --clock-control none -k regex:jaxpool_max_pool_bwd -c 1 --section SourceCounters \\
+  ncu --clock-control none -k regex:jaxpool -c 1 --section SourceCounters \\
       --page source --print-source sass --csv \\
-      python3 benchmarks/probes/sass_gpu.py run > sass.csv
+      python3 benchmarks/probes/sass_gpu.py run --case 2d_nchw --op max_bwd > sass.csv
   python3 benchmarks/probes/sass_gpu.py count sass.csv
 """
 
@@ -22,29 +25,25 @@ import re
 import sys
 
 
-def run(dtype: str, plain: bool) -> None:
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
-      __file__)))))
+def run(case: str, op: str, launch_text: str, plain: bool) -> None:
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  sys.path.insert(0, root)
+  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
   import jax
-  import jax.numpy as jnp
 
+  import launches_gpu as lg
   from jaxpool._src import windows
   from jaxpool._src.pallas import triton as pk
   from jaxpool._src.pallas import tuning
   pk.PACKED_SELECT = not plain
-  shape = (128, 112, 112, 64)
-  geom = windows.make_geometry(shape, (3, 3), (2, 2), 1, data_format="channels_last")
-  dt = jnp.dtype(dtype)
-  launch = pk.launch_for("max_bwd", shape, dt, geom, interpret=False)
-  ops = (jnp.zeros(1, windows.taps_dtype(geom.num_taps)), jnp.zeros(1, dt))
-  packed = pk._packed_select("max", ops, geom.lift(3), launch[0] * launch[1], launch[2], False)
-  print(f"{jax.devices()[0].device_kind}: launch {tuning.launch_name(launch)}, packed select "
-        f"{packed}", file=sys.stderr)
-  x = jax.random.normal(jax.random.key(0), shape, jnp.float32).astype(dt)
-  idx = jax.jit(lambda a: pk.max_forward_taps(a, geom, interpret=False)[1])(x)
-  dy = jnp.ones(geom.output_shape(shape), dt)
-  jax.block_until_ready(jax.jit(
-      lambda i, g: pk.max_backward(i, g, shape, geom, interpret=False))(idx, dy))
+  shape, window, strides, padding, fmt, dtype = lg.CASES[case]
+  geom = windows.make_geometry(shape, window, strides, padding, data_format=fmt)
+  launch = (tuple(int(v) for v in launch_text.split(",")) if launch_text else
+            pk.launch_for(op, shape, dtype, geom, interpret=False, include_pad=True))
+  print(f"{jax.devices()[0].device_kind}: {case} {op} launch {tuning.launch_name(launch)}, "
+        f"packed select {pk.PACKED_SELECT}", file=sys.stderr)
+  ops = lg._operands(op, shape, geom, dtype)
+  jax.block_until_ready(jax.jit(lambda *a: lg._call(op, geom, shape, launch, *a))(*ops))
 
 
 def count(path: str) -> None:
@@ -72,13 +71,15 @@ def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   sub = ap.add_subparsers(dest="cmd", required=True)
   r = sub.add_parser("run")
-  r.add_argument("--dtype", default="bfloat16")
+  r.add_argument("--case", default="2d_bf16", help="a case of launches_gpu.py")
+  r.add_argument("--op", default="max_bwd", help="max_fwd, argmax_fwd, avg_fwd, max_bwd, avg_bwd")
+  r.add_argument("--launch", default="", help="bw,bl,w[,rd,rh] (default: jaxpool's choice)")
   r.add_argument("--plain", action="store_true")
   c = sub.add_parser("count")
   c.add_argument("csv")
   args = ap.parse_args()
   if args.cmd == "run":
-    run(args.dtype, args.plain)
+    run(args.case, args.op, args.launch, args.plain)
   else:
     count(args.csv)
 
