@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from kernel_base import ON_GPU, bits_equal
+from kernel_base import ON_GPU, bits_equal, tied
 
 from jaxpool._src import windows
 from jaxpool._src.pallas import triton, triton_backward, tuning
@@ -147,18 +147,15 @@ def test_the_packed_select_encoding_test_can_fail():
   assert (_model_pick16(dy_bits, past, 0x7C01, False) == 0).all()
 
 
-def _tied(rng, shape, dtype, extremes=False):
-  """Small integers (many ties), zeros of both signs; with ``extremes`` also NaN, infinities,
-  the largest finite values and subnormals."""
-  v = rng.integers(-3, 4, shape).astype(np.float32)
-  v[rng.random(shape) < 0.1] = -0.0
-  out = np.array(jnp.asarray(v).astype(dtype))
-  if extremes:
-    info = jnp.finfo(dtype)
-    special = np.array([np.nan, np.inf, -np.inf, info.max, -info.max, info.tiny / 4,
-                        -info.tiny / 4, info.smallest_subnormal], dtype=out.dtype)
-    pick = rng.random(shape) < 0.05
-    out[pick] = special[rng.integers(0, special.size, int(pick.sum()))]
+def _with_extremes(rng, v):
+  """``v`` (a 16-bit float array) with 5% of it NaN, infinities, the largest finite values
+  and subnormals."""
+  out = np.array(v)
+  info = jnp.finfo(v.dtype)
+  special = np.array([np.nan, np.inf, -np.inf, info.max, -info.max, info.tiny / 4,
+                      -info.tiny / 4, info.smallest_subnormal], dtype=out.dtype)
+  pick = rng.random(out.shape) < 0.05
+  out[pick] = special[rng.integers(0, special.size, int(pick.sum()))]
   return jnp.asarray(out)
 
 
@@ -183,11 +180,11 @@ def test_gpu_packed_select_gives_the_one_lane_bits(rng, monkeypatch, case, dtype
   monkeypatch.setenv(tuning.TUNE_ENV, "off")  # (the launches are given: nothing to tune)
   shape, window, strides, padding, fmt = CASES[case]
   geom = windows.make_geometry(shape, window, strides, padding, data_format=fmt)
-  x = _tied(rng, shape, dtype)
+  x = tied(rng, shape, dtype)
   taps = triton.max_forward_taps(x, geom, interpret=False)[1]
   # (-1: windows that take no element, as a masked or empty window's taps)
   taps = jnp.where(jnp.asarray(rng.random(taps.shape) < 0.05), -1, taps).astype(taps.dtype)
-  dy = _tied(rng, geom.output_shape(shape), dtype, extremes=True)
+  dy = _with_extremes(rng, tied(rng, geom.output_shape(shape), dtype))
   g = geom.lift(3)
   packed = 0
   for launch in _offered(shape, dtype, geom):

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from kernel_base import ON_GPU, bits_equal
+from kernel_base import ON_GPU, bits_equal, tied
 
 from jaxpool import tune as tune_cmd
 from jaxpool._src import windows
@@ -57,13 +57,6 @@ BIT_CASES = [
     ((2, 3, 9, 13), (3, 2), (3, 3), ((1, 1), (0, 1)), None, "channels_first"),
     ((1, 5, 6, 7, 3), (2, 3, 2), (2, 1, 2), 1, (1, 1, 2), "channels_last"),
 ]
-
-
-def _tied_data(rng, shape, dtype):
-  """Small integers (many ties), a few signed zeros: what a tie rule or order would show."""
-  x = rng.integers(-3, 4, shape).astype(np.float32)
-  x[rng.random(shape) < 0.1] = -0.0
-  return jnp.asarray(x).astype(dtype)
 
 
 def _launches(op, shape, dtype, geom):
@@ -107,9 +100,9 @@ def _run(op, launch, x, dy, taps, shape, geom, interpret=True):
 def _check_every_candidate(rng, case, dtype, interpret, ops=triton.OPS):
   shape, window, strides, padding, dilation, fmt = case
   geom = windows.make_geometry(shape, window, strides, padding, dilation, data_format=fmt)
-  x = _tied_data(rng, shape, dtype)
+  x = tied(rng, shape, dtype)
   out_shape = geom.output_shape(shape)
-  dy = _tied_data(rng, out_shape, dtype)
+  dy = tied(rng, out_shape, dtype)
   taps = triton.max_forward_taps(x, geom, interpret=interpret)[1]
   tried = 0
   for op in ops:
@@ -587,7 +580,7 @@ def test_tuning_inside_a_jit_trace_runs_eagerly_with_the_real_timer(tmp_path, rn
     chosen.append(tuner.choose(KEY, heuristic, tiles, trial, budget=300))
     return v * 2
 
-  x = _tied_data(rng, shape, jnp.float32)
+  x = tied(rng, shape, jnp.float32)
   np.testing.assert_array_equal(user_fn(x), np.asarray(x) * 2)
   rec = tuner.records[-1]
   assert rec.source == "tuned" and len(rec.times_ms) == len(tiles) and chosen[0] in tiles
@@ -792,7 +785,7 @@ def test_tuning_on_the_gpu(tmp_path, monkeypatch, rng):
   monkeypatch.setenv(tuning.CACHE_ENV, str(tmp_path))
   shape = (16, 56, 56, 64)
   geom = windows.make_geometry(shape, (3, 3), (2, 2), 1)
-  x = _tied_data(rng, shape, jnp.float32)
+  x = tied(rng, shape, jnp.float32)
   monkeypatch.setenv(tuning.TUNE_ENV, "off")
   want = triton.max_forward_taps(x, geom, interpret=False)  # (the heuristic's)
   monkeypatch.delenv(tuning.TUNE_ENV)

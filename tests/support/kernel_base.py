@@ -65,6 +65,13 @@ def data(rng, shape, dtype, *, special=True):
   return jnp.asarray(x).astype(dtype)
 
 
+def tied(rng, shape, dtype):
+  """Small integers (many ties), a few signed zeros: what a tie rule or order would show."""
+  x = rng.integers(-3, 4, shape).astype(np.float32)
+  x[rng.random(shape) < 0.1] = -0.0
+  return jnp.asarray(x).astype(dtype)
+
+
 def bits_equal(a, b):
   """The same bits (zeros' signs included), any NaN for any NaN."""
   a, b = np.asarray(a), np.asarray(b)
