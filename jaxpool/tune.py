@@ -124,7 +124,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   ap.add_argument("--max-candidates", type=int, default=None,
                   help=f"one-row configurations a key at most (default "
                        f"${tuning.CANDIDATES_ENV} or {tuning.DEFAULT_MAX_CANDIDATES}; the "
-                       f"forwards also try up to 8 blocks or loops of rows, the backwards 5)")
+                       f"forwards also try up to 10 blocks or loops of rows, the backwards 5)")
   ap.add_argument("--write-table", default=None, metavar="PATH",
                   help="also write the chosen configurations as a shipped table to PATH")
   ap.add_argument("--json", default=None, metavar="PATH", help="write the report to PATH")

@@ -188,17 +188,32 @@ def test_which_launches_the_tuner_offers(monkeypatch):
   h = (16, 32, 8)
   # Compiled for a CUDA GPU, float maxima are PTX's (the same bits in any order).
   monkeypatch.setattr(triton, "_ptx", lambda interpret: not interpret)
-  three_d = [(16, 32, 8, 1, 2), (16, 16, 8, 1, 2), (8, 16, 8, 2, 2),
-             (16, 32, 8, 0, 2), (8, 32, 4, 0, 2)]  # (rd = 0: every output plane, looped)
+  # (rd = 0: every output plane, looped; the 28 output columns in tiles of 4, which pad
+  # none of them, with all lanes and half, 16 bytes a thread: tuning.least_waste_tile)
+  loops = [(16, 32, 8, 0, 2), (8, 32, 4, 0, 2), (4, 32, 1, 0, 2), (4, 16, 1, 0, 2)]
+  three_d = [(16, 32, 8, 1, 2), (16, 16, 8, 1, 2), (8, 16, 8, 2, 2), *loops]
   assert triton.row_block_candidates(h, g3, jnp.float32) == three_d
   # With the taps, the loops with half the lanes too, and one row of every plane.
   assert triton.row_block_candidates(h, g3, jnp.float32, "argmax_fwd") == three_d + [
       (16, 16, 8, 0, 2), (8, 16, 4, 0, 2), (16, 32, 8, 0, 1)]
   # The average forward: 1 x 2 rows, and the loops where output planes share input planes.
-  assert triton.row_block_candidates(h, g3, jnp.float32, "avg_fwd") == [
-      (16, 32, 8, 1, 2), (16, 32, 8, 0, 2), (8, 32, 4, 0, 2)]
+  assert triton.row_block_candidates(h, g3, jnp.float32, "avg_fwd") == [(16, 32, 8, 1, 2),
+                                                                         *loops]
   assert triton.row_block_candidates(h, g3, jnp.float64, "avg_fwd") == [
-      (16, 32, 8, 1, 2), (16, 32, 8, 0, 2), (8, 32, 4, 0, 2)]  # (a sum's order: fixed)
+      (16, 32, 8, 1, 2), (16, 32, 8, 0, 2), (8, 32, 4, 0, 2), (4, 32, 2, 0, 2),
+      (4, 16, 1, 0, 2)]  # (a sum's order: fixed)
+  # 56 columns: tiles of 8 pad none (16: 64); 64 columns: tiles of 16 pad none, no such loop;
+  # nor in channels_first (its columns contiguous in memory: a narrow tile, short rows).
+  g56 = windows.make_geometry((2, 16, 112, 112, 64), (3, 3, 3), (2, 2, 2), 1).lift(3)
+  assert triton.row_block_candidates(h, g56, jnp.float32)[-2:] == [(8, 32, 2, 0, 2),
+                                                                   (8, 16, 1, 0, 2)]
+  g64 = windows.make_geometry((2, 16, 128, 128, 64), (3, 3, 3), (2, 2, 2), 1).lift(3)
+  assert triton.row_block_candidates(h, g64, jnp.float32)[-2:] == [(16, 32, 8, 0, 2),
+                                                                   (8, 32, 4, 0, 2)]
+  g3f = windows.make_geometry((2, 64, 16, 56, 56), (3, 3, 3), (2, 2, 2), 1,
+                              data_format="channels_first").lift(3)
+  assert triton.row_block_candidates(h, g3f, jnp.float32)[-2:] == [(16, 32, 8, 0, 2),
+                                                                   (8, 32, 4, 0, 2)]
   assert triton.row_block_candidates(h, g2, jnp.float32, "avg_fwd") == [(16, 32, 8, 1, 2)]
   assert triton.row_block_candidates(h, dilated, jnp.float32, "avg_fwd") == []
   assert triton.row_block_candidates(h, g2, jnp.bfloat16) == [(16, 32, 8, 1, 2),
@@ -218,7 +233,7 @@ def test_which_launches_the_tuner_offers(monkeypatch):
   assert triton.row_block_candidates(h, g3, jnp.int32) == three_d
   # The tuner tries them after the limit's one-row candidates, the heuristic first.
   cands = tuning.candidates(h, 28, 64, 4, True, 6, three_d)
-  assert cands[0] == h and cands[-5:] == three_d and len(cands) == 11
+  assert cands[0] == h and cands[-7:] == three_d and len(cands) == 13
   assert tuning.candidates(h, 28, 64, 4, True, 1, three_d) == [h, *three_d]
 
 
@@ -315,8 +330,11 @@ def test_gpu_blocks_of_rows_give_the_bits_of_the_xla_path(monkeypatch, shape, wi
   h = triton.launch_for("max_fwd", shape, dtype, geom, interpret=False)
   # (the forward with the taps is offered what the max forward is, and in 3-D more loops)
   offered = triton.row_block_candidates(h, geom.lift(3), dtype, "argmax_fwd")
-  assert len(offered) == (8 if len(shape) == 5 else 3)  # (3-D: the loops over the planes)
   bw, bl, warps = h
+  # (3-D: the loops over the planes, two of them with tiles of 2 of 17 columns, which pad
+  # them least: tuning.least_waste_tile)
+  assert len(offered) == (10 if len(shape) == 5 else 3)
+  assert len(shape) < 5 or (2, bl, 1, 0, 2) in offered
   one_row = np.asarray(triton._window_call(x, geom, "max", False, launch=h)[0])
   raw = one_row.view(f"u{one_row.dtype.itemsize}")
   for launch in offered + [(bw, bl, warps, 2, 1), (max(bw // 4, 1), bl, warps, 1, 4)]:
@@ -398,7 +416,7 @@ def test_gpu_average_blocks_give_the_bits_of_one_row(monkeypatch, name):
   x = _signed_zeros(data(np.random.default_rng(4), shape, jnp.float32))
   h = triton.launch_for("avg_fwd", shape, jnp.float32, geom, interpret=False)
   offered = triton.row_block_candidates(h, geom.lift(3), jnp.float32, "avg_fwd")
-  assert len(offered) == (3 if n == 3 else 1)
+  assert len(offered) == (5 if n == 3 else 1)  # (3-D: 4 loops, 2 with tiles of 2 columns)
   for pad, div in [(True, None), (False, None), (False, 7)]:
     one = triton._window_call(x, geom, "avg", False, pad, div, launch=h)[0]
     for launch in offered + _avg_launches(geom):

@@ -178,6 +178,25 @@ def test_candidates_give_threads_sixteen_bytes_right_after_the_heuristic():
   # Where the heuristic's warps already give 16 bytes (float32 16 x 64, 8 warps), only half
   # its columns is new; none with one column.
   assert tuning.candidates((16, 64, 8), 28, 64, 4, True, 6)[:2] == [(16, 64, 8), (8, 64, 4)]
+
+
+def test_candidates_offer_the_columns_that_pad_least():
+  # 28 columns in tiles of 16 or 8 leave an eighth of the lanes idle, in tiles of 4 none: the
+  # tile of 4 columns comes next, with 16 bytes a thread (channels_last only).
+  assert tuning.least_waste_tile(28, 16, 64, 4) == [(4, 64, 2)]
+  assert tuning.candidates((16, 64, 8), 28, 64, 4, True, 6)[:3] == [(16, 64, 8), (8, 64, 4),
+                                                                   (4, 64, 2)]
+  assert (4, 64, 2) not in tuning.candidates((16, 64, 8), 28, 64, 4, False, 6)
+  # Nothing where the heuristic pads nothing, or no narrower tile (down to a quarter of its
+  # columns) pads less.
+  for cols, bw in [(56, 8), (64, 16), (7, 8), (1, 1)]:
+    assert tuning.least_waste_tile(cols, bw, 64, 4) == []
+  assert tuning.least_waste_tile(100, 16, 64, 2) == [(4, 64, 1)]  # (100 = 25 x 4)
+  assert tuning.least_waste_tile(24, 16, 128, 4) == [(8, 128, 8)]  # (8 warps at most)
+  for cols in range(1, 300):
+    for bw in (1, 2, 4, 8, 16, 32, 64):
+      for w, _, _ in tuning.least_waste_tile(cols, bw, 64, 4):
+        assert min(bw // 4, cols) <= w <= bw // 2 and -(-cols // w) * w < -(-cols // bw) * bw
   assert tuning.candidates((1, 64, 1), 1, 64, 4, True, 2) == [(1, 64, 1), (1, 32, 1)]
 
 

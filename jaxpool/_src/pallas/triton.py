@@ -62,25 +62,12 @@ from jaxpool._src.pallas.triton_backward import (
 from jaxpool._src.pallas.triton_max import compare_dtype, max_kernel
 from jaxpool._src.pallas.triton_rows import row_blocks, rows_kernel, shares_planes
 from jaxpool._src.pallas.triton_tile import plgpu
-from jaxpool._src.pallas.tuning_cache import Key, Launch, geometry_class
+from jaxpool._src.pallas.tuning_cache import Key, Launch, geometry_class, pow2_ceil
 from jaxpool._src.platforms import platform
 from jaxpool._src.windows import Geometry, phase_offsets, taps_dtype, window_counts_1d
 
 
 # ----------------------------------------------------------------------------- launch
-
-def _next_pow2(n: int) -> int:
-  return 1 << (max(int(n), 1) - 1).bit_length()
-
-
-def _least_waste(width: int, most: int, least: int = 1) -> int:
-  """The power-of-two block in ``[least, most]`` (``least`` no more than ``width`` needs) that
-  pads ``width`` least; the largest on ties."""
-  least = min(least, _next_pow2(width), most)
-  best = min((-(-width // bw) * bw, -bw) for bw in (1 << e for e in range(8))
-             if least <= bw <= most)
-  return -best[1]
-
 
 def launch_config(width: int, lanes: int, itemsize: int, channels_last: bool) -> Launch:
   """``(bw, bl, num_warps)`` for a kernel over ``width`` columns and ``lanes`` lanes.
@@ -92,11 +79,11 @@ def launch_config(width: int, lanes: int, itemsize: int, channels_last: bool) ->
   per-thread tiles keep the most loads in flight.
   """
   if channels_last:
-    bl = min(_next_pow2(lanes), max(512 // itemsize, 1))
-    bw = _least_waste(width, min(max(8192 // bl, 1), max(16, 1024 // bl)), least=8)
+    bl = min(pow2_ceil(lanes), max(512 // itemsize, 1))
+    bw = tuning.least_waste(width, min(max(8192 // bl, 1), max(16, 1024 // bl)), least=8)
   else:
-    bw = min(_next_pow2(width), 64)
-    bl = min(_next_pow2(lanes), max(1024 // bw, 1))
+    bw = min(pow2_ceil(width), 64)
+    bl = min(pow2_ceil(lanes), max(1024 // bw, 1))
   return bw, bl, tuning.warps_for(bw, bl, itemsize, 8)
 
 
@@ -365,10 +352,11 @@ def row_block_candidates(heuristic: Launch, g: Geometry, dtype, op: str = "max_f
   planes) or ``1 x 4`` with half its columns and lanes (each row of a block keeps a tile of
   maxima, and of taps). The average forward ("avg_fwd", :func:`avg_blocks`): ``1 x 2`` rows
   with the heuristic's tile. Both, where output planes share input planes: ``2`` rows of every
-  output plane, looped over (``rd = 0``: each input plane read once), with the heuristic's tile
-  and with half its columns and warps (with the taps, each also with half its lanes, and one
-  row of every output plane with the heuristic's tile: each row holds a tile of taps beside
-  its maxima)."""
+  output plane, looped over (``rd = 0``: each input plane read once), with the heuristic's tile,
+  with half its columns and warps and, in channels_last, with the columns of
+  ``tuning.least_waste_tile`` and its lanes or half of them, 16 bytes a thread (with the taps,
+  the first two also with half their lanes, and one row of every output plane with the
+  heuristic's tile: each row holds a tile of taps beside its maxima)."""
   Do, Ho, _ = g.out_spatial
   shared = g.window[0] > g.strides[0] or g.window[1] > g.strides[1]  # rows read twice
   fits = avg_blocks(g) if op == "avg_fwd" else _blocks_exact(g, dtype, False)
@@ -377,7 +365,11 @@ def row_block_candidates(heuristic: Launch, g: Geometry, dtype, op: str = "max_f
   bw, bl, warps = heuristic[:3]
   half_bw, half_bl = max(bw // 2, 1), max(bl // 2, 1)
   planes = Do > 1 and shares_planes(g)  # (output planes sharing input planes)
-  loops = [(bw, bl, warps, 0, 2), (half_bw, bl, max(warps // 2, 1), 0, 2)] if planes else []
+  exact = [(w, b, tuning.warps_for(w, b, np.dtype(dtype).itemsize, 16), 0, 2)
+           for w, _, _ in tuning.least_waste_tile(g.out_spatial[2], bw, bl, 1)
+           for b in (bl, half_bl)] if g.channels_last else []
+  loops = [(bw, bl, warps, 0, 2), (half_bw, bl, max(warps // 2, 1), 0, 2),
+           *exact] if planes else []
   if planes and op == "argmax_fwd":  # (a tile of taps beside the maxima: half the lanes too,
     # and one row of every plane)
     loops += [(bw, half_bl, warps, 0, 2), (half_bw, half_bl, max(warps // 2, 1), 0, 2),

@@ -15,7 +15,7 @@ looks the configuration up, in this order:
    driver it was tuned with are this process's;
 3. the table shipped with the package for this device kind (``launch_tables/*.json``);
 4. tuning: each candidate (:func:`candidates` around today's heuristic, at most
-   ``JAXPOOL_TUNE_MAX_CANDIDATES``, and up to 8 blocks or loops of rows more for the forwards,
+   ``JAXPOOL_TUNE_MAX_CANDIDATES``, and up to 10 blocks or loops of rows more for the forwards,
    5 blocks of rows for the backwards) is
    compiled (in parallel threads) and timed on pseudo-random data of the call's shape
    (``trials.trial_inputs``), for at most ``JAXPOOL_TUNE_BUDGET_S`` seconds a key; the fastest is
@@ -140,7 +140,7 @@ def budget_s() -> float:
 
 def max_candidates() -> int:
   """``JAXPOOL_TUNE_MAX_CANDIDATES``: the most one-row configurations tried a key (default 6;
-  the forwards also try up to 8 blocks or loops of output rows, the backwards up to 5 blocks
+  the forwards also try up to 10 blocks or loops of output rows, the backwards up to 5 blocks
   of rows)."""
   return int(_positive(CANDIDATES_ENV, DEFAULT_MAX_CANDIDATES, int))
 
@@ -153,9 +153,10 @@ def candidates(heuristic: Launch, cols: int, lanes: int, itemsize: int, channels
                limit: int, extra: Sequence[Launch] = ()) -> list[Launch]:
   """Up to ``limit`` configurations around ``heuristic``, ``heuristic`` first, then
   :func:`sixteen_byte_tiles` (its tile and the tile of half its columns with 16 bytes per
-  thread), then the others by how far they are from it (fewest changed factors, then smallest
-  changes); then ``extra`` (the forwards' blocks of rows, ``triton.row_block_candidates``, or
-  the backwards', ``triton.backward_block_candidates``), beyond ``limit``.
+  thread), in channels_last :func:`least_waste_tile`, then the others by how far they are
+  from it (fewest changed factors, then smallest changes); then ``extra`` (the forwards'
+  blocks of rows, ``triton.row_block_candidates``, or the backwards',
+  ``triton.backward_block_candidates``), beyond ``limit``.
 
   Columns ``bw`` from half to four times the heuristic's (at most the columns rounded up to
   a power of two), lanes ``bl`` from half to twice (at most the lanes so rounded, and 1024
@@ -178,7 +179,9 @@ def candidates(heuristic: Launch, cols: int, lanes: int, itemsize: int, channels
         steps = [abs(math.log2(a / b)) for a, b in zip(cand, heuristic)]
         found.append(((sum(s > 0 for s in steps), sum(steps), cand), cand))
   found.sort()
-  ordered = [tuple(heuristic), *sixteen_byte_tiles(bw0, bl0, itemsize), *(c for _, c in found)]
+  exact = least_waste_tile(cols, bw0, bl0, itemsize) if channels_last else []
+  ordered = [tuple(heuristic), *sixteen_byte_tiles(bw0, bl0, itemsize), *exact,
+             *(c for _, c in found)]
   return list(dict.fromkeys(ordered))[:max(int(limit), 1)] + list(extra)
 
 
@@ -196,6 +199,26 @@ def sixteen_byte_tiles(bw: int, bl: int, itemsize: int) -> list[Launch]:
   3-D and bfloat16 backwards ran fastest in such smaller programs with 16 bytes per thread:
   ``docs/tuning.md``.)"""
   return [(w, bl, warps_for(w, bl, itemsize, 16)) for w in (bw, bw // 2) if w]
+
+
+def least_waste(width: int, most: int, least: int = 1) -> int:
+  """The power-of-two block in ``[least, most]`` (``least`` no more than ``width`` needs) that
+  pads ``width`` least; the largest on ties."""
+  least = min(least, pow2_ceil(width), most)
+  best = min((-(-width // bw) * bw, -bw) for bw in (1 << e for e in range(8))
+             if least <= bw <= most)
+  return -best[1]
+
+
+def least_waste_tile(cols: int, bw: int, bl: int, itemsize: int) -> list[Launch]:
+  """Where tiles of ``bw`` columns pad ``cols``, the tile of the columns from ``bw / 4`` (or
+  fewer, as few as ``cols`` needs) to ``bw / 2`` that pads them least, if it pads less, with
+  16 bytes per thread; else none.
+  (28 output columns in tiles of 16 or 8 leave an eighth of the lanes idle, in tiles of 4
+  none: on an H200 the 3-D forwards over 28 columns ran 1-3% faster so, docs/tuning.md.)"""
+  w = least_waste(cols, max(bw // 2, 1), max(bw // 4, 1))
+  padded = lambda n: -(-cols // n) * n  # noqa: E731
+  return [(w, bl, warps_for(w, bl, itemsize, 16))] if padded(w) < padded(bw) else []
 
 
 
