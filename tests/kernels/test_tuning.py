@@ -311,7 +311,7 @@ def test_tuner_keeps_each_candidates_fastest_sample(tmp_path):
       + [1.5] * (tuning.ROUNDS // 2 + 1)
 
 
-@pytest.mark.parametrize("earlier", [1, 2, 3, 4, 5, 6])
+@pytest.mark.parametrize("earlier", [1, 2, 3, 4, 5, 6, 7, 8])
 def test_an_entry_of_an_earlier_format_is_not_used(tmp_path, earlier):
   """Entries tuned for the kernels before their programs' order changed (format 1), among
   candidates without the max forward's blocks of rows (format 2), without those of the max
@@ -328,7 +328,7 @@ def test_an_entry_of_an_earlier_format_is_not_used(tmp_path, earlier):
     warnings.simplefilter("error")
     assert tuner.choose(KEY, H, CANDS, fake.trial()) == (16, 64, 8)
   assert tuner.records[-1].source == "tuned"
-  assert _entry(path)["format"] == tuning.FORMAT == 8
+  assert _entry(path)["format"] == tuning.FORMAT == 9
 
 
 @pytest.mark.parametrize("line,version", [
