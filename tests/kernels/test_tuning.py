@@ -178,26 +178,37 @@ def test_candidates_give_threads_sixteen_bytes_right_after_the_heuristic():
   # Where the heuristic's warps already give 16 bytes (float32 16 x 64, 8 warps), only half
   # its columns is new; none with one column.
   assert tuning.candidates((16, 64, 8), 28, 64, 4, True, 6)[:2] == [(16, 64, 8), (8, 64, 4)]
+  assert tuning.candidates((1, 64, 1), 1, 64, 4, True, 2) == [(1, 64, 1), (1, 32, 1)]
+
+
+def _padded(cols: int, bw: int) -> int:
+  return -(-cols // bw) * bw
 
 
 def test_candidates_offer_the_columns_that_pad_least():
   # 28 columns in tiles of 16 or 8 leave an eighth of the lanes idle, in tiles of 4 none: the
-  # tile of 4 columns comes next, with 16 bytes a thread (channels_last only).
+  # tile of 4 columns comes next, with 16 bytes a thread; in channels_last only (the other
+  # candidates have at least half the heuristic's columns: 8 here).
   assert tuning.least_waste_tile(28, 16, 64, 4) == [(4, 64, 2)]
   assert tuning.candidates((16, 64, 8), 28, 64, 4, True, 6)[:3] == [(16, 64, 8), (8, 64, 4),
                                                                    (4, 64, 2)]
-  assert (4, 64, 2) not in tuning.candidates((16, 64, 8), 28, 64, 4, False, 6)
+  assert min(c[0] for c in tuning.candidates((16, 64, 8), 28, 64, 4, False, 100)) == 8
   # Nothing where the heuristic pads nothing, or no narrower tile (down to a quarter of its
   # columns) pads less.
   for cols, bw in [(56, 8), (64, 16), (7, 8), (1, 1)]:
     assert tuning.least_waste_tile(cols, bw, 64, 4) == []
   assert tuning.least_waste_tile(100, 16, 64, 2) == [(4, 64, 1)]  # (100 = 25 x 4)
-  assert tuning.least_waste_tile(24, 16, 128, 4) == [(8, 128, 8)]  # (8 warps at most)
+  assert tuning.least_waste_tile(24, 16, 256, 4) == [(8, 256, 8)]  # (8 warps at most)
+  assert tuning.least_waste_tile(17, 8, 32, 4) == [(2, 32, 1)]  # (1 warp, 8 bytes a thread)
+  # Against every tile from a quarter (or as few as the columns need) to half the columns:
+  # the one that pads least, the widest of those, where it pads less than the heuristic's.
   for cols in range(1, 300):
     for bw in (1, 2, 4, 8, 16, 32, 64):
-      for w, _, _ in tuning.least_waste_tile(cols, bw, 64, 4):
-        assert min(bw // 4, cols) <= w <= bw // 2 and -(-cols // w) * w < -(-cols // bw) * bw
-  assert tuning.candidates((1, 64, 1), 1, 64, 4, True, 2) == [(1, 64, 1), (1, 32, 1)]
+      tiles = [w for w in (1, 2, 4, 8, 16, 32)
+               if min(bw // 4, tuning.pow2_ceil(cols)) <= w <= bw // 2]
+      best = min(tiles, key=lambda w: (_padded(cols, w), -w), default=None)
+      want = [] if best is None or _padded(cols, best) >= _padded(cols, bw) else [best]
+      assert [w for w, _, _ in tuning.least_waste_tile(cols, bw, 64, 4)] == want, (cols, bw)
 
 
 # ----------------------------------------------------------------------------- fakes
@@ -316,8 +327,10 @@ def test_an_entry_of_an_earlier_format_is_not_used(tmp_path, earlier):
   """Entries tuned for the kernels before their programs' order changed (format 1), among
   candidates without the max forward's blocks of rows (format 2), without those of the max
   forward with taps (format 3) or without the loops over the output planes and the average
-  forward's blocks (format 4), or without the 16-byte tiles (format 6), are not used, without a
-  warning: the kernel is tuned again and the entry rewritten."""
+  forward's blocks (format 4), without the backwards' blocks (format 5), without the 16-byte
+  tiles (format 6), for the one-lane select of the 16-bit max backward (format 7) or without
+  the tiles that pad the columns least (format 8), are not used, without a warning: the kernel
+  is tuned again and the entry rewritten."""
   fake = FakeTrial({H: 1.0, (16, 64, 8): 0.5, (8, 32, 8): 0.9, (8, 64, 4): 0.8})
   tuner = _tuner(tmp_path, fake)
   path = tuner.path(KEY)

@@ -202,8 +202,8 @@ def sixteen_byte_tiles(bw: int, bl: int, itemsize: int) -> list[Launch]:
 
 
 def least_waste(width: int, most: int, least: int = 1) -> int:
-  """The power-of-two block in ``[least, most]`` (``least`` no more than ``width`` needs) that
-  pads ``width`` least; the largest on ties."""
+  """The power-of-two block in ``[least, most]`` (``least`` no more than ``width`` needs), at
+  most 128, that pads ``width`` least; the largest on ties."""
   least = min(least, pow2_ceil(width), most)
   best = min((-(-width // bw) * bw, -bw) for bw in (1 << e for e in range(8))
              if least <= bw <= most)
@@ -211,11 +211,12 @@ def least_waste(width: int, most: int, least: int = 1) -> int:
 
 
 def least_waste_tile(cols: int, bw: int, bl: int, itemsize: int) -> list[Launch]:
-  """Where tiles of ``bw`` columns pad ``cols``, the tile of the columns from ``bw / 4`` (or
-  fewer, as few as ``cols`` needs) to ``bw / 2`` that pads them least, if it pads less, with
-  16 bytes per thread; else none.
-  (28 output columns in tiles of 16 or 8 leave an eighth of the lanes idle, in tiles of 4
-  none: on an H200 the 3-D forwards over 28 columns ran 1-3% faster so, docs/tuning.md.)"""
+  """Where tiles of ``bw`` columns pad the kernel's ``cols`` (the forwards' output columns,
+  the backwards' phase columns), the tile of the columns from ``bw / 4`` (or fewer, as few as
+  ``cols`` needs) to ``bw / 2`` that pads them least, if it pads less, with about 16 bytes per
+  thread (fewer where one warp is the floor); else none. (28 columns in tiles of 16 or 8 leave
+  an eighth of the lanes idle on average, in tiles of 4 none: on an H200 the 3-D forwards over
+  28 output columns ran 1-4% faster so, docs/tuning.md.)"""
   w = least_waste(cols, max(bw // 2, 1), max(bw // 4, 1))
   padded = lambda n: -(-cols // n) * n  # noqa: E731
   return [(w, bl, warps_for(w, bl, itemsize, 16))] if padded(w) < padded(bw) else []

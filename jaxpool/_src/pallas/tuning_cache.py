@@ -52,7 +52,7 @@ def launch_name(launch: Sequence[int]) -> str:
 # per thread (the backwards' in blocks of rows too), the max forward with taps' the loop with
 # one row. 8: the max backward of 16-bit floats selects two lanes an instruction, which
 # changed its launches' speeds (those tuned for the one-lane select are tuned again). 9: in
-# channels_last the candidates include the tile of columns that pads the output columns
+# channels_last the candidates include the tile of columns that pads the kernel's columns
 # least (tuning.least_waste_tile), and the forwards' loops over the output planes with it.
 FORMAT = 9
 CACHE_ENV = "JAXPOOL_CACHE_DIR"
