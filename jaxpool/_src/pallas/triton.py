@@ -354,9 +354,9 @@ def row_block_candidates(heuristic: Launch, g: Geometry, dtype, op: str = "max_f
   with the heuristic's tile. Both, where output planes share input planes: ``2`` rows of every
   output plane, looped over (``rd = 0``: each input plane read once), with the heuristic's tile,
   with half its columns and warps and, in channels_last, with the columns of
-  ``tuning.least_waste_tile`` and its lanes or half of them, 16 bytes a thread (with the taps,
-  the first two also with half their lanes, and one row of every output plane with the
-  heuristic's tile: each row holds a tile of taps beside its maxima)."""
+  ``tuning.least_waste_tile`` and its lanes or half of them, about 16 bytes a thread (with
+  the taps, the first two also with half their lanes, and one row of every output plane with
+  the heuristic's tile: each row holds a tile of taps beside its maxima)."""
   Do, Ho, _ = g.out_spatial
   shared = g.window[0] > g.strides[0] or g.window[1] > g.strides[1]  # rows read twice
   fits = avg_blocks(g) if op == "avg_fwd" else _blocks_exact(g, dtype, False)
