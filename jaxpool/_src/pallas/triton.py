@@ -365,9 +365,9 @@ def row_block_candidates(heuristic: Launch, g: Geometry, dtype, op: str = "max_f
   bw, bl, warps = heuristic[:3]
   half_bw, half_bl = max(bw // 2, 1), max(bl // 2, 1)
   planes = Do > 1 and shares_planes(g)  # (output planes sharing input planes)
-  exact = [(w, b, tuning.warps_for(w, b, np.dtype(dtype).itemsize, 16), 0, 2)
-           for w, _, _ in tuning.least_waste_tile(g.out_spatial[2], bw, bl, 1)
-           for b in (bl, half_bl)] if g.channels_last else []
+  exact = [(*tile, 0, 2) for lanes in (bl, half_bl)
+           for tile in tuning.least_waste_tile(g.out_spatial[2], bw, lanes,
+                                               np.dtype(dtype).itemsize)] if g.channels_last else []
   loops = [(bw, bl, warps, 0, 2), (half_bw, bl, max(warps // 2, 1), 0, 2),
            *exact] if planes else []
   if planes and op == "argmax_fwd":  # (a tile of taps beside the maxima: half the lanes too,

@@ -205,9 +205,14 @@ def least_waste(width: int, most: int, least: int = 1) -> int:
   """The power-of-two block in ``[least, most]`` (``least`` no more than ``width`` needs), at
   most 128, that pads ``width`` least; the largest on ties."""
   least = min(least, pow2_ceil(width), most)
-  best = min((-(-width // bw) * bw, -bw) for bw in (1 << e for e in range(8))
+  best = min((_padded(width, bw), -bw) for bw in (1 << e for e in range(8))
              if least <= bw <= most)
   return -best[1]
+
+
+def _padded(width: int, block: int) -> int:
+  """``width`` rounded up to a multiple of ``block``."""
+  return -(-width // block) * block
 
 
 def least_waste_tile(cols: int, bw: int, bl: int, itemsize: int) -> list[Launch]:
@@ -218,8 +223,7 @@ def least_waste_tile(cols: int, bw: int, bl: int, itemsize: int) -> list[Launch]
   an eighth of the lanes idle on average, in tiles of 4 none: on an H200 the 3-D forwards over
   28 output columns ran 1-4% faster so, docs/tuning.md.)"""
   w = least_waste(cols, max(bw // 2, 1), max(bw // 4, 1))
-  padded = lambda n: -(-cols // n) * n  # noqa: E731
-  return [(w, bl, warps_for(w, bl, itemsize, 16))] if padded(w) < padded(bw) else []
+  return [(w, bl, warps_for(w, bl, itemsize, 16))] if _padded(cols, w) < _padded(cols, bw) else []
 
 
 
