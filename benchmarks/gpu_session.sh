@@ -34,7 +34,7 @@ else
   [ -f benchmarks/optimize_gpu.py ] && timeout 220 python3 benchmarks/optimize_gpu.py \
     > "$OUT/optimize.log" 2>&1
   timeout 90 python3 benchmarks/global_adaptive.py > "$OUT/global_adaptive.log" 2>&1
-  timeout 60 python3 benchmarks/probes/unroll_threshold.py --quick > "$OUT/unroll.log" 2>&1
+  timeout 60 python3 benchmarks/unroll_threshold.py --quick > "$OUT/unroll.log" 2>&1
   for f in gpu optimize_gpu global_adaptive_gpu unroll_threshold_gpu; do
     cp "benchmarks/results/$f.json" "$OUT/" 2>/dev/null
   done

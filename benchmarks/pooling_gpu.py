@@ -9,8 +9,9 @@ Timer: each sample runs the op back to back, then blocks until the device is don
 calls. A sample makes at least ``INNER`` calls and about ``SAMPLE_MS`` of them (the calls are
 counted from the time of ``INNER`` warm-up calls), so that the wait before a sample's first call
 costs every op about the same share: with a fixed 10 calls, a 0.1 ms op lost 10-20% of its
-bandwidth to it, and a plain copy of 0.23 GB measured 0.81-0.91 of the 1 GiB copy's (NOTES.md,
-runs 37-39). ``--inner 10`` times 10 calls a sample whatever they last (the timer of runs 1-36).
+bandwidth to it, and a plain copy of 0.23 GB measured 0.81-0.91 of the 1 GiB copy's
+(docs/design/measuring.md). ``--inner 10`` times 10 calls a sample whatever they last (the
+earlier timer).
 After warm-up (which also compiles), the median of ``REPS`` samples is reported. Every op gets its
 arrays as jit arguments (no closed-over constants) and random, non-zero data. ``--cases a,b``:
 only the cases whose name contains ``a`` or ``b``.
@@ -264,7 +265,7 @@ def torch_rows(path: str, cases) -> None:
   """PyTorch's rows of ``cases``, timed in a process of their own, saved to ``path``.
 
   (With PyTorch's cached memory in the process, the JAX ops timed after it ran up to 15%
-  slower: NOTES.md, run 40.)"""
+  slower: docs/design/measuring.md.)"""
   out = {}
   for name, shape, window, strides, padding, data_format, dtypes in cases:
     for dtype in dtypes:

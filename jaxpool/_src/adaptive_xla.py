@@ -79,7 +79,7 @@ def first_max(v: jax.Array, axis: int, index_dtype: np.dtype) -> tuple[jax.Array
   two plain reductions (:func:`first_max_two_pass`); elsewhere one variadic reduction
   (:func:`first_max_keyed`). On an H100 the variadic one made a global max pool's forward and
   backward 1.1-1.5x faster than ``x.max``'s autodiff in GPU time, where two reductions were
-  0.6-0.9x (``benchmarks/probes/first_max_gpu.py``); XLA:CPU runs it 4-15x slower.
+  0.6-0.9x (docs/design/global-max.md); XLA:CPU runs it 4-15x slower.
   """
   if v.shape[axis] <= SCAN_MAX:
     return first_max_scan(v, axis, index_dtype)

@@ -136,7 +136,7 @@ def order_key(v: Any) -> Any:
   Floats: the bits as signed integers, with the magnitude bits of negative values flipped (so
   ``-0.0`` sorts just below ``+0.0``), and every NaN the largest key. Floats narrower than 32
   bits are converted to float32 first (exact): int32 keys, which XLA reduces faster on a GPU
-  than 16-bit ones (``benchmarks/probes/first_max_gpu.py``, ``keyed32``: 1.2-1.4x), and formats
+  than 16-bit ones (docs/design/global-max.md, ``keyed32``: 1.2-1.4x), and formats
   without a sign bit or with unusual NaNs (``float8_e8m0fnu``, the ``fnuz`` formats) sort right
   too. Integers and bool: ``v``.
   """

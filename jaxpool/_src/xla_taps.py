@@ -38,9 +38,10 @@ def pad(x: jax.Array, geom: Geometry, fill) -> jax.Array:
 
 # ----------------------------------------------------------------------------- taps
 
-# Compile time grows with the taps below these (benchmarks/probes/unroll_threshold.py measures both
-# forms): the max's winner search and gather loop from 64 taps on; the sums (average and Lp
-# tangents, Lp forward) run several times faster unrolled and compile fast, so they loop from 256.
+# Compile time grows with the taps below these (benchmarks/unroll_threshold.py measures both
+# forms; docs/design/window-limits.md): the max's winner search and gather loop from 64 taps on;
+# the sums (average and Lp tangents, Lp forward) run several times faster unrolled and compile
+# fast, so they loop from 256.
 UNROLL_TAPS = 64
 UNROLL_SUM_TAPS = 256
 TAPS_PER_TRIP = 8  # taps per trip of the loop

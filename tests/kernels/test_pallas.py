@@ -487,7 +487,7 @@ def test_gpu_nan_bits(rng):
 @pytest.mark.parametrize("form", ["beats", "canonical"])
 def test_gpu_other_max_forms(rng, monkeypatch, form):
   """The compiled kernels with the other forms of the running maximum (``triton.NAN_MAX``, as
-  benchmarks/probes/comparator_gpu.py times them) give the same bits too."""
+  docs/design/running-max.md compares them) give the same bits too."""
   _need_gpu()
   from jaxpool._src.pallas import triton as pk
   monkeypatch.setattr(pk, "NAN_MAX", form)

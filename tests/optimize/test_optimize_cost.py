@@ -120,7 +120,7 @@ def test_default_model_small_and_large_pools(gpu_dispatch):
   large = jaxpool.optimize(f).report(jax.ShapeDtypeStruct((2, 64, 64, 8), jnp.float32))
   assert large.replaced and not large.left_to_xla, str(large)
   # An average pool that reads no convolution is left to XLA too (measured slower replaced on
-  # an H100, benchmarks/probes/optimize_cost_gpu.py), and says so.
+  # an H100, benchmarks/optimize_cost_gpu.py), and says so.
   g = lambda x: nn.avg_pool(x, (2, 2), (2, 2))
   rep = jaxpool.optimize(g).report(jax.ShapeDtypeStruct((2, 64, 64, 8), jnp.float32))
   assert not rep.replaced and "fuses its window sum" in rep.left_to_xla[0].cost, str(rep)

@@ -3,8 +3,9 @@
 1. Builds the sdist and, from it, the wheel (``python -m build``, in build isolation).
 2. Checks their contents: the sdist carries every file of ``tests/`` and ``examples/`` that git
    tracks (when run from a git checkout), the licence, citation and changelog; the wheel carries
-   the package, ``py.typed`` and the licence, and no tests; its metadata has the SPDX licence,
-   the Python floor, and no runtime dependency on a test-only package.
+   the package, ``py.typed`` and the licence, and no tests; neither carries lab material
+   (``lab_material``: probes, run logs, patches, notebooks); the wheel's metadata has the SPDX
+   licence, the Python floor, and no runtime dependency on a test-only package.
 3. Installs the wheel, without extras, into a new plain virtual environment (no system site
    packages: pip installs jax and the rest from the index) and runs a max pool, its gradient and
    its JVP there, in isolated mode (``python -I``), away from the source tree.
@@ -47,6 +48,16 @@ SDIST_REQUIRED = ["LICENSE", "CITATION.cff", "CHANGELOG.md", "README.md", "pypro
                   "MANIFEST.in", "mkdocs.yml", "tests/conftest.py", "tests/support/reference.py",
                   "tests/support/core_strategies.py", "tests/sharding/sharding_checks.py",
                   "examples/train_digits.py", "docs/index.md", "benchmarks/results/cpu.json"]
+
+
+def lab_material(path: str) -> bool:
+  """Whether a file (a path relative to the repository root, with ``/``) is lab material, which
+  neither the sdist nor the wheel may carry: the old probes, run logs, patches, lab notebooks."""
+  name = path.rsplit("/", 1)[-1]
+  return ("benchmarks/probes/" in f"/{path}" or name.endswith((".log", ".patch"))
+          or name.startswith("NOTES"))
+
+
 # Packages only the tests use: they must not be runtime dependencies.
 TEST_ONLY = ["chex", "pytest", "hypothesis", "flax", "equinox", "optax"]
 
@@ -117,6 +128,9 @@ def check_sdist(sdist: Path):
     missing += sorted(f for f in tracked if f not in names)
   if missing:
     fail(f"the sdist lacks {missing}")
+  lab = sorted(n for n in names if lab_material(n))
+  if lab:
+    fail(f"the sdist carries {len(lab)} lab files: {lab[:10]}")
   print(f"  sdist: {len(names)} entries; has {', '.join(SDIST_REQUIRED[:3])}, tests/ and "
         f"examples/ whole" + (" (every git-tracked file)" if tracked is not None else ""))
   return top
@@ -129,6 +143,9 @@ def check_wheel(wheel: Path):
     meta = email.message_from_bytes(zf.read(meta_name))
   if any(n.startswith("tests/") for n in names):
     fail("the wheel carries tests/")
+  lab = sorted(n for n in names if lab_material(n))
+  if lab:
+    fail(f"the wheel carries {len(lab)} lab files: {lab[:10]}")
   for want in ("jaxpool/__init__.py", "jaxpool/py.typed",
                "jaxpool/_src/pallas/launch_tables/NVIDIA_H100_80GB_HBM3.json"):
     if want not in names:

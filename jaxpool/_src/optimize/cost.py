@@ -51,7 +51,7 @@ def default_cost(site: Site) -> str | None:
     (a convolution's epilogue, an elementwise consumer), and the kernels' gain there is
     smaller than for max pooling, whose gradient XLA computes with a slow
     ``select_and_scatter``. Measured on one H100 (bfloat16,
-    ``benchmarks/probes/optimize_cost_gpu.py``, one run), a training step's pooling site
+    ``benchmarks/optimize_cost_gpu.py``, one run), a training step's pooling site
     replaced against XLA: an average pool after no convolution 0.75x; DenseNet's transitions
     (a 1x1 convolution, then a 2x2/s2 average pool)
     1.13x at 56x56, 1.34x at 28x28, 0.92x at 14x14; a whole DenseNet121 step went from 29.3 to

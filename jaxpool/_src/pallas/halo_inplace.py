@@ -321,7 +321,7 @@ def _backward_in_place(kc: KernelCall, p: DimPlan, w: _InPlace, ext, real=None):
 # on the device's position where it has that neighbour. A recomputed row sums every window that
 # reaches it, in the kernel's fixed order, so it has one device's bits. Copying each cotangent
 # with its halo into one array instead cost two copies of the cotangent rows per gradient (on 2
-# H100s, 0.08 ms of a 0.35 ms depth-split max-pool gradient, benchmarks/probes/depth_split_gpu.py).
+# H100s, 0.08 ms of a 0.35 ms depth-split max-pool gradient; docs/design/split-gradients.md).
 # The max pool's backward only (``sums_as_is``): its sums add the cotangents as they are. The
 # average pool's divides them, and a compiler that sees the small piece's divisors as constants
 # may divide by multiplying by the reciprocal (XLA:CPU with LLVM's optimisations did, in

@@ -59,6 +59,6 @@ def trial_inputs(shape, dtype: str, taps=None) -> tuple:
   From a hash of each element's position, by one compiled program per shape, dtype and taps
   (shared by the kernels that take them): random bits drawn op by op (as
   ``ensure_compile_time_eval`` runs ``jax.random``) took 6-21 s for a large input on an H100,
-  most of a kernel's tuning budget (``benchmarks/probes/tune_phases_gpu.py``)."""
+  most of a kernel's tuning budget (docs/design/launches.md)."""
   with jax.ensure_compile_time_eval():
     return tuple(_inputs_program(tuple(shape), dtype, taps)())

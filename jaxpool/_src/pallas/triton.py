@@ -75,8 +75,8 @@ def launch_config(width: int, lanes: int, itemsize: int, channels_last: bool) ->
   channels_last: whole channel rows up to 512 bytes; columns that pad ``width`` least, from 8
   to 16 (more for narrow channel rows, up to 1024 elements a tile). channels_first: up to 64
   contiguous columns, planes up to 1024 elements a tile. Warps: one thread per 8 bytes of the
-  tile, 1 to 8. ``benchmarks/probes/sweep_gpu.py`` measured the alternatives (NOTES.md): small
-  per-thread tiles keep the most loads in flight.
+  tile, 1 to 8. Sweeps of the alternatives chose it (docs/design/launches.md): small per-thread
+  tiles keep the most loads in flight.
   """
   if channels_last:
     bl = min(pow2_ceil(lanes), max(512 // itemsize, 1))
@@ -90,7 +90,8 @@ def launch_config(width: int, lanes: int, itemsize: int, channels_last: bool) ->
 # Triton's software pipelining depth (``num_stages``) for every kernel: 1, since most kernels
 # have no loop; the loops over the output planes (``rd = 0``) are the exception, and ran within
 # 2% with 2 or 3 stages (docs/tuning.md). Read when a kernel is traced: a program already traced
-# or compiled keeps the value it had. (benchmarks/probes/launches_gpu.py sets it per launch.)
+# or compiled keeps the value it had. Nothing in the package or its benchmarks changes it now
+# (docs/design/launches.md).
 NUM_STAGES = 1
 
 
@@ -403,7 +404,7 @@ def backward_block_candidates(heuristic: Launch, g: Geometry, itemsize: int) -> 
 # The most tiles (of cotangents, and of taps) one block of the backward's rows may read for the
 # tuner to offer blocks: a 3x3/s2 pool reads 4, a 3x3x3/s2 one 8, where every block ran slower
 # than one block a program on an H100 and an H200 (a program of 2 x 2 such blocks sums 32
-# phases) and took seconds more to compile (benchmarks/probes/NOTES.md).
+# phases) and took seconds more to compile (docs/design/max-backward.md).
 BLOCK_TILES = 4
 
 

@@ -92,7 +92,7 @@ def load(ref, idx, mask=None, other=None):
 
 # How programs are numbered: "memory" (:func:`program`'s order) or "rows" (a 3-D grid, the rows
 # fastest, then the column blocks, then the lane blocks: the kernels' earlier order, kept so that
-# benchmarks/probes/comparator_gpu.py can time the two side by side).
+# the two could be timed side by side; nothing sets it now: docs/design/program-order.md).
 ORDER = "memory"
 
 
