@@ -1,4 +1,5 @@
-# Two commands do all the set-up on a fresh machine: `make demo` and `make test`.
+# Two commands do all the set-up on a fresh machine: `make demo` and `make test`. `make demo`
+# writes its benchmark to the git-ignored build/demo/, never over benchmarks/results/.
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -17,7 +18,7 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(PY) examples/train_digits.py
 	$(PY) examples/quickstart.py
-	$(PY) benchmarks/pooling_cpu.py
+	$(PY) benchmarks/pooling_cpu.py --out build/demo/pooling_cpu.json
 
 lint: $(STAMP)
 	$(PY) -m ruff check jaxpool tests examples benchmarks

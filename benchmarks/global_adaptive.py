@@ -30,7 +30,8 @@ compared).
 them (128x7x7x2048 fits in an H100's 50 MB L2 cache; a call takes about 0.1 ms).
 
 Prints a table and saves it as JSON:
-``benchmarks/results/global_adaptive_<backend>[_quick][_in_jit<K>].json``.
+``benchmarks/results/global_adaptive_<device>[_in_jit<K>].json`` (``global_adaptive_h100.json``
+on an H100); ``--quick`` runs go to ``build/benchmarks/``.
 """
 
 from __future__ import annotations
@@ -54,8 +55,8 @@ from jax import lax  # noqa: E402
 import jaxpool  # noqa: E402
 from jaxpool._src import adaptive, adaptive_plan, adaptive_xla  # noqa: E402
 from jaxpool._src.backend import Op  # noqa: E402
+from result_path import device_tag, result_path  # noqa: E402
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
 # ----------------------------------------------------------------------------- timing
@@ -294,13 +295,13 @@ def main():
         "route: how the adaptive call ran: fixed = max_pool/avg_pool, stages = gathers or "
         "reshapes and reductions, global = one reduction)")
   print(f"total {elapsed:.1f} s")
-  os.makedirs(RESULTS, exist_ok=True)
-  name = (f"global_adaptive_{backend}{'_quick' if args.quick else ''}"
-          f"{f'_in_jit{args.in_jit}' if args.in_jit else ''}.json")
-  with open(os.path.join(RESULTS, name), "w") as f:
+  tag = device_tag(device) + (f"_in_jit{args.in_jit}" if args.in_jit else "")
+  path = result_path(__file__, tag, quick=args.quick)
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  with open(path, "w") as f:
     json.dump(dict(jax=jax.__version__, backend=backend, device=device, cores=os.cpu_count(),
                    repeats=repeats, inner=inner, rows=rows), f, indent=1)
-  print(f"saved benchmarks/results/{name}")
+  print(f"saved {os.path.relpath(path)}")
 
 
 if __name__ == "__main__":

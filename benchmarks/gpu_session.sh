@@ -35,8 +35,10 @@ else
     > "$OUT/optimize.log" 2>&1
   timeout 90 python3 benchmarks/global_adaptive.py > "$OUT/global_adaptive.log" 2>&1
   timeout 60 python3 benchmarks/unroll_threshold.py --quick > "$OUT/unroll.log" 2>&1
-  for f in gpu optimize_gpu global_adaptive_gpu unroll_threshold_gpu; do
-    cp "benchmarks/results/$f.json" "$OUT/" 2>/dev/null
+  # (each script writes benchmarks/results/<script>_<gpu>.json: benchmarks/result_path.py)
+  for f in benchmarks/results/pooling_gpu_*.json benchmarks/results/optimize_gpu_*.json \
+           benchmarks/results/global_adaptive_*.json benchmarks/results/unroll_threshold_*.json; do
+    cp "$f" "$OUT/" 2>/dev/null
   done
   echo "== bench:"; tail -25 "$OUT/bench.log"
   echo "== optimize:"; tail -30 "$OUT/optimize.log" 2>/dev/null

@@ -18,7 +18,8 @@ step's loss and gradients (and the new BatchNorm statistics) are computed three 
 
 Each is jitted; the median of ``--reps`` samples of ``--inner`` back-to-back steps is reported,
 with the peak device memory of a fresh process for each (``memory_stats()``; none on a CPU).
-Results: ``benchmarks/results/graph_<backend>[_quick].json``.
+Results: ``benchmarks/results/graph_gpu_<device>.json`` (``graph_gpu_h100.json`` on an H100);
+``--quick`` runs go to ``build/benchmarks/``.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jaxpool import graph as jg  # noqa: E402
+from result_path import device_tag, result_path  # noqa: E402
 
 VARIANTS = ("value_and_grad", "training graph", "training graph + rewrites")
 
@@ -140,8 +142,8 @@ def main() -> None:
     peak = "-" if r["peak_mib"] is None else f"{r['peak_mib']:.0f}"
     print(f"{r['variant']:<28} {r['step_ms']:8.2f} {speed:>18} {peak:>9} {r['loss']:9.5f} "
           f"{r['grad_norm']:10.5f}")
-  name = f"graph_{jax.default_backend()}{'_quick' if args.quick else ''}.json"
-  path = os.path.join(HERE, "results", name)
+  path = result_path(__file__, device_tag(jax.devices()[0].device_kind), quick=args.quick)
+  os.makedirs(os.path.dirname(path), exist_ok=True)
   with open(path, "w") as f:
     json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__, rows=rows), f,
               indent=1)

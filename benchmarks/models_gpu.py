@@ -84,8 +84,21 @@ import numpy as np  # noqa: E402
 
 import jaxpool  # noqa: E402
 
-RESULTS = os.path.join(HERE, "results", "models_gpu.json")
-SMOKE_RESULTS = os.path.join(HERE, "results", "models_cpu_smoke.json")
+sys.path.insert(0, HERE)
+from result_path import device_tag, result_path  # noqa: E402
+
+
+def default_out(smoke: bool) -> str:
+  """``benchmarks/results/models_gpu_<gpu>.json``, the GPU named by ``nvidia-smi`` (the parent
+  starts no backend); a smoke run's goes to ``build/benchmarks/``."""
+  if smoke:
+    return result_path(__file__, "cpu", quick=True)
+  try:
+    name = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                          capture_output=True, text=True, check=True).stdout.splitlines()[0]
+  except (OSError, subprocess.CalledProcessError, IndexError):
+    raise SystemExit("models_gpu.py: nvidia-smi cannot name the GPU; give --out") from None
+  return result_path(__file__, device_tag(name))
 
 KERAS_APPS = {
     "keras_vgg16": ("VGG16", 224),
@@ -787,7 +800,9 @@ def main(argv=None) -> int:
                       help="a folder of wheels (keras, namex, optree, ...) to unpack and use")
   parser.add_argument("--inline", action="store_true",
                       help="measure in this process, no children and no time limit")
-  parser.add_argument("--out", default=None, help="the JSON file (rows accumulate)")
+  parser.add_argument("--out", default=None,
+                      help="the JSON file (rows accumulate; default: "
+                           "benchmarks/results/models_gpu_<gpu>.json)")
   parser.add_argument("--merge", nargs="+", default=None, metavar="JSON",
                       help="merge the rows of these result files into --out and exit")
   parser.add_argument("--table", action="store_true", help="print the JSON's table and exit")
@@ -795,7 +810,7 @@ def main(argv=None) -> int:
   parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
   parser.add_argument("--result", default=None, help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
-  path = args.out = args.out or (SMOKE_RESULTS if args.smoke else RESULTS)
+  path = args.out = args.out or default_out(args.smoke)
   if args.cache_dir:
     jax.config.update("jax_compilation_cache_dir", args.cache_dir)
   if args.merge:

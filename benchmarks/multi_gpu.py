@@ -40,11 +40,13 @@ Parts (``--parts``, comma-separated):
 * ``unet``: a 3-D U-Net-style training step (Flax) on a volume split along depth over every GPU,
   with and without ``jaxpool.optimize``.
 
-Prints a table and writes JSON (``--out``) with ``XLA_FLAGS`` and ``JAXPOOL_TUNE`` as they
-were (``xla_flags``, ``jaxpool_tune``). With ``--cpu-devices N`` it runs on N forced CPU
-devices at toy sizes (a smoke test of the script, not a measurement).
+Prints a table and writes JSON with ``XLA_FLAGS`` and ``JAXPOOL_TUNE`` as they were
+(``xla_flags``, ``jaxpool_tune``): to ``--out``, by default
+``benchmarks/results/multi_gpu_<gpu>x<N>.json`` (``multi_gpu_h100x2.json`` on two H100s). With
+``--cpu-devices N`` it runs on N forced CPU devices at toy sizes (a smoke test of the script,
+not a measurement), which goes to ``build/benchmarks/`` unless ``--out`` says otherwise.
 
-    python benchmarks/multi_gpu.py --out benchmarks/results/multi_gpu.json
+    python benchmarks/multi_gpu.py
     python benchmarks/multi_gpu.py --parts vgg --modes "one GPU,auto"
 """
 
@@ -78,7 +80,8 @@ def parse(argv=None):
   p.add_argument("--reps", type=int, default=20)
   p.add_argument("--steps", type=int, default=10,
                  help="VGG steps a sample of the training-loop timer (loop_ms); 0: none")
-  p.add_argument("--out", default="")
+  p.add_argument("--out", default=None,
+                 help="the JSON file (default: benchmarks/results/multi_gpu_<gpu>x<N>.json)")
   p.add_argument("--cpu-devices", type=int, default=0)
   args = p.parse_args(argv)
   modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -107,7 +110,9 @@ from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 import jaxpool  # noqa: E402
+from result_path import device_tag, result_path  # noqa: E402
 
 SMOKE = bool(ARGS.cpu_devices)
 N = jax.device_count()
@@ -501,6 +506,9 @@ if __name__ == "__main__":
   for name in parts:
     {"pool": pool_part, "vgg": vgg_part, "unet": unet_part}[name]()
   print(table())
+  if ARGS.out is None:
+    ARGS.out = result_path(__file__, device_tag(jax.devices()[0].device_kind, N),
+                           quick=bool(ARGS.cpu_devices))
   if ARGS.out:
     Path(ARGS.out).parent.mkdir(parents=True, exist_ok=True)
     Path(ARGS.out).write_text(json.dumps(dict(

@@ -25,8 +25,9 @@ Two parts:
 Timer: jit, two warm-up calls (the first compiles), then each sample runs the function and blocks
 until the device is done (``block_until_ready``); the median of the samples is reported (for the
 pools, each sample is ``INNER`` calls back to back). Arrays are jit arguments, never closed over.
-The table goes to stdout, the numbers to ``benchmarks/results/optimize_gpu.json`` (with
-``--quick``: ``optimize_cpu_quick.json``).
+The table goes to stdout, the numbers to ``--out`` or
+``benchmarks/results/optimize_gpu_<device>.json`` (``optimize_gpu_h100.json`` on an H100; with
+``--quick``, under ``build/benchmarks/``).
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ import numpy as np  # noqa: E402
 from jax import lax  # noqa: E402
 
 import jaxpool  # noqa: E402
+from result_path import device_tag, result_path  # noqa: E402
 
 # Step cases: name -> (full config, quick config).
 STEPS = {
@@ -299,8 +301,7 @@ def main() -> None:
                 python=platform.python_version(), quick=args.quick, pools=pools, steps=steps,
                 fused_activation="activation" in inspect.signature(
                     jaxpool.max_pool).parameters)
-  name = "optimize_cpu_quick.json" if args.quick else "optimize_gpu.json"
-  path = args.out or os.path.join(HERE, "results", name)
+  path = args.out or result_path(__file__, device_tag(dev.device_kind), quick=args.quick)
   os.makedirs(os.path.dirname(path), exist_ok=True)
   with open(path, "w") as f:
     json.dump(result, f, indent=1)

@@ -3,9 +3,12 @@
 Times, on this machine: XLA's forward (``lax.reduce_window``), XLA's backward
 (``jax.vjp`` of it: select_and_scatter) and forward+backward, against jaxpool's
 ``max_pool`` (XLA path) forward for inference, backward, and forward+backward; also avg pooling.
-Prints a table (shape, dtype, ms, ratio) and saves it as JSON under benchmarks/results/.
+Prints a table (shape, dtype, ms, ratio) and saves it as JSON: by default
+``benchmarks/results/pooling_cpu.json`` (the committed run that README.md and docs/benchmarks.md
+quote), ``build/benchmarks/pooling_cpu_quick.json`` with ``--quick``, or ``--out PATH``
+(``make demo`` writes under ``build/``, never over the committed file).
 
-Usage: python benchmarks/pooling_cpu.py [--quick] [--repeats N]
+Usage: python benchmarks/pooling_cpu.py [--quick] [--repeats N] [--out PATH]
 """
 
 from __future__ import annotations
@@ -23,8 +26,14 @@ import numpy as np
 from jax import lax
 
 import jaxpool
+from result_path import result_path
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+ROUNDS = 3  # timeit_all measures the contenders in rounds of three
+
+
+def timed_calls(repeats: int) -> int:
+  """How many calls of each contender ``timeit_all`` times for ``repeats``."""
+  return ROUNDS * max(1, repeats // ROUNDS)
 
 
 def timeit_all(calls: dict, repeats: int) -> dict:
@@ -35,11 +44,10 @@ def timeit_all(calls: dict, repeats: int) -> dict:
     for _ in range(2):
       jax.block_until_ready(fn(*args))
   times: dict[str, list[float]] = {name: [] for name in calls}
-  rounds = 3
-  for _ in range(rounds):
+  for _ in range(ROUNDS):
     for name, (fn, args) in calls.items():
       jax.block_until_ready(fn(*args))  # warm again after the previous contender
-      for _ in range(max(1, repeats // rounds)):
+      for _ in range(timed_calls(repeats) // ROUNDS):
         t0 = time.perf_counter()
         jax.block_until_ready(fn(*args))
         times[name].append((time.perf_counter() - t0) * 1e3)
@@ -119,6 +127,9 @@ def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--quick", action="store_true", help="a smaller shape, fewer repeats")
   ap.add_argument("--repeats", type=int, default=None)
+  ap.add_argument("--out", default=None,
+                  help="the JSON file (default: benchmarks/results/pooling_cpu.json; with "
+                       "--quick, build/benchmarks/pooling_cpu_quick.json)")
   args = ap.parse_args()
   repeats = args.repeats or (5 if args.quick else 10)
   shape = (4, 56, 56, 64) if args.quick else (16, 112, 112, 64)
@@ -133,7 +144,7 @@ def main():
           f"{'fwd+bwd ms':>15} {'bwd x':>6} {'f+b x':>6} {'fwd ratio':>9} same")
   cpu = platform.processor() or platform.machine()
   print(f"jaxpool CPU benchmark: jax {jax.__version__}, {cpu}, {os.cpu_count()} cores; "
-        f"median of {repeats}; 'xla' = lax.reduce_window and its vjp")
+        f"median of {timed_calls(repeats)} calls; 'xla' = lax.reduce_window and its vjp")
   print(head)
   print("-" * len(head))
   for r in rows:
@@ -148,12 +159,13 @@ def main():
         " 'fwd ratio': jaxpool inference forward over lax.reduce_window, lower is better)")
   print(f"max-pool residual kept for the backward: {per_out:.2f} bytes per output element "
         f"({', '.join(leaves)})")
-  os.makedirs(RESULTS, exist_ok=True)
-  name = "cpu_quick.json" if args.quick else "cpu.json"
-  with open(os.path.join(RESULTS, name), "w") as f:
-    json.dump(dict(jax=jax.__version__, cores=os.cpu_count(), repeats=repeats, rows=rows,
+  path = args.out or result_path(__file__, "cpu", quick=args.quick)
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  with open(path, "w") as f:
+    json.dump(dict(jax=jax.__version__, cores=os.cpu_count(), repeats=repeats,
+                   timed_calls=timed_calls(repeats), rows=rows,
                    residual_bytes_per_output=per_out, residuals=leaves), f, indent=1)
-  print(f"saved benchmarks/results/{name}")
+  print(f"saved {os.path.relpath(path)}")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 
 Run on a GPU machine from the repository root::
 
-  XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=$PWD python3 benchmarks/pooling_gpu.py [--out DIR]
+  XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=$PWD python3 benchmarks/pooling_gpu.py \\
+      [--json PATH]
 
 Timer: each sample runs the op back to back, then blocks until the device is done
 (``block_until_ready`` / ``torch.cuda.synchronize``); the sample is the elapsed wall time over the
@@ -41,6 +42,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -50,6 +52,7 @@ import jaxpool  # noqa: E402
 from jaxpool._src import windows  # noqa: E402
 from jaxpool._src.pallas import triton as pk  # noqa: E402
 from jaxpool._src.pallas import tuning  # noqa: E402
+from result_path import device_tag, result_path  # noqa: E402
 
 INNER = 10
 SAMPLE_MS = 5.0  # (0 with --inner: INNER calls a sample)
@@ -312,7 +315,9 @@ def plot(results, path):
 def main():
   ap = argparse.ArgumentParser()
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  ap.add_argument("--json", default=os.path.join(root, "benchmarks/results/gpu.json"))
+  ap.add_argument("--json", default=None,
+                  help="the JSON file (default: benchmarks/results/pooling_gpu_<gpu>.json, "
+                       "pooling_gpu_h200.json on an H200)")
   ap.add_argument("--png", default=os.path.join(root, "docs/img/bench_gpu.png"))
   ap.add_argument("--inner", type=int, default=None,
                   help="calls a sample, whatever they last (default: at least INNER calls "
@@ -389,6 +394,7 @@ def main():
           "tuning_seconds": sum(r.seconds for r in tuning.report() if r.source == "tuned")}
   if torch_version:
     meta["torch"] = torch_version
+  args.json = args.json or result_path(__file__, device_tag(jax.devices()[0].device_kind))
   os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
   with open(args.json, "w") as f:
     json.dump({"meta": meta, "results": results}, f, indent=1)

@@ -1,7 +1,8 @@
 """mkdocs hook: renders the benchmark tables of docs/benchmarks.md from the committed JSON.
 
-``<!-- table:cpu -->`` becomes the table of benchmarks/results/cpu.json and ``<!-- table:gpu -->``
-that of benchmarks/results/gpu.json, so the page always shows the numbers in the repository.
+``<!-- table:NAME -->`` becomes the table of ``benchmarks/results/NAME.json``: ``pooling_cpu``
+(benchmarks/pooling_cpu.py) or a ``pooling_gpu_<gpu>`` (benchmarks/pooling_gpu.py), so the page
+always shows the numbers in the repository.
 ``<!-- include:NAME -->`` becomes the text of the file NAME at the repository root (the changelog
 page shows CHANGELOG.md).
 """
@@ -27,10 +28,10 @@ def _fmt(v):
   return "" if v is None else f"{v:.2f}"
 
 
-def cpu_table() -> str:
-  d = _load("cpu.json")
+def cpu_table(name: str = "pooling_cpu") -> str:
+  d = _load(name + ".json")
   if d is None:
-    return "*(benchmarks/results/cpu.json is not there yet: run `make demo`.)*"
+    return f"*(benchmarks/results/{name}.json is not there yet: run benchmarks/pooling_cpu.py.)*"
   head = ("| op | shape | dtype | window / stride / padding | XLA fwd | jaxpool fwd | XLA bwd | "
           "jaxpool bwd | XLA fwd+bwd | jaxpool fwd+bwd | bwd speed-up | same result |\n"
           "|---|---|---|---|--:|--:|--:|--:|--:|--:|--:|:-:|\n")
@@ -43,8 +44,9 @@ def cpu_table() -> str:
         f"{_fmt(r['xla_fwd'])} | {_fmt(r['jaxpool_fwd'])} | {_fmt(r['xla_bwd'])} | "
         f"{_fmt(r['jaxpool_bwd'])} | {_fmt(r['xla_fwd_bwd'])} | {_fmt(r['jaxpool_fwd_bwd'])} | "
         f"{r['xla_bwd'] / r['jaxpool_bwd']:.1f}x | {'yes' if r.get('same_result') else 'no'} |")
-  # benchmarks/pooling_cpu.py's timeit_all: 3 rounds of repeats // 3 timed calls per contender.
-  calls = 3 * max(1, int(d.get("repeats", 3)) // 3)
+  # benchmarks/pooling_cpu.py's timeit_all: 3 rounds of repeats // 3 timed calls per contender
+  # (files written before it saved "timed_calls").
+  calls = d.get("timed_calls", 3 * max(1, int(d.get("repeats", 3)) // 3))
   meta = (f"\n\nTimes in ms, each the median of {calls} timed calls "
           f"(benchmarks/pooling_cpu.py); jax {d.get('jax')}, {d.get('cores')} CPU cores. "
           f"Max-pool residual: "
@@ -58,15 +60,18 @@ GPU_COLUMNS = [("xla_fwd", "XLA fwd"), ("pallas_fwd", "Pallas fwd"), ("xla_bwd",
                ("pallas_fwd_bwd", "Pallas fwd+bwd"), ("torch_fwd_bwd", "PyTorch fwd+bwd")]
 
 
-def gpu_table() -> str:
-  d = _load("gpu.json")
+def gpu_table(name: str) -> str:
+  d = _load(name + ".json")
   if d is None:
-    return "*(benchmarks/results/gpu.json is not there yet.)*"
-  head = ("| case | dtype | " + " | ".join(c for _, c in GPU_COLUMNS) + " |\n|---|---|"
-          + "--:|" * len(GPU_COLUMNS) + "\n")
+    return f"*(benchmarks/results/{name}.json is not there yet.)*"
+  # PyTorch's column where the run timed it (pooling_gpu.py --no-torch leaves it out).
+  columns = [(k, c) for k, c in GPU_COLUMNS
+             if any(r["rows"].get(k, {}).get("ms") is not None for r in d["results"])]
+  head = ("| case | dtype | " + " | ".join(c for _, c in columns) + " |\n|---|---|"
+          + "--:|" * len(columns) + "\n")
   rows = []
   for r in d["results"]:
-    cells = [_fmt(r["rows"].get(k, {}).get("ms")) for k, _ in GPU_COLUMNS]
+    cells = [_fmt(r["rows"].get(k, {}).get("ms")) for k, _ in columns]
     rows.append(f"| {r['case']} | {r['dtype']} | " + " | ".join(cells) + " |")
   m = d.get("meta", {})
   meta = (f"\n\nTimes in ms on {m.get('device')}, jax {m.get('jax')}, {m.get('timer')}"
@@ -84,8 +89,12 @@ def include(markdown: str) -> str:
 
 def on_page_markdown(markdown, page, config, files):  # noqa: ARG001  (mkdocs hook signature)
   markdown = include(markdown)
-  if "<!-- table:cpu -->" in markdown:
-    markdown = markdown.replace("<!-- table:cpu -->", cpu_table())
-  if "<!-- table:gpu -->" in markdown:
-    markdown = markdown.replace("<!-- table:gpu -->", gpu_table())
+  for name in re.findall(r"<!-- table:([\w-]+) -->", markdown):
+    if name.startswith("pooling_cpu"):
+      table = cpu_table(name)
+    elif name.startswith("pooling_gpu_"):
+      table = gpu_table(name)
+    else:
+      raise ValueError(f"docs/hooks.py renders no table of benchmarks/results/{name}.json")
+    markdown = markdown.replace(f"<!-- table:{name} -->", table)
   return markdown

@@ -47,7 +47,8 @@ QUICK_TESTS = ["tests/ops/test_errors.py"]
 SDIST_REQUIRED = ["LICENSE", "CITATION.cff", "CHANGELOG.md", "README.md", "pyproject.toml",
                   "MANIFEST.in", "mkdocs.yml", "tests/conftest.py", "tests/support/reference.py",
                   "tests/support/core_strategies.py", "tests/sharding/sharding_checks.py",
-                  "examples/train_digits.py", "docs/index.md", "benchmarks/results/cpu.json"]
+                  "examples/train_digits.py", "docs/index.md",
+                  "benchmarks/results/pooling_cpu.json"]
 
 
 def lab_material(path: str) -> bool:
