@@ -42,9 +42,12 @@ test test-all: $(STAMP) lint
 	    tests
 	$(MAKE) docs types package-check
 
+# check_links.py: every relative link and anchor of the built site resolves (the changelog page,
+# which docs/hooks.py fills from CHANGELOG.md, and the API reference included).
 docs: $(STAMP)
 	$(PY) docs/make_figures.py
 	$(VENV)/bin/mkdocs build --strict --quiet
+	$(PY) docs/check_links.py site
 
 types: $(STAMP)
 	$(VENV)/bin/mypy

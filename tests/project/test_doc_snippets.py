@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import os
 import re
 import sys
 import types
@@ -98,7 +97,8 @@ def _is_array(v) -> bool:
 
 
 def display(value) -> str:
-  """What a session shows for ``value`` (module docstring): arrays as printed, tuples side by side."""
+  """What a session shows for ``value`` (module docstring): arrays as printed, tuples side by
+  side."""
   if isinstance(value, tuple) and any(_is_array(v) for v in value):
     parts = [display(v).splitlines() or [""] for v in value]
     rows = max(len(p) for p in parts)
