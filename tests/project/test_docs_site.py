@@ -28,6 +28,7 @@ PUBLIC_MODULES = ("jaxpool", "jaxpool.graph", "jaxpool.interop.flax_linen",
 
 @pytest.fixture(scope="module")
 def site(tmp_path_factory) -> Path:
+  pytest.importorskip("mkdocstrings", reason="the docs extra (pip install -e '.[docs]')")
   out = tmp_path_factory.mktemp("site")
   done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet",
                          "--site-dir", str(out)], cwd=ROOT, capture_output=True, text=True,
