@@ -5,19 +5,19 @@ CPU, in a temporary working directory: the page's first block holds its imports 
 ``inf`` included), each later block may use what an earlier one defined. The conventions:
 
 - **A session** is a block of ``>>>`` prompts (``...`` continues a statement). Each statement
-  runs; the lines after an expression, up to the next prompt, are what it shows, compared after
-  dropping ``# comments`` and collapsing whitespace. An array shows as ``print`` shows it with
-  four digits (``np.printoptions(precision=4)``), a tuple its elements side by side (the rows of
-  two 2-D arrays on shared lines), anything else its ``repr``; the ``repr`` of an array matches
-  too. An expression that raises shows ``ExceptionName: message``. A statement that shows
-  nothing must show nothing.
+  runs; the lines after it, up to the next prompt, are what it shows (what it prints, then an
+  expression's value), compared after dropping ``# comments`` and collapsing whitespace. An
+  array shows as ``print`` shows it with four digits (``np.printoptions(precision=4)``), a tuple
+  its elements side by side (the rows of two 2-D arrays on shared lines), anything else its
+  ``repr``; the ``repr`` of an array matches too. A statement that raises shows
+  ``ExceptionName: message``; one that shows nothing must show nothing.
 - **A script** is any other block: it runs as a whole. A ```text block right after it (blank
   lines between at most) is what it prints, compared the same way.
 - **Markers**, an HTML comment on the line right before the block's fence (invisible on the
   site and on GitHub): ``<!-- skip: REASON -->`` never runs the block (REASON says why);
   ``<!-- needs: gpu -->`` and ``<!-- needs: 8 devices -->`` run it only where JAX has a GPU or
-  that many devices, and skip it (with that reason) elsewhere. A skipped block's names are not
-  defined for the blocks after it, so a page whose later blocks use them skips them too.
+  that many devices, and skip it (with that reason) elsewhere. What a skipped block defines is
+  missing for the blocks after it: mark those too, or keep such a block self-contained.
 
 Shell blocks (```sh, ```bash), plain ``` blocks and ```text blocks are never run.
 """
@@ -139,11 +139,14 @@ def run_session(block: Block, ns: dict, path: str) -> None:
     except SyntaxError:
       code = _compile(src, str(ROOT / path), line, "exec")
       is_expr = False
+    printed = io.StringIO()
     try:
-      value = eval(code, ns)  # noqa: S307 - the docs' own examples
+      with contextlib.redirect_stdout(printed):
+        value = eval(code, ns)  # noqa: S307 - the docs' own examples
       shown = [display(value), repr(value)] if is_expr and value is not None else [""]
+      shown = [printed.getvalue() + s for s in shown]
     except Exception as e:   # an error the page shows, or a failure
-      shown = [f"{type(e).__name__}: {e}"]
+      shown = [f"{printed.getvalue()}{type(e).__name__}: {e}"]
       if not normalise(expected):
         raise AssertionError(f"{where} raised {shown[0]}") from e
     want = normalise(expected)
@@ -220,3 +223,10 @@ def test_blocks_parser():
   assert normalise("[[1. 2.]     # c\n [3. 4.]]") == "[[1. 2.] [3. 4.]]"
   two = (np.array([[9., 9.], [8., 9.]]), np.array([[0, 5], [7, 5]]))
   assert normalise(display(two)) == normalise("[[9. 9.]   [[0 5]\n [8. 9.]]   [7 5]]")
+  ns: dict = {}
+  run_session(Block(1, ">>> print('a')\na\n>>> int('x')\nValueError: invalid literal for int() "
+                       "with base 10: 'x'\n>>> 2 * 3   # six\n6"), ns, "README.md")
+  with pytest.raises(AssertionError, match="the page shows: '7'"):
+    run_session(Block(1, ">>> 2 * 3\n7"), ns, "README.md")
+  with pytest.raises(AssertionError, match="raised NameError"):
+    run_session(Block(1, ">>> undefined_name"), ns, "README.md")
