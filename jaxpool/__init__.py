@@ -22,3 +22,11 @@ from jaxpool._src.windows import Geometry as Geometry
 from jaxpool._src.windows import make_geometry as make_geometry
 
 from jaxpool._src.version import __version__ as __version__
+
+__all__ = [
+    "adaptive_avg_pool", "adaptive_max_pool", "adaptive_max_pool_with_indices", "avg_pool",
+    "avg_pool_grad", "Geometry", "global_avg_pool", "global_max_pool", "l2_pool", "lp_pool",
+    "lp_pool_grad", "make_geometry", "max_pool", "max_pool_grad",
+    "max_pool_grad_from_taps", "max_pool_with_indices", "max_pool_with_taps", "max_unpool",
+    "min_pool", "optimize",
+]

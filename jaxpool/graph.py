@@ -52,3 +52,14 @@ from jaxpool._src.graph import DropoutGradientState as DropoutGradientState
 from jaxpool._src.graph import load_params as load_params
 from jaxpool._src.graph.serialization import ParamsFileError as ParamsFileError
 from jaxpool._src.graph import save_params as save_params
+
+__all__ = [
+    "Activation", "ACTIVATIONS", "Add", "AvgPool", "BatchNorm", "BatchNormalizationGradient",
+    "BatchNormalizationState", "Concat", "Conv", "ConvolutionGradient", "ConvTranspose",
+    "Cotangents", "DEFAULT_PASSES", "Dense", "DilatedMaxPool", "Dropout", "DropoutGradient",
+    "DropoutGradientState", "Flatten", "fold_relu_into_max_pool", "Gradient", "GradientNode",
+    "GradientState", "Graph", "has_graphviz", "Image", "Initializer", "Input", "L2Pool",
+    "load_params", "MaxPool", "MeanSquaredError", "Node", "Pad", "ParamsFileError",
+    "PoolingGradient", "ReLU", "Reshape", "resolve_padding", "save_params", "SigmoidCrossEntropy",
+    "Softmax", "SoftmaxCrossEntropy", "training_graph", "TrainingGraph", "Upsample",
+]

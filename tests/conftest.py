@@ -4,6 +4,8 @@ order in which ``make test``'s workers take the files.
 Warnings are errors through ``filterwarnings`` in pyproject.toml.
 """
 
+import collections
+import time
 import zlib
 from pathlib import Path
 
@@ -35,3 +37,71 @@ _HERE = Path(__file__).parent
 def pytest_collection_modifyitems(config, items):
   rank = {_HERE / f: i for i, f in enumerate(FIRST)}
   items.sort(key=lambda item: rank.get(item.path, len(FIRST)))  # stable: the rest as collected
+
+
+def pytest_addoption(parser):
+  parser.addoption("--file-progress", action="store_true",
+                   help="print a line when a test file starts and when it is done, with the time "
+                        "since the start (make test: its first tests end only after minutes)")
+
+
+def pytest_configure(config):
+  # The controller prints (an xdist worker's output is not shown); plain pytest prints too.
+  if config.getoption("--file-progress") and not hasattr(config, "workerinput"):
+    config.pluginmanager.register(FileProgress(config), "jaxpool-file-progress")
+
+
+class FileProgress:
+  """``--file-progress``: ``  2:41  done     tests/ops/test_max.py: 50 passed (7 of 80 files)``.
+
+  A file starts when its first test does and is done when each of its collected tests has
+  reported (``--dist loadfile`` runs a file on one worker).
+  """
+
+  def __init__(self, config):
+    self.config = config
+    self.start = time.monotonic()
+    self.expected: dict[str, int] | None = None
+    self.outcomes: dict[str, collections.Counter] = {}
+    self.files_done = 0
+
+  def _line(self, what, text):
+    minutes, seconds = divmod(int(time.monotonic() - self.start), 60)
+    reporter = self.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+      if getattr(reporter._tw, "width_of_current_line", 0):   # after -q's dots
+        reporter._tw.line()
+      reporter.write_line(f"{minutes:3d}:{seconds:02d}  {what:7s}  {text}")
+
+  def _collected(self, ids):
+    if self.expected is None:   # every worker collects the same tests
+      self.expected = collections.Counter(i.split("::")[0] for i in ids)
+
+  @pytest.hookimpl(optionalhook=True)
+  def pytest_xdist_node_collection_finished(self, node, ids):
+    self._collected(ids)
+
+  def pytest_collection_finish(self, session):
+    if session.items:           # plain pytest (under xdist the controller collects nothing)
+      self._collected(item.nodeid for item in session.items)
+
+  def pytest_runtest_logstart(self, nodeid, location):
+    path = nodeid.split("::")[0]
+    if path not in self.outcomes:
+      self.outcomes[path] = collections.Counter()
+      self._line("started", path)
+
+  def pytest_runtest_logreport(self, report):
+    path = report.nodeid.split("::")[0]
+    counts = self.outcomes.setdefault(path, collections.Counter())
+    if report.when == "call" or (report.when == "setup" and not report.passed):
+      counts[report.outcome] += 1
+    if report.when == "teardown":
+      counts["reported"] += 1
+      if not report.passed:
+        counts["error"] += 1
+      if self.expected is not None and counts["reported"] == self.expected.get(path):
+        self.files_done += 1
+        summary = ", ".join(f"{n} {k}" for k, n in sorted(counts.items()) if k != "reported")
+        self._line("done", f"{path}: {summary} ({self.files_done} of {len(self.expected)} "
+                           "files)")

@@ -22,6 +22,7 @@ ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
     "silu": jax.nn.silu, "softplus": jax.nn.softplus, "elu": jax.nn.elu,
     "leaky_relu": _leaky_relu, "identity": lambda x: x,
 }
+"""The functions an :class:`Activation` node applies, by the name its ``fn`` takes."""
 
 
 @dataclass(frozen=True)

@@ -39,3 +39,4 @@ class Input(Node):
 
 
 Image = Input
+"""Another name for :class:`Input` (MPS calls its inputs image nodes)."""

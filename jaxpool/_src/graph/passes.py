@@ -110,6 +110,7 @@ def fold_relu_into_max_pool(nodes: tuple[Node, ...], outputs: tuple[str, ...]
 
 
 DEFAULT_PASSES: tuple[Pass, ...] = (fold_relu_into_max_pool,)
+"""The passes that ``Graph(outputs)`` applies: ``(fold_relu_into_max_pool,)``."""
 
 
 def run_passes(nodes: tuple[Node, ...], outputs: tuple[str, ...], passes: Sequence[Pass]
