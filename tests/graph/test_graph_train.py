@@ -416,3 +416,12 @@ def test_summary_shows_the_training_nodes(net):
   for part in ("BatchNorm momentum 0.8", "Dropout rate 0.25", "bn.state", "drop.state",
                "GradientState (the keep mask, bool)", "BatchNormGradient", "DropoutGradient"):
     assert part in text, part
+
+
+def test_save_params_into_a_missing_folder_names_the_path(tmp_path):
+  """The error names the path the user gave and its missing folder, not the hidden temporary
+  file the atomic write uses."""
+  path = tmp_path / "ckpt" / "params.npz"
+  with pytest.raises(FileNotFoundError, match=r"params\.npz.*folder.*ckpt.*does not exist"):
+    jg.save_params(path, {"fc": {"b": jnp.zeros(3)}})
+  assert not (tmp_path / "ckpt").exists()

@@ -118,6 +118,10 @@ def _write_durably(path: str, write) -> None:
   """``write(file)`` into a new file beside ``path``, synced, renamed onto ``path``, the folder
   synced; the new file is removed if any step fails."""
   folder = os.path.dirname(os.path.abspath(path))
+  if not os.path.isdir(folder):
+    raise FileNotFoundError(
+        f"cannot write {path!r}: its folder {folder!r} does not exist (create it first, "
+        f"e.g. os.makedirs({os.path.dirname(path) or '.'!r}, exist_ok=True))")
   tmp = os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
   flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
   try:
