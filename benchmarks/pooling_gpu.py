@@ -47,8 +47,8 @@ from jax import lax  # noqa: E402
 
 import jaxpool  # noqa: E402
 from jaxpool._src import windows  # noqa: E402
-from jaxpool._src.pallas import triton as pk  # noqa: E402
-from jaxpool._src.pallas import tuning  # noqa: E402
+from jaxpool._src.pallas.triton import ops as pk  # noqa: E402
+from jaxpool._src.pallas.tuning import tuner as tuning  # noqa: E402
 
 INNER = 10
 SAMPLE_MS = 5.0  # (0 with --inner: INNER calls a sample)

@@ -18,7 +18,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > 
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())" >> "$OUT/gpu.txt" 2>&1
 cat "$OUT/gpu.txt"
 TABLE=jaxpool/_src/pallas/launch_tables/$(python3 -c "import jax
-from jaxpool._src.pallas.tuning import table_name
+from jaxpool._src.pallas.tuning.tuner import table_name
 print(table_name(jax.devices()[0].device_kind))")
 rm -rf "$OUT/cache_tune" "$OUT/cache_empty"
 t0=$(date +%s)

@@ -26,7 +26,8 @@ from collections.abc import Sequence
 import jax.numpy as jnp
 
 from jaxpool._src import windows
-from jaxpool._src.pallas import triton, tuning
+from jaxpool._src.pallas.triton import ops as triton
+from jaxpool._src.pallas.tuning import tuner as tuning
 from jaxpool._src.platforms import platform
 
 Case = tuple[str, tuple[int, ...], tuple[int, ...], tuple[int, ...], int | str, str,

@@ -27,7 +27,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 os.environ.setdefault("JAXPOOL_TUNE", "cached")
-from jaxpool._src.pallas import triton as pk  # noqa: E402
+from jaxpool._src.pallas.triton import ops as pk  # noqa: E402
 from jaxpool._src.windows import make_geometry  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

@@ -26,7 +26,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, ROOT)
 os.environ.setdefault("JAXPOOL_TUNE", "off")
 from jaxpool._src import windows  # noqa: E402
-from jaxpool._src.pallas import triton as pk  # noqa: E402
+from jaxpool._src.pallas.triton import ops as pk  # noqa: E402
 from jaxpool._src.windows import taps_dtype  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

@@ -28,8 +28,8 @@ from jax.experimental import pallas as pl
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bwd_probe  # noqa: E402
-from jaxpool._src.pallas import triton as pk  # noqa: E402
-from jaxpool._src.pallas.triton_tile import Tile, both_paths, load, split  # noqa: E402
+from jaxpool._src.pallas.triton import ops as pk  # noqa: E402
+from jaxpool._src.pallas.triton.tile import Tile, both_paths, load, split  # noqa: E402
 
 
 def programs(g, K, L, bh):

@@ -37,9 +37,9 @@ from jax.experimental import pallas as pl
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 os.environ.setdefault("JAXPOOL_TUNE", "off")
 from jaxpool._src import windows  # noqa: E402
-from jaxpool._src.pallas import triton as pk  # noqa: E402
-from jaxpool._src.pallas import tuning  # noqa: E402
-from jaxpool._src.pallas.triton_tile import load, plgpu  # noqa: E402
+from jaxpool._src.pallas.triton import ops as pk  # noqa: E402
+from jaxpool._src.pallas.tuning import tuner as tuning  # noqa: E402
+from jaxpool._src.pallas.triton.tile import load, plgpu  # noqa: E402
 
 SHAPE = (128, 112, 112, 64)
 

@@ -28,7 +28,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("JAXPOOL_TUNE", "cached")
 from jaxpool._src import windows  # noqa: E402
-from jaxpool._src.pallas import triton as pk  # noqa: E402
+from jaxpool._src.pallas.triton import ops as pk  # noqa: E402
 from launches_gpu import _copy_ms, _parse, fastest_in_rounds  # noqa: E402
 
 CASES = {  # 3x3/s2/p1, channels_last

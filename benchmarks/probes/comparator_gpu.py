@@ -45,8 +45,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 # (docs/tuning.md), unless JAXPOOL_TUNE is set.
 os.environ.setdefault("JAXPOOL_TUNE", "off")
 from jaxpool._src import windows  # noqa: E402
-from jaxpool._src.pallas import triton as pk  # noqa: E402
-from jaxpool._src.pallas import triton_tile  # noqa: E402
+from jaxpool._src.pallas.triton import ops as pk  # noqa: E402
+from jaxpool._src.pallas.triton import tile as triton_tile  # noqa: E402
 
 
 def _module(setting: str):

@@ -33,7 +33,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from vgg_overlap_gpu import emit, median_ms, profile  # noqa: E402
 
 import jaxpool  # noqa: E402
-from jaxpool._src.pallas import halo, halo_inplace  # noqa: E402
+from jaxpool._src.pallas.sharding import halo  # noqa: E402
+from jaxpool._src.pallas.sharding import halo_inplace  # noqa: E402
 
 CHAIN = 10
 

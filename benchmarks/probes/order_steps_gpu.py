@@ -25,7 +25,7 @@ import optax  # noqa: E402
 import optimize_gpu  # noqa: E402
 
 import jaxpool  # noqa: E402
-from jaxpool._src.pallas import triton_tile  # noqa: E402
+from jaxpool._src.pallas.triton import tile as triton_tile  # noqa: E402
 
 CASES = ("flax_vgg16_bf16_b64", "flax_vgg16_f32_b32", "video3d_f32_b8")
 

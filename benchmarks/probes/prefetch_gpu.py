@@ -40,10 +40,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, ROOT)
 os.environ.setdefault("JAXPOOL_TUNE", "cached")
 from jaxpool._src import windows  # noqa: E402
-from jaxpool._src.pallas import triton as pk  # noqa: E402
-from jaxpool._src.pallas import tuning  # noqa: E402
-from jaxpool._src.pallas.triton_max import nan_max  # noqa: E402
-from jaxpool._src.pallas.triton_tile import load, plgpu  # noqa: E402
+from jaxpool._src.pallas.triton import ops as pk  # noqa: E402
+from jaxpool._src.pallas.tuning import tuner as tuning  # noqa: E402
+from jaxpool._src.pallas.triton.max import nan_max  # noqa: E402
+from jaxpool._src.pallas.triton.tile import load, plgpu  # noqa: E402
 
 SHAPE2 = (128, 112, 112, 64)
 SHAPE3 = (16, 16, 56, 56, 64)

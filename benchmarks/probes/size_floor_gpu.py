@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import jax  # noqa: E402
 
 import pooling_gpu as bench  # noqa: E402
-from jaxpool._src.pallas import tuning  # noqa: E402
+from jaxpool._src.pallas.tuning import tuner as tuning  # noqa: E402
 
 CASES = [
     # name, shape, window, strides, padding, data_format, dtype

@@ -29,7 +29,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from jaxpool._src import windows  # noqa: E402
-from jaxpool._src.pallas import triton as pk  # noqa: E402
+from jaxpool._src.pallas.triton import ops as pk  # noqa: E402
 
 COLS = (8, 16, 32, 64)
 WARPS = (2, 4, 8)

@@ -23,7 +23,7 @@ CHILD = """
 import sys, time
 import jax, jax.numpy as jnp
 import jaxpool
-from jaxpool._src.pallas import tuning
+from jaxpool._src.pallas.tuning import tuner as tuning
 shape = tuple(int(n) for n in sys.argv[1].split("x"))
 x = jnp.ones(shape, jnp.bfloat16)
 loss = lambda v: jaxpool.max_pool(v, (2, 2), (2, 2)).astype(jnp.float32).sum()

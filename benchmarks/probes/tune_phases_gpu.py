@@ -16,7 +16,8 @@ import time
 import jax.numpy as jnp
 
 from jaxpool._src import windows
-from jaxpool._src.pallas import triton, tuning
+from jaxpool._src.pallas.triton import ops as triton
+from jaxpool._src.pallas.tuning import tuner as tuning
 
 
 def main() -> None:

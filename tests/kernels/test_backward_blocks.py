@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 from kernel_base import bits_equal
 
 from jaxpool._src import windows, xla
-from jaxpool._src.pallas import triton, tuning
+from jaxpool._src.pallas.triton import ops as triton
+from jaxpool._src.pallas.tuning import tuner as tuning
 
 # (shape, window, strides, padding, dilation, ceil_mode, data_format): odd sizes, so blocks of
 # rows and columns overhang the input.

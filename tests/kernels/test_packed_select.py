@@ -16,7 +16,9 @@ import pytest
 from kernel_base import ON_GPU, bits_equal, tied
 
 from jaxpool._src import windows
-from jaxpool._src.pallas import triton, triton_backward, tuning
+from jaxpool._src.pallas.triton import ops as triton
+from jaxpool._src.pallas.triton import backward as triton_backward
+from jaxpool._src.pallas.tuning import tuner as tuning
 
 gpu = pytest.mark.gpu
 

@@ -227,7 +227,7 @@ def test_gpu_deterministic(rng):
 def test_lowers_to_triton(cfg, dtype):
   """Every kernel, compiled (not interpreted), lowers to a Triton call for CUDA, on any host:
   Pallas' Triton lowering runs; Triton's compiler (on a GPU) does not."""
-  from jaxpool._src.pallas import triton as pk
+  from jaxpool._src.pallas.triton import ops as pk
   shape, *geo = cfg
   geom = windows.make_geometry(shape, *kw_of(*geo).values())
   x = jnp.zeros(shape, dtype)
@@ -251,7 +251,7 @@ def test_avg_kernel_lowers_with_the_exact_reciprocal_for_cuda(monkeypatch):
   divisor with PTX's correctly rounded ``rcp.rn.f32`` (Triton's float32 division is
   approximate, and an interior window's reciprocal is the correctly rounded constant): the
   inline PTX lowers. (The backward divides on both of its paths.)"""
-  from jaxpool._src.pallas import triton as pk
+  from jaxpool._src.pallas.triton import ops as pk
   monkeypatch.setattr(pk, "platform", lambda: "cuda")
   monkeypatch.setenv("JAXPOOL_TUNE", "off")  # (lowered, never run: nothing to tune)
   shape = (2, 9, 10, 5)
@@ -308,7 +308,7 @@ def test_platform_names_rocm(monkeypatch):
 def test_small_blocks_take_both_paths(rng, cfg):
   """Blocks of 2 columns and 2 lanes, so that a small image has interior blocks (no masks) and
   edge blocks: every kernel, both code paths, against the XLA path."""
-  from jaxpool._src.pallas import triton as pk
+  from jaxpool._src.pallas.triton import ops as pk
   shape, *geo = cfg
   geom = windows.make_geometry(shape, *kw_of(*geo).values())
   launch = (2, 2, 1)
@@ -338,7 +338,7 @@ def test_small_blocks_take_both_paths(rng, cfg):
 def check_avg_code_paths(rng, shape, geo, launches, count_include_pad, divisor, interpret):
   """Average pooling, forward and backward, with each of ``launches`` (None: the heuristic's):
   every launch gives the first one's bits."""
-  from jaxpool._src.pallas import triton as pk
+  from jaxpool._src.pallas.triton import ops as pk
   geom = windows.make_geometry(shape, *geo)
   x = jnp.asarray(rng.normal(size=shape), jnp.float32)
   dy = jnp.asarray(rng.normal(size=geom.output_shape(shape)), jnp.float32)
@@ -401,7 +401,7 @@ def test_signed_zeros_match_xla(rng, monkeypatch, cfg, dtype, form):
   """Signed zeros (interpret mode; compiled: test_gpu_signed_zeros), with the running maximum
   interpret mode uses (``dtypes.beats``) and with the canonical NaN results that the compiled
   kernels' PTX maximum gives (``triton.NAN_MAX``)."""
-  from jaxpool._src.pallas import triton as pk
+  from jaxpool._src.pallas.triton import ops as pk
   monkeypatch.setattr(pk, "NAN_MAX", form)
   jax.clear_caches()  # (the form is read while tracing)
   check_signed_zeros(rng, cfg, dtype)
@@ -436,7 +436,7 @@ def check_nan_bits(rng):
 
 @pytest.mark.parametrize("form", ["auto", "canonical"])
 def test_nan_bits_match_xla(rng, monkeypatch, form):
-  from jaxpool._src.pallas import triton as pk
+  from jaxpool._src.pallas.triton import ops as pk
   monkeypatch.setattr(pk, "NAN_MAX", form)
   jax.clear_caches()  # (the form is read while tracing)
   check_nan_bits(rng)
@@ -489,7 +489,7 @@ def test_gpu_other_max_forms(rng, monkeypatch, form):
   """The compiled kernels with the other forms of the running maximum (``triton.NAN_MAX``, as
   benchmarks/probes/comparator_gpu.py times them) give the same bits too."""
   _need_gpu()
-  from jaxpool._src.pallas import triton as pk
+  from jaxpool._src.pallas.triton import ops as pk
   monkeypatch.setattr(pk, "NAN_MAX", form)
   jax.clear_caches()
   for cfg in GPU_CONFIGS:

@@ -27,7 +27,10 @@ from kernel_base import ON_GPU, bits_equal, tied
 
 from jaxpool import tune as tune_cmd
 from jaxpool._src import windows
-from jaxpool._src.pallas import trials, triton, tuning, tuning_cache
+from jaxpool._src.pallas.tuning import trials
+from jaxpool._src.pallas.triton import ops as triton
+from jaxpool._src.pallas.tuning import tuner as tuning
+from jaxpool._src.pallas.tuning import cache as tuning_cache
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENV = {"jaxpool": "0.1.0", "jax": "0.10.2", "jaxlib": "0.10.2", "device_kind": "Fake GPU 80GB",
@@ -549,7 +552,7 @@ def test_concurrent_writers_never_leave_a_partial_entry(tmp_path):
 
 _CHILD = """
 import json, sys, time
-from jaxpool._src.pallas import tuning
+from jaxpool._src.pallas.tuning import tuner as tuning
 env, cache, launch = json.loads(sys.argv[1]), sys.argv[2], tuple(json.loads(sys.argv[3]))
 key = tuning.Key("max_fwd", "float32", "channels_last", "k3x3s2x2d1x1w64l64L")
 cands = [tuple(env["heuristic"]), launch]

@@ -16,7 +16,8 @@ import numpy as np
 
 import jaxpool
 from jaxpool._src import windows, xla
-from jaxpool._src.pallas import ops, triton
+from jaxpool._src.pallas import ops
+from jaxpool._src.pallas.triton import ops as triton
 
 ON_GPU = jax.default_backend() in ("gpu", "cuda", "rocm")
 
