@@ -37,6 +37,7 @@ from jax.experimental import pallas as pl
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 os.environ.setdefault("JAXPOOL_TUNE", "off")
 from jaxpool._src import windows  # noqa: E402
+from jaxpool._src.pallas.triton import config  # noqa: E402
 from jaxpool._src.pallas.triton import ops as pk  # noqa: E402
 from jaxpool._src.pallas.tuning import tuner as tuning  # noqa: E402
 from jaxpool._src.pallas.triton.tile import load, plgpu  # noqa: E402
@@ -107,7 +108,7 @@ def main():
     _, taps = pk.max_forward_taps(x, geom, interpret=False)
     dy = jax.random.normal(jax.random.key(1), taps.shape, jnp.float32).astype(dtype)
     launch = (tuple(int(v) for v in _arg("--launch", "").split(",")) if "--launch" in sys.argv
-              else pk.launch_config(SHAPE[2] // 2, SHAPE[3], np.dtype(dtype).itemsize, True))
+              else config.launch_config(SHAPE[2] // 2, SHAPE[3], np.dtype(dtype).itemsize, True))
     nbytes = x.nbytes + dy.nbytes + taps.nbytes
     fns = {
         "write_only": jax.jit(lambda i, d, c=launch: floor_call(0, i, d, *c)),

@@ -4,7 +4,7 @@ The kernels keep a running maximum in ``dtypes.beats``' order (NaN above every n
 above ``-0.0``, the first of equal values) and take a tap where its bits change. This script
 times the Triton kernels (forward with and without the taps; the backward, which reads the
 taps, as a control; the average-pooling forward) on the cases of ``benchmarks/pooling_gpu.py`` with
-each form of that maximum (``triton.NAN_MAX``):
+each form of that maximum (``config.NAN_MAX``):
 
 - ``ptx``: the kernels' default on an NVIDIA GPU for float32 comparisons (16-bit floats are
   compared in float32): PTX's ``max.NaN.f32``, one instruction a tap;

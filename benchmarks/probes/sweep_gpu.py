@@ -8,7 +8,7 @@ Run on a GPU machine from the repository root::
 For each case of ``benchmarks/pooling_gpu.py`` and each kernel (forward, forward with argmax, max
 backward), it times every ``(bw, bc, num_warps)`` in the grid below with the timer of
 ``pooling_gpu.py`` (fewer samples) and prints the fraction of the copy bandwidth; the table it saves
-(``sweep.json``) is what the default launch heuristic in ``triton.launch_config`` was chosen from
+(``sweep.json``) is what the default launch heuristic in ``config.launch_config`` was chosen from
 (see ``NOTES.md``).
 """
 

@@ -22,6 +22,7 @@ from kernel_base import (CONFIGS, CONFIGS_ND, GPU_CONFIGS, ND_IDS, ON_GPU, bits_
 
 import jaxpool
 from jaxpool._src import dispatch, windows, xla
+from jaxpool._src.pallas.triton import config
 from jaxpool._src.pallas import ops
 
 # ----------------------------------------------------------------------------- CPU (interpret)
@@ -252,7 +253,7 @@ def test_avg_kernel_lowers_with_the_exact_reciprocal_for_cuda(monkeypatch):
   approximate, and an interior window's reciprocal is the correctly rounded constant): the
   inline PTX lowers. (The backward divides on both of its paths.)"""
   from jaxpool._src.pallas.triton import ops as pk
-  monkeypatch.setattr(pk, "platform", lambda: "cuda")
+  monkeypatch.setattr(config, "platform", lambda: "cuda")
   monkeypatch.setenv("JAXPOOL_TUNE", "off")  # (lowered, never run: nothing to tune)
   shape = (2, 9, 10, 5)
   geom = windows.make_geometry(shape, (3, 3), (2, 2), 1)
@@ -400,9 +401,8 @@ def test_nd_transformations(rng):
 def test_signed_zeros_match_xla(rng, monkeypatch, cfg, dtype, form):
   """Signed zeros (interpret mode; compiled: test_gpu_signed_zeros), with the running maximum
   interpret mode uses (``dtypes.beats``) and with the canonical NaN results that the compiled
-  kernels' PTX maximum gives (``triton.NAN_MAX``)."""
-  from jaxpool._src.pallas.triton import ops as pk
-  monkeypatch.setattr(pk, "NAN_MAX", form)
+  kernels' PTX maximum gives (``config.NAN_MAX``)."""
+  monkeypatch.setattr(config, "NAN_MAX", form)
   jax.clear_caches()  # (the form is read while tracing)
   check_signed_zeros(rng, cfg, dtype)
 
@@ -436,8 +436,7 @@ def check_nan_bits(rng):
 
 @pytest.mark.parametrize("form", ["auto", "canonical"])
 def test_nan_bits_match_xla(rng, monkeypatch, form):
-  from jaxpool._src.pallas.triton import ops as pk
-  monkeypatch.setattr(pk, "NAN_MAX", form)
+  monkeypatch.setattr(config, "NAN_MAX", form)
   jax.clear_caches()  # (the form is read while tracing)
   check_nan_bits(rng)
 
@@ -486,11 +485,10 @@ def test_gpu_nan_bits(rng):
 @gpu
 @pytest.mark.parametrize("form", ["beats", "canonical"])
 def test_gpu_other_max_forms(rng, monkeypatch, form):
-  """The compiled kernels with the other forms of the running maximum (``triton.NAN_MAX``, as
+  """The compiled kernels with the other forms of the running maximum (``config.NAN_MAX``, as
   benchmarks/probes/comparator_gpu.py times them) give the same bits too."""
   _need_gpu()
-  from jaxpool._src.pallas.triton import ops as pk
-  monkeypatch.setattr(pk, "NAN_MAX", form)
+  monkeypatch.setattr(config, "NAN_MAX", form)
   jax.clear_caches()
   for cfg in GPU_CONFIGS:
     for dtype in (jnp.float32, jnp.bfloat16):
