@@ -422,7 +422,7 @@ def test_shipped_table_is_used_and_the_cache_wins(tmp_path):
 
 
 def test_the_packaged_tables_parse():
-  folder = os.path.join(ROOT, "jaxpool", "_src", "pallas", tuning.TABLES)
+  folder = os.path.join(ROOT, "jaxpool", "_src", "pallas", "tuning", tuning.TABLES)
   names = [n for n in os.listdir(folder) if n.endswith(".json")]
   assert "NVIDIA_H100_80GB_HBM3.json" in names
   for name in names:
