@@ -9,6 +9,7 @@ corrupt and truncated entries, a read-only folder, entries of another environmen
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -441,6 +442,44 @@ def test_the_packaged_tables_parse():
         k: tuple(v) for k, v in data["entries"].items()}
   assert tuning.shipped_table("No Such GPU") == {}
   assert tuning.table_name("NVIDIA H100 80GB HBM3") == "NVIDIA_H100_80GB_HBM3.json"
+
+
+def test_a_shipped_table_round_trips_through_the_launch_type():
+  """Every entry of the shipped tables loads as a :class:`config.Launch` with named fields and
+  writes back as the same JSON: a table re-serialized from its launches is the file's text."""
+  folder = os.path.join(ROOT, "jaxpool", "_src", "pallas", "tuning", tuning.TABLES)
+  for name in sorted(n for n in os.listdir(folder) if n.endswith(".json")):
+    path = os.path.join(folder, name)
+    data = _entry(path)
+    table = tuning.shipped_table(data["device_kind"])
+    assert list(table) == list(data["entries"])
+    for key, v in data["entries"].items():
+      launch = table[key]
+      assert type(launch) is config.Launch
+      assert [launch.block_cols, launch.block_lanes, launch.num_warps] == v[:3]
+      assert launch.rows == (tuple(v[3:]) if len(v) == 5 else None)
+      assert (launch.block_depth, launch.block_height) == (tuple(v[3:]) or (None, None))
+      assert list(launch) == v and config.Launch.of(v) == launch == tuple(v)
+      assert hash(launch) == hash(tuple(v)) and tuning.launch_name(launch) == "x".join(
+          map(str, v))
+    again = dict(data, entries={k: list(launch) for k, launch in table.items()})
+    with open(path, encoding="utf-8") as f:
+      text = f.read()
+    assert json.loads(json.dumps(again)) == json.loads(text)
+    assert json.dumps(again) == json.dumps(json.loads(text))
+
+
+def test_a_launch_names_its_fields():
+  launch = config.Launch(8, 64, 4, 0, 2)
+  assert (launch.block_cols, launch.block_lanes, launch.num_warps) == (8, 64, 4)
+  assert launch.rows == (0, 2) and launch.astuple() == (8, 64, 4, 0, 2) and len(launch) == 5
+  assert config.Launch(8, 64, 4).rows is None and len(config.Launch(8, 64, 4)) == 3
+  assert config.Launch(8, 64, 4) != config.Launch(8, 64, 4, 1, 1)  # (the one-row kernels)
+  assert {config.Launch(8, 64, 4): 1}[(8, 64, 4)] == 1
+  with pytest.raises(ValueError, match="a depth and a height or neither"):
+    config.Launch(8, 64, 4, 1)
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    launch.num_warps = 8  # type: ignore[misc]
 
 
 # ----------------------------------------------------------------------------- the disk cache

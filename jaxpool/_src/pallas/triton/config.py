@@ -11,8 +11,10 @@ kernel is traced (tests set them with ``monkeypatch``).
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
@@ -24,16 +26,77 @@ from jaxpool._src.pallas.triton.tile import plgpu
 from jaxpool._src.platforms import platform
 from jaxpool._src.windows import Geometry, phase_offsets, window_counts_1d
 
-# (bw, bl, num_warps), or (bw, bl, num_warps, rd, rh): a forward (max with or without its taps,
-# or average) over blocks of rd x rh output rows a program, or with rd = 0 over rh rows of every
-# output plane, looped over (``triton/rows.py``); a backward over rd x rh blocks of input rows
-# (each block one row per stride phase, ``triton/backward.py``); three numbers mean 1 x 1.
-Launch = tuple[int, ...]
+@dataclasses.dataclass(frozen=True, eq=False)
+class Launch:
+  """One launch of a Triton kernel: a program's tile and warps, and its block of rows.
+
+  ``block_cols`` x ``block_lanes``: the tile (the kernels' ``bw`` and ``bl``: output columns,
+  and channels in channels_last or planes in channels_first); ``num_warps``: Triton's warps.
+  ``block_depth`` x ``block_height``, or None (the one-row kernels): a program's block of rows,
+  in a forward (max with or without its taps, or average; ``triton/rows.py``) output rows,
+  ``block_depth = 0`` for ``block_height`` rows of every output plane, looped over; in a
+  backward (``triton/backward.py``) blocks of input rows, each block one row per stride phase.
+  The kernels call these ``rd, rh`` and ``bd, bh``.
+
+  On disk (the cache's entries, the shipped tables) a launch is its tuple form, a list of three
+  or five ints in this order: ``Launch(8, 64, 4)`` is ``[8, 64, 4]``, ``Launch(8, 64, 4, 1, 2)``
+  ``[8, 64, 4, 1, 2]``. A launch iterates, indexes, hashes and compares as that tuple, so that
+  tuples spelled by hand (tests, benchmarks) name the same launch.
+  """
+
+  block_cols: int
+  block_lanes: int
+  num_warps: int
+  block_depth: int | None = None
+  block_height: int | None = None
+
+  def __post_init__(self):
+    if (self.block_depth is None) != (self.block_height is None):
+      raise ValueError(f"a launch's block of rows has a depth and a height or neither, got "
+                       f"{self.block_depth!r} x {self.block_height!r}")
+
+  @classmethod
+  def of(cls, launch: Launch | Sequence[int]) -> Launch:
+    """``launch`` itself, or the launch whose tuple form ``launch`` is (3 or 5 ints)."""
+    return launch if isinstance(launch, Launch) else cls(*launch)
+
+  @property
+  def rows(self) -> tuple[int, int] | None:
+    """``(block_depth, block_height)``, or None for the one-row kernels."""
+    if self.block_depth is None or self.block_height is None:
+      return None
+    return self.block_depth, self.block_height
+
+  def astuple(self) -> tuple[int, ...]:
+    """The tuple form (three or five ints), as the JSON on disk lists it."""
+    tile = (self.block_cols, self.block_lanes, self.num_warps)
+    return tile if self.rows is None else (*tile, *self.rows)
+
+  def __iter__(self) -> Iterator[int]:
+    return iter(self.astuple())
+
+  def __len__(self) -> int:
+    return len(self.astuple())
+
+  def __getitem__(self, index: Any) -> Any:
+    return self.astuple()[index]
+
+  def __eq__(self, other: object) -> bool:
+    if isinstance(other, (Launch, tuple)):
+      return self.astuple() == tuple(other)
+    return NotImplemented
+
+  def __hash__(self) -> int:
+    return hash(self.astuple())
+
+
+def _launches(launches: Iterable[Any]) -> list[Launch]:
+  return [Launch.of(v) for v in launches]
 
 
 MAX_TILE = 8192  # elements: the largest tile a candidate (or the heuristic) has
 MAX_WARPS = 32  # Triton's limit
-MAX_ROWS = 4  # rows (rd x rh: output rows, or a backward's blocks of input rows) a program at most
+MAX_ROWS = 4  # rows (block_depth x block_height, rd x rh or bd x bh) a program at most
 
 
 def pow2_ceil(n: int) -> int:
@@ -58,7 +121,7 @@ def launch_config(width: int, lanes: int, itemsize: int, channels_last: bool) ->
   else:
     bw = min(pow2_ceil(width), 64)
     bl = min(pow2_ceil(lanes), max(1024 // bw, 1))
-  return bw, bl, warps_for(bw, bl, itemsize, 8)
+  return Launch(bw, bl, warps_for(bw, bl, itemsize, 8))
 
 
 
@@ -110,7 +173,8 @@ def candidates(heuristic: Launch, cols: int, lanes: int, itemsize: int, channels
   bytes a channel row in channels_last), warps from half to twice (1 to 8; the 16-byte tiles'
   may be fewer), tiles of at most 8192 elements: all powers of two, as Triton's blocks must be.
   """
-  bw0, bl0, w0 = heuristic
+  heuristic = Launch.of(heuristic)
+  bw0, bl0, w0 = heuristic.block_cols, heuristic.block_lanes, heuristic.num_warps
   top_w, top_l = pow2_ceil(cols), pow2_ceil(lanes)
   if channels_last:
     top_l = min(top_l, max(1024 // itemsize, 1))
@@ -129,7 +193,7 @@ def candidates(heuristic: Launch, cols: int, lanes: int, itemsize: int, channels
   exact = least_waste_tile(cols, bw0, bl0, itemsize) if channels_last else []
   ordered = [tuple(heuristic), *sixteen_byte_tiles(bw0, bl0, itemsize), *exact,
              *(c for _, c in found)]
-  return list(dict.fromkeys(ordered))[:max(int(limit), 1)] + list(extra)
+  return _launches([*list(dict.fromkeys(ordered))[:max(int(limit), 1)], *extra])
 
 
 def warps_for(bw: int, bl: int, itemsize: int, thread_bytes: int) -> int:
@@ -145,7 +209,7 @@ def sixteen_byte_tiles(bw: int, bl: int, itemsize: int) -> list[Launch]:
   issues. (The heuristic gives each thread 8 bytes where 8 warps do not cap it; on an H200 the
   3-D and bfloat16 backwards ran fastest in such smaller programs with 16 bytes per thread:
   ``docs/tuning.md``.)"""
-  return [(w, bl, warps_for(w, bl, itemsize, 16)) for w in (bw, bw // 2) if w]
+  return _launches((w, bl, warps_for(w, bl, itemsize, 16)) for w in (bw, bw // 2) if w)
 
 
 def least_waste(width: int, most: int, least: int = 1) -> int:
@@ -170,7 +234,9 @@ def least_waste_tile(cols: int, bw: int, bl: int, itemsize: int) -> list[Launch]
   an eighth of the lanes idle on average, in tiles of 4 none: on an H200 the 3-D forwards over
   28 output columns ran 1-4% faster so, docs/tuning.md.)"""
   w = least_waste(cols, max(bw // 2, 1), max(bw // 4, 1))
-  return [(w, bl, warps_for(w, bl, itemsize, 16))] if _padded(cols, w) < _padded(cols, bw) else []
+  if _padded(cols, w) >= _padded(cols, bw):
+    return []
+  return [Launch(w, bl, warps_for(w, bl, itemsize, 16))]
 
 
 
@@ -221,7 +287,8 @@ def row_block_candidates(heuristic: Launch, g: Geometry, dtype, op: str = "max_f
   fits = avg_blocks(g) if op == "avg_fwd" else _blocks_exact(g, dtype, False)
   if not fits or Ho < 2 or not shared:
     return []
-  bw, bl, warps = heuristic[:3]
+  heuristic = Launch.of(heuristic)
+  bw, bl, warps = heuristic.block_cols, heuristic.block_lanes, heuristic.num_warps
   half_bw, half_bl = max(bw // 2, 1), max(bl // 2, 1)
   planes = Do > 1 and shares_planes(g)  # (output planes sharing input planes)
   exact = [(*tile, 0, 2) for lanes in (bl, half_bl)
@@ -234,9 +301,10 @@ def row_block_candidates(heuristic: Launch, g: Geometry, dtype, op: str = "max_f
     loops += [(bw, half_bl, warps, 0, 2), (half_bw, half_bl, max(warps // 2, 1), 0, 2),
               (bw, bl, warps, 0, 1)]
   if op == "avg_fwd":
-    return list(dict.fromkeys([(bw, bl, warps, 1, 2), *loops]))
+    return _launches(dict.fromkeys([(bw, bl, warps, 1, 2), *loops]))
   four = (half_bw, half_bl, warps, 2, 2) if planes else (half_bw, half_bl, warps, 1, 4)
-  return list(dict.fromkeys([(bw, bl, warps, 1, 2), (bw, half_bl, warps, 1, 2), four, *loops]))
+  return _launches(dict.fromkeys([(bw, bl, warps, 1, 2), (bw, half_bl, warps, 1, 2), four,
+                                  *loops]))
 
 
 def backward_block_candidates(heuristic: Launch, g: Geometry, itemsize: int) -> list[Launch]:
@@ -250,13 +318,14 @@ def backward_block_candidates(heuristic: Launch, g: Geometry, itemsize: int) -> 
   depth, height = phase_rows(g)
   if height < 2 or len(phase_offsets(g, 1)) < 2 or _block_tiles(g) > BLOCK_TILES:
     return []
-  bw, bl, warps = heuristic[:3]
+  heuristic = Launch.of(heuristic)
+  bw, bl, warps = heuristic.block_cols, heuristic.block_lanes, heuristic.num_warps
   half_bl = max(bl // 2, 1)
   planes = depth > 1 and len(phase_offsets(g, 0)) > 1
   four = (bw, half_bl, warps, 2, 2) if planes else (bw, half_bl, warps, 1, 4)
   sixteen = [(*tile, 1, 2) for tile in sixteen_byte_tiles(bw, bl, itemsize)]
-  return list(dict.fromkeys([(bw, bl, warps, 1, 2), (bw, half_bl, warps, 1, 2), four,
-                             *sixteen]))
+  return _launches(dict.fromkeys([(bw, bl, warps, 1, 2), (bw, half_bl, warps, 1, 2), four,
+                                  *sixteen]))
 
 
 # The most tiles (of cotangents, and of taps) one block of the backward's rows may read for the

@@ -111,9 +111,11 @@ def _window_call(x: jax.Array, geom: Geometry, mode: str, interpret: bool,
   x4 = _view(x, g.in_spatial, g.channels_last)
   lanes, nb = _lanes_and_batch(x4, g.channels_last)
   (Do, Ho, Wo) = g.out_spatial
-  bw, bl, warps, *block = launch or launch_for(f"{mode}_fwd", x.shape, x.dtype, geom,
-                                               interpret=interpret, include_pad=include_pad,
-                                               divisor=divisor, activation=activation)
+  launch = Launch.of(launch or launch_for(f"{mode}_fwd", x.shape, x.dtype, geom,
+                                          interpret=interpret, include_pad=include_pad,
+                                          divisor=divisor, activation=activation))
+  bw, bl, warps = launch.block_cols, launch.block_lanes, launch.num_warps
+  block = list(launch.rows or ())  # (rd, rh), or none: the one-row kernels
   rows = nb * Do * Ho
   grid = tile.grid(rows, pl.cdiv(Wo, bw), pl.cdiv(lanes, bl))
   shape4 = _view_shape(out_shape, g.out_spatial, g.channels_last)
@@ -195,9 +197,11 @@ def _backward_call(operands, in_shape, geom: Geometry, mode: str, interpret: boo
   # The column block counts phase columns ``m`` (or, channels_first with a stride that does not
   # interleave, input columns).
   cols = _backward_cols(g)
-  bw, bl, warps, *block = launch or launch_for(f"{mode}_bwd", in_shape, dy.dtype, geom,
-                                               interpret=interpret, include_pad=include_pad,
-                                               divisor=divisor)
+  launch = Launch.of(launch or launch_for(f"{mode}_bwd", in_shape, dy.dtype, geom,
+                                          interpret=interpret, include_pad=include_pad,
+                                          divisor=divisor))
+  bw, bl, warps = launch.block_cols, launch.block_lanes, launch.num_warps
+  block = list(launch.rows or ())  # (bd, bh), or none: one block a program
   bd, bh = block or (1, 1)
   if bd < 1 or bh < 1:
     raise ValueError(f"a backward's block of rows must be at least 1 x 1, got {tuple(block)}")
@@ -322,11 +326,11 @@ def launch_for(op: str, in_shape, dtype, geom: Geometry, *, interpret: bool,
     taps = (np.dtype(taps_dtype(n_taps)).name, n_taps) if kind == "max" and not forward else None
     return trial_inputs(operand_types[-1].shape, dtype.name, taps)
 
-  chosen = tuning.default_tuner().choose(key, heuristic, cands,
-                                         tuning.Trial(compile_launch, args),
-                                         tune=tuning.mode() == "auto")
+  chosen = Launch.of(tuning.default_tuner().choose(key, heuristic, cands,
+                                                    tuning.Trial(compile_launch, args),
+                                                    tune=tuning.mode() == "auto"))
   loops = forward and shares_planes(g)  # (a loop over the output planes: rd = 0)
-  if len(chosen) > 3 and (not extra or (chosen[3] == 0 and not loops)):
+  if chosen.rows is not None and (not extra or (chosen.block_depth == 0 and not loops)):
     # A block of rows chosen for this key's class (from the cache or a table) where this call
     # cannot take one (one output row, padding that leaves a window empty, another config.NAN_MAX
     # form, no output planes sharing input planes to loop over, a backward's loop): the

@@ -30,7 +30,7 @@ import jax
 
 from jaxpool._src.pallas.triton.config import MAX_ROWS, MAX_TILE, MAX_WARPS, Launch, pow2_ceil
 
-def launch_name(launch: Sequence[int]) -> str:
+def launch_name(launch: Launch | Sequence[int]) -> str:
   """``(8, 64, 4)`` -> ``"8x64x4"``: how reports, logs and cache entries name a launch."""
   return "x".join(map(str, launch))
 
@@ -142,7 +142,7 @@ def shipped_table(device_kind: str) -> dict[str, Launch]:
   if not isinstance(data, dict) or data.get("format") != FORMAT:
     return {}
   entries = data.get("entries", {})
-  return {k: tuple(v) for k, v in entries.items() if _valid_launch(v)}
+  return {k: Launch.of(v) for k, v in entries.items() if _valid_launch(v)}
 
 
 
@@ -236,7 +236,7 @@ class Store:
     if data.get("key") != key.name() or data.get("env") != self.env:
       return None  # another jaxlib, driver, device kind or jaxpool: not used
     assert isinstance(launch, list)  # (_valid_launch)
-    return tuple(launch)
+    return Launch.of(launch)
 
   def write(self, key: Key, launch: Launch, extra: Mapping[str, Any]) -> bool:
     """Writes ``key``'s entry (a temporary file renamed over the entry); False where the
