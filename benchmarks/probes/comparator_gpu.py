@@ -45,13 +45,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 # (docs/tuning.md), unless JAXPOOL_TUNE is set.
 os.environ.setdefault("JAXPOOL_TUNE", "off")
 from jaxpool._src import windows  # noqa: E402
+from jaxpool._src.pallas.triton import config  # noqa: E402
 from jaxpool._src.pallas.triton import ops as pk  # noqa: E402
 from jaxpool._src.pallas.triton import tile as triton_tile  # noqa: E402
 
 
 def _module(setting: str):
   """The module that holds ``setting``."""
-  return triton_tile if setting == "ORDER" else pk
+  return triton_tile if setting == "ORDER" else config
 
 CASES = [
     ("128x112x112x64 3x3/s2/p1 bf16", (128, 112, 112, 64), (3, 3), (2, 2), 1,
