@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, ".")
 from jaxpool._src import windows  # noqa: E402
-from jaxpool._src.pallas import triton as pk  # noqa: E402
+from jaxpool._src.pallas.triton import ops as pk  # noqa: E402
 
 shape = (64, 56, 56, 256)
 for k in [int(a) for a in sys.argv[1:]] or [4, 5, 7, 8]:

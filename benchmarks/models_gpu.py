@@ -433,7 +433,7 @@ def run_row(name: str, dtype: str, smoke: bool, reps: int, batch: int | None,
   memory then is its own; the peak after both steps is higher only where the optimized step
   needed more. Each phase is timed (``phases_s``) and announced on stderr as it starts.
   """
-  from jaxpool._src.pallas import tuning
+  from jaxpool._src.pallas.tuning import tuner as tuning
   cfg = CONFIGS[name][1 if smoke else 0]
   batch = batch or cfg["batch"][dtype]
   phase = Phases(f"{name} {dtype} batch {batch}")

@@ -50,8 +50,8 @@ from jax import lax  # noqa: E402
 
 import jaxpool  # noqa: E402
 from jaxpool._src import windows  # noqa: E402
-from jaxpool._src.pallas import triton as pk  # noqa: E402
-from jaxpool._src.pallas import tuning  # noqa: E402
+from jaxpool._src.pallas.triton import ops as pk  # noqa: E402
+from jaxpool._src.pallas.tuning import tuner as tuning  # noqa: E402
 from result_path import device_tag, result_path  # noqa: E402
 
 INNER = 10

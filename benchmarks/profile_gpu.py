@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import pooling_gpu as bench  # noqa: E402
 from jaxpool._src import windows  # noqa: E402
-from jaxpool._src.pallas import triton as pk  # noqa: E402
+from jaxpool._src.pallas.triton import ops as pk  # noqa: E402
 
 
 def main() -> None:

@@ -33,8 +33,8 @@ def run(case: str, op: str, launch_text: str, plain: bool) -> None:
 
   import launches_gpu as lg
   from jaxpool._src import windows
-  from jaxpool._src.pallas import triton as pk
-  from jaxpool._src.pallas import tuning
+  from jaxpool._src.pallas.triton import ops as pk
+  from jaxpool._src.pallas.tuning import tuner as tuning
   pk.PACKED_SELECT = not plain
   shape, window, strides, padding, fmt, dtype = lg.CASES[case]
   geom = windows.make_geometry(shape, window, strides, padding, data_format=fmt)

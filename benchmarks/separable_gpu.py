@@ -39,8 +39,8 @@ import jax.numpy as jnp
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 os.environ.setdefault("JAXPOOL_TUNE", "cached")
-from jaxpool._src.pallas import triton as pk  # noqa: E402
-from jaxpool._src.pallas import tuning  # noqa: E402
+from jaxpool._src.pallas.triton import ops as pk  # noqa: E402
+from jaxpool._src.pallas.tuning import tuner as tuning  # noqa: E402
 from jaxpool._src.windows import make_geometry, taps_dtype  # noqa: E402
 
 CASES = [

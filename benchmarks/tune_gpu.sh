@@ -3,7 +3,7 @@
 #   1. tunes every kernel of benchmarks/pooling_gpu.py's cases from an empty cache (python -m
 #      jaxpool.tune --retune) and reports the time (tune.log, tune_<gpu>.json);
 #   2. writes the shipped table of this device kind into the package
-#      (jaxpool/_src/pallas/launch_tables/<device kind>.json) and a copy to $OUT;
+#      (jaxpool/_src/pallas/tuning/launch_tables/<device kind>.json) and a copy to $OUT;
 #   3. runs benchmarks/pooling_gpu.py with that table only (an empty cache, JAXPOOL_TUNE=cached: no
 #      tuning), which prints each kernel row's configuration and where it came from, and the
 #      kernel rows below 0.85 of the copy bandwidth (bench.log, pooling_gpu_<gpu>.json).
@@ -19,8 +19,8 @@ export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREA
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/gpu.txt" 2>&1
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())" >> "$OUT/gpu.txt" 2>&1
 cat "$OUT/gpu.txt"
-TABLE=jaxpool/_src/pallas/launch_tables/$(python3 -c "import jax
-from jaxpool._src.pallas.tuning import table_name
+TABLE=jaxpool/_src/pallas/tuning/launch_tables/$(python3 -c "import jax
+from jaxpool._src.pallas.tuning.tuner import table_name
 print(table_name(jax.devices()[0].device_kind))")
 GPU=$(python3 -c "import jax, sys; sys.path.insert(0, 'benchmarks')
 from result_path import device_tag

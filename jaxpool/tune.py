@@ -4,7 +4,7 @@ Tunes the kernels of given pooling calls (or of ``benchmarks/pooling_gpu.py``'s 
 gpu-benchmark``) on this machine's GPU and writes them to the tuning cache (see
 ``docs/tuning.md``), so that later programs find them instead of tuning on first use; with
 ``--write-table PATH`` also a table in the format the package ships
-(``jaxpool/_src/pallas/launch_tables/<device kind>.json``). Examples::
+(``jaxpool/_src/pallas/tuning/launch_tables/<device kind>.json``). Examples::
 
   python -m jaxpool.tune --preset gpu-benchmark
   python -m jaxpool.tune --case 32x56x56x256:3x3:2x2:1:bfloat16:channels_last --ops max_fwd
@@ -26,7 +26,8 @@ from collections.abc import Sequence
 import jax.numpy as jnp
 
 from jaxpool._src import windows
-from jaxpool._src.pallas import triton, tuning
+from jaxpool._src.pallas.triton import ops as triton
+from jaxpool._src.pallas.tuning import tuner as tuning
 from jaxpool._src.platforms import platform
 
 Case = tuple[str, tuple[int, ...], tuple[int, ...], tuple[int, ...], int | str, str,

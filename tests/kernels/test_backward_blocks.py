@@ -18,7 +18,9 @@ from hypothesis import strategies as st
 from kernel_base import bits_equal
 
 from jaxpool._src import windows, xla
-from jaxpool._src.pallas import triton, tuning
+from jaxpool._src.pallas.triton import config
+from jaxpool._src.pallas.triton import ops as triton
+from jaxpool._src.pallas.tuning import tuner as tuning
 
 # (shape, window, strides, padding, dilation, ceil_mode, data_format): odd sizes, so blocks of
 # rows and columns overhang the input.
@@ -138,7 +140,7 @@ def test_backward_blocks_give_the_reference_gradients(case):
 def test_backward_blocks_lower_to_triton_for_cuda(monkeypatch):
   """Compiled, blocks of rows lower to a Triton call for CUDA on any host (Triton's compiler, on
   a GPU, does not run here)."""
-  monkeypatch.setattr(triton, "platform", lambda: "cuda")
+  monkeypatch.setattr(config, "platform", lambda: "cuda")
   monkeypatch.setenv(tuning.TUNE_ENV, "off")
   shape, geom = _geometry("3d_last")
   out = jax.ShapeDtypeStruct(geom.output_shape(shape), jnp.float32)
@@ -161,36 +163,36 @@ def test_a_backward_block_of_no_rows_is_refused():
 def test_which_backward_blocks_the_tuner_offers(monkeypatch):
   h = (8, 64, 4)
   g2 = windows.make_geometry((8, 112, 112, 64), (3, 3), (2, 2), 1).lift(3)
-  assert triton.backward_block_candidates(h, g2, 4) == [(8, 64, 4, 1, 2), (8, 32, 4, 1, 2),
+  assert config.backward_block_candidates(h, g2, 4) == [(8, 64, 4, 1, 2), (8, 32, 4, 1, 2),
                                                         (8, 32, 4, 1, 4), (4, 64, 2, 1, 2)]
   # bfloat16: the heuristic's tile and half its columns with 16 bytes a thread (2 warps, 1)
-  assert triton.backward_block_candidates(h, g2, 2)[-2:] == [(8, 64, 2, 1, 2), (4, 64, 1, 1, 2)]
+  assert config.backward_block_candidates(h, g2, 2)[-2:] == [(8, 64, 2, 1, 2), (4, 64, 1, 1, 2)]
   # Windows that overlap in depth too: 2 x 2 blocks, where a block reads at most 4 tiles (a
   # 3 x 3 x 1 window at stride 2 x 2 x 1); not a 3x3x3/s2 pool's 8 (slower on both GPUs).
   g331 = windows.make_geometry((2, 16, 56, 56, 64), (3, 3, 1), (2, 2, 1), 0).lift(3)
-  assert triton.backward_block_candidates(h, g331, 4)[2] == (8, 32, 4, 2, 2)
+  assert config.backward_block_candidates(h, g331, 4)[2] == (8, 32, 4, 2, 2)
   g3 = windows.make_geometry((2, 16, 56, 56, 64), (3, 3, 3), (2, 2, 2), 1).lift(3)
-  assert triton._block_tiles(g3) == 8 and triton.backward_block_candidates(h, g3, 4) == []
+  assert config._block_tiles(g3) == 8 and config.backward_block_candidates(h, g3, 4) == []
   # Windows that do not overlap in height (2x2/s2, or a 1 x 3 window at stride 1 x 3): each
   # block reads its own cotangent rows, nothing to share.
   for window, strides in (((2, 2), (2, 2)), ((1, 3), (1, 3))):
     g = windows.make_geometry((8, 112, 111, 64), window, strides, 0).lift(3)
-    assert triton.backward_block_candidates(h, g, 4) == []
+    assert config.backward_block_candidates(h, g, 4) == []
   # one block of rows in height (a 1-D pool)
   g1 = windows.make_geometry((8, 100, 64), (3,), (2,), 1).lift(3)
-  assert triton.backward_block_candidates(h, g1, 4) == []
+  assert config.backward_block_candidates(h, g1, 4) == []
   # The tuner tries them after the one-block candidates; a loop over the planes (a hand-edited
   # cache entry: no backward loops) gives the heuristic.
 
   class Table:
     def choose(self, key, heuristic, cands, trial, *, tune=True):
-      blocks = triton.backward_block_candidates(heuristic, g2, 4)
+      blocks = config.backward_block_candidates(heuristic, g2, 4)
       assert blocks and cands[-len(blocks):] == blocks
       return (*heuristic, Table.rows, 2)
 
   shape = (8, 112, 112, 64)
   geom = windows.make_geometry(shape, (3, 3), (2, 2), 1)
-  monkeypatch.setattr(triton, "platform", lambda: "cuda")
+  monkeypatch.setattr(config, "platform", lambda: "cuda")
   monkeypatch.setenv(tuning.TUNE_ENV, "cached")
   heuristic = triton.launch_for("max_bwd", shape, jnp.float32, geom, interpret=True)
   with tuning.using(Table()):  # type: ignore[arg-type]
@@ -246,7 +248,7 @@ def test_gpu_backward_blocks_give_the_bits_of_one_block(monkeypatch, shape, fmt,
   _, taps = xla.max_pool_taps(x, geom)
   want = jax.vjp(lambda t: xla.gather_at_taps(t, taps, geom), x)[1](dy)[0]
   h = triton.launch_for("max_bwd", shape, dtype, geom, interpret=False)
-  offered = triton.backward_block_candidates(h, geom.lift(3), np.dtype(dtype).itemsize)
+  offered = config.backward_block_candidates(h, geom.lift(3), np.dtype(dtype).itemsize)
   # (3x3x3/s2: 8 tiles a block, none offered; channels_first: the heuristic's 16-byte tile is
   # itself)
   assert len(offered) == (0 if n == 3 else 4 if fmt == "channels_first" else 5)

@@ -16,7 +16,10 @@ import pytest
 from kernel_base import ON_GPU, bits_equal, tied
 
 from jaxpool._src import windows
-from jaxpool._src.pallas import triton, triton_backward, tuning
+from jaxpool._src.pallas.triton import config
+from jaxpool._src.pallas.triton import ops as triton
+from jaxpool._src.pallas.triton import backward as triton_backward
+from jaxpool._src.pallas.tuning import tuner as tuning
 
 gpu = pytest.mark.gpu
 
@@ -50,7 +53,7 @@ def _operands(op_dtype, taps_dtype, n=4):
 ])
 def test_where_the_packed_select_applies(monkeypatch, mode, dtype, taps, tile, warps, interpret,
                                          want):
-  monkeypatch.setattr(triton, "platform", lambda: "cuda")
+  monkeypatch.setattr(config, "platform", lambda: "cuda")
   g = windows.make_geometry((2, 8, 8, 64), (3, 3), (2, 2), 1).lift(3)
   ops = _operands(dtype, taps)
   if mode == "avg":
@@ -63,7 +66,7 @@ def test_where_the_packed_select_applies(monkeypatch, mode, dtype, taps, tile, w
 def test_no_packed_select_for_taps_past_finite_half_floats(monkeypatch):
   """A window of more taps than :data:`triton_backward.PICK16_TAPS` (int16 taps whose bits
   would be a half float's infinity or NaN) selects one lane at a time."""
-  monkeypatch.setattr(triton, "platform", lambda: "cuda")
+  monkeypatch.setattr(config, "platform", lambda: "cuda")
   small = windows.make_geometry((1, 180, 176, 2), (180, 176), (1, 1), 0).lift(3)
   big = windows.make_geometry((1, 180, 177, 2), (180, 177), (1, 1), 0).lift(3)
   assert small.num_taps <= triton.PICK16_TAPS < big.num_taps
@@ -78,7 +81,7 @@ def test_no_packed_select_for_taps_past_finite_half_floats(monkeypatch):
 def test_the_packed_select_lowers_for_cuda(monkeypatch, dtype, packed):
   """Compiled for an NVIDIA GPU, the 16-bit max backward's selects are the inline PTX (on any
   host: Pallas' Triton lowering runs; Triton's compiler, on a GPU, does not)."""
-  monkeypatch.setattr(triton, "platform", lambda: "cuda")
+  monkeypatch.setattr(config, "platform", lambda: "cuda")
   monkeypatch.setenv(tuning.TUNE_ENV, "off")  # (lowered, never run: nothing to tune)
   shape = (2, 16, 16, 64)
   geom = windows.make_geometry(shape, (3, 3), (2, 2), 1)
@@ -166,8 +169,8 @@ def _offered(shape, dtype, geom):
   view = triton._view_shape(shape, g.in_spatial, g.channels_last)
   lanes = view[-1] if g.channels_last else view[0]
   itemsize = np.dtype(dtype).itemsize
-  blocks = triton.backward_block_candidates(heuristic, g, itemsize)
-  return tuning.candidates(heuristic, triton._backward_cols(g), lanes, itemsize,
+  blocks = config.backward_block_candidates(heuristic, g, itemsize)
+  return config.candidates(heuristic, triton._backward_cols(g), lanes, itemsize,
                            g.channels_last, 64, blocks)
 
 

@@ -22,6 +22,7 @@ from kernel_base import (CONFIGS, CONFIGS_ND, GPU_CONFIGS, ND_IDS, ON_GPU, bits_
 
 import jaxpool
 from jaxpool._src import dispatch, windows, xla
+from jaxpool._src.pallas.triton import config
 from jaxpool._src.pallas import ops
 
 # ----------------------------------------------------------------------------- CPU (interpret)
@@ -227,7 +228,7 @@ def test_gpu_deterministic(rng):
 def test_lowers_to_triton(cfg, dtype):
   """Every kernel, compiled (not interpreted), lowers to a Triton call for CUDA, on any host:
   Pallas' Triton lowering runs; Triton's compiler (on a GPU) does not."""
-  from jaxpool._src.pallas import triton as pk
+  from jaxpool._src.pallas.triton import ops as pk
   shape, *geo = cfg
   geom = windows.make_geometry(shape, *kw_of(*geo).values())
   x = jnp.zeros(shape, dtype)
@@ -251,8 +252,8 @@ def test_avg_kernel_lowers_with_the_exact_reciprocal_for_cuda(monkeypatch):
   divisor with PTX's correctly rounded ``rcp.rn.f32`` (Triton's float32 division is
   approximate, and an interior window's reciprocal is the correctly rounded constant): the
   inline PTX lowers. (The backward divides on both of its paths.)"""
-  from jaxpool._src.pallas import triton as pk
-  monkeypatch.setattr(pk, "platform", lambda: "cuda")
+  from jaxpool._src.pallas.triton import ops as pk
+  monkeypatch.setattr(config, "platform", lambda: "cuda")
   monkeypatch.setenv("JAXPOOL_TUNE", "off")  # (lowered, never run: nothing to tune)
   shape = (2, 9, 10, 5)
   geom = windows.make_geometry(shape, (3, 3), (2, 2), 1)
@@ -308,7 +309,7 @@ def test_platform_names_rocm(monkeypatch):
 def test_small_blocks_take_both_paths(rng, cfg):
   """Blocks of 2 columns and 2 lanes, so that a small image has interior blocks (no masks) and
   edge blocks: every kernel, both code paths, against the XLA path."""
-  from jaxpool._src.pallas import triton as pk
+  from jaxpool._src.pallas.triton import ops as pk
   shape, *geo = cfg
   geom = windows.make_geometry(shape, *kw_of(*geo).values())
   launch = (2, 2, 1)
@@ -338,7 +339,7 @@ def test_small_blocks_take_both_paths(rng, cfg):
 def check_avg_code_paths(rng, shape, geo, launches, count_include_pad, divisor, interpret):
   """Average pooling, forward and backward, with each of ``launches`` (None: the heuristic's):
   every launch gives the first one's bits."""
-  from jaxpool._src.pallas import triton as pk
+  from jaxpool._src.pallas.triton import ops as pk
   geom = windows.make_geometry(shape, *geo)
   x = jnp.asarray(rng.normal(size=shape), jnp.float32)
   dy = jnp.asarray(rng.normal(size=geom.output_shape(shape)), jnp.float32)
@@ -400,9 +401,8 @@ def test_nd_transformations(rng):
 def test_signed_zeros_match_xla(rng, monkeypatch, cfg, dtype, form):
   """Signed zeros (interpret mode; compiled: test_gpu_signed_zeros), with the running maximum
   interpret mode uses (``dtypes.beats``) and with the canonical NaN results that the compiled
-  kernels' PTX maximum gives (``triton.NAN_MAX``)."""
-  from jaxpool._src.pallas import triton as pk
-  monkeypatch.setattr(pk, "NAN_MAX", form)
+  kernels' PTX maximum gives (``config.NAN_MAX``)."""
+  monkeypatch.setattr(config, "NAN_MAX", form)
   jax.clear_caches()  # (the form is read while tracing)
   check_signed_zeros(rng, cfg, dtype)
 
@@ -436,8 +436,7 @@ def check_nan_bits(rng):
 
 @pytest.mark.parametrize("form", ["auto", "canonical"])
 def test_nan_bits_match_xla(rng, monkeypatch, form):
-  from jaxpool._src.pallas import triton as pk
-  monkeypatch.setattr(pk, "NAN_MAX", form)
+  monkeypatch.setattr(config, "NAN_MAX", form)
   jax.clear_caches()  # (the form is read while tracing)
   check_nan_bits(rng)
 
@@ -486,11 +485,10 @@ def test_gpu_nan_bits(rng):
 @gpu
 @pytest.mark.parametrize("form", ["beats", "canonical"])
 def test_gpu_other_max_forms(rng, monkeypatch, form):
-  """The compiled kernels with the other forms of the running maximum (``triton.NAN_MAX``, as
+  """The compiled kernels with the other forms of the running maximum (``config.NAN_MAX``, as
   docs/design/running-max.md compares them) give the same bits too."""
   _need_gpu()
-  from jaxpool._src.pallas import triton as pk
-  monkeypatch.setattr(pk, "NAN_MAX", form)
+  monkeypatch.setattr(config, "NAN_MAX", form)
   jax.clear_caches()
   for cfg in GPU_CONFIGS:
     for dtype in (jnp.float32, jnp.bfloat16):

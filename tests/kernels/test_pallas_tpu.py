@@ -20,7 +20,8 @@ import kernel_base as base
 
 import jaxpool
 from jaxpool._src import windows, xla
-from jaxpool._src.pallas import ops, tpu
+from jaxpool._src.pallas import ops
+from jaxpool._src.pallas.tpu import ops as tpu
 
 # No TPU is reachable: the TPU kernels are tested in interpret mode, which the dispatcher picks
 # on a CPU only (on a GPU it would try to compile them for the GPU).

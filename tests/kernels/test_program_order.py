@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from jax.experimental import pallas as pl
 
-from jaxpool._src.pallas import triton_tile
+from jaxpool._src.pallas.triton import tile as triton_tile
 
 
 def _numbering(rows, col_blocks, lane_blocks, channels_last):
@@ -66,7 +66,7 @@ def test_kernels_give_the_same_bits_in_either_order(monkeypatch, data_format):
   """The forward with taps, the average forward and both backwards, numbered either way
   (interpret mode, launch configurations that leave partial column and lane blocks)."""
   from jaxpool._src import windows
-  from jaxpool._src.pallas import triton
+  from jaxpool._src.pallas.triton import ops as triton
 
   shape = (2, 9, 11, 6) if data_format == "channels_last" else (2, 6, 9, 11)
   geom = windows.make_geometry(shape, (3, 3), (2, 2), 1, data_format=data_format)

@@ -20,7 +20,9 @@ from hypothesis import strategies as st
 from kernel_base import bits_equal, data
 
 from jaxpool._src import windows, xla
-from jaxpool._src.pallas import triton, tuning
+from jaxpool._src.pallas.triton import config
+from jaxpool._src.pallas.triton import ops as triton
+from jaxpool._src.pallas.tuning import tuner as tuning
 
 # (shape, window, strides, padding, ceil_mode, data_format): odd sizes, so blocks of rows and
 # columns overhang the output.
@@ -46,7 +48,7 @@ def _signed_zeros(x):
 def test_every_block_of_rows_gives_the_bits_of_the_xla_path(name):
   shape, window, strides, padding, ceil_mode, fmt = CASES[name]
   geom = windows.make_geometry(shape, window, strides, padding, None, ceil_mode, fmt)
-  assert triton.separable(geom.lift(3))
+  assert config.separable(geom.lift(3))
   x = _signed_zeros(data(np.random.default_rng(5), shape, jnp.float32))
   want, want_taps = xla.max_pool_taps(x, geom)
   launches = [(4, 2, 1, 1, 2), (2, 2, 1, 2, 2), (8, 4, 1, 1, 4), (4, 2, 1, 2, 1)]
@@ -80,7 +82,7 @@ def _separable_cases(draw):
   shape, kw = split(cfg)
   geom = windows.make_geometry(shape, kw["window_shape"], kw["strides"], kw["padding"], None,
                                kw["ceil_mode"], kw["data_format"])
-  hypothesis.assume(triton.separable(geom.lift(3)))
+  hypothesis.assume(config.separable(geom.lift(3)))
   block = draw(st.sampled_from([(1, 2), (2, 1), (2, 2), (1, 4), (0, 1), (0, 2)]))
   if block[0] == 0 and not triton.shares_planes(geom.lift(3)):
     block = (1, block[1] + 1)  # (no output planes that share input planes to loop over)
@@ -135,7 +137,7 @@ def test_blocks_lower_to_triton_for_cuda(monkeypatch, mode):
   """Compiled (PTX's maximum; the average's correctly rounded reciprocal), blocks of rows and
   the loop over the output planes, with and without the taps, lower to a Triton call for CUDA
   on any host: Pallas' Triton lowering runs; Triton's compiler (on a GPU) does not."""
-  monkeypatch.setattr(triton, "platform", lambda: "cuda")
+  monkeypatch.setattr(config, "platform", lambda: "cuda")
   monkeypatch.setenv(tuning.TUNE_ENV, "off")  # (lowered, never run: nothing to tune)
   shape = (1, 7, 9, 11, 2)
   geom = windows.make_geometry(shape, (3, 3, 3), (2, 2, 2), 1)
@@ -158,7 +160,7 @@ def test_blocks_are_refused_where_they_could_give_other_bits(monkeypatch):
       padding=((0, 0), (0, 4)), out_spatial=(2, 4))
   assert windows.window_counts_1d(empty.lift(3), 2, False).tolist() == [2, 2, 0, 0]
   for v, geom in ((x, dilated), (x4, empty)):
-    assert not triton.separable(geom.lift(3))
+    assert not config.separable(geom.lift(3))
     with pytest.raises(ValueError, match="block of output rows"):
       triton._window_call(v, geom, "max", True, launch=(4, 2, 1, 1, 2))
   fine = windows.make_geometry(x.shape, (3, 3), (2, 2), 1, None, False, "channels_last")
@@ -166,8 +168,8 @@ def test_blocks_are_refused_where_they_could_give_other_bits(monkeypatch):
     triton._window_call(x, dilated, "argmax", True, launch=(4, 2, 1, 1, 2))
   # Compiled, a maximum whose bits depend on the order (a select that keeps the first NaN:
   # another form than PTX's; refused before anything compiles).
-  monkeypatch.setattr(triton, "_ptx", lambda interpret: not interpret)
-  monkeypatch.setattr(triton, "NAN_MAX", "beats")
+  monkeypatch.setattr(config, "_ptx", lambda interpret: not interpret)
+  monkeypatch.setattr(config, "NAN_MAX", "beats")
   for mode in ("max", "argmax"):
     with pytest.raises(ValueError, match="block of output rows"):
       triton._window_call(x, fine, mode, False, launch=(4, 2, 1, 1, 2))
@@ -187,54 +189,54 @@ def test_which_launches_the_tuner_offers(monkeypatch):
   dilated = windows.make_geometry((8, 112, 112, 64), (3, 3), (1, 1), 2, (2, 2)).lift(3)
   h = (16, 32, 8)
   # Compiled for a CUDA GPU, float maxima are PTX's (the same bits in any order).
-  monkeypatch.setattr(triton, "_ptx", lambda interpret: not interpret)
+  monkeypatch.setattr(config, "_ptx", lambda interpret: not interpret)
   # (rd = 0: every output plane, looped; the 28 output columns in tiles of 4, which pad
-  # none of them, with all lanes and half, 16 bytes a thread: tuning.least_waste_tile)
+  # none of them, with all lanes and half, 16 bytes a thread: config.least_waste_tile)
   loops = [(16, 32, 8, 0, 2), (8, 32, 4, 0, 2), (4, 32, 1, 0, 2), (4, 16, 1, 0, 2)]
   three_d = [(16, 32, 8, 1, 2), (16, 16, 8, 1, 2), (8, 16, 8, 2, 2), *loops]
-  assert triton.row_block_candidates(h, g3, jnp.float32) == three_d
+  assert config.row_block_candidates(h, g3, jnp.float32) == three_d
   # With the taps, the loops with half the lanes too, and one row of every plane.
-  assert triton.row_block_candidates(h, g3, jnp.float32, "argmax_fwd") == three_d + [
+  assert config.row_block_candidates(h, g3, jnp.float32, "argmax_fwd") == three_d + [
       (16, 16, 8, 0, 2), (8, 16, 4, 0, 2), (16, 32, 8, 0, 1)]
   # The average forward: 1 x 2 rows, and the loops where output planes share input planes.
-  assert triton.row_block_candidates(h, g3, jnp.float32, "avg_fwd") == [(16, 32, 8, 1, 2),
+  assert config.row_block_candidates(h, g3, jnp.float32, "avg_fwd") == [(16, 32, 8, 1, 2),
                                                                          *loops]
-  assert triton.row_block_candidates(h, g3, jnp.float64, "avg_fwd") == [
+  assert config.row_block_candidates(h, g3, jnp.float64, "avg_fwd") == [
       (16, 32, 8, 1, 2), (16, 32, 8, 0, 2), (8, 32, 4, 0, 2), (4, 32, 2, 0, 2),
       (4, 16, 1, 0, 2)]  # (a sum's order: fixed)
   # 56 columns: tiles of 8 pad none (16: 64); 64 columns: tiles of 16 pad none, no such loop;
   # nor in channels_first (its columns contiguous in memory: a narrow tile, short rows).
   g56 = windows.make_geometry((2, 16, 112, 112, 64), (3, 3, 3), (2, 2, 2), 1).lift(3)
-  assert triton.row_block_candidates(h, g56, jnp.float32)[-2:] == [(8, 32, 2, 0, 2),
+  assert config.row_block_candidates(h, g56, jnp.float32)[-2:] == [(8, 32, 2, 0, 2),
                                                                    (8, 16, 1, 0, 2)]
   g64 = windows.make_geometry((2, 16, 128, 128, 64), (3, 3, 3), (2, 2, 2), 1).lift(3)
-  assert triton.row_block_candidates(h, g64, jnp.float32)[-2:] == [(16, 32, 8, 0, 2),
+  assert config.row_block_candidates(h, g64, jnp.float32)[-2:] == [(16, 32, 8, 0, 2),
                                                                    (8, 32, 4, 0, 2)]
   g3f = windows.make_geometry((2, 64, 16, 56, 56), (3, 3, 3), (2, 2, 2), 1,
                               data_format="channels_first").lift(3)
-  assert triton.row_block_candidates(h, g3f, jnp.float32)[-2:] == [(16, 32, 8, 0, 2),
+  assert config.row_block_candidates(h, g3f, jnp.float32)[-2:] == [(16, 32, 8, 0, 2),
                                                                    (8, 32, 4, 0, 2)]
-  assert triton.row_block_candidates(h, g2, jnp.float32, "avg_fwd") == [(16, 32, 8, 1, 2)]
-  assert triton.row_block_candidates(h, dilated, jnp.float32, "avg_fwd") == []
-  assert triton.row_block_candidates(h, g2, jnp.bfloat16) == [(16, 32, 8, 1, 2),
+  assert config.row_block_candidates(h, g2, jnp.float32, "avg_fwd") == [(16, 32, 8, 1, 2)]
+  assert config.row_block_candidates(h, dilated, jnp.float32, "avg_fwd") == []
+  assert config.row_block_candidates(h, g2, jnp.bfloat16) == [(16, 32, 8, 1, 2),
                                                               (16, 16, 8, 1, 2), (8, 16, 8, 1, 4)]
-  assert triton.row_block_candidates((8, 1, 1), g2, jnp.float32) == [(8, 1, 1, 1, 2),
+  assert config.row_block_candidates((8, 1, 1), g2, jnp.float32) == [(8, 1, 1, 1, 2),
                                                                      (4, 1, 1, 1, 4)]
-  assert triton.row_block_candidates(h, g1, jnp.float32) == []  # one output row
+  assert config.row_block_candidates(h, g1, jnp.float32) == []  # one output row
   # windows that share no input row (2x2/s2): nothing to gain
   g22 = windows.make_geometry((8, 112, 112, 64), (2, 2), (2, 2), 0).lift(3)
-  assert triton.row_block_candidates(h, g22, jnp.float32) == []
-  assert triton.row_block_candidates(h, dilated, jnp.float32) == []
+  assert config.row_block_candidates(h, g22, jnp.float32) == []
+  assert config.row_block_candidates(h, dilated, jnp.float32) == []
   # float64 is compared by a select that keeps the first NaN: its bits depend on the order.
-  assert triton.row_block_candidates(h, g3, jnp.float64) == []
+  assert config.row_block_candidates(h, g3, jnp.float64) == []
   # Elsewhere (interpret mode's select) only integers, whose maximum has no order.
-  monkeypatch.setattr(triton, "_ptx", lambda interpret: False)
-  assert triton.row_block_candidates(h, g3, jnp.float32) == []
-  assert triton.row_block_candidates(h, g3, jnp.int32) == three_d
+  monkeypatch.setattr(config, "_ptx", lambda interpret: False)
+  assert config.row_block_candidates(h, g3, jnp.float32) == []
+  assert config.row_block_candidates(h, g3, jnp.int32) == three_d
   # The tuner tries them after the limit's one-row candidates, the heuristic first.
-  cands = tuning.candidates(h, 28, 64, 4, True, 6, three_d)
+  cands = config.candidates(h, 28, 64, 4, True, 6, three_d)
   assert cands[0] == h and cands[-7:] == three_d and len(cands) == 13
-  assert tuning.candidates(h, 28, 64, 4, True, 1, three_d) == [h, *three_d]
+  assert config.candidates(h, 28, 64, 4, True, 1, three_d) == [h, *three_d]
 
 
 def test_launches_of_five_numbers_are_valid_within_bounds():
@@ -264,16 +266,16 @@ def test_a_block_chosen_for_another_geometry_of_the_class_is_not_used(monkeypatc
     def choose(self, key, heuristic, cands, trial, *, tune=True):
       return (8, 32, 8, 1, 2)
 
-  monkeypatch.setattr(triton, "platform", lambda: "cuda")
+  monkeypatch.setattr(config, "platform", lambda: "cuda")
   monkeypatch.setenv(tuning.TUNE_ENV, "cached")
   with tuning.using(Table()):  # type: ignore[arg-type]
     got = triton.launch_for("max_fwd", shape, jnp.float32, geom, interpret=False)
     # nor where the maximum's bits depend on the order (another form than PTX's)
-    monkeypatch.setattr(triton, "_ptx", lambda interpret: not interpret)
+    monkeypatch.setattr(config, "_ptx", lambda interpret: not interpret)
     many_rows = (2, 57, 56, 64)
     g2 = windows.make_geometry(many_rows, (3, 3), (2, 2), 0, None, False, "channels_last")
     ptx = triton.launch_for("max_fwd", many_rows, jnp.float32, g2, interpret=False)
-    monkeypatch.setattr(triton, "NAN_MAX", "beats")
+    monkeypatch.setattr(config, "NAN_MAX", "beats")
     beats = triton.launch_for("max_fwd", many_rows, jnp.float32, g2, interpret=False)
   assert got == triton.launch_for("max_fwd", shape, jnp.float32, geom, interpret=True)  # heuristic
   assert len(got) == 3
@@ -287,10 +289,10 @@ def test_a_cached_loop_over_planes_where_windows_share_none_is_not_used(monkeypa
   gives the heuristic launch, not an error."""
   shape = (2, 6, 29, 28, 16)
   geom = windows.make_geometry(shape, (1, 3, 3), (1, 2, 2), 0, None, False, "channels_last")
-  monkeypatch.setattr(triton, "platform", lambda: "cuda")
-  monkeypatch.setattr(triton, "_ptx", lambda interpret: not interpret)
+  monkeypatch.setattr(config, "platform", lambda: "cuda")
+  monkeypatch.setattr(config, "_ptx", lambda interpret: not interpret)
   assert not triton.shares_planes(geom.lift(3))
-  assert triton.row_block_candidates((8, 16, 4), geom.lift(3), jnp.float32)  # (rows: shared)
+  assert config.row_block_candidates((8, 16, 4), geom.lift(3), jnp.float32)  # (rows: shared)
 
   class Table:
     def choose(self, key, heuristic, cands, trial, *, tune=True):
@@ -329,10 +331,10 @@ def test_gpu_blocks_of_rows_give_the_bits_of_the_xla_path(monkeypatch, shape, wi
   want, want_taps = xla.max_pool_taps(x, geom)
   h = triton.launch_for("max_fwd", shape, dtype, geom, interpret=False)
   # (the forward with the taps is offered what the max forward is, and in 3-D more loops)
-  offered = triton.row_block_candidates(h, geom.lift(3), dtype, "argmax_fwd")
+  offered = config.row_block_candidates(h, geom.lift(3), dtype, "argmax_fwd")
   bw, bl, warps = h
   # (3-D: the loops over the planes, two of them with tiles of 2 of 17 columns, which pad
-  # them least: tuning.least_waste_tile)
+  # them least: config.least_waste_tile)
   assert len(offered) == (10 if len(shape) == 5 else 3)
   assert len(shape) < 5 or (2, bl, 1, 0, 2) in offered
   one_row = np.asarray(triton._window_call(x, geom, "max", False, launch=h)[0])
@@ -415,7 +417,7 @@ def test_gpu_average_blocks_give_the_bits_of_one_row(monkeypatch, name):
   geom = windows.make_geometry(shape, (3,) * n, (2,) * n, 1, None, False, "channels_last")
   x = _signed_zeros(data(np.random.default_rng(4), shape, jnp.float32))
   h = triton.launch_for("avg_fwd", shape, jnp.float32, geom, interpret=False)
-  offered = triton.row_block_candidates(h, geom.lift(3), jnp.float32, "avg_fwd")
+  offered = config.row_block_candidates(h, geom.lift(3), jnp.float32, "avg_fwd")
   assert len(offered) == (5 if n == 3 else 1)  # (3-D: 4 loops, 2 with tiles of 2 columns)
   for pad, div in [(True, None), (False, None), (False, 7)]:
     one = triton._window_call(x, geom, "avg", False, pad, div, launch=h)[0]

@@ -9,6 +9,7 @@ corrupt and truncated entries, a read-only folder, entries of another environmen
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -27,7 +28,11 @@ from kernel_base import ON_GPU, bits_equal, tied
 
 from jaxpool import tune as tune_cmd
 from jaxpool._src import windows
-from jaxpool._src.pallas import trials, triton, tuning, tuning_cache
+from jaxpool._src.pallas.triton import config
+from jaxpool._src.pallas.tuning import trials
+from jaxpool._src.pallas.triton import ops as triton
+from jaxpool._src.pallas.tuning import tuner as tuning
+from jaxpool._src.pallas.tuning import cache as tuning_cache
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENV = {"jaxpool": "0.1.0", "jax": "0.10.2", "jaxlib": "0.10.2", "device_kind": "Fake GPU 80GB",
@@ -70,18 +75,18 @@ def _launches(op, shape, dtype, geom):
                             g.out_spatial if forward else g.in_spatial, g.channels_last)
   lanes = view[-1] if g.channels_last else view[0]
   cols = g.out_spatial[2] if forward else triton._backward_cols(g)
-  assert heuristic == triton.launch_config(cols, lanes, np.dtype(dtype).itemsize,
+  assert heuristic == config.launch_config(cols, lanes, np.dtype(dtype).itemsize,
                                            g.channels_last)
   # (the max forward's blocks of rows: those the tuner tries on a GPU, and in interpret mode,
   # where the maximum is not PTX's and the tuner offers none, four blocks wherever the geometry
   # takes them)
-  blocks = triton.row_block_candidates(heuristic, g, dtype) if op in MAX_FWD else []
-  cands = tuning.candidates(heuristic, cols, lanes, np.dtype(dtype).itemsize, g.channels_last,
+  blocks = config.row_block_candidates(heuristic, g, dtype) if op in MAX_FWD else []
+  cands = config.candidates(heuristic, cols, lanes, np.dtype(dtype).itemsize, g.channels_last,
                             64)
-  tuned = tuning.candidates(heuristic, cols, lanes, np.dtype(dtype).itemsize, g.channels_last,
+  tuned = config.candidates(heuristic, cols, lanes, np.dtype(dtype).itemsize, g.channels_last,
                             tuning.DEFAULT_MAX_CANDIDATES, blocks)
   tiles = list(dict.fromkeys((bw, bl, 1) for bw, bl, _ in cands))
-  if op in MAX_FWD and triton.separable(g):
+  if op in MAX_FWD and config.separable(g):
     bw, bl = heuristic[:2]
     tiles += [(bw, bl, 1, 1, 2), (max(bw // 2, 1), bl, 1, 2, 2), (bw, bl, 1, 1, 4),
               (max(bw // 4, 1), bl, 1, 2, 1)]
@@ -125,7 +130,7 @@ def test_every_candidate_gives_the_same_bits_interpret_max(rng):
   # (the tie rule, the blocks of rows and the backward's order; every kernel and layout: the
   # slow tests below)
   g = windows.make_geometry(*BIT_CASES[0][:5], data_format=BIT_CASES[0][5]).lift(3)
-  assert triton.separable(g)  # (so the max forwards run their blocks of rows too)
+  assert config.separable(g)  # (so the max forwards run their blocks of rows too)
   assert _check_every_candidate(rng, BIT_CASES[0], jnp.float32, True,
                                 ("max_fwd", "argmax_fwd", "max_bwd")) >= 16
 
@@ -153,32 +158,32 @@ def test_every_candidate_gives_the_same_bits_interpret_bfloat16(rng):
 def test_candidates_are_bounded_powers_of_two_heuristic_first():
   for args in [((8, 64, 8), 56, 64, 4, True), ((64, 16, 4), 112, 8192, 4, False),
                ((16, 128, 8), 28, 64, 2, True), ((8, 1, 1), 3, 1, 4, True)]:
-    cands = tuning.candidates(*args, limit=6)
+    cands = config.candidates(*args, limit=6)
     assert cands[0] == args[0] and len(cands) == len(set(cands)) <= 6
     for bw, bl, warps in cands:
       assert all(v >= 1 and v & (v - 1) == 0 for v in (bw, bl, warps)) and warps <= 8
-  assert tuning.candidates((8, 1, 1), 3, 1, 4, True, limit=100)[0] == (8, 1, 1)
+  assert config.candidates((8, 1, 1), 3, 1, 4, True, limit=100)[0] == (8, 1, 1)
 
 
 def test_candidates_give_threads_sixteen_bytes_right_after_the_heuristic():
   # The heuristic gives each thread 8 bytes of a tile where 8 warps do not bound it: next come
   # its tile and half its columns with 16 bytes a thread (bfloat16 8 x 64: 2 warps; 4 x 64: 1).
-  assert tuning.sixteen_byte_tiles(8, 64, 2) == [(8, 64, 2), (4, 64, 1)]
-  assert tuning.sixteen_byte_tiles(64, 64, 4) == [(64, 64, 8), (32, 64, 8)]  # (8 warps at most)
-  assert tuning.sixteen_byte_tiles(1, 2, 4) == [(1, 2, 1)]  # (no tile of half a column)
-  assert tuning.warps_for(24, 64, 2, 16) == 4 and tuning.warps_for(8, 64, 4, 8) == 8
+  assert config.sixteen_byte_tiles(8, 64, 2) == [(8, 64, 2), (4, 64, 1)]
+  assert config.sixteen_byte_tiles(64, 64, 4) == [(64, 64, 8), (32, 64, 8)]  # (8 warps at most)
+  assert config.sixteen_byte_tiles(1, 2, 4) == [(1, 2, 1)]  # (no tile of half a column)
+  assert config.warps_for(24, 64, 2, 16) == 4 and config.warps_for(8, 64, 4, 8) == 8
   # The heuristic's warps are the 8-byte ones (launch_config).
   for width, lanes, itemsize, fmt in [(56, 64, 2, True), (28, 64, 4, True), (3, 1, 4, True),
                                       (112, 8192, 4, False), (56, 96, 1, True)]:
-    bw, bl, warps = triton.launch_config(width, lanes, itemsize, fmt)
-    assert warps == tuning.warps_for(bw, bl, itemsize, 8)
+    bw, bl, warps = config.launch_config(width, lanes, itemsize, fmt)
+    assert warps == config.warps_for(bw, bl, itemsize, 8)
     assert warps == min(1 << (max(bw * bl * itemsize // 256, 1).bit_length() - 1), 8)
-  assert tuning.candidates((8, 64, 4), 56, 64, 2, True, 6)[:3] == [(8, 64, 4), (8, 64, 2),
+  assert config.candidates((8, 64, 4), 56, 64, 2, True, 6)[:3] == [(8, 64, 4), (8, 64, 2),
                                                                   (4, 64, 1)]
   # Where the heuristic's warps already give 16 bytes (float32 16 x 64, 8 warps), only half
   # its columns is new; none with one column.
-  assert tuning.candidates((16, 64, 8), 28, 64, 4, True, 6)[:2] == [(16, 64, 8), (8, 64, 4)]
-  assert tuning.candidates((1, 64, 1), 1, 64, 4, True, 2) == [(1, 64, 1), (1, 32, 1)]
+  assert config.candidates((16, 64, 8), 28, 64, 4, True, 6)[:2] == [(16, 64, 8), (8, 64, 4)]
+  assert config.candidates((1, 64, 1), 1, 64, 4, True, 2) == [(1, 64, 1), (1, 32, 1)]
 
 
 def _padded(cols: int, bw: int) -> int:
@@ -189,26 +194,26 @@ def test_candidates_offer_the_columns_that_pad_least():
   # 28 columns in tiles of 16 or 8 leave an eighth of the lanes idle, in tiles of 4 none: the
   # tile of 4 columns comes next, with 16 bytes a thread; in channels_last only (the other
   # candidates have at least half the heuristic's columns: 8 here).
-  assert tuning.least_waste_tile(28, 16, 64, 4) == [(4, 64, 2)]
-  assert tuning.candidates((16, 64, 8), 28, 64, 4, True, 6)[:3] == [(16, 64, 8), (8, 64, 4),
+  assert config.least_waste_tile(28, 16, 64, 4) == [(4, 64, 2)]
+  assert config.candidates((16, 64, 8), 28, 64, 4, True, 6)[:3] == [(16, 64, 8), (8, 64, 4),
                                                                    (4, 64, 2)]
-  assert min(c[0] for c in tuning.candidates((16, 64, 8), 28, 64, 4, False, 100)) == 8
+  assert min(c[0] for c in config.candidates((16, 64, 8), 28, 64, 4, False, 100)) == 8
   # Nothing where the heuristic pads nothing, or no narrower tile (down to a quarter of its
   # columns) pads less.
   for cols, bw in [(56, 8), (64, 16), (7, 8), (1, 1)]:
-    assert tuning.least_waste_tile(cols, bw, 64, 4) == []
-  assert tuning.least_waste_tile(100, 16, 64, 2) == [(4, 64, 1)]  # (100 = 25 x 4)
-  assert tuning.least_waste_tile(24, 16, 256, 4) == [(8, 256, 8)]  # (8 warps at most)
-  assert tuning.least_waste_tile(17, 8, 32, 4) == [(2, 32, 1)]  # (1 warp, 8 bytes a thread)
+    assert config.least_waste_tile(cols, bw, 64, 4) == []
+  assert config.least_waste_tile(100, 16, 64, 2) == [(4, 64, 1)]  # (100 = 25 x 4)
+  assert config.least_waste_tile(24, 16, 256, 4) == [(8, 256, 8)]  # (8 warps at most)
+  assert config.least_waste_tile(17, 8, 32, 4) == [(2, 32, 1)]  # (1 warp, 8 bytes a thread)
   # Against every tile from a quarter (or as few as the columns need) to half the columns:
   # the one that pads least, the widest of those, where it pads less than the heuristic's.
   for cols in range(1, 300):
     for bw in (1, 2, 4, 8, 16, 32, 64):
       tiles = [w for w in (1, 2, 4, 8, 16, 32)
-               if min(bw // 4, tuning.pow2_ceil(cols)) <= w <= bw // 2]
+               if min(bw // 4, config.pow2_ceil(cols)) <= w <= bw // 2]
       best = min(tiles, key=lambda w: (_padded(cols, w), -w), default=None)
       want = [] if best is None or _padded(cols, best) >= _padded(cols, bw) else [best]
-      assert [w for w, _, _ in tuning.least_waste_tile(cols, bw, 64, 4)] == want, (cols, bw)
+      assert [w for w, _, _ in config.least_waste_tile(cols, bw, 64, 4)] == want, (cols, bw)
 
 
 # ----------------------------------------------------------------------------- fakes
@@ -418,7 +423,7 @@ def test_shipped_table_is_used_and_the_cache_wins(tmp_path):
 
 
 def test_the_packaged_tables_parse():
-  folder = os.path.join(ROOT, "jaxpool", "_src", "pallas", tuning.TABLES)
+  folder = os.path.join(ROOT, "jaxpool", "_src", "pallas", "tuning", tuning.TABLES)
   names = [n for n in os.listdir(folder) if n.endswith(".json")]
   assert "NVIDIA_H100_80GB_HBM3.json" in names
   for name in names:
@@ -437,6 +442,44 @@ def test_the_packaged_tables_parse():
         k: tuple(v) for k, v in data["entries"].items()}
   assert tuning.shipped_table("No Such GPU") == {}
   assert tuning.table_name("NVIDIA H100 80GB HBM3") == "NVIDIA_H100_80GB_HBM3.json"
+
+
+def test_a_shipped_table_round_trips_through_the_launch_type():
+  """Every entry of the shipped tables loads as a :class:`config.Launch` with named fields and
+  writes back as the same JSON: a table re-serialized from its launches is the file's text."""
+  folder = os.path.join(ROOT, "jaxpool", "_src", "pallas", "tuning", tuning.TABLES)
+  for name in sorted(n for n in os.listdir(folder) if n.endswith(".json")):
+    path = os.path.join(folder, name)
+    data = _entry(path)
+    table = tuning.shipped_table(data["device_kind"])
+    assert list(table) == list(data["entries"])
+    for key, v in data["entries"].items():
+      launch = table[key]
+      assert type(launch) is config.Launch
+      assert [launch.block_cols, launch.block_lanes, launch.num_warps] == v[:3]
+      assert launch.rows == (tuple(v[3:]) if len(v) == 5 else None)
+      assert (launch.block_depth, launch.block_height) == (tuple(v[3:]) or (None, None))
+      assert list(launch) == v and config.Launch.of(v) == launch == tuple(v)
+      assert hash(launch) == hash(tuple(v)) and tuning.launch_name(launch) == "x".join(
+          map(str, v))
+    again = dict(data, entries={k: list(launch) for k, launch in table.items()})
+    with open(path, encoding="utf-8") as f:
+      text = f.read()
+    assert json.loads(json.dumps(again)) == json.loads(text)
+    assert json.dumps(again) == json.dumps(json.loads(text))
+
+
+def test_a_launch_names_its_fields():
+  launch = config.Launch(8, 64, 4, 0, 2)
+  assert (launch.block_cols, launch.block_lanes, launch.num_warps) == (8, 64, 4)
+  assert launch.rows == (0, 2) and launch.astuple() == (8, 64, 4, 0, 2) and len(launch) == 5
+  assert config.Launch(8, 64, 4).rows is None and len(config.Launch(8, 64, 4)) == 3
+  assert config.Launch(8, 64, 4) != config.Launch(8, 64, 4, 1, 1)  # (the one-row kernels)
+  assert {config.Launch(8, 64, 4): 1}[(8, 64, 4)] == 1
+  with pytest.raises(ValueError, match="a depth and a height or neither"):
+    config.Launch(8, 64, 4, 1)
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    launch.num_warps = 8  # type: ignore[misc]
 
 
 # ----------------------------------------------------------------------------- the disk cache
@@ -549,7 +592,7 @@ def test_concurrent_writers_never_leave_a_partial_entry(tmp_path):
 
 _CHILD = """
 import json, sys, time
-from jaxpool._src.pallas import tuning
+from jaxpool._src.pallas.tuning import tuner as tuning
 env, cache, launch = json.loads(sys.argv[1]), sys.argv[2], tuple(json.loads(sys.argv[3]))
 key = tuning.Key("max_fwd", "float32", "channels_last", "k3x3s2x2d1x1w64l64L")
 cands = [tuple(env["heuristic"]), launch]
@@ -639,9 +682,9 @@ def test_launch_for_modes(monkeypatch, op):
   # On a CPU, or compiled for CUDA from a CPU (the lowering tests): the heuristic, untouched.
   fake = RecordingTuner()
   with tuning.using(fake):  # type: ignore[arg-type]
-    monkeypatch.setattr(triton, "platform", lambda: "cpu")
+    monkeypatch.setattr(config, "platform", lambda: "cpu")
     assert triton.launch_for(op, shape, jnp.float32, geom, interpret=False) == heuristic
-    monkeypatch.setattr(triton, "platform", lambda: "cuda")
+    monkeypatch.setattr(config, "platform", lambda: "cuda")
     assert triton.launch_for(op, shape, jnp.float32, geom, interpret=True) == heuristic
     monkeypatch.setenv(tuning.TUNE_ENV, "off")
     assert triton.launch_for(op, shape, jnp.float32, geom, interpret=False) == heuristic
@@ -655,8 +698,8 @@ def test_launch_for_modes(monkeypatch, op):
   assert h == heuristic and cands[0] == heuristic and got == cands[-1]
   assert key.op == op and key.dtype == "float32" and key.layout == "channels_last"
   # (the forwards and backwards try their blocks of rows beyond the limit)
-  blocks = triton.row_block_candidates(heuristic, geom.lift(3), jnp.float32, op) \
-      if op.endswith("_fwd") else triton.backward_block_candidates(heuristic, geom.lift(3), 4)
+  blocks = config.row_block_candidates(heuristic, geom.lift(3), jnp.float32, op) \
+      if op.endswith("_fwd") else config.backward_block_candidates(heuristic, geom.lift(3), 4)
   assert len(blocks) == {"max_fwd": 3, "argmax_fwd": 3, "avg_fwd": 1}.get(op, 4)
   assert len(cands) <= tuning.DEFAULT_MAX_CANDIDATES + len(blocks)
   assert cands[len(cands) - len(blocks):] == blocks
@@ -719,7 +762,7 @@ def test_no_tuning_inside_shard_map(monkeypatch):
   there, and outside as before."""
   shape = (2, 9, 11, 6)
   geom = windows.make_geometry(shape, (3, 3), (2, 2), 1)
-  monkeypatch.setattr(triton, "platform", lambda: "cuda")
+  monkeypatch.setattr(config, "platform", lambda: "cuda")
   monkeypatch.setenv(tuning.TUNE_ENV, "auto")
   fake = RecordingTuner()
   seen = []
@@ -825,9 +868,9 @@ def test_tuning_on_the_gpu(tmp_path, monkeypatch, rng):
     got = jax.jit(lambda v: triton.max_forward_taps(v, geom, interpret=False))(x)
     rec = [r for r in tuner.records if r.key.startswith("argmax_fwd")][0]
   # (the limit's one-row candidates, then the blocks of rows, as far as the budget reaches)
-  heuristic = triton.launch_config(28, 64, 4, True)
-  blocks = triton.row_block_candidates(heuristic, geom.lift(3), jnp.float32)
-  offered = tuning.candidates(heuristic, 28, 64, 4, True, tuning.DEFAULT_MAX_CANDIDATES, blocks)
+  heuristic = config.launch_config(28, 64, 4, True)
+  blocks = config.row_block_candidates(heuristic, geom.lift(3), jnp.float32)
+  offered = config.candidates(heuristic, 28, 64, 4, True, tuning.DEFAULT_MAX_CANDIDATES, blocks)
   assert len(blocks) == 3 and set(rec.times_ms) <= {tuning.launch_name(c) for c in offered}
   assert rec.source == "tuned" and len(rec.times_ms) > 1  # (more than the heuristic timed)
   assert rec.seconds <= tuning.DEFAULT_BUDGET_S + 30  # (the heuristic's compile is waited for)
@@ -857,7 +900,7 @@ def test_tuning_while_a_gradient_is_traced_and_lowered(monkeypatch, tmp_path):
           lambda: (jnp.ones(small, jnp.float32),))
       return super().choose(key, heuristic, cands[:1], interp, tune=tune, budget=budget)
 
-  monkeypatch.setattr(triton, "platform", lambda: "cuda")
+  monkeypatch.setattr(config, "platform", lambda: "cuda")
   tuner = InterpretTrials(cache=str(tmp_path), env=ENV, table={},
                           measure=lambda f, a: tuning.time_ms(f, a, samples=1, sample_ms=0.0))
   shape = (2, 9, 10, 4)
@@ -896,7 +939,7 @@ def test_tune_command_writes_the_cache_the_table_and_a_report(monkeypatch, tmp_p
 
   monkeypatch.setenv(tuning.CACHE_ENV, str(tmp_path / "cache"))
   monkeypatch.setattr(tune_cmd, "platform", lambda: "cuda")
-  monkeypatch.setattr(triton, "platform", lambda: "cuda")
+  monkeypatch.setattr(config, "platform", lambda: "cuda")
   monkeypatch.setattr(tuning, "Tuner", FakeDevice)
   table, report = tmp_path / "t" / "table.json", tmp_path / "report.json"
   argv = ["--case", "4x20x20x16:3x3:2x2:1:float32,bfloat16:channels_last", "--ops",

@@ -33,7 +33,7 @@ from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxpool  # noqa: E402
-from jaxpool._src.pallas.partition import kernel_p  # noqa: E402
+from jaxpool._src.pallas.sharding.partition import kernel_p  # noqa: E402
 
 KERNEL = kernel_p.name  # the primitive of every Pallas kernel call
 

@@ -404,15 +404,31 @@ def test_graph_nodes_name_their_gradient_classes_by_reference():
 # ----------------------------------------------------------------------------- one way down
 
 
+# What a family folder under ``_src/`` (ROI pooling's ``_src/roi/``, and the op families to come:
+# any package there but these) may take from the Pallas package: the shared building blocks.
+_NOT_FAMILIES = {"pallas", "graph", "optimize"}
+_FAMILY_MAY_USE = {"jaxpool._src.pallas.calls", "jaxpool._src.pallas.triton.tile"}
+
+
+def _families(root: pathlib.Path) -> set[str]:
+  """The op-family folders under ``root/_src`` (``jaxpool/``), as module prefixes."""
+  return {f"jaxpool._src.{d.name}" for d in (root / "_src").iterdir()
+          if (d / "__init__.py").exists() and d.name not in _NOT_FAMILIES}
+
+
 def _pallas_importers(root: pathlib.Path) -> set[str]:
   """The modules under ``root`` (``jaxpool/``), outside ``_src/pallas/``, that import anything
-  from ``jaxpool._src.pallas``, as paths under ``root``."""
+  from ``jaxpool._src.pallas``, as paths under ``root`` (an op family's folder may take the
+  shared building blocks, :data:`_FAMILY_MAY_USE`)."""
   graph = _module_imports(root, "jaxpool")
+  families = _families(root)
   found = set()
   for mod, deps in graph.items():
     rel = mod.split(".")[1:]
     if rel[:2] == ["_src", "pallas"]:
       continue
+    if any(mod == f or mod.startswith(f + ".") for f in families):
+      deps = deps - _FAMILY_MAY_USE
     if any(d == "jaxpool._src.pallas" or d.startswith("jaxpool._src.pallas.") for d in deps):
       found.add("/".join(rel) + ".py")
   return found
@@ -423,6 +439,82 @@ def test_only_the_registry_reaches_the_pallas_backends():
   through the registry (``dispatch.py``); ``tune.py`` is the kernels' own tuning tool."""
   root = pathlib.Path(jaxpool.__file__).parent
   assert _pallas_importers(root) == {"_src/dispatch.py", "tune.py"}
+
+
+# The rooms of ``_src/pallas/``: what a module (by its name under the package, the longest
+# prefix here) may import of the package. Downward only: the Triton kernels and their launch
+# space import neither the calls nor tuning nor sharding; tuning takes the launch space
+# (``triton.config``) and nothing else of the Triton room; the calls (``triton.ops``) take the
+# kernels, the launch space and the tuner; sharding takes the tuner and the calls'
+# description (``calls``), no kernel; the registry's ``ops`` and ``backend`` sit on top.
+_TRITON_KERNELS = {f"triton.{m}" for m in ("max", "avg", "rows", "backward", "tile")}
+_PALLAS_ROOMS = {
+    "": set(),
+    "calls": set(),
+    "triton": _TRITON_KERNELS,
+    "triton.config": _TRITON_KERNELS,
+    "triton.ops": {"triton", "tuning", "calls"},
+    "tuning": {"tuning", "triton.config"},
+    "tpu": {"tpu", "calls"},
+    "sharding": {"sharding", "calls", "tuning"},
+    "ops": {"triton.ops", "tpu.ops", "sharding", "calls"},
+    "backend": {"ops", "sharding"},
+}
+
+
+def _within(name: str, prefixes) -> bool:
+  return any(p == "" or name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def _room_breaches(graph: dict[str, set[str]], package: str) -> list[str]:
+  """The imports, among the modules of ``package`` (``jaxpool._src.pallas``), that a room's
+  rule (:data:`_PALLAS_ROOMS`) does not allow, as ``"a -> b"``."""
+  found = []
+  for mod, deps in sorted(graph.items()):
+    if not (mod == package or mod.startswith(package + ".")):
+      continue
+    name = mod[len(package) + 1:]
+    room = max((r for r in _PALLAS_ROOMS if _within(name, [r]) and (r or not name)), key=len,
+               default=None)
+    if room is None:
+      found.append(f"{name}: in no room")
+      continue
+    for d in sorted(deps):
+      if d.startswith(package + ".") and not _within(d[len(package) + 1:], _PALLAS_ROOMS[room]):
+        found.append(f"{name} -> {d[len(package) + 1:]}")
+  return found
+
+
+def test_the_pallas_rooms_import_downward():
+  root = pathlib.Path(jaxpool.__file__).parent
+  graph = _module_imports(root, "jaxpool")
+  rooms = {m.split(".")[3] for m in graph if m.startswith("jaxpool._src.pallas.")}
+  assert {"triton", "tpu", "sharding", "tuning", "calls", "ops", "backend"} <= rooms
+  breaches = _room_breaches(graph, "jaxpool._src.pallas")
+  assert not breaches, "imports against the Pallas rooms' layering:\n" + "\n".join(breaches)
+  # the check can fail: a kernel that reached up into tuning or sharding would be caught
+  bad = dict(graph, **{"jaxpool._src.pallas.triton.max": {"jaxpool._src.pallas.tuning.tuner"},
+                       "jaxpool._src.pallas.tuning.cache": {"jaxpool._src.pallas.triton.ops"}})
+  assert _room_breaches(bad, "jaxpool._src.pallas") == [
+      "triton.max -> tuning.tuner", "tuning.cache -> triton.ops"]
+
+
+def test_an_op_family_folder_may_use_the_shared_kernel_blocks(tmp_path):
+  """A family folder under ``_src/`` (as ``_src/roi/``) may take the kernels' shared building
+  blocks; anything else of the Pallas package stays the registry's."""
+  root = tmp_path / "jaxpool"
+  for d in ("", "_src", "_src/pallas", "_src/pallas/triton", "_src/fam"):
+    (root / d).mkdir(exist_ok=True)
+    (root / d / "__init__.py").write_text("")
+  for m in ("calls", "ops"):
+    (root / "_src/pallas" / f"{m}.py").write_text("")
+  (root / "_src/pallas/triton/tile.py").write_text("")
+  (root / "_src/dispatch.py").write_text("from jaxpool._src.pallas import ops\n")
+  (root / "_src/fam/kernels.py").write_text(
+      "from jaxpool._src.pallas.calls import x\nfrom jaxpool._src.pallas.triton import tile\n")
+  assert _pallas_importers(root) == {"_src/dispatch.py"}
+  (root / "_src/fam/api.py").write_text("from jaxpool._src.pallas import ops\n")
+  assert _pallas_importers(root) == {"_src/dispatch.py", "_src/fam/api.py"}
 
 
 def test_the_registry_holds_typed_backends():

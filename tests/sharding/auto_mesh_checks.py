@@ -50,7 +50,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxpool  # noqa: E402
 from jaxpool import graph as jg  # noqa: E402
-from jaxpool._src.pallas.partition import kernel_p  # noqa: E402
+from jaxpool._src.pallas.sharding.partition import kernel_p  # noqa: E402
 
 COLLECTIVES = ("all-gather", "all-to-all", "all-reduce", "collective-permute", "reduce-scatter")
 BATCH, H, W, C, F, CLASSES = 16, 12, 12, 3, 4, 5

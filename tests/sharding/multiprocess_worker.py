@@ -22,7 +22,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxpool
-from jaxpool._src.pallas.partition import kernel_p
+from jaxpool._src.pallas.sharding.partition import kernel_p
 
 SHAPE = (8, 9, 10, 4)  # (batch, H, W, C): 2 examples a device
 

@@ -412,7 +412,8 @@ class _CountSwitches:
   switches, so they do not count."""
 
   def __init__(self):
-    from jaxpool._src.pallas import halo, halo_inplace
+    from jaxpool._src.pallas.sharding import halo
+    from jaxpool._src.pallas.sharding import halo_inplace
     self.modules, self.n = (halo, halo_inplace), 0
 
   def __getattr__(self, name):

@@ -11,7 +11,7 @@ import numpy as np
 from core_strategies import assert_same_bits
 from hypothesis import given, settings
 
-from jaxpool._src.pallas import halo
+from jaxpool._src.pallas.sharding import halo
 
 DTYPES = (np.float32, ml_dtypes.bfloat16, np.int8)
 

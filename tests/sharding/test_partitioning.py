@@ -60,7 +60,7 @@ def test_the_private_jax_name_the_kernels_use_is_there():
   # it fails here first.
   from jax._src import dispatch
   assert isinstance(dispatch.prim_requires_devices_during_lowering, set)
-  from jaxpool._src.pallas import partition
+  from jaxpool._src.pallas.sharding import partition
   assert partition.kernel_p in dispatch.prim_requires_devices_during_lowering
 
 

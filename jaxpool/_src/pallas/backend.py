@@ -1,5 +1,5 @@
-"""The Pallas backends of the registry: Pallas Triton (GPU kernels, ``triton.py``) and Pallas
-TPU (Mosaic kernels, ``tpu.py``), one object each.
+"""The Pallas backends of the registry: Pallas Triton (GPU kernels, ``triton/ops.py``) and Pallas
+TPU (Mosaic kernels, ``tpu/ops.py``), one object each.
 
 Both are ``implementation="pallas"``: the registry (``dispatch.pallas()``) takes the one whose
 kernels run on this platform (``platforms.pallas_kernels``). Each serves what its kernels serve
@@ -9,8 +9,8 @@ kernels were compiled and tested: the TPU kernels pass in the TPU interpreter an
 Mosaic, but no TPU compiled them yet, and the Triton kernels were never compiled for ROCm.
 
 Nothing here imports Pallas until a backend is asked about a call: the core needs no Pallas.
-Each kernel call splits over the devices its operands live on (``partition.py``), under every
-kind of mesh and inside ``shard_map``.
+Each kernel call splits over the devices its operands live on (``sharding/partition.py``),
+under every kind of mesh and inside ``shard_map``.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ class PallasBackend(Backend):
       return f"Pallas cannot be imported ({e})"
     reason = ops.unsupported(op, x.shape, x.dtype, geom, kernels=self.kernels)
     if reason is None:
-      from jaxpool._src.pallas import partition
+      from jaxpool._src.pallas.sharding import partition
       shape = geom.input_shape(x.shape) if op is Op.MAX_POOL_GRAD_FROM_TAPS else x.shape
       reason = partition.explicit_unsupported(geom, shape, x)
     return reason

@@ -1,7 +1,8 @@
 """A Pallas kernel call's static description, and the output type of its ``pallas_call``.
 
-:class:`KernelCall` is what the partitioning rule (``partition.py``) and the halo plans
-(``halo.py``) know of a kernel: a function of its operands and a geometry. :func:`out_struct`
+:class:`KernelCall` is what the partitioning rule (``sharding/partition.py``) and the halo plans
+(``sharding/halo.py``) know of a kernel: a function of its operands and a geometry.
+:func:`out_struct`
 gives a kernel's outputs the manual mesh axes of its input, so that ``shard_map`` with
 ``check_vma=True`` accepts them.
 """

@@ -4,7 +4,7 @@
 Pallas backends of the registry (``pallas/backend.py``: Pallas Triton and Pallas TPU) ask it
 in their ``supports``, then call :func:`max_pool`, :func:`max_pool_with_taps`,
 :func:`max_pool_grad_from_taps`, :func:`min_pool` or :func:`avg_pool` with their ``kernels``
-(``"triton"``: ``triton.py``; ``"tpu"``: ``tpu.py``).
+(``"triton"``: ``triton/ops.py``; ``"tpu"``: ``tpu/ops.py``).
 
 Max pooling is the shared rule of ``jaxpool._src.autodiff`` with the kernels plugged in: the
 forward kernel (no taps) as the primal, the forward kernel that also writes the winning taps in
@@ -28,8 +28,8 @@ from jax.custom_batching import custom_vmap
 from jaxpool._src import autodiff, xla
 from jaxpool._src.backend import Op
 from jaxpool._src.linear import LinearPair
-from jaxpool._src.pallas import partition
-from jaxpool._src.pallas import triton as _triton
+from jaxpool._src.pallas.sharding import partition
+from jaxpool._src.pallas.triton import ops as _triton
 from jaxpool._src.platforms import PALLAS_ENV as BACKEND_ENV
 from jaxpool._src.platforms import PALLAS_KERNELS as BACKENDS
 from jaxpool._src.platforms import pallas_kernels as backend
@@ -79,7 +79,7 @@ def unsupported(op: Op | str, shape, dtype, geom: Geometry,
   if math.prod(int(s) for s in shape) > MAX_ELEMENTS:
     return f"the input has over {MAX_ELEMENTS} elements (the kernels index in int32)"
   if (kernels or backend()) == "tpu":
-    from jaxpool._src.pallas import tpu as _tpu
+    from jaxpool._src.pallas.tpu import ops as _tpu
     if not geom.channels_last or geom.nspatial > 2:
       return "the TPU kernels pool 1-D and 2-D channels_last inputs only"
     if not _tpu.fits(geom, shape, dtype):
@@ -88,9 +88,10 @@ def unsupported(op: Op | str, shape, dtype, geom: Geometry,
 
 
 def _kernels(name: str):
-  """The backend module: ``tpu.py`` (Mosaic TPU) or ``triton.py`` (GPU; interpret on a CPU)."""
+  """The backend module: ``tpu/ops.py`` (Mosaic TPU) or ``triton/ops.py`` (GPU; interpret on a
+  CPU)."""
   if name == "tpu":
-    from jaxpool._src.pallas import tpu as _tpu
+    from jaxpool._src.pallas.tpu import ops as _tpu
     return _tpu
   return _triton
 

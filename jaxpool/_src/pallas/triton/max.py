@@ -1,6 +1,6 @@
 """The max-pool forward kernel for GPUs (Pallas Triton): the maximum of each window, and its tap.
 
-A program covers one output row and a tile of columns and lanes (``triton_tile.py``). It scans
+A program covers one output row and a tile of columns and lanes (``triton/tile.py``). It scans
 the window's taps in order with a running maximum that ranks NaN above every number and +0.0
 above -0.0 (:func:`nan_max`), and takes a tap where that maximum's bits change: of equal values
 the first keeps it, +0.0 replaces -0.0 and the first NaN wins (``dtypes.beats``' order). On an
@@ -23,7 +23,7 @@ from jax import lax
 
 from jaxpool._src.autodiff import apply_activation
 from jaxpool._src.dtypes import beats, lowest
-from jaxpool._src.pallas.triton_tile import both_paths, load, output_row, plgpu
+from jaxpool._src.pallas.triton.tile import both_paths, load, output_row, plgpu
 from jaxpool._src.windows import Geometry, real_taps
 
 # The forms of the running maximum (:func:`nan_max`): "ptx" (PTX's instruction), "beats"

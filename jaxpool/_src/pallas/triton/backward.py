@@ -3,7 +3,7 @@
 Each input element visits, in a fixed order, the taps of the windows that can hold it, and sums
 the cotangents of those that chose it (max pooling, from the forward's winning taps) or their
 share ``dy / divisor`` (average pooling): no atomics, the same bits on every run. The program
-layout and the tile are ``triton_tile.py``'s; ``triton.py`` launches the kernel.
+layout and the tile are ``triton/tile.py``'s; ``triton/ops.py`` launches the kernel.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from jaxpool._src.dtypes import accumulator_dtype
-from jaxpool._src.pallas.triton_tile import (
+from jaxpool._src.pallas.triton.tile import (
     Tile,
     both_paths,
     counted_taps,
@@ -41,7 +41,7 @@ def backward_kernel(*refs, g: Geometry, bw: int, bl: int, lanes: int, rows: int,
   dim: for a fixed phase ``r`` the taps that can hold it and the offsets ``q`` are static, and
   each tap's windows are a contiguous run over ``m``. (``rows`` and ``n_cols``: the launch's
   blocks of rows, ``b x ceil(ceil(D / s_d) / bd) x ceil(ceil(H / s_h) / bh)``, and its columns,
-  over which :func:`triton_tile.program` numbers the programs.) So each phase reads only the
+  over which :func:`tile.program` numbers the programs.) So each phase reads only the
   taps that matter, as whole tiles (each loaded once for all the phases of the program's blocks
   that read it: neighbouring blocks of rows share the windows' rows where windows overlap), and
   sums them in descending tap order: the order in which JAX's transpose of the XLA path's tap

@@ -1,5 +1,5 @@
 """Where launch configurations are kept: the disk cache, the tables shipped with the package,
-and the keys both are indexed by (``tuning.py`` chooses and tunes; this module stores).
+and the keys both are indexed by (``tuning/tuner.py`` chooses and tunes; this module stores).
 
 The disk cache is a folder (``$JAXPOOL_CACHE_DIR``, else ``$XDG_CACHE_HOME/jaxpool``, else
 ``~/.cache/jaxpool``) holding one JSON file an entry under ``tune/``. An entry is used only
@@ -28,14 +28,9 @@ from typing import Any
 
 import jax
 
-# (bw, bl, num_warps), or (bw, bl, num_warps, rd, rh): a forward (max with or without its taps,
-# or average) over blocks of rd x rh output rows a program, or with rd = 0 over rh rows of every
-# output plane, looped over (``triton_rows.py``); a backward over rd x rh blocks of input rows
-# (each block one row per stride phase, ``triton_backward.py``); three numbers mean 1 x 1.
-Launch = tuple[int, ...]
+from jaxpool._src.pallas.triton.config import MAX_ROWS, MAX_TILE, MAX_WARPS, Launch, pow2_ceil
 
-
-def launch_name(launch: Sequence[int]) -> str:
+def launch_name(launch: Launch | Sequence[int]) -> str:
   """``(8, 64, 4)`` -> ``"8x64x4"``: how reports, logs and cache entries name a launch."""
   return "x".join(map(str, launch))
 
@@ -53,13 +48,10 @@ def launch_name(launch: Sequence[int]) -> str:
 # one row. 8: the max backward of 16-bit floats selects two lanes an instruction, which
 # changed its launches' speeds (those tuned for the one-lane select are tuned again). 9: in
 # channels_last the candidates include the tile of columns that pads the kernel's columns
-# least (tuning.least_waste_tile), and the forwards' loops over the output planes with it.
+# least (least_waste_tile), and the forwards' loops over the output planes with it.
 FORMAT = 9
 CACHE_ENV = "JAXPOOL_CACHE_DIR"
 TABLES = "launch_tables"  # the shipped tables: a package folder beside this module
-MAX_TILE = 8192  # elements: the largest tile a candidate (or the heuristic) has
-MAX_WARPS = 32  # Triton's limit
-MAX_ROWS = 4  # rows (rd x rh: output rows, or a backward's blocks of input rows) a program at most
 
 
 class TuningWarning(UserWarning):
@@ -90,10 +82,6 @@ class Key:
 
   def name(self) -> str:
     return f"{self.op}|{self.dtype}|{self.layout}|{self.geometry}"
-
-
-def pow2_ceil(n: int) -> int:
-  return 1 << (max(int(n), 1) - 1).bit_length()
 
 
 def geometry_class(window: Sequence[int], strides: Sequence[int], dilation: Sequence[int],
@@ -154,7 +142,7 @@ def shipped_table(device_kind: str) -> dict[str, Launch]:
   if not isinstance(data, dict) or data.get("format") != FORMAT:
     return {}
   entries = data.get("entries", {})
-  return {k: tuple(v) for k, v in entries.items() if _valid_launch(v)}
+  return {k: Launch.of(v) for k, v in entries.items() if _valid_launch(v)}
 
 
 
@@ -248,7 +236,7 @@ class Store:
     if data.get("key") != key.name() or data.get("env") != self.env:
       return None  # another jaxlib, driver, device kind or jaxpool: not used
     assert isinstance(launch, list)  # (_valid_launch)
-    return tuple(launch)
+    return Launch.of(launch)
 
   def write(self, key: Key, launch: Launch, extra: Mapping[str, Any]) -> bool:
     """Writes ``key``'s entry (a temporary file renamed over the entry); False where the

@@ -4,7 +4,7 @@ that stay in bounds, and the choice between the interior and the edge code paths
 A program's tile is a block of ``bw`` columns and ``bl`` *lanes*: the channels in
 ``channels_last`` (the operand viewed as ``(B, D, H, W, C)``) or the planes in
 ``channels_first`` (viewed as ``(P, D, H, W)``). :class:`Tile` holds the lane coordinates and
-builds the indexers; ``triton.py`` explains the layout and calls the kernels.
+builds the indexers; ``triton/ops.py`` explains the layout and calls the kernels.
 """
 
 from __future__ import annotations

@@ -46,10 +46,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpool._src import xla
-from jaxpool._src.pallas import tuning
+from jaxpool._src.pallas.tuning import tuner as tuning
 from jaxpool._src.pallas.calls import KernelCall, kernel_call, out_struct
-from jaxpool._src.pallas.halo import plan, spec_dims
-from jaxpool._src.pallas.halo_inplace import per_device
+from jaxpool._src.pallas.sharding.halo import plan, spec_dims
+from jaxpool._src.pallas.sharding.halo_inplace import per_device
 from jaxpool._src.windows import Geometry, taps_dtype
 
 __all__ = ["KernelCall", "call", "explicit_unsupported", "kernel_call", "kernel_p",

@@ -1,8 +1,8 @@
 """The average-pool forward kernel for GPUs (Pallas Triton): each window's sum over its divisor.
 
-A program covers one output row and a tile of columns and lanes (``triton_tile.py``). It sums
+A program covers one output row and a tile of columns and lanes (``triton/tile.py``). It sums
 each row's column taps, then the rows of each plane, then the planes, each in the window's
-order, in float32 for 16-bit inputs: the order of ``triton_rows.py``'s blocks of rows, which
+order, in float32 for 16-bit inputs: the order of ``triton/rows.py``'s blocks of rows, which
 share the rows' and planes' sums between windows, so that every launch gives the same bits.
 At the edges a tap outside the input is masked out of the sum (its load reads zero). The
 divisor is ``divisor_override``, else the window's counted taps (with ``count_include_pad``
@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpool._src.dtypes import accumulator_dtype
-from jaxpool._src.pallas.triton_tile import both_paths, counted_taps, load, output_row, plgpu
+from jaxpool._src.pallas.triton.tile import both_paths, counted_taps, load, output_row, plgpu
 from jaxpool._src.windows import Geometry
 
 
@@ -43,7 +43,7 @@ def count_reciprocal(cnt, acc_t, ptx: bool):
   float32 approximately; it divides float64 exactly)."""
   d = jnp.where(cnt == 0, 1, cnt).astype(acc_t)
   if ptx and np.dtype(acc_t) == np.float32:
-    assert plgpu is not None  # (triton.py sets ptx only with the Triton backend)
+    assert plgpu is not None  # (triton/ops.py sets ptx only with the Triton backend)
     return plgpu.elementwise_inline_asm(
         "rcp.rn.f32 $0, $1;", args=[d], constraints="=r,r", pack=1,
         result_shape_dtypes=[jax.ShapeDtypeStruct(d.shape, d.dtype)])[0]

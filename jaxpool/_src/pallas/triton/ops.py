@@ -3,17 +3,17 @@
 This module is where the kernels are called: each op's ``pallas_call`` (grid, launch, cost
 estimate) and the choice of launch configuration. The kernels live beside it:
 
-- ``triton_tile.py``: what every kernel shares (the tile, in-bounds loads and stores, the
+- ``tile.py``: what every kernel shares (the tile, in-bounds loads and stores, the
   interior and edge code paths);
-- ``triton_max.py``: the max-pool forward (the maximum, and its tap);
-- ``triton_avg.py``: the average-pool forward;
-- ``triton_rows.py``: the forwards (the maximum and its tap, or the average) over a block of
+- ``max.py``: the max-pool forward (the maximum, and its tap);
+- ``avg.py``: the average-pool forward;
+- ``rows.py``: the forwards (the maximum and its tap, or the average) over a block of
   output rows a program, or looped over the output planes, where the tuner chooses one;
-- ``triton_backward.py``: the backward of both, as gathers.
+- ``backward.py``: the backward of both, as gathers.
 
 Every kernel sees the spatial dims as ``(D, H, W)`` (1-D and 2-D pools get unit ``D`` and
 ``H``). A program covers one output row (``b, d, h``; a block of ``rd x rh`` of them in
-``triton_rows.py``), a block of ``bw`` columns and a block of ``bl`` *lanes*: the channels in
+``triton/rows.py``), a block of ``bw`` columns and a block of ``bl`` *lanes*: the channels in
 ``channels_last`` (the operand viewed as ``(B, D, H, W, C)``, channels contiguous) or the
 planes in ``channels_first`` (viewed as ``(P, D, H, W)`` with ``P = batch * C``, columns
 contiguous). Each tap's load is a tile with the contiguous dim last:
@@ -26,9 +26,9 @@ nearest real tap of its own window (which cannot change the maximum; the winner 
 to the real tap), an average kernel masks such taps out of the sum, and stores are masked to the
 real columns and lanes (the block's overhang past ``W`` or the lanes). In interpret mode, where
 stores are not masked, the forwards' columns past the end rewrite the last column's value,
-``triton_rows.py`` skips its block's rows past the end, and the backward's rows and columns
-past the end are out of bounds, which the interpreter's scatter drops. In ``triton_max.py``
-and ``triton_avg.py`` programs whose windows all lie inside the array (most of them) take a
+``triton/rows.py`` skips its block's rows past the end, and the backward's rows and columns
+past the end are out of bounds, which the interpreter's scatter drops. In ``triton/max.py``
+and ``triton/avg.py`` programs whose windows all lie inside the array (most of them) take a
 second code path, chosen at run time, without clamps.
 
 Forward kernels gather over the window's taps (max with the argmax, or a sum for average
@@ -48,44 +48,22 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from jaxpool._src.pallas import triton_tile, tuning
 from jaxpool._src.pallas.calls import out_struct
-from jaxpool._src.pallas.trials import trial_inputs
-from jaxpool._src.pallas.triton_avg import avg_kernel
-from jaxpool._src.pallas.triton_backward import (
-    PICK16_TAPS,
-    backward_kernel,
-    block_rows,
-    interleaves,
-    phase_rows,
-)
-from jaxpool._src.pallas.triton_max import compare_dtype, max_kernel
-from jaxpool._src.pallas.triton_rows import row_blocks, rows_kernel, shares_planes
-from jaxpool._src.pallas.triton_tile import plgpu
-from jaxpool._src.pallas.tuning_cache import Key, Launch, geometry_class, pow2_ceil
-from jaxpool._src.platforms import platform
-from jaxpool._src.windows import Geometry, phase_offsets, taps_dtype, window_counts_1d
+from jaxpool._src.pallas.triton import config, tile
+from jaxpool._src.pallas.triton.avg import avg_kernel
+from jaxpool._src.pallas.triton.backward import (PICK16_TAPS, backward_kernel, block_rows,
+                                                 interleaves)
+from jaxpool._src.pallas.triton.config import Launch
+from jaxpool._src.pallas.triton.max import compare_dtype, max_kernel
+from jaxpool._src.pallas.triton.rows import row_blocks, rows_kernel, shares_planes
+from jaxpool._src.pallas.triton.tile import plgpu
+from jaxpool._src.pallas.tuning import tuner as tuning
+from jaxpool._src.pallas.tuning.cache import Key, geometry_class
+from jaxpool._src.pallas.tuning.trials import trial_inputs
+from jaxpool._src.windows import Geometry, taps_dtype
 
 
 # ----------------------------------------------------------------------------- launch
-
-def launch_config(width: int, lanes: int, itemsize: int, channels_last: bool) -> Launch:
-  """``(bw, bl, num_warps)`` for a kernel over ``width`` columns and ``lanes`` lanes.
-
-  channels_last: whole channel rows up to 512 bytes; columns that pad ``width`` least, from 8
-  to 16 (more for narrow channel rows, up to 1024 elements a tile). channels_first: up to 64
-  contiguous columns, planes up to 1024 elements a tile. Warps: one thread per 8 bytes of the
-  tile, 1 to 8. Sweeps of the alternatives chose it (docs/design/launches.md): small per-thread
-  tiles keep the most loads in flight.
-  """
-  if channels_last:
-    bl = min(pow2_ceil(lanes), max(512 // itemsize, 1))
-    bw = tuning.least_waste(width, min(max(8192 // bl, 1), max(16, 1024 // bl)), least=8)
-  else:
-    bw = min(pow2_ceil(width), 64)
-    bl = min(pow2_ceil(lanes), max(1024 // bw, 1))
-  return bw, bl, tuning.warps_for(bw, bl, itemsize, 8)
-
 
 # Triton's software pipelining depth (``num_stages``) for every kernel: 1, since most kernels
 # have no loop; the loops over the output planes (``rd = 0``) are the exception, and ran within
@@ -125,35 +103,6 @@ def _lanes_and_batch(x4: jax.Array, channels_last: bool) -> tuple[int, int]:
 
 # ----------------------------------------------------------------------------- forward
 
-# How the max kernel takes its running maximum (see triton_max.nan_max): "auto" (PTX's
-# instruction where it serves, else "beats"), "beats" or "canonical" ("beats" with PTX's NaN
-# results: how interpret-mode tests check the compiled kernels' taps of windows holding NaN on
-# a CPU).
-NAN_MAX = "auto"
-_NAN_MAX_FORMS = ("auto", "beats", "canonical")
-
-
-def _ptx(interpret: bool) -> bool:
-  """Whether the kernels are compiled for an NVIDIA GPU (inline PTX serves), read when they are
-  traced."""
-  return not interpret and plgpu is not None and platform() == "cuda"
-
-
-def _max_form(cmp_t, interpret: bool) -> str:
-  """The form of ``triton_max.nan_max`` that the max kernel uses (``NAN_MAX``, "auto"
-  resolved), read when the kernel is traced.
-
-  "auto": PTX's ``max.NaN.f32`` for compiled kernels on an NVIDIA GPU whose floats are
-  compared in float32; "beats" for the rest (and for integers in every form)."""
-  if NAN_MAX not in _NAN_MAX_FORMS:
-    raise ValueError(f"NAN_MAX must be one of {_NAN_MAX_FORMS}, got {NAN_MAX!r}")
-  if not jnp.issubdtype(cmp_t, jnp.floating):
-    return "beats"
-  if NAN_MAX != "auto":
-    return NAN_MAX
-  return "ptx" if np.dtype(cmp_t) == np.float32 and _ptx(interpret) else "beats"
-
-
 def _window_call(x: jax.Array, geom: Geometry, mode: str, interpret: bool,
                  include_pad: bool = False, divisor: int | None = None,
                  launch: Launch | None = None, activation: str | None = None):
@@ -163,36 +112,38 @@ def _window_call(x: jax.Array, geom: Geometry, mode: str, interpret: bool,
   x4 = _view(x, g.in_spatial, g.channels_last)
   lanes, nb = _lanes_and_batch(x4, g.channels_last)
   (Do, Ho, Wo) = g.out_spatial
-  bw, bl, warps, *block = launch or launch_for(f"{mode}_fwd", x.shape, x.dtype, geom,
-                                               interpret=interpret, include_pad=include_pad,
-                                               divisor=divisor, activation=activation)
+  launch = Launch.of(launch or launch_for(f"{mode}_fwd", x.shape, x.dtype, geom,
+                                          interpret=interpret, include_pad=include_pad,
+                                          divisor=divisor, activation=activation))
+  bw, bl, warps = launch.block_cols, launch.block_lanes, launch.num_warps
+  block = list(launch.rows or ())  # (rd, rh), or none: the one-row kernels
   rows = nb * Do * Ho
-  grid = triton_tile.grid(rows, pl.cdiv(Wo, bw), pl.cdiv(lanes, bl))
+  grid = tile.grid(rows, pl.cdiv(Wo, bw), pl.cdiv(lanes, bl))
   shape4 = _view_shape(out_shape, g.out_spatial, g.channels_last)
   outs = [out_struct(shape4, x.dtype, x)]
   if mode == "argmax":
     outs.append(out_struct(shape4, taps_dtype(g.num_taps), x))
-  form = _max_form(compare_dtype(x.dtype), interpret)
+  form = config._max_form(compare_dtype(x.dtype), interpret)
   kernel: Callable[..., None]
   if block and tuple(block) != (1, 1):
     bd, bh = block
-    fits = avg_blocks(g) if mode == "avg" else _blocks_exact(g, x.dtype, interpret)
+    fits = config.avg_blocks(g) if mode == "avg" else config._blocks_exact(g, x.dtype, interpret)
     if not fits or bh < 1 or bd < 0 or (bd == 0 and not shares_planes(g)):
       raise ValueError(f"a block of output rows {tuple(block)} serves only the max forward "
                        f"with dilation 1, no empty window and (compiled) a maximum whose bits "
                        f"do not depend on the order, or the average forward with dilation 1 "
                        f"(a loop over the output planes, 0 planes, only where windows share "
                        f"input planes), not {mode} of {x.dtype} over {g}")
-    grid = triton_tile.grid(nb * row_blocks(g, (bd, bh)), pl.cdiv(Wo, bw), pl.cdiv(lanes, bl))
+    grid = tile.grid(nb * row_blocks(g, (bd, bh)), pl.cdiv(Wo, bw), pl.cdiv(lanes, bl))
     kernel = functools.partial(rows_kernel, g=g, bw=bw, bl=bl, lanes=lanes, nb=nb,
                                block=(bd, bh), form=form, interpret=interpret,
                                with_taps=mode == "argmax", activation=activation,
                                mode="avg" if mode == "avg" else "max",
-                               include_pad=include_pad, divisor=divisor, ptx=_ptx(interpret))
+                               include_pad=include_pad, divisor=divisor, ptx=config._ptx(interpret))
   elif mode == "avg":
     kernel = functools.partial(avg_kernel, g=g, bw=bw, bl=bl, lanes=lanes, rows=rows,
                                interpret=interpret, include_pad=include_pad, divisor=divisor,
-                               ptx=_ptx(interpret))
+                               ptx=config._ptx(interpret))
   else:
     kernel = functools.partial(max_kernel, g=g, bw=bw, bl=bl, lanes=lanes, rows=rows,
                                interpret=interpret, with_taps=mode == "argmax", form=form,
@@ -247,14 +198,16 @@ def _backward_call(operands, in_shape, geom: Geometry, mode: str, interpret: boo
   # The column block counts phase columns ``m`` (or, channels_first with a stride that does not
   # interleave, input columns).
   cols = _backward_cols(g)
-  bw, bl, warps, *block = launch or launch_for(f"{mode}_bwd", in_shape, dy.dtype, geom,
-                                               interpret=interpret, include_pad=include_pad,
-                                               divisor=divisor)
+  launch = Launch.of(launch or launch_for(f"{mode}_bwd", in_shape, dy.dtype, geom,
+                                          interpret=interpret, include_pad=include_pad,
+                                          divisor=divisor))
+  bw, bl, warps = launch.block_cols, launch.block_lanes, launch.num_warps
+  block = list(launch.rows or ())  # (bd, bh), or none: one block a program
   bd, bh = block or (1, 1)
   if bd < 1 or bh < 1:
     raise ValueError(f"a backward's block of rows must be at least 1 x 1, got {tuple(block)}")
   rows = nb * math.prod(block_rows(g, (bd, bh)))
-  grid = triton_tile.grid(rows, pl.cdiv(cols, bw), pl.cdiv(lanes, bl))
+  grid = tile.grid(rows, pl.cdiv(cols, bw), pl.cdiv(lanes, bl))
   kernel = functools.partial(backward_kernel, g=g, bw=bw, bl=bl, lanes=lanes, rows=rows,
                              n_cols=cols, mode=mode, include_pad=include_pad, divisor=divisor,
                              interpret=interpret, block=(bd, bh),
@@ -272,17 +225,17 @@ def _backward_call(operands, in_shape, geom: Geometry, mode: str, interpret: boo
 
 
 # Whether the max backward of 16-bit floats selects two lanes an instruction where it can
-# (triton_backward.pick16); off: one lane at a time, as for other dtypes (the same bits).
+# (backward.pick16); off: one lane at a time, as for other dtypes (the same bits).
 PACKED_SELECT = True
 
 
 def _packed_select(mode: str, operands, g: Geometry, tile: int, warps: int,
                    interpret: bool) -> bool:
-  """Whether the backward kernel runs :func:`triton_backward.pick16`: the max backward of a
+  """Whether the backward kernel runs :func:`backward.pick16`: the max backward of a
   16-bit float compiled for an NVIDIA GPU, taps of at most 16 bits (at most ``PICK16_TAPS``
   taps a window), and each thread holding an even number of the ``tile``'s elements (so that each
   32-bit register pairs two of them)."""
-  if mode != "max" or not PACKED_SELECT or not _ptx(interpret):
+  if mode != "max" or not PACKED_SELECT or not config._ptx(interpret):
     return False
   taps, dy = operands
   return (jnp.issubdtype(dy.dtype, jnp.floating) and dy.dtype.itemsize == 2
@@ -316,106 +269,6 @@ def avg_backward(dy: jax.Array, in_shape, geom: Geometry, *, interpret: bool,
 OPS = ("max_fwd", "argmax_fwd", "avg_fwd", "max_bwd", "avg_bwd")
 
 
-def separable(g: Geometry) -> bool:
-  """Whether the max forward of ``g`` (lifted to 3-D) may run in blocks of output rows
-  (``triton_rows.py``): dilation 1 and every window holding a real tap in each dim, where a
-  tap clamped into the input reads a tap of its own window."""
-  return all(d == 1 for d in g.dilation) and all(
-      bool((window_counts_1d(g, dim, False) > 0).all()) for dim in range(3))
-
-
-def avg_blocks(g: Geometry) -> bool:
-  """Whether the average forward of ``g`` (lifted to 3-D) may run in blocks of output rows:
-  dilation 1 (each block reads whole rows; the sums' order is the one-row kernel's)."""
-  return all(d == 1 for d in g.dilation)
-
-
-def _blocks_exact(g: Geometry, dtype, interpret: bool) -> bool:
-  """Whether blocks of output rows give the one-row kernel's bits for the max forward of
-  ``g`` in ``dtype``: :func:`separable`, and compiled a maximum whose bits do not depend on
-  the order: PTX's ``max.NaN.f32`` (NaN results canonical, ``+0.0`` above ``-0.0``) or an
-  integer maximum. (Interpret mode, for tests, runs any block; a NaN's payload may differ.)"""
-  if not separable(g):
-    return False
-  cmp_t = compare_dtype(dtype)
-  return (interpret or bool(jnp.issubdtype(cmp_t, jnp.integer))
-          or _max_form(cmp_t, interpret) == "ptx")
-
-
-def row_block_candidates(heuristic: Launch, g: Geometry, dtype, op: str = "max_fwd"
-                         ) -> list[Launch]:
-  """The forward's launches over blocks of output rows that the tuner tries beside the
-  one-row ones, where windows share input rows.
-
-  The max forward (with or without the taps, ``op`` "max_fwd" or "argmax_fwd"), where every
-  block gives the one-row kernel's bits compiled (:func:`_blocks_exact`): ``1 x 2`` rows with
-  the heuristic's tile and with half its lanes, and ``2 x 2`` (output planes that share input
-  planes) or ``1 x 4`` with half its columns and lanes (each row of a block keeps a tile of
-  maxima, and of taps). The average forward ("avg_fwd", :func:`avg_blocks`): ``1 x 2`` rows
-  with the heuristic's tile. Both, where output planes share input planes: ``2`` rows of every
-  output plane, looped over (``rd = 0``: each input plane read once), with the heuristic's tile,
-  with half its columns and warps and, in channels_last, with the columns of
-  ``tuning.least_waste_tile`` and its lanes or half of them, about 16 bytes a thread (with
-  the taps, the first two also with half their lanes, and one row of every output plane with
-  the heuristic's tile: each row holds a tile of taps beside its maxima)."""
-  Do, Ho, _ = g.out_spatial
-  shared = g.window[0] > g.strides[0] or g.window[1] > g.strides[1]  # rows read twice
-  fits = avg_blocks(g) if op == "avg_fwd" else _blocks_exact(g, dtype, False)
-  if not fits or Ho < 2 or not shared:
-    return []
-  bw, bl, warps = heuristic[:3]
-  half_bw, half_bl = max(bw // 2, 1), max(bl // 2, 1)
-  planes = Do > 1 and shares_planes(g)  # (output planes sharing input planes)
-  exact = [(*tile, 0, 2) for lanes in (bl, half_bl)
-           for tile in tuning.least_waste_tile(g.out_spatial[2], bw, lanes,
-                                               np.dtype(dtype).itemsize)] if g.channels_last else []
-  loops = [(bw, bl, warps, 0, 2), (half_bw, bl, max(warps // 2, 1), 0, 2),
-           *exact] if planes else []
-  if planes and op == "argmax_fwd":  # (a tile of taps beside the maxima: half the lanes too,
-    # and one row of every plane)
-    loops += [(bw, half_bl, warps, 0, 2), (half_bw, half_bl, max(warps // 2, 1), 0, 2),
-              (bw, bl, warps, 0, 1)]
-  if op == "avg_fwd":
-    return list(dict.fromkeys([(bw, bl, warps, 1, 2), *loops]))
-  four = (half_bw, half_bl, warps, 2, 2) if planes else (half_bw, half_bl, warps, 1, 4)
-  return list(dict.fromkeys([(bw, bl, warps, 1, 2), (bw, half_bl, warps, 1, 2), four, *loops]))
-
-
-def backward_block_candidates(heuristic: Launch, g: Geometry, itemsize: int) -> list[Launch]:
-  """The backward's launches over blocks of rows that the tuner tries beside the one-block
-  ones, where neighbouring blocks read the same cotangent rows (windows that overlap in height)
-  and a block reads at most :data:`BLOCK_TILES` tiles: ``1 x 2`` blocks with the heuristic's
-  tile and with half its lanes, ``2 x 2`` (windows that overlap in depth too) or ``1 x 4``
-  with half its lanes, and ``1 x 2`` blocks of the heuristic's tile and of half its columns
-  with 16 bytes per thread (``tuning.sixteen_byte_tiles``; ``itemsize``: the cotangents').
-  Every block gives the same bits (each element's sum is the same, in the same order)."""
-  depth, height = phase_rows(g)
-  if height < 2 or len(phase_offsets(g, 1)) < 2 or _block_tiles(g) > BLOCK_TILES:
-    return []
-  bw, bl, warps = heuristic[:3]
-  half_bl = max(bl // 2, 1)
-  planes = depth > 1 and len(phase_offsets(g, 0)) > 1
-  four = (bw, half_bl, warps, 2, 2) if planes else (bw, half_bl, warps, 1, 4)
-  sixteen = [(*tile, 1, 2) for tile in tuning.sixteen_byte_tiles(bw, bl, itemsize)]
-  return list(dict.fromkeys([(bw, bl, warps, 1, 2), (bw, half_bl, warps, 1, 2), four,
-                             *sixteen]))
-
-
-# The most tiles (of cotangents, and of taps) one block of the backward's rows may read for the
-# tuner to offer blocks: a 3x3/s2 pool reads 4, a 3x3x3/s2 one 8, where every block ran slower
-# than one block a program on an H100 and an H200 (a program of 2 x 2 such blocks sums 32
-# phases) and took seconds more to compile (docs/design/max-backward.md).
-BLOCK_TILES = 4
-
-
-def _block_tiles(g: Geometry) -> int:
-  """The tiles one block of the backward's rows reads (each column tap's own, in channels_first
-  with a stride that does not interleave)."""
-  cols = (len(phase_offsets(g, 2)) if g.channels_last or interleaves(g.strides[2])
-          else g.window[2])
-  return len(phase_offsets(g, 0)) * len(phase_offsets(g, 1)) * cols
-
-
 def avg_counting(include_pad: bool, divisor: int | None) -> str:
   """How an average forward counts its divisor, part of its tuning key (its blocks of rows
   compute the count per window, the one-row kernel inside the input a constant): "divisor",
@@ -429,7 +282,7 @@ def launch_for(op: str, in_shape, dtype, geom: Geometry, *, interpret: bool,
   """The launch configuration of kernel ``op`` (:data:`OPS`) on an input of ``in_shape``.
 
   Interpret mode, platforms other than CUDA and ``JAXPOOL_TUNE=off``: :func:`launch_config`
-  (the heuristic constants). Otherwise the tuner's choice (``tuning.py``): from memory, the
+  (the heuristic constants). Otherwise the tuner's choice (``tuning/tuner.py``): from memory, the
   disk cache or the shipped table, else tuned now among :func:`tuning.candidates` (unless
   ``JAXPOOL_TUNE=cached``). Every configuration computes the same bits.
   """
@@ -445,16 +298,16 @@ def launch_for(op: str, in_shape, dtype, geom: Geometry, *, interpret: bool,
   view = _view_shape(out_shape if forward else in_shape, spatial, g.channels_last)
   lanes = view[-1] if g.channels_last else view[0]
   cols = g.out_spatial[2] if forward else _backward_cols(g)
-  heuristic = launch_config(cols, lanes, dtype.itemsize, g.channels_last)
-  if interpret or tuning.mode() == "off" or platform() != "cuda":
+  heuristic = config.launch_config(cols, lanes, dtype.itemsize, g.channels_last)
+  if interpret or tuning.mode() == "off" or config.platform() != "cuda":
     return heuristic
   geometry = geometry_class(g.window, g.strides, g.dilation, cols, lanes, math.prod(view))
   if op == "avg_fwd":
     geometry += "/" + avg_counting(include_pad, divisor)
   key = Key(op, dtype.name, "channels_last" if g.channels_last else "channels_first", geometry)
-  extra = (row_block_candidates(heuristic, g, dtype, op) if forward
-           else backward_block_candidates(heuristic, g, dtype.itemsize))
-  cands = tuning.candidates(heuristic, cols, lanes, dtype.itemsize, g.channels_last,
+  extra = (config.row_block_candidates(heuristic, g, dtype, op) if forward
+           else config.backward_block_candidates(heuristic, g, dtype.itemsize))
+  cands = config.candidates(heuristic, cols, lanes, dtype.itemsize, g.channels_last,
                             tuning.max_candidates(), extra)
 
   def call(launch: Launch, *ops):
@@ -474,13 +327,13 @@ def launch_for(op: str, in_shape, dtype, geom: Geometry, *, interpret: bool,
     taps = (np.dtype(taps_dtype(n_taps)).name, n_taps) if kind == "max" and not forward else None
     return trial_inputs(operand_types[-1].shape, dtype.name, taps)
 
-  chosen = tuning.default_tuner().choose(key, heuristic, cands,
-                                         tuning.Trial(compile_launch, args),
-                                         tune=tuning.mode() == "auto")
+  chosen = Launch.of(tuning.default_tuner().choose(key, heuristic, cands,
+                                                    tuning.Trial(compile_launch, args),
+                                                    tune=tuning.mode() == "auto"))
   loops = forward and shares_planes(g)  # (a loop over the output planes: rd = 0)
-  if len(chosen) > 3 and (not extra or (chosen[3] == 0 and not loops)):
+  if chosen.rows is not None and (not extra or (chosen.block_depth == 0 and not loops)):
     # A block of rows chosen for this key's class (from the cache or a table) where this call
-    # cannot take one (one output row, padding that leaves a window empty, another NAN_MAX
+    # cannot take one (one output row, padding that leaves a window empty, another config.NAN_MAX
     # form, no output planes sharing input planes to loop over, a backward's loop): the
     # heuristic.
     return heuristic

@@ -1,9 +1,9 @@
 """Launch configurations chosen per GPU: a small autotuner, a disk cache and shipped tables.
 
-The GPU kernels (``triton.py``) take a launch configuration ``(bw, bl, num_warps)``: the
+The GPU kernels (``triton/ops.py``) take a launch configuration ``(bw, bl, num_warps)``: the
 tile's columns and lanes and the warps a program (the forwards also ``(bw, bl, num_warps, rd,
 rh)``: a block of ``rd x rh`` output rows a program, or with ``rd = 0`` ``rh`` rows of every
-output plane, looped over; ``triton_rows.py``). Every configuration computes the same bits
+output plane, looped over; ``triton/rows.py``). Every configuration computes the same bits
 (each output element's arithmetic and order do not depend on the tile; blocks of rows are
 offered only where their order cannot show), so the choice is only a matter of speed, and
 the best one depends on the GPU. For a call that compiles for a CUDA GPU, :meth:`Tuner.choose`
@@ -21,7 +21,7 @@ looks the configuration up, in this order:
    (``trials.trial_inputs``), for at most ``JAXPOOL_TUNE_BUDGET_S`` seconds a key; the fastest is
    written to the disk cache.
 
-Steps 1 to 3 and the keys are ``tuning_cache.py``'s (:class:`~tuning_cache.Store`, which a
+Steps 1 to 3 and the keys are ``tuning/cache.py``'s (:class:`~cache.Store`, which a
 :class:`Tuner` is); this module holds the settings, the candidates, the timing and step 4.
 
 ``JAXPOOL_TUNE=off`` (or ``0``) uses the heuristic constants only (no cache, no table, no
@@ -54,12 +54,13 @@ from typing import Any
 
 import jax
 
-from jaxpool._src.pallas.tuning_cache import MAX_TILE, Key, Launch, Store, pow2_ceil
+from jaxpool._src.pallas.triton.config import Launch
+from jaxpool._src.pallas.tuning.cache import Key, Store
 
 # Re-exported: the tests (tests/kernels/test_tuning.py) and benchmarks/pooling_gpu.py reach the
 # tuner's whole surface, the cache's names included, through this one module; their home is
-# tuning_cache.py.
-from jaxpool._src.pallas.tuning_cache import (  # noqa: F401
+# tuning/cache.py.
+from jaxpool._src.pallas.tuning.cache import (  # noqa: F401
     CACHE_ENV as CACHE_ENV, FORMAT as FORMAT, TABLES as TABLES, TuningWarning as TuningWarning,
     _valid_launch as _valid_launch, cache_dir as cache_dir, geometry_class as geometry_class,
     launch_name as launch_name, shipped_table as shipped_table, table_name as table_name)
@@ -147,84 +148,6 @@ def max_candidates() -> int:
 
 
 # ----------------------------------------------------------------------------- candidates
-
-
-def candidates(heuristic: Launch, cols: int, lanes: int, itemsize: int, channels_last: bool,
-               limit: int, extra: Sequence[Launch] = ()) -> list[Launch]:
-  """Up to ``limit`` configurations around ``heuristic``, ``heuristic`` first, then
-  :func:`sixteen_byte_tiles` (its tile and the tile of half its columns with 16 bytes per
-  thread), in channels_last :func:`least_waste_tile`, then the others by how far they are
-  from it (fewest changed factors, then smallest changes); then ``extra`` (the forwards'
-  blocks of rows, ``triton.row_block_candidates``, or the backwards',
-  ``triton.backward_block_candidates``), beyond ``limit``.
-
-  Columns ``bw`` from half to four times the heuristic's (at most the columns rounded up to
-  a power of two), lanes ``bl`` from half to twice (at most the lanes so rounded, and 1024
-  bytes a channel row in channels_last), warps from half to twice (1 to 8; the 16-byte tiles'
-  may be fewer), tiles of at most 8192 elements: all powers of two, as Triton's blocks must be.
-  """
-  bw0, bl0, w0 = heuristic
-  top_w, top_l = pow2_ceil(cols), pow2_ceil(lanes)
-  if channels_last:
-    top_l = min(top_l, max(1024 // itemsize, 1))
-  found = []
-  for bw in (bw0 // 2, bw0, bw0 * 2, bw0 * 4):
-    for bl in (bl0 // 2, bl0, bl0 * 2):
-      for warps in (w0 // 2, w0, w0 * 2):
-        if not (1 <= bw <= max(top_w, bw0) and 1 <= bl <= max(top_l, bl0) and 1 <= warps <= 8):
-          continue
-        if bw * bl > MAX_TILE and (bw, bl) != (bw0, bl0):
-          continue
-        cand = (bw, bl, warps)
-        steps = [abs(math.log2(a / b)) for a, b in zip(cand, heuristic)]
-        found.append(((sum(s > 0 for s in steps), sum(steps), cand), cand))
-  found.sort()
-  exact = least_waste_tile(cols, bw0, bl0, itemsize) if channels_last else []
-  ordered = [tuple(heuristic), *sixteen_byte_tiles(bw0, bl0, itemsize), *exact,
-             *(c for _, c in found)]
-  return list(dict.fromkeys(ordered))[:max(int(limit), 1)] + list(extra)
-
-
-def warps_for(bw: int, bl: int, itemsize: int, thread_bytes: int) -> int:
-  """The warps (a power of two, 1 to 8) that give each thread about ``thread_bytes`` bytes of a
-  ``bw x bl`` tile of ``itemsize``-byte elements (at least that many where 8 warps cap it)."""
-  warps = max(bw * bl * itemsize // (thread_bytes * 32), 1)
-  return min(1 << (warps.bit_length() - 1), 8)
-
-
-def sixteen_byte_tiles(bw: int, bl: int, itemsize: int) -> list[Launch]:
-  """The tile ``bw x bl`` and the tile of half its columns, each with the warps that give a
-  thread 16 bytes of it: one 16-byte load or store a thread and tile, the widest a thread
-  issues. (The heuristic gives each thread 8 bytes where 8 warps do not cap it; on an H200 the
-  3-D and bfloat16 backwards ran fastest in such smaller programs with 16 bytes per thread:
-  ``docs/tuning.md``.)"""
-  return [(w, bl, warps_for(w, bl, itemsize, 16)) for w in (bw, bw // 2) if w]
-
-
-def least_waste(width: int, most: int, least: int = 1) -> int:
-  """The power-of-two block in ``[least, most]`` (``least`` no more than ``width`` needs), at
-  most 128, that pads ``width`` least; the largest on ties."""
-  least = min(least, pow2_ceil(width), most)
-  best = min((_padded(width, bw), -bw) for bw in (1 << e for e in range(8))
-             if least <= bw <= most)
-  return -best[1]
-
-
-def _padded(width: int, block: int) -> int:
-  """``width`` rounded up to a multiple of ``block``."""
-  return -(-width // block) * block
-
-
-def least_waste_tile(cols: int, bw: int, bl: int, itemsize: int) -> list[Launch]:
-  """Where tiles of ``bw`` columns pad the kernel's ``cols`` (the forwards' output columns,
-  the backwards' phase columns), the tile of the columns from ``bw / 4`` (or fewer, as few as
-  ``cols`` needs) to ``bw / 2`` that pads them least, if it pads less, with about 16 bytes per
-  thread (fewer where one warp is the floor); else none. (28 columns in tiles of 16 or 8 leave
-  an eighth of the lanes idle on average, in tiles of 4 none: on an H200 the 3-D forwards over
-  28 output columns ran 1-4% faster so, docs/tuning.md.)"""
-  w = least_waste(cols, max(bw // 2, 1), max(bw // 4, 1))
-  return [(w, bl, warps_for(w, bl, itemsize, 16))] if _padded(cols, w) < _padded(cols, bw) else []
-
 
 
 # ----------------------------------------------------------------------------- timing

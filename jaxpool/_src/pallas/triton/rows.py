@@ -3,7 +3,7 @@ taps each window's winning tap, or the average.
 
 A window's maximum (or sum) is separable: the maximum over its planes of the maxima over their
 rows of the maxima over each row's column taps. A program of this kernel covers ``rd x rh``
-output rows (and a tile of columns and lanes, as ``triton_tile.py``'s programs), reduces each
+output rows (and a tile of columns and lanes, as ``triton/tile.py``'s programs), reduces each
 input row it reads over its column taps once, then the rows of each plane, then the planes, so
 the output rows whose windows share an input row (3x3/s2 windows share one row in three) load
 and reduce it once, and fewer bytes pass through the L2 cache (which bounds the 3-D forward on
@@ -12,13 +12,13 @@ output plane and loops over the planes, carrying the reductions of the input pla
 next window shares, so each input plane is read once.
 
 The average sums in that order in every launch, one row a program included
-(``triton_avg.avg_kernel``), with the taps outside the input masked to zero and the divisor's
+(``avg.avg_kernel``), with the taps outside the input masked to zero and the divisor's
 reciprocal computed per window (the same number as the one-row kernel's constant inside the
 input): every launch gives the same bits.
 
 The maximum does not depend on the order of its operands when each maximum is PTX's
 ``max.NaN.f32`` (NaN results canonical, ``+0.0`` above ``-0.0``) or an integer maximum, so
-there these programs are bit-identical to ``triton_max.max_kernel``'s: the tuner offers blocks
+there these programs are bit-identical to ``max.max_kernel``'s: the tuner offers blocks
 only where that holds (``triton.row_block_candidates``), and a compiled call with another
 maximum refuses them. The tap follows ``max_kernel``'s rule (the first tap in row-major order
 where the running maximum's bits change), which composes: each stage (a row's columns, a
@@ -41,9 +41,9 @@ from jax.experimental import pallas as pl
 
 from jaxpool._src.autodiff import apply_activation
 from jaxpool._src.dtypes import accumulator_dtype
-from jaxpool._src.pallas.triton_avg import count_reciprocal, reciprocal
-from jaxpool._src.pallas.triton_max import bits, compare_dtype, nan_max
-from jaxpool._src.pallas.triton_tile import Tile, counted_taps, load, program, split
+from jaxpool._src.pallas.triton.avg import count_reciprocal, reciprocal
+from jaxpool._src.pallas.triton.max import bits, compare_dtype, nan_max
+from jaxpool._src.pallas.triton.tile import Tile, counted_taps, load, program, split
 from jaxpool._src.windows import Geometry
 
 
@@ -66,7 +66,7 @@ def rows_kernel(x_ref, *out_refs, g: Geometry, bw: int, bl: int, lanes: int, nb:
                 divisor: int | None = None, ptx: bool = False):
   """A block of ``rd x rh`` output rows, ``bw`` columns and ``bl`` lanes: ``mode`` "max", the
   maxima (then ``activation``) and with ``with_taps`` each window's winning tap (row-major;
-  ``form``: ``nan_max``'s); "avg", the averages (``triton_avg.avg_kernel``'s divisor, sum
+  ``form``: ``nan_max``'s); "avg", the averages (``avg.avg_kernel``'s divisor, sum
   order and ``ptx``). ``nb``: the batches (1 in channels_first).
 
   ``rd = 0``: the program covers ``rh`` output rows of every output plane and loops over the

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxpool._src.pallas.calls import KernelCall
-from jaxpool._src.pallas.halo import (DimPlan, cdiv, exchange, general, halo_parts, join,
+from jaxpool._src.pallas.sharding.halo import (DimPlan, cdiv, exchange, general, halo_parts, join,
                                       local_dim, result_blocks)
 from jaxpool._src.windows import Geometry
 

@@ -1,0 +1,1 @@
+"""The kernels under a mesh: the partitioning rule (``partition``) and the halo exchanges."""

@@ -1,0 +1,1 @@
+"""The Pallas TPU (Mosaic) kernels and their calls (``ops``)."""

@@ -1,0 +1,1 @@
+"""Launch tuning: the tuner, its disk cache and shipped tables, and the trials' inputs."""
