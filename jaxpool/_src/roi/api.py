@@ -137,7 +137,8 @@ def _pair(name: str, value: Any) -> tuple[int, int]:
 
 
 _needed = jax.jit(lambda coords, scale, out: jnp.max(
-    jnp.ceil((coords[:, 2:] - coords[:, :2]) * scale[:, None] / out), axis=0, initial=0.0))
+    jnp.ceil((coords[:, 2:] - coords[:, :2]) * scale[:, None] / out[None, :]), axis=0,
+    initial=0.0))
 
 
 def sample_grid(sampling_ratio: int, cap: tuple[int, int] | None, coords: jax.Array,

@@ -76,7 +76,7 @@ def _max_parts(base, stride, iy, ix, taps, wy, wx):
   rx, cx = ix[k, j, sx], wx[k, j, sx].astype(F32)
   rows = (base[:, None, None, None, None, None] + ry[..., :, None] * stride[
       :, None, None, None, None, None] + rx[..., None, :])
-  elems = rows * C + jnp.arange(C)[:, None, None]
+  elems = rows * C + jnp.arange(C)[None, None, None, :, None, None]
   w = jnp.where(ok[..., None, None], cy[..., :, None] * cx[..., None, :], 0.0)
   return elems, w, (sy, sx, ok)
 
@@ -122,8 +122,10 @@ def _forward(base, stride, iy, ix, taps, wy, wx, x, *, dtype):
 def segment_sum_sorted(values: jax.Array, rows: jax.Array, num_rows: int) -> jax.Array:
   """``out[p] = sum of values[m] where rows[m] == p``, ``(num_rows, C)``, deterministic.
 
-  A stable sort of the rows, a segmented inclusive scan in a fixed order, then each row's sum read
-  at the last entry of its segment (a gather at unique positions): no scatter, no atomics.
+  A stable sort of the rows, a segmented inclusive scan (Hillis-Steele: ``log2(M)`` steps, each
+  adding the partial sum ``2**t`` entries back within the segment, a fixed tree of additions),
+  then each row's sum read at the last entry of its segment (a gather at unique positions): no
+  scatter, no atomics.
   ``values``: ``(M, C)`` float32; ``rows``: ``(M,)`` int32 in ``[0, num_rows)``.
   """
   C = values.shape[1]
@@ -132,14 +134,18 @@ def segment_sum_sorted(values: jax.Array, rows: jax.Array, num_rows: int) -> jax
   order = jnp.argsort(rows, stable=True)
   keys = rows[order]
   vals = values[order]
+  M = keys.shape[0]
+  idx = jnp.arange(M, dtype=jnp.int32)
   starts = jnp.concatenate([jnp.ones((1,), bool), keys[1:] != keys[:-1]])
+  first = lax.cummax(jnp.where(starts, idx, 0))  # where each entry's segment starts
+  zeros = jnp.zeros_like(vals)
 
-  def combine(left, right):
-    fl, vl = left
-    fr, vr = right
-    return fl | fr, jnp.where(fr[..., None], vr, vl + vr)
+  def step(t, v):  # Hillis-Steele: add the partial sum 2**t entries back, inside the segment
+    d = jnp.left_shift(jnp.int32(1), t)
+    shifted = lax.dynamic_slice_in_dim(jnp.concatenate([zeros, v]), M - d, M)
+    return v + jnp.where((idx - d >= first)[:, None], shifted, 0.0)
 
-  _, sums = lax.associative_scan(combine, (starts, vals))
+  sums = lax.fori_loop(0, max(1, (M - 1).bit_length()), step, vals)
   targets = jnp.arange(num_rows, dtype=keys.dtype)
   last = jnp.searchsorted(keys, targets, side="right") - 1
   safe = jnp.clip(last, 0, keys.shape[0] - 1)
