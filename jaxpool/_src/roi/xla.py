@@ -135,7 +135,7 @@ def roi_pool(x: jax.Array, image: jax.Array, coords: jax.Array,
   usable = (ok[:, None, None] & ~empty)[..., None]
   rows = jnp.where(usable, _pool_argmax(table, bins, base, width), -1)
   C = table.shape[1]
-  elems = jnp.where(rows >= 0, rows * C + jnp.arange(C, dtype=rows.dtype), -1)
+  elems = jnp.where(rows >= 0, rows * C + jnp.arange(C, dtype=rows.dtype)[None, None, None], -1)
   picked = PICK.forward(elems, table, rows=table.shape[0])
   fill = jnp.where(usable, POOL_FLOOR, 0.0).astype(x.dtype)
   y = jnp.where(rows >= 0, picked, fill)
