@@ -65,8 +65,10 @@ def _check(x, boxes, rng, atol=2e-5, **kw):
   np.testing.assert_array_equal(db[:, 0], 0)
 
 
-@pytest.mark.parametrize("mode", ["avg", "max"])
-@pytest.mark.parametrize("aligned", [False, True])
+@pytest.mark.parametrize("mode,aligned", [
+    ("avg", False), ("max", True),
+    pytest.param("avg", True, marks=pytest.mark.slow),
+    pytest.param("max", False, marks=pytest.mark.slow)])
 def test_values_and_gradients(rng, mode, aligned):
   x = _x(rng)
   boxes = np.concatenate([_boxes(rng, 6), EDGE])
@@ -74,7 +76,9 @@ def test_values_and_gradients(rng, mode, aligned):
          aligned=aligned, mode=mode)
 
 
-@pytest.mark.parametrize("sampling_ratio,max_samples", [(0, None), (-1, 2), (1, None)])
+@pytest.mark.parametrize("sampling_ratio,max_samples", [
+    (-1, 2), pytest.param(0, None, marks=pytest.mark.slow),
+    pytest.param(1, None, marks=pytest.mark.slow)])
 def test_sampling_forms(rng, sampling_ratio, max_samples):
   x = _x(rng)
   boxes = np.concatenate([_boxes(rng, 5, hi=14.0), EDGE])
@@ -124,8 +128,18 @@ def test_list_of_boxes_is_the_rows_form(rng):
   a = jaxpool.roi_align(x, rows[order], 3, sampling_ratio=2)
   b = jaxpool.roi_align(x, per_image, 3, sampling_ratio=2)
   np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.slow
+def test_list_of_boxes_gradient(rng):
+  x = _x(rng)
+  rows = _boxes(rng, 5)
+  per_image = [rows[rows[:, 0] == i, 1:] for i in range(N)]
+  order = np.argsort(rows[:, 0], kind="stable")
   g = jax.grad(lambda bs: jaxpool.roi_align(x, bs, 3, sampling_ratio=2).sum())(per_image)
   assert [t.shape for t in g] == [p.shape for p in per_image]
+  gr = jax.grad(lambda b: jaxpool.roi_align(x, b, 3, sampling_ratio=2).sum())(rows[order])
+  np.testing.assert_array_equal(np.concatenate(g), gr[:, 1:])
 
 
 def test_empty_boxes_and_images_without_boxes(rng):
@@ -141,6 +155,7 @@ def test_empty_boxes_and_images_without_boxes(rng):
   assert np.abs(dx[0]).sum() > 0
 
 
+@pytest.mark.slow
 def test_channels_first_is_the_transpose(rng):
   x = _x(rng)
   boxes = _boxes(rng, 4)
@@ -150,7 +165,8 @@ def test_channels_first_is_the_transpose(rng):
   np.testing.assert_array_equal(np.moveaxis(np.asarray(b), 1, -1), a)
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16,
+                                   pytest.param(jnp.float16, marks=pytest.mark.slow)])
 def test_low_precision_accumulates_in_float32(rng, dtype):
   x = _x(rng)
   boxes = _boxes(rng, 4)
@@ -166,7 +182,7 @@ def test_low_precision_accumulates_in_float32(rng, dtype):
   assert dx.dtype == dtype
 
 
-def test_two_runs_same_bits_and_jvp_is_the_vjp(rng):
+def test_two_runs_same_bits(rng):
   x = _x(rng)
   boxes = np.concatenate([_boxes(rng, 8), _boxes(rng, 8)])  # overlapping boxes: shared pixels
   kw = dict(output_size=(3, 3), sampling_ratio=2, aligned=True)
@@ -175,6 +191,15 @@ def test_two_runs_same_bits_and_jvp_is_the_vjp(rng):
   second = _run(x.copy(), boxes.copy(), dy.copy(), **kw)
   for a, b in zip(first, second):
     np.testing.assert_array_equal(np.asarray(a).view(np.uint32), np.asarray(b).view(np.uint32))
+
+
+@pytest.mark.slow
+def test_jvp_is_the_transpose_of_the_vjp(rng):
+  x = _x(rng)
+  boxes = np.concatenate([_boxes(rng, 8), _boxes(rng, 8)])
+  kw = dict(output_size=(3, 3), sampling_ratio=2, aligned=True)
+  dy = rng.standard_normal((16, 3, 3, C)).astype(np.float32)
+  first = _run(x, boxes, dy, **kw)
   tx = rng.standard_normal(x.shape).astype(np.float32)
   tb = rng.standard_normal(boxes.shape).astype(np.float32)
   _, ty = jax.jvp(lambda v, b: jaxpool.roi_align(v, b, **kw), (x, boxes), (tx, tb))
@@ -184,6 +209,15 @@ def test_two_runs_same_bits_and_jvp_is_the_vjp(rng):
   assert abs(lhs - rhs) < 1e-3 * max(1.0, abs(lhs))
 
 
+def test_vmap_forward(rng):
+  xs = np.stack([_x(rng), _x(rng)])
+  bs = np.stack([_boxes(rng, 3), _boxes(rng, 3)])
+  f = lambda v, b: jaxpool.roi_align(v, b, 2, sampling_ratio=2)
+  np.testing.assert_allclose(jax.vmap(f)(xs, bs), np.stack([f(xs[i], bs[i]) for i in range(2)]),
+                             rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.slow
 def test_vmap_is_a_loop(rng):
   xs = np.stack([_x(rng), _x(rng)])
   bs = np.stack([_boxes(rng, 3), _boxes(rng, 3)])
@@ -197,6 +231,7 @@ def test_vmap_is_a_loop(rng):
     np.testing.assert_allclose(g[1][i], gi[1], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_second_order_runs(rng):
   x = _x(rng, (1, 5, 5, 1))
   boxes = np.array([[0, 0.6, 0.7, 3.3, 3.9]], np.float32)
@@ -218,7 +253,7 @@ def test_max_mode_ties_and_nan(rng):
   assert np.isnan(f(x)).all()
 
 
-@settings(max_examples=4, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=2, deadline=None, suppress_health_check=list(HealthCheck))
 @given(seed=st.integers(0, 2**16), ratio=st.sampled_from([0, 1, 2]),
        aligned=st.booleans(), mode=st.sampled_from(["avg", "max"]))
 def test_hypothesis_against_the_reference(seed, ratio, aligned, mode):

@@ -74,13 +74,22 @@ def test_channels_first_and_lists(rng):
   np.testing.assert_array_equal(np.moveaxis(np.asarray(b), 1, -1), a)
 
 
-def test_gradient_same_bits_and_vmap(rng):
+def _grads(rng):
   x = rng.standard_normal((N, H, W, C)).astype(np.float32)
   boxes = np.concatenate([BOXES, BOXES])  # overlapping bins share pixels
   f = lambda v: (jaxpool.roi_pool(v, boxes, 3) ** 2).sum()
-  g1 = jax.jit(jax.grad(f))(x)
-  g2 = jax.jit(jax.grad(f))(x.copy())
+  g = jax.jit(jax.grad(f))
+  return x, f, g(x), g(x.copy())
+
+
+def test_gradient_same_bits(rng):
+  _, _, g1, g2 = _grads(rng)
   np.testing.assert_array_equal(np.asarray(g1).view(np.uint32), np.asarray(g2).view(np.uint32))
+
+
+@pytest.mark.slow
+def test_gradient_vmap(rng):
+  x, f, g1, _ = _grads(rng)
   xs = np.stack([x, -x])
   v = jax.vmap(jax.grad(f))(xs)
   np.testing.assert_array_equal(v[0], g1)
