@@ -70,8 +70,10 @@ class RoIPoolBody(RoIBody):
     roi_api.positive_scale("spatial_scale", self.spatial_scale)
 
   def _apply(self, inputs: Any, boxes: Any) -> jax.Array:
-    return roi_api.roi_pool(inputs, boxes, self.output_size, spatial_scale=self.spatial_scale,
-                            data_format=self.data_format, implementation=self.implementation)
+    y = roi_api.roi_pool(inputs, boxes, self.output_size, spatial_scale=self.spatial_scale,
+                         data_format=self.data_format, implementation=self.implementation)
+    assert not isinstance(y, tuple)  # (no return_indices)
+    return y
 
 
 class MultiScaleRoIAlignBody(RoIBody):

@@ -2,7 +2,6 @@
 gradient and the box gradient, every sampling form, aligned both ways, rectangular grids, the
 edge boxes; the box gradient against finite differences; determinism."""
 
-import functools
 
 import jax
 import jax.numpy as jnp

@@ -25,7 +25,7 @@ from jaxpool._src.roi.plan import MODES, AlignConfig, Level
 from jaxpool._src.windows import DATA_FORMATS
 
 
-def infer_scales(sizes: Sequence[tuple[int, int]],
+def infer_scales(sizes: Sequence[Sequence[int]],
                  image_shapes: Sequence[Sequence[int]]) -> tuple[float, ...]:
   """torchvision's ``_setup_scales``: each level's scale, ``2 ** round(log2(map height /
   largest image height))`` (rounded half to even, as ``torch.round``)."""
