@@ -231,6 +231,24 @@ def test_vmap_is_a_loop(rng):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("mode", ["avg", "max"])
+def test_vmap_over_the_boxes_only(rng, mode):
+  """The features unbatched, the boxes batched: the gradient's batching rule keeps one table."""
+  x = _x(rng)
+  bs = np.stack([_boxes(rng, 3) for _ in range(3)])
+  f = lambda v, b: (jaxpool.roi_align(v, b, 2, sampling_ratio=2, mode=mode) ** 2).sum()
+  g = jax.grad(f, argnums=(0, 1))
+  gv = jax.vmap(g, in_axes=(None, 0))(x, bs)
+  for i in range(3):
+    gi = g(x, bs[i])
+    np.testing.assert_allclose(gv[0][i], gi[0], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(gv[1][i], gi[1], rtol=1e-6, atol=1e-6)
+  whole = jax.grad(lambda v, b: jax.vmap(f, in_axes=(None, 0))(v, b).sum())(x, bs)
+  np.testing.assert_allclose(whole, sum(g(x, bs[i])[0] for i in range(3)), rtol=1e-5,
+                             atol=1e-5)
+
+
+@pytest.mark.slow
 def test_second_order_runs(rng):
   x = _x(rng, (1, 5, 5, 1))
   boxes = np.array([[0, 0.6, 0.7, 3.3, 3.9]], np.float32)

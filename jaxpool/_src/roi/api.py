@@ -173,7 +173,7 @@ def roi_align(x: Any, boxes: Boxes, output_size: int | Sequence[int], *,
 
   Args:
     x: ``(N, H, W, C)`` (``channels_last``) or ``(N, C, H, W)`` (``channels_first``); float32,
-      bfloat16 or float16 (float32 accumulation) or float64.
+      bfloat16 or float16, sampled and summed in float32 (so is float64, in this version).
     boxes: ``(K, 5)`` rows ``(image, x1, y1, x2, y2)`` or a list of ``N`` arrays ``(K_i, 4)``
       of ``(x1, y1, x2, y2)``, one per image, in input-image coordinates.
     output_size: ``(ph, pw)`` bins (an int for a square grid).
