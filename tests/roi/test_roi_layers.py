@@ -38,6 +38,9 @@ def test_layers_are_the_functions():
       jpl.MultiScaleRoIAlign(2).apply({}, feats, per_image, [(6, 7), (6, 7)]), ms)
   np.testing.assert_array_equal(jpn.MultiScaleRoIAlign(2)(feats, per_image, [(6, 7), (6, 7)]),
                                 ms)
+  feats_cf = [np.moveaxis(f, -1, 1) for f in feats]
+  eq = jpe.MultiScaleRoIAlign(2)(feats_cf, per_image, [(6, 7), (6, 7)])
+  np.testing.assert_array_equal(np.moveaxis(np.asarray(eq), 1, -1), ms)
 
 
 @pytest.mark.parametrize("make,match", [
