@@ -122,10 +122,10 @@ def _forward(base, stride, iy, ix, taps, wy, wx, x, *, dtype):
 def segment_sum_sorted(values: jax.Array, rows: jax.Array, num_rows: int) -> jax.Array:
   """``out[p] = sum of values[m] where rows[m] == p``, ``(num_rows, C)``, deterministic.
 
-  A stable sort of the rows, a segmented inclusive scan (Hillis-Steele: ``log2(M)`` steps, each
-  adding the partial sum ``2**t`` entries back within the segment, a fixed tree of additions),
-  then each row's sum read at the last entry of its segment (a gather at unique positions): no
-  scatter, no atomics.
+  A stable sort of the rows, a segmented inclusive scan (Hillis-Steele: ``ceil(log2)`` of the
+  longest run steps, each adding the partial sum ``2**t`` entries back within the segment, a
+  fixed tree of additions), then each row's sum read at the last entry of its segment (a gather
+  at unique positions): no scatter, no atomics.
   ``values``: ``(M, C)`` float32; ``rows``: ``(M,)`` int32 in ``[0, num_rows)``.
   """
   C = values.shape[1]
@@ -145,7 +145,11 @@ def segment_sum_sorted(values: jax.Array, rows: jax.Array, num_rows: int) -> jax
     shifted = lax.dynamic_slice_in_dim(jnp.concatenate([zeros, v]), M - d, M)
     return v + jnp.where((idx - d >= first)[:, None], shifted, 0.0)
 
-  sums = lax.fori_loop(0, max(1, (M - 1).bit_length()), step, vals)
+  # As many steps as the longest run needs (ceil(log2(run))), not log2(M): a data-dependent
+  # count, fine here (this implementation is never differentiated by JAX).
+  longest = jnp.max(idx - first) + 1
+  steps = 32 - lax.clz((longest - 1).astype(jnp.int32))
+  sums = lax.fori_loop(0, steps, step, vals)
   targets = jnp.arange(num_rows, dtype=keys.dtype)
   last = jnp.searchsorted(keys, targets, side="right") - 1
   safe = jnp.clip(last, 0, keys.shape[0] - 1)
