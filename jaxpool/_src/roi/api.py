@@ -47,6 +47,13 @@ def check_maps(name: str, x: Any, data_format: Any) -> jax.Array:
   return x
 
 
+def check_elements(name: str, size: int) -> None:
+  """The max modes address single elements of the feature maps with int32."""
+  if size >= 2**31:
+    raise ValueError(f"{name} must have fewer than 2**31 elements for a maximum (its indices "
+                     f"are int32); got {size}.")
+
+
 def _box_array(name: str, b: Any) -> jax.Array:
   b = as_array(name, b)
   if not (jnp.issubdtype(b.dtype, jnp.floating) or jnp.issubdtype(b.dtype, jnp.integer)):
@@ -217,6 +224,8 @@ def roi_align(x: Any, boxes: Boxes, output_size: int | Sequence[int], *,
   ratio, cap = check_sampling(sampling_ratio, max_samples)
   aligned = check_bool("aligned", aligned)
   check_name("mode", mode, MODES)
+  if mode == "max":
+    check_elements("x", x.size)
   image, coords = split_boxes(boxes, x.shape[0])
   N, H, W, _ = x.shape
   levels = (Level(N, H, W, scale, 0),)
@@ -266,6 +275,7 @@ def roi_pool(x: Any, boxes: Boxes, output_size: int | Sequence[int], *,
   output_size = output_size_pair(output_size)
   scale = positive_scale("spatial_scale", spatial_scale)
   return_indices = check_bool("return_indices", return_indices)
+  check_elements("x", x.size)
   image, coords = split_boxes(boxes, x.shape[0])
   N, H, W, _ = x.shape
   cfg = PoolConfig(output_size, Level(N, H, W, scale, 0))

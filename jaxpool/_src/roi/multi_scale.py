@@ -19,8 +19,8 @@ from jaxpool._src import dispatch
 from jaxpool._src.api_args import DataFormat, Implementation
 from jaxpool._src.backend import Op
 from jaxpool._src.checks import check_bool, check_name, is_int
-from jaxpool._src.roi.api import (Boxes, Mode, check_maps, check_sampling, output_size_pair,
-                                  positive_scale, sample_grid, split_boxes)
+from jaxpool._src.roi.api import (Boxes, Mode, check_elements, check_maps, check_sampling,
+                                  output_size_pair, positive_scale, sample_grid, split_boxes)
 from jaxpool._src.roi.plan import MODES, AlignConfig, Level
 from jaxpool._src.windows import DATA_FORMATS
 
@@ -102,6 +102,8 @@ def multi_scale_roi_align(features: Sequence[Any], boxes: Boxes,
   ratio, cap = check_sampling(sampling_ratio, max_samples)
   aligned = check_bool("aligned", aligned)
   check_name("mode", mode, MODES)
+  if mode == "max":
+    check_elements("features", sum(m.size for m in maps))
   canonical_scale = positive_scale("canonical_scale", canonical_scale)
   if not is_int(canonical_level):
     raise TypeError(f"canonical_level must be an int; got {canonical_level!r}.")
