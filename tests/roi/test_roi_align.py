@@ -289,3 +289,15 @@ def test_hypothesis_wide(seed, ratio, aligned, mode, ph, pw, scale, k):
   boxes = np.concatenate([_boxes(rng, k, lo=-4.0, hi=16.0 / scale), EDGE])
   _check(_x(rng), boxes, rng, output_size=(ph, pw), spatial_scale=scale, sampling_ratio=ratio,
          aligned=aligned, mode=mode, max_samples=None if ratio > 0 else 4)
+
+
+def test_gradients_have_no_scatter(rng):
+  """The determinism claim, checked in the compiled program: no scatter (so no atomics) in the
+  gradient for the features and the boxes of roi_align, and for the features of roi_pool."""
+  x = _x(rng)
+  boxes = _boxes(rng, 4)
+  align = lambda v, b: jaxpool.roi_align(v, b, 2, sampling_ratio=2, aligned=True).sum()
+  pool = lambda v: jaxpool.roi_pool(v, boxes, 2).sum()
+  for hlo in (jax.jit(jax.grad(align, argnums=(0, 1))).lower(x, boxes).as_text(),
+              jax.jit(jax.grad(pool)).lower(x).as_text()):
+    assert "scatter" not in hlo.lower()
