@@ -290,6 +290,7 @@ def main():
           "bytes": "fwd: |features| + |y|; fwd+dx: 2 |features| + 2 |y|",
           "peak": "XLA memory analysis: (arguments + outputs + temporaries) / (arguments + "
                   "outputs)"}
+  os.makedirs(os.path.dirname(path), exist_ok=True)
   with open(path, "w") as f:
     json.dump({"meta": meta, "cases": results}, f, indent=1)
   print("wrote", path)
