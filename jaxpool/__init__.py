@@ -18,6 +18,7 @@ from jaxpool._src.api import max_pool_with_taps as max_pool_with_taps
 from jaxpool._src.api import max_unpool as max_unpool
 from jaxpool._src.api import min_pool as min_pool
 from jaxpool._src.optimize import optimize as optimize
+from jaxpool._src.platforms import PallasInterpreterWarning as PallasInterpreterWarning
 from jaxpool._src.windows import Geometry as Geometry
 from jaxpool._src.windows import make_geometry as make_geometry
 
