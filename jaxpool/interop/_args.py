@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 
 from jaxpool._src.checks import check_bool, check_name, is_int
-from jaxpool._src.windows import DATA_FORMATS, IMPLEMENTATIONS, padding_hint,
-                                  padding_string
+from jaxpool._src.windows import (DATA_FORMATS, IMPLEMENTATIONS, padding_hint,
+                                   padding_string)
 
 
 _NO_CROP = "negative padding, which lax.reduce_window reads as cropping, is not supported"
