@@ -286,8 +286,11 @@ def _max_select_layout(ctx: Context, g: Dataflow, eqn, where: str, x, what: str,
   """The window layout of XLA's max-pool ``select_and_*`` op (``select_prim`` ``ge``), or None
   after noting why the site is left alone."""
   p = eqn.params
-  if getattr(p["select_prim"], "name", None) != "ge":
-    ctx.note(where, eqn, False, f"select_prim {p['select_prim']} (not a max pool's {what})")
+  name = getattr(p["select_prim"], "name", None)
+  if name != "ge":
+    picks = {"le": "<= (a min pool's)", "lt": "<", "gt": ">"}.get(name, str(p["select_prim"]))
+    ctx.note(where, eqn, False, f"not a max pool's {what}: it picks by {picks}, a max pool's "
+             "by >=")
     return None
   lay = window_layout(ctx, g, p, x, allow_int=False, **layout)
   if isinstance(lay, str):
