@@ -87,8 +87,21 @@ class Finding:
     return ", ".join(p for p in (self.layer, short) if p)
 
 
+_KEEP = "\x00"  # a space that the table does not break at
+
+
 def _cells(text: str, width: int) -> list[str]:
-  return textwrap.wrap(text, width, break_on_hyphens=False) or [""]
+  """``text`` wrapped to ``width``, never inside a tuple within a call (``(2, 2)`` in
+  ``jaxpool.max_pool(window (2, 2), ...)`` stays on one line)."""
+  depth, chars = 0, []
+  for c in text:
+    depth += (c == "(") - (c == ")")
+    chars.append(_KEEP if c == " " and depth >= 2 else c)
+  # A kept run longer than a third of the column (a whole call in parentheses) may break.
+  units = [u if len(u) <= width // 3 else u.replace(_KEEP, " ")
+           for u in "".join(chars).split(" ")]
+  lines = textwrap.wrap(" ".join(units), width, break_on_hyphens=False) or [""]
+  return [line.replace(_KEEP, " ") for line in lines]
 
 
 def table(rows: list[tuple[str, ...]], widths: tuple[int, ...], indent: str = "  ") -> str:
@@ -140,7 +153,8 @@ class OptimizeReport:
     if not self.findings:
       return self._headline()
     rows = [("", "what", "where", "became / why not")]
-    rows += [(f.status, f.what, f.at, f.detail) for f in self.findings]
+    rows += [(f.status, f.what, f.at, f.detail.removeprefix("left to XLA: "))
+             for f in self.findings]
     w_status = max(len(r[0]) for r in rows)
     w_what = min(max(len(r[1]) for r in rows), 21)
     w_at = min(max(len(r[2]) for r in rows), 28)
