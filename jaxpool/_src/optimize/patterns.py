@@ -286,9 +286,9 @@ def _max_select_layout(ctx: Context, g: Dataflow, eqn, where: str, x, what: str,
   """The window layout of XLA's max-pool ``select_and_*`` op (``select_prim`` ``ge``), or None
   after noting why the site is left alone."""
   p = eqn.params
-  name = getattr(p["select_prim"], "name", None)
+  name = str(getattr(p["select_prim"], "name", p["select_prim"]))
   if name != "ge":
-    picks = {"le": "<= (a min pool's)", "lt": "<", "gt": ">"}.get(name, str(p["select_prim"]))
+    picks = {"le": "<= (a min pool's)", "lt": "<", "gt": ">"}.get(name, name)
     ctx.note(where, eqn, False, f"not a max pool's {what}: it picks by {picks}, a max pool's "
              "by >=")
     return None

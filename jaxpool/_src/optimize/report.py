@@ -8,6 +8,7 @@ import os
 import re
 import sys
 import textwrap
+from collections.abc import Sequence
 
 from jaxpool._src.optimize import _jax_private
 
@@ -104,7 +105,7 @@ def _cells(text: str, width: int) -> list[str]:
   return [line.replace(_KEEP, " ") for line in lines]
 
 
-def table(rows: list[tuple[str, ...]], widths: tuple[int, ...], indent: str = "  ") -> str:
+def table(rows: Sequence[Sequence[str]], widths: Sequence[int], indent: str = "  ") -> str:
   """Rows of cells as an aligned table, each cell wrapped to its column's width (the last
   column takes what ``WIDTH`` leaves)."""
   out = []
