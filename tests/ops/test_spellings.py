@@ -102,6 +102,15 @@ def test_string_padding_values_equal_lax_reduce_window_under_jit(rng, n, fmt, pa
   np.testing.assert_array_equal(_reduce_window_max(x, k, s, padding, d, fmt), want)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("padding", ["same", "SAME", "valid", "Same_Lower", "same_lower"])
+@pytest.mark.parametrize("fmt", ["channels_last", "channels_first"])
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_string_padding_values_every_case(rng, n, fmt, padding):
+  """The whole grid of the test above (make test-all)."""
+  test_string_padding_values_equal_lax_reduce_window_under_jit(rng, n, fmt, padding)
+
+
 def test_every_op_that_takes_padding_takes_any_case(rng):
   """The pools, with_indices/with_taps, the gradients, the Flax function and the graph's node:
   "same" gives what "SAME" gives."""
