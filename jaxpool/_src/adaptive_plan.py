@@ -20,7 +20,7 @@ import jax
 import numpy as np
 
 from jaxpool._src.api_args import check_plane
-from jaxpool._src.checks import check_choice
+from jaxpool._src.checks import check_choice, check_static
 from jaxpool._src.checks import is_int as _is_int
 from jaxpool._src.windows import DATA_FORMATS, MAX_SIZE, taps_dtype
 from jaxpool._src.windows import spatial_axes as _spatial_axes
@@ -31,6 +31,7 @@ from jaxpool._src.windows import spatial_axes as _spatial_axes
 
 def _output_size(output_size: Any) -> tuple[int | None, ...]:
   """Checks ``output_size``: one int >= 1 or None per spatial dim."""
+  check_static("output_size", output_size)
   if _is_int(output_size) or isinstance(output_size, (bool, np.bool_)):
     raise TypeError(
         "output_size must be a tuple with one entry (an int >= 1 or None) per spatial dim, "

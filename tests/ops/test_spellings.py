@@ -165,6 +165,8 @@ def test_a_traced_window_size_names_static_argnums():
     jax.jit(lambda x, k: jaxpool.max_pool(x, k))(x, 3)
   with pytest.raises(TypeError, match="strides must be static.*static_argnums"):
     jax.jit(lambda x, s: jaxpool.max_pool(x, (2, 2), (s, s)))(x, 2)
+  with pytest.raises(TypeError, match="output_size must be static.*static_argnums"):
+    jax.jit(lambda x, o: jaxpool.adaptive_avg_pool(x, o))(x, (4, 4))
   # The way out that the message names works:
   f = jax.jit(lambda x, k: jaxpool.max_pool(x, k), static_argnums=1)
   assert f(x, (3, 3)).shape == (2, 6, 6, 3)
