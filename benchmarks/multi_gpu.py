@@ -505,24 +505,27 @@ def weak_run(row, pool, kw, impl, x, dys, args, m, k, dev0):
   if m is not None and row["impl"] == "jaxpool":
     exchanged = permutes(single)
     one, many, pieces = halo_floor(m, exchanged, row["chain"])
-    one, many = one.lower(*pieces).compile(), many.lower(*pieces).compile()
+    one = one.lower(*pieces).compile()
+    many = one if row["chain"] == 1 else many.lower(*pieces).compile()
     nbytes = sum(int(np.prod(s)) * jnp.dtype(HLO_DTYPES[d]).itemsize for d, s, _ in exchanged)
     record(dict(row, kind="halo", impl="ppermute", permutes=len(exchanged),
                 pieces=[f"{d}{list(s)}" for d, s, _ in exchanged], halo_bytes=nbytes,
                 ms=timed(one, *pieces), chain_ms=timed(many, *pieces) / row["chain"],
                 collectives=collectives(many)))
   out = single(args[0], args[1])
+  out_spec = str(getattr(out[1].sharding, "spec", ""))
   if m is None:
-    same = True
+    same = None  # (this is the one device)
   else:  # the whole problem on one device, the same implementation
     ref = jax.jit(fwd_grad)(x, dys[0])
     same = all(bool(same_bits(jax.device_put(o, dev0), r)) for o, r in zip(out, ref))
     del ref
   del out
-  chained = jax.jit(chain).lower(*args).compile()
+  # (a chain of one call is the single call)
+  chained = single if row["chain"] == 1 else jax.jit(chain).lower(*args).compile()
   row.update(ms=timed(single, args[0], args[1]),
-             chain_ms=timed(chained, *args) / row["chain"], equal_to_one_device=same,
-             out_spec=str(getattr(args[0].sharding, "spec", "")),
+             chain_ms=timed(chained, *args) / row["chain"],
+             equal_to_one_device=same, out_spec=out_spec,
              collectives=collectives(single), chain_collectives=collectives(chained))
   record(row)
 
