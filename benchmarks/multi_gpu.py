@@ -30,7 +30,10 @@ Parts (``--parts``, comma-separated; default ``pool,vgg,unet``):
   collective-permutes that the compiled split program holds (the same shapes, dtypes and
   device pairs, read from its HLO) in a ``shard_map`` with nothing else, one exchange a call
   (``ms``) and K exchanges in a chain, each sending on what the one before received
-  (``chain_ms`` divided by K): the floor of the split's communication. On writing, each row
+  (``chain_ms`` divided by K): the floor of the split's communication; and each split row's
+  ``during_exchange``, the kernels (custom calls) and fusions that the compiled schedule runs
+  while an asynchronous halo permute is in flight (None where none is asynchronous, as on a
+  CPU): zero kernels there, no overlap of the exchange with the work. On writing, each row
   gets ``efficiency``: the one-device row's ``chain_ms`` over its own (same dtype, op and
   implementation); a jaxpool row ``vs_reduce_window`` (``lax.reduce_window``'s ``chain_ms`` at
   the same split over jaxpool's) and ``halo_share`` (its halo floor's ``chain_ms`` over its
@@ -396,6 +399,33 @@ def permutes(compiled) -> list[tuple[str, tuple[int, ...], tuple[tuple[int, int]
   return out
 
 
+def in_flight(compiled) -> dict[str, int] | None:
+  """What the compiled program's schedule runs while a halo is in flight: the custom calls
+  (the kernels) and fusions between an asynchronous collective-permute's ``-start`` and its
+  ``-done`` in the entry computation; None where no permute is asynchronous (XLA:CPU's are
+  not). Zero custom calls there: the exchange does not overlap the kernels."""
+  text = compiled.as_text()
+  entry = text[text.find("\nENTRY"):] if "\nENTRY" in text else ""
+  started: set[str] = set()
+  counts = {"custom-call": 0, "fusion": 0}
+  seen = False
+  for line in entry.splitlines()[1:]:
+    if line.startswith("}"):
+      break
+    name = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = ", line)
+    if " collective-permute-start(" in line and name:
+      started.add(name.group(1))
+      seen = True
+    elif " collective-permute-done(" in line:
+      done = re.search(r"collective-permute-done\(%?([\w.\-]+)", line)
+      started.discard(done.group(1) if done else "")
+    elif started:
+      for op in counts:
+        if f" {op}(" in line:
+          counts[op] += 1
+  return counts if seen else None
+
+
 def halo_floor(m, exchanged, k: int):
   """The collective-permutes ``exchanged`` (:func:`permutes` of a split program on the mesh
   ``m``) with nothing else: a program of one exchange, and one of ``k`` exchanges in a chain,
@@ -526,7 +556,8 @@ def weak_run(row, pool, kw, impl, x, dys, args, m, k, dev0):
   row.update(ms=timed(single, args[0], args[1]),
              chain_ms=timed(chained, *args) / row["chain"],
              equal_to_one_device=same, out_spec=out_spec,
-             collectives=collectives(single), chain_collectives=collectives(chained))
+             collectives=collectives(single), chain_collectives=collectives(chained),
+             during_exchange=in_flight(single))
   record(row)
 
 
