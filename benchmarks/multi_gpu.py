@@ -1065,12 +1065,15 @@ def plot(rows: list[dict], path: str) -> str | None:
       pts = sorted(set(pts))
       ax.plot([n for n, _ in pts], [v for _, v in pts], marker="o", label=label)
     ax.set_xscale("log", base=2)
+    ticks = sorted({n for pts in lines.values() for n, _ in pts})
+    ax.set_xticks(ticks, [str(t) for t in ticks])
     ax.set_xlabel("devices")
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-  fig.suptitle(f"benchmarks/multi_gpu.py: {jax.devices()[0].device_kind}, up to {N} devices",
+  most = max(r.get("devices", 1) for r in rows)
+  fig.suptitle(f"benchmarks/multi_gpu.py: {jax.devices()[0].device_kind}, up to {most} devices",
                fontsize=10)
   fig.tight_layout()
   fig.savefig(path, dpi=120)
@@ -1083,6 +1086,7 @@ if __name__ == "__main__":
            "unet": unet_part}
   for name in ARGS.parts:
     parts[name]()
+  derive(ROWS)
   print(table(ROWS))
   if OUT:
     save(OUT)  # (also with no part run: the derived fields of what the file holds)
