@@ -39,7 +39,7 @@ def run_script(*args: str, timeout: int = 900) -> None:
   assert proc.returncode == 0, f"rc {proc.returncode}\n{proc.stdout}\n{proc.stderr[-3000:]}"
 
 
-@pytest.mark.slow  # (about 30 s: three compiled VGG steps in each of three variants)
+@pytest.mark.slow  # (about 1 min: three compiled VGG steps in each of three variants)
 def test_vgg_fsdp_mode(tmp_path):
   out = tmp_path / "mg.json"
   run_script("--cpu-devices", "2", "--parts", "vgg", "--counts", "2", "--modes",
@@ -85,7 +85,7 @@ def test_vgg_fsdp_mode(tmp_path):
   assert rows["no_pool", "one GPU"]["loss"] != rows["plain", "one GPU"]["loss"]
 
 
-@pytest.mark.slow  # (minutes: about 25 compiled programs, the kernels in interpret mode)
+@pytest.mark.slow  # (about 2.5 min on 2 cores: some 30 programs, the kernels interpreted)
 def test_weak_scaling_rows(tmp_path):
   out = tmp_path / "weak.json"
   run_script("--cpu-devices", "8", "--parts", "weak", "--ops", "max_pool", "--dtypes",
@@ -132,7 +132,7 @@ def test_weak_scaling_rows(tmp_path):
                                           "s8[1, 1, 4, 4, 4]"], halo
 
 
-@pytest.mark.slow  # (about 3 minutes on 2 cores: ResNet-50 compiles and steps on a CPU)
+@pytest.mark.slow  # (about 4 min on 2 shared cores: ResNet-50 compiles and steps on a CPU)
 def test_unet_and_resnet50_rows(tmp_path):
   out = tmp_path / "mg.json"
   # An earlier run's row of another part stays in the file.
