@@ -201,12 +201,27 @@ def _order_model(taps, dy, geom):
       at[pos] = ti
     targets = {pos[:i] + (pos[i] * s + at[pos] * d - lo,) + pos[i + 1:] for pos in sums}
     for q in targets:
-      acc = None
-      for a in reversed(range(k)):
+
+      def term(a, q=q, i=i, s=s, d=d, lo=lo):
         o, r = divmod(q[i] + lo - a * d, s)
         src = q[:i] + (o,) + q[i + 1:]
-        term = sums[src] if (r == 0 and src in sums and at[src] == a) else np.float32(0.0)
-        acc = term if acc is None else np.float32(acc + term)
+        return sums[src] if (r == 0 and src in sums and at[src] == a) else np.float32(0.0)
+
+      if k <= xla_taps.UNROLL_TAPS:
+        acc = None
+        for a in reversed(range(k)):
+          acc = term(a) if acc is None else np.float32(acc + term(a))
+      else:  # a loop: the last k % 8 taps one a trip, then trips of 8 summed among themselves
+        full, _ = divmod(k, xla_taps.TAPS_PER_TRIP)
+        acc = np.float32(0.0)
+        for a in reversed(range(full * xla_taps.TAPS_PER_TRIP, k)):
+          acc = np.float32(acc + term(a))
+        for trip in reversed(range(full)):
+          taps8 = range(trip * xla_taps.TAPS_PER_TRIP, (trip + 1) * xla_taps.TAPS_PER_TRIP)
+          group = None
+          for a in reversed(taps8):
+            group = term(a) if group is None else np.float32(group + term(a))
+          acc = np.float32(acc + group)
       moved[q] = acc
     new_tap = {}
     for p in sums:
@@ -224,6 +239,7 @@ def _order_model(taps, dy, geom):
     pytest.param(((10, 12), (6, 7), (2, 3), ((2, 3), (1, 4)), None, True), marks=slow),
     ((6, 7, 8), (3, 4, 3), (1, 2, 1), 1, (1, 1, 2), False),
     pytest.param(((40,), (33,), (1,), 3, None, False), marks=slow),
+    ((90,), (66,), (1,), ((10, 10),), None, False),  # a loop: trips of 8 taps
 ])
 def test_gradient_sums_in_the_documented_order(case, rng):
   spatial, window, strides, padding, dilation, ceil_mode = case
