@@ -202,7 +202,7 @@ def _order_model(taps, dy, geom):
     targets = {pos[:i] + (pos[i] * s + at[pos] * d - lo,) + pos[i + 1:] for pos in sums}
     for q in targets:
 
-      def term(a, q=q, i=i, s=s, d=d, lo=lo):
+      def term(a, q=q, i=i, s=s, d=d, lo=lo, sums=sums, at=at):
         o, r = divmod(q[i] + lo - a * d, s)
         src = q[:i] + (o,) + q[i + 1:]
         return sums[src] if (r == 0 and src in sums and at[src] == a) else np.float32(0.0)
