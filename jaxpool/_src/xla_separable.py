@@ -61,6 +61,16 @@ def _static(a) -> bool:
   return isinstance(a, (int, np.integer))
 
 
+def _full(like: jax.Array, fill, dtype=None, shape=None) -> jax.Array:
+  """``lax.full_like`` that keeps ``like``'s sharding where it is in its type (Explicit mesh
+  axes), with a new shape too (pooling keeps every dim's role)."""
+  sharding = getattr(jax.typeof(like), "sharding", None)
+  spec = getattr(sharding, "spec", None)
+  if spec is None or all(p is None for p in spec):
+    sharding = None
+  return lax.full_like(like, fill, dtype, shape=shape, sharding=sharding)
+
+
 def _pad_axis(a: jax.Array, ax: int, lo: int, hi: int, fill) -> jax.Array:
   cfg = [(0, 0, 0)] * a.ndim
   cfg[ax] = (lo, hi, 0)
@@ -118,8 +128,6 @@ def max_pool_taps(x: jax.Array, geom: Geometry,
     vp = _pad_axis(v, ax, lo, hi, low)
     pp = None if part is None else _pad_axis(part, ax, lo, hi, -1)
     mp = None if m is None else _pad_axis(m, ax, lo, hi, False)
-    shape = list(v.shape)
-    shape[ax] = out
 
     def step(a, carry, i=i, ax=ax, s=s, d=d, out=out, inner=inner, vp=vp, pp=pp, mp=mp):
       best, win = carry
@@ -136,8 +144,8 @@ def max_pool_taps(x: jax.Array, geom: Geometry,
         better = better & valid
       return jnp.where(better, xt, best), jnp.where(better, cand, win)
 
-    init = lambda shape=tuple(shape): (lax.full(shape, low, x.dtype), lax.full(shape, -1, adt))
-    v, part = _fold(k, step, init)
+    like = _take(vp, ax, 0, out, s)
+    v, part = _fold(k, step, lambda like=like: (_full(like, low), _full(like, -1, adt)))
     m = None
   return v, part
 
@@ -164,11 +172,12 @@ def _route(ti: jax.Array, rem: jax.Array, geom: Geometry, i: int) -> jax.Array:
       spread = lax.pad(sel, neg, cfg)
       full = list(shape)
       full[ax] = lo + L + hi
-      placed = lax.dynamic_update_slice_in_dim(lax.full(full, -1, rem.dtype), spread, a * d, ax)
+      placed = lax.dynamic_update_slice_in_dim(_full(ti, -1, rem.dtype, full), spread, a * d,
+                                               ax)
       placed = lax.slice_in_dim(placed, lo, lo + L, axis=ax)
     return jnp.maximum(acc, placed)
 
-  return _fold(k, step, lambda: lax.full(shape, -1, rem.dtype))
+  return _fold(k, step, lambda: _full(ti, -1, rem.dtype, shape))
 
 
 def gather_at_taps(t: jax.Array, taps: jax.Array, geom: Geometry) -> jax.Array:
@@ -196,7 +205,7 @@ def gather_at_taps(t: jax.Array, taps: jax.Array, geom: Geometry) -> jax.Array:
     def step(a, acc, ax=ax, s=s, d=d, out=out, ti=ti, gp=gp):
       return jnp.where(ti == a, _take(gp, ax, a * d, out, s), acc)
 
-    g = _fold(k, step, lambda ti=ti: lax.full(ti.shape, 0, t.dtype))
+    g = _fold(k, step, lambda ti=ti: _full(ti, 0, t.dtype))
   return g
 
 

@@ -71,7 +71,9 @@ def test_program_size_does_not_grow_with_the_window():
                             + jp.lp_pool(v, 3, (k, k), padding=1)).sum())
     return _eqn_count(jax.make_jaxpr(f)(x).jaxpr)
 
-  assert size(20) == size(200) == size(201) > 0  # a loop above the unroll threshold
+  # A loop above the unroll threshold: for these separable windows, 64 taps in a dim
+  # (xla_separable.py); the Lp sums loop over the whole window's taps.
+  assert size(66) == size(200) == size(201) > 0
 
 
 # Configurations above the unroll threshold with every edge: padding, dilation, ceil mode,
