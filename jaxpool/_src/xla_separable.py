@@ -147,6 +147,7 @@ def max_pool_taps(x: jax.Array, geom: Geometry,
     like = _take(vp, ax, 0, out, s)
     v, part = _fold(k, step, lambda like=like: (_full(like, low), _full(like, -1, adt)))
     m = None
+  assert part is not None
   return v, part
 
 
