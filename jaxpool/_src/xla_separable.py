@@ -191,7 +191,7 @@ def gather_at_taps(t: jax.Array, taps: jax.Array, geom: Geometry) -> jax.Array:
   """
   n = geom.nspatial
   inner = [math.prod(geom.window[i + 1:]) for i in range(n)]
-  p = taps.astype(np.int32)
+  p = taps.astype(taps_dtype(geom.num_taps))  # (every offset fits: the forward's dtype)
   parts = [p]
   for i in range(n - 1):
     # (-1 // inner == -1: a window with no winner stays without one)
