@@ -1,12 +1,13 @@
 """Max pooling with small to large windows: jaxpool over ``lax.reduce_window``, cell by cell.
 
 Run on a GPU machine from the repository root (about 20 minutes of GPU time in all; ``--parts``
-runs it in pieces, each adding its cells to the same JSON file)::
+runs it in pieces of a few minutes each, each adding its cells to the same JSON file)::
 
-  XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=$PWD python3 benchmarks/windows_gpu.py \\
-      --parts 2d_float32,2d_bfloat16
-  XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=$PWD python3 benchmarks/windows_gpu.py \\
-      --parts 3d_float32,3d_bfloat16,spp
+  export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=$PWD
+  python3 benchmarks/windows_gpu.py --parts 2d_float32
+  python3 benchmarks/windows_gpu.py --parts 2d_bfloat16
+  python3 benchmarks/windows_gpu.py --parts 3d_float32,3d_bfloat16
+  python3 benchmarks/windows_gpu.py --parts spp
 
 The sweep (docs/large-windows.md): 2-D windows k x k for k in {1, 2, 3, 5, 7, 9, 13, 17, 25,
 31} on (16, 64, 64, 128) and 3-D windows k x k x k for k in {2, 3, 5, 7, 9} on (2, 32, 32, 32,
@@ -15,13 +16,16 @@ forward and the forward + gradient (``dy`` given; ``y`` and ``dx`` both returned
 ``jaxpool.max_pool`` (``implementation=None``: the Pallas kernels up to 32 taps on an NVIDIA
 GPU, the separable XLA path beyond) and of ``lax.reduce_window`` (whose gradient is XLA's
 ``select_and_scatter``). The two run in interleaved rounds (``--rounds``, default 2; each
-round's sample is the median of ``pooling_gpu.py``'s timer: samples of at least 5 ms of calls);
-a cell below 0.95x is rerun once more before it counts, and the best median of each side is
-kept. ``--spp``-part (``spp``): the SPP block of YOLOv3-SPP on (16, 40, 40, 512), windows 5, 9 and
-13, stride 1, ``"SAME"``, float32 and bfloat16, each pool alone and the block (the three pools
-and the concatenation), forward and forward + gradient, with the byte floor: forward ``x`` read
-and ``y`` written; forward + gradient ``x`` read, ``y`` and the taps written, ``dy`` and the taps
-read, ``dx`` written; as a fraction of a copy at the device's copy bandwidth (``x + 1`` on 1 GiB).
+round's time is the median of ``--reps`` samples, default 15, of ``pooling_gpu.py``'s timer:
+samples of at least 5 ms of calls); a cell below 0.95x is rerun once more before it counts, and
+the best median of each side is kept.
+
+The ``spp`` part: the SPP block of YOLOv3-SPP on (16, 40, 40, 512), windows 5, 9 and 13, stride
+1, ``"SAME"``, float32 and bfloat16, each pool alone and the block (the three pools and the
+concatenation), forward and forward + gradient, with the byte floor: forward ``x`` read and
+``y`` written; forward + gradient ``x`` read, ``y`` and the taps written, ``dy`` and the taps
+read, ``dx`` written; as a fraction of a copy at the device's copy bandwidth (``x + 1`` on
+1 GiB; ``of_floor`` = floor time / measured time).
 
 ``JAXPOOL_TUNE`` defaults to ``cached`` (the shipped launch tables). Prints a table and saves
 ``benchmarks/results/windows_gpu_<device>.json`` (``h200`` for an NVIDIA H200; ``--out``
@@ -220,6 +224,8 @@ def main(argv=None, *, defaults=None) -> int:
   ap.add_argument("--parts", default=",".join(PARTS),
                   help=f"comma-separated, of {', '.join(PARTS)} (default: all)")
   ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds a cell")
+  ap.add_argument("--reps", type=int, default=15, help="samples a median (each at least 5 ms "
+                  "of calls and 10 calls)")
   ap.add_argument("--quick", action="store_true", help="tiny shapes, few windows and samples")
   ap.add_argument("--out", default=None, help="the JSON file (default: benchmarks/results/"
                   f"{d['script']}_<device>.json); cells of other parts already there are kept")
@@ -228,8 +234,9 @@ def main(argv=None, *, defaults=None) -> int:
   bad = [p for p in parts if p not in PARTS]
   if bad:
     ap.error(f"unknown parts {bad}; choose from {', '.join(PARTS)}")
-  if a.rounds < 1:
-    ap.error(f"--rounds must be at least 1, got {a.rounds}")
+  if a.rounds < 1 or a.reps < 1:
+    ap.error(f"--rounds and --reps must be at least 1, got {a.rounds} and {a.reps}")
+  pooling_gpu.REPS = a.reps
   global QUICK
   QUICK = a.quick
   if a.quick:
