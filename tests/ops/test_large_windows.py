@@ -39,6 +39,10 @@ GRID = [
                   "channels_last"), marks=slow),  # empty windows
     pytest.param(((1, 2, 9, 9), (9, 9), None, "VALID", None, False, "channels_first"),
                  marks=slow),  # the whole input
+    pytest.param(((1, 7, 44, 2), (1, 40), (3, 2), "SAME", None, False, "channels_last"),
+                 marks=slow),  # a stage of one tap
+    pytest.param(((1, 5, 3, 40, 1), (1, 1, 33), (2, 1, 4), "SAME", None, True, "channels_last"),
+                 marks=slow),
 ]
 
 SETTINGS = hypothesis.settings(max_examples=4, deadline=None, derandomize=True,
