@@ -185,6 +185,15 @@ def gather_at_taps(t: jax.Array, taps: jax.Array, geom: Geometry) -> jax.Array:
   """``t`` at each window's winner (``taps`` as :func:`max_pool_taps` gives them), zero where
   ``taps < 0``: the stages run backwards, linear in ``t`` (module docstring).
 
+  Rematerialised as a whole: reverse mode keeps the taps, not the routed taps or the selects'
+  masks, and its transpose recomputes them.
+  """
+  return _remat_gather(t, taps, geom)
+
+
+def _gather(t: jax.Array, taps: jax.Array, geom: Geometry) -> jax.Array:
+  """:func:`gather_at_taps`'s computation.
+
   ``parts[i]`` holds, at input resolution in the dims before ``i`` and output resolution in the
   others, the offset of each winner among the taps of dims ``i`` and after; ``t`` is then read
   along the last dim, then the one before, each through that dim's taps.
@@ -208,6 +217,9 @@ def gather_at_taps(t: jax.Array, taps: jax.Array, geom: Geometry) -> jax.Array:
 
     g = _fold(k, step, lambda ti=ti: _full(ti, 0, t.dtype))
   return g
+
+
+_remat_gather = jax.checkpoint(_gather, static_argnums=(2,), prevent_cse=False)
 
 
 def window_sum(t: jax.Array, geom: Geometry) -> jax.Array:
