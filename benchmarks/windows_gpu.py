@@ -46,7 +46,6 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-os.environ.setdefault("JAXPOOL_TUNE", "cached")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -217,6 +216,18 @@ def summary(cells: list[dict]) -> None:
 
 
 def main(argv=None, *, defaults=None) -> int:
+  """Runs the sweep; ``JAXPOOL_TUNE`` is ``cached`` for the run unless it is set (read by the
+  tuner at each call; put back afterwards, for a caller in the same process)."""
+  unset = "JAXPOOL_TUNE" not in os.environ
+  os.environ.setdefault("JAXPOOL_TUNE", "cached")
+  try:
+    return _main(argv, defaults)
+  finally:
+    if unset:
+      del os.environ["JAXPOOL_TUNE"]
+
+
+def _main(argv, defaults) -> int:
   d = dict(windows_2d=WINDOWS_2D, windows_3d=WINDOWS_3D, shape_2d=SHAPE_2D, shape_3d=SHAPE_3D,
            spp_shape=SPP_SHAPE, spp_windows=SPP_WINDOWS, script="windows_gpu")
   d.update(defaults or {})

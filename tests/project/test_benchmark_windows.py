@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -33,16 +34,18 @@ def _check_cells(cells, part):
       assert math.isclose(c["speedup"][mode], c["ms"][f"xla_{mode}"] / c["ms"][f"jaxpool_{mode}"])
 
 
-def test_quick_sweep_and_spp(tmp_path):
+def test_quick_sweep_and_spp(tmp_path, monkeypatch):
+  monkeypatch.delenv("JAXPOOL_TUNE", raising=False)
   out = tmp_path / "windows.json"
   assert windows_cpu.main(["--quick", "--parts", "2d_float32,spp", "--out", str(out)]) == 0
+  assert "JAXPOOL_TUNE" not in os.environ  # (the run's own setting, put back)
   result = json.loads(out.read_text())
   _check_cells(result["cells"], "2d_float32")
   assert [r["case"] for r in result["spp"]] == ["pool 5x5", "pool 9x9", "SPP block"]
   for r in result["spp"]:
     assert r["bytes"]["fwd_grad"] > r["bytes"]["fwd"] > 0
     assert r["ms"]["jaxpool_fwd_grad"] > 0 and r["ms"]["xla_fwd_grad"] > 0
-  assert result["meta"]["quick"] and result["meta"]["tune"]
+  assert result["meta"]["quick"] and result["meta"]["tune"] == "cached"
 
 
 @pytest.mark.slow
