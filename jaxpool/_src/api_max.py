@@ -239,7 +239,10 @@ def max_pool_grad_from_taps(dy: FloatOutIn, taps: TapsIn, input_shape: Sequence[
       float dtype.
     taps: of ``dy``'s shape, as :func:`max_pool_with_taps` returns them (any integer dtype;
       values in ``[-1, prod(window_shape))``, ``-1`` sends nothing). An out-of-range value
-      raises a ValueError when the call runs eagerly.
+      raises a ValueError when the call runs eagerly. For a window of more than 32 taps (run
+      separably, docs/large-windows.md) they must be taps that :func:`max_pool_with_taps`
+      returned for this geometry (or ``-1`` in their place): the gradient routes them one dim
+      at a time, relying on windows that share a row's maximum to agree on it.
     input_shape: the forward input's full shape.
     window_shape, strides, padding, dilation, ceil_mode, data_format, implementation: as the
       forward's (:func:`max_pool`).
