@@ -32,7 +32,8 @@ from jaxpool._src.windows import make_geometry
 slow = pytest.mark.slow
 GRID = [
     ((2, 9, 11, 3), (7, 6), (1, 1), "SAME", None, False, "channels_last"),  # stride 1, 'same'
-    ((1, 2, 10, 12), (6, 7), (2, 3), ((2, 3), (1, 4)), None, True, "channels_first"),
+    pytest.param(((1, 2, 10, 12), (6, 7), (2, 3), ((2, 3), (1, 4)), None, True,
+                  "channels_first"), marks=slow),
     ((1, 6, 7, 8, 2), (3, 4, 3), (1, 2, 2), 1, (1, 1, 2), False, "channels_last"),  # 3-D
     pytest.param(((2, 45, 2), (40,), (3,), 5, None, True, "channels_last"), marks=slow),  # 1-D
     pytest.param(((1, 12, 12, 1), (6, 6), (1, 1), ((5, 5), (0, 5)), (2, 2), True,
@@ -149,7 +150,8 @@ BOTH = [
     ((1, 3, 9, 10), (5, 4), (1, 2), ((2, 1), (3, 0)), (1, 2), True, "channels_first"),
     pytest.param(((2, 7, 6, 5, 2), (2, 3, 2), (1, 1, 2), "SAME", None, True, "channels_last"),
                  marks=slow),
-    ((1, 11, 12, 2), (9, 8), (3, 1), ((4, 0), (0, 7)), None, True, "channels_last"),
+    pytest.param(((1, 11, 12, 2), (9, 8), (3, 1), ((4, 0), (0, 7)), None, True, "channels_last"),
+                 marks=slow),
 ]
 
 
@@ -241,7 +243,7 @@ def _order_model(taps, dy, geom):
 @pytest.mark.parametrize("case", [
     ((12, 13), (7, 6), (1, 1), "SAME", None, False),
     pytest.param(((10, 12), (6, 7), (2, 3), ((2, 3), (1, 4)), None, True), marks=slow),
-    ((6, 7, 8), (3, 4, 3), (1, 2, 1), 1, (1, 1, 2), False),
+    pytest.param(((6, 7, 8), (3, 4, 3), (1, 2, 1), 1, (1, 1, 2), False), marks=slow),
     pytest.param(((40,), (33,), (1,), 3, None, False), marks=slow),
     ((90,), (66,), (1,), ((10, 10),), None, False),  # a loop: trips of 8 taps
 ])

@@ -34,6 +34,7 @@ def _check_cells(cells, part):
       assert math.isclose(c["speedup"][mode], c["ms"][f"xla_{mode}"] / c["ms"][f"jaxpool_{mode}"])
 
 
+@pytest.mark.slow  # (about 15 s: a quick sweep and the SPP rows on the CPU)
 def test_quick_sweep_and_spp(tmp_path, monkeypatch):
   monkeypatch.delenv("JAXPOOL_TUNE", raising=False)
   out = tmp_path / "windows.json"
