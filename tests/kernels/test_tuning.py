@@ -669,7 +669,9 @@ class RecordingTuner:
   def __init__(self):
     self.calls = []
 
-  def choose(self, key, heuristic, cands, trial, *, tune=True):
+  env = ENV
+
+  def choose(self, key, heuristic, cands, trial, *, tune=True, default=None):
     self.calls.append((key, heuristic, cands, trial, tune))
     return cands[-1]
 
@@ -759,7 +761,7 @@ def test_no_tuning_inside_shard_map(monkeypatch):
   """Inside a shard_map (a user's, or the one an Explicit mesh runs the kernels under) a tuning
   run's random inputs, drawn with jax.random before they were a hash, raised a bare
   AssertionError from JAX in an Explicit-mesh training step on a GPU: "auto" acts as "cached"
-  there, and outside as before."""
+  there (now "model": the launch model, never tuning), and outside as before."""
   shape = (2, 9, 11, 6)
   geom = windows.make_geometry(shape, (3, 3), (2, 2), 1)
   monkeypatch.setattr(config, "platform", lambda: "cuda")
@@ -777,7 +779,7 @@ def test_no_tuning_inside_shard_map(monkeypatch):
     jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P("d"))).lower(
         jnp.ones((2,)))
     triton.launch_for("max_fwd", shape, jnp.float32, geom, interpret=False)
-  assert seen == ["cached"]
+  assert seen == ["model"]
   assert [c[4] for c in fake.calls] == [False, True]
 
 
