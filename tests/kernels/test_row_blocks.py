@@ -263,7 +263,7 @@ def test_a_block_chosen_for_another_geometry_of_the_class_is_not_used(monkeypatc
   assert geom.lift(3).out_spatial[:2] == (1, 1)
 
   class Table:
-    def choose(self, key, heuristic, cands, trial, *, tune=True):
+    def choose(self, key, heuristic, cands, trial, *, tune=True, default=None):
       return (8, 32, 8, 1, 2)
 
   monkeypatch.setattr(config, "platform", lambda: "cuda")
@@ -295,7 +295,7 @@ def test_a_cached_loop_over_planes_where_windows_share_none_is_not_used(monkeypa
   assert config.row_block_candidates((8, 16, 4), geom.lift(3), jnp.float32)  # (rows: shared)
 
   class Table:
-    def choose(self, key, heuristic, cands, trial, *, tune=True):
+    def choose(self, key, heuristic, cands, trial, *, tune=True, default=None):
       return (8, 16, 4, 0, 2)
 
   monkeypatch.setenv(tuning.TUNE_ENV, "cached")

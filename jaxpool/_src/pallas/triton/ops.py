@@ -328,7 +328,7 @@ def launch_for(op: str, in_shape, dtype, geom: Geometry, *, interpret: bool,
   tuner = tuning.default_tuner()
   extra_kw = {}
   if mode == "model":
-    device_kind = tuner.env.get("device_kind", "")
+    device_kind = getattr(tuner, "env", {}).get("device_kind", "")
     extra_kw["default"] = launch_model.choose(key.name(), device_kind, heuristic, cands)
   chosen = Launch.of(tuner.choose(key, heuristic, cands, tuning.Trial(compile_launch, args),
                                   tune=mode == "auto", **extra_kw))

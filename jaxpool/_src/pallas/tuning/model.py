@@ -2,7 +2,7 @@
 without tuning (``JAXPOOL_TUNE=model``, the default).
 
 The data are tuning reports (``python -m jaxpool.tune --json``: every candidate's time for each
-key tuned), kept in the package as *observations* (``launch_tables/observations.json``, made by
+key tuned), kept in the package as *observations* (``tuning/observations.json``, made by
 :func:`observations_from_report`): for each GPU kind and key, each candidate's time over the
 key's best, by the candidate's *form*, its launch relative to the key's heuristic
 (:func:`form`: the log2 steps of its columns, lanes and warps, and its block of rows).
@@ -64,7 +64,7 @@ def observations_from_report(report: Mapping[str, Any]) -> list[dict[str, Any]]:
 def write_observations(reports: Sequence[str], path: str) -> int:
   """Writes the observations of the tuning reports at ``reports`` (JSON files of
   ``python -m jaxpool.tune --json``) to ``path`` (the shipped file:
-  ``launch_tables/observations.json``); returns how many."""
+  ``tuning/observations.json``); returns how many."""
   obs = []
   sources = []
   for report in reports:
@@ -81,7 +81,7 @@ def write_observations(reports: Sequence[str], path: str) -> int:
 def shipped_observations() -> tuple[dict[str, Any], ...]:
   """The observations shipped with the package (none where the file cannot be read)."""
   try:
-    path = importlib.resources.files(__package__).joinpath("launch_tables", OBSERVATIONS)
+    path = importlib.resources.files(__package__).joinpath(OBSERVATIONS)
     data = json.loads(path.read_text(encoding="utf-8"))
   except (OSError, ValueError):
     return ()
