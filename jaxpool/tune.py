@@ -59,7 +59,7 @@ __all__ = ["main", "pretune"]
 def pretune(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[tuning.Record]:
   """Tunes the GPU kernels that ``fn(*args, **kwargs)`` calls, ahead of its first call.
 
-  Traces and lowers ``jax.jit(fn)`` for ``args`` (arrays or ``jax.ShapeDtypeStruct``\ s; it is
+  Traces and lowers ``jax.jit(fn)`` for ``args`` (arrays or ``jax.ShapeDtypeStruct`` values; it is
   not run) noting each kernel's launch key, then tunes each key that the tuning cache and the
   shipped table do not hold (a few seconds each; ``JAXPOOL_TUNE_BUDGET_S``) and writes it to
   the cache. Then clears JAX's caches (``jax.clear_caches()``), so that ``fn``'s next trace,

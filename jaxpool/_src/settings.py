@@ -107,6 +107,11 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in [
             "traced (seconds). ``cached``: the cache and the table, else the heuristic. ``off`` "
             "(``0``): the heuristic only.",
             _choice(TUNE_MODES, _TUNE_ALIASES)),
+    Setting("tune_table", "JAXPOOL_TUNE_TABLE", "str", "on", "trace",
+            "``on``: use the table shipped for this GPU. ``off``: hide it (the cache, else the "
+            "launch model). ``foreign``: hide it and this GPU's tuning data from the launch "
+            "model too, as a GPU that ships none gets (benchmarks measure the model so).",
+            _choice(("on", "off", "foreign"), {"1": "on", "0": "off"})),
     Setting("tune_budget_s", "JAXPOOL_TUNE_BUDGET_S", "float", 10.0, "trace",
             "The most seconds one kernel's tuning takes.", _positive(float)),
     Setting("tune_max_candidates", "JAXPOOL_TUNE_MAX_CANDIDATES", "int", 6, "trace",

@@ -326,12 +326,13 @@ def launch_for(op: str, in_shape, dtype, geom: Geometry, *, interpret: bool,
     return trial_inputs(operand_types[-1].shape, dtype.name, taps)
 
   tuner = tuning.default_tuner()
-  extra_kw = {}
-  if mode == "model":
+  trial = tuning.Trial(compile_launch, args)
+  if mode == "model":  # (the launch model where the cache and the table hold nothing)
     device_kind = getattr(tuner, "env", {}).get("device_kind", "")
-    extra_kw["default"] = launch_model.choose(key.name(), device_kind, heuristic, cands)
-  chosen = Launch.of(tuner.choose(key, heuristic, cands, tuning.Trial(compile_launch, args),
-                                  tune=mode == "auto", **extra_kw))
+    guess = launch_model.choose(key.name(), device_kind, heuristic, cands)
+    chosen = Launch.of(tuner.choose(key, heuristic, cands, trial, tune=False, default=guess))
+  else:
+    chosen = Launch.of(tuner.choose(key, heuristic, cands, trial, tune=mode == "auto"))
   loops = forward and shares_planes(g)  # (a loop over the output planes: rd = 0)
   if chosen.rows is not None and (not extra or (chosen.block_depth == 0 and not loops)):
     # A block of rows chosen for this key's class (from the cache or a table) where this call

@@ -201,7 +201,7 @@ class Store:
   def table(self) -> dict[str, Launch]:
     if self._table is None:
       self._table = shipped_table(self.env["device_kind"])
-    return self._table
+    return self._table if settings.get("tune_table") == "on" else {}
 
   def path(self, key: Key) -> str:
     """The cache file of ``key`` (its name hashes the key and the environment)."""

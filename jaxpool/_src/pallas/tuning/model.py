@@ -26,6 +26,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from jaxpool._src import settings
 from jaxpool._src.pallas.triton.config import Launch
 
 OBSERVATIONS = "observations.json"
@@ -106,6 +107,8 @@ def scores(key: str, device_kind: str,
   """Each form's score for ``key`` on ``device_kind`` (lower is faster), from its nearest
   neighbours among ``observations`` (default the shipped ones); empty without neighbours."""
   obs = shipped_observations() if observations is None else observations
+  if settings.get("tune_table") == "foreign":  # (as a GPU without a table: not its own data)
+    obs = [o for o in obs if o["device"] != device_kind]
   mine = _parts(key)
   near = []
   for o in obs:
