@@ -222,3 +222,33 @@ def test_form():
   assert model.form((8, 32, 4), (8, 64, 8)) == "+0-1-1"
   assert model.form((16, 64, 8, 0, 2), (8, 64, 8)) == "+1+0+0/0x2"
   assert math.isclose(model.PRIOR, 0.03)
+
+
+def test_the_table_setting(fake_cuda, monkeypatch):
+  """``JAXPOOL_TUNE_TABLE``: ``on`` takes the shipped table's entry, ``off`` the model's launch,
+  ``foreign`` the model without this GPU's data (what a GPU without a table gets)."""
+  geom = windows.make_geometry(SHAPE, (3, 3), (2, 2), 1)
+  call = lambda: triton.launch_for("max_fwd", SHAPE, jnp.float32, geom, interpret=False)
+  call()
+  key = fake_cuda.records[-1].key
+  table = (1, 8, 1)
+  monkeypatch.setattr(fake_cuda, "_table", {key: config.Launch.of(table)})
+  for setting, source in (("on", "table"), ("off", "model"), ("foreign", "model")):
+    fake_cuda.memory.clear()
+    monkeypatch.setenv("JAXPOOL_TUNE_TABLE", setting)
+    launch = call()
+    assert fake_cuda.records[-1].source == source
+    assert (launch == table) == (setting == "on")
+
+
+def test_foreign_leaves_out_this_gpus_data(monkeypatch):
+  """Two observations of one geometry on two GPUs, each preferring another form."""
+  key = "max_fwd|float32|channels_last|k1x3x3s1x2x2d1x1x1w64l64L"
+  obs = [{"device": "A", "key": key, "times": {"+0+0+0": 0.1, "+1+0+0": 0.0}},
+         {"device": "B", "key": key, "times": {"+0+0+0": 0.1, "-1+0+0": 0.0}}]
+  h = config.Launch(8, 64, 8)
+  cands = [h, config.Launch(16, 64, 8), config.Launch(4, 64, 8)]
+  assert model.choose(key, "A", h, cands, obs) == (16, 64, 8)
+  monkeypatch.setenv("JAXPOOL_TUNE_TABLE", "foreign")
+  assert model.choose(key, "A", h, cands, obs) == (4, 64, 8)
+  assert model.choose(key, "C", h, cands, obs[:0]) == h  # (no neighbour: the heuristic)
