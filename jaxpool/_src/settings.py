@@ -92,7 +92,7 @@ def _bool(label: str, raw: Any) -> Any:
     return True
   if name in ("0", "false", "off", "no"):
     return False
-  raise ValueError(f"{label} must be a bool, got {raw!r}")
+  raise ValueError(f"{label} must be True or False (or 1/0, on/off), got {raw!r}")
 
 
 TUNE_MODES = ("model", "auto", "cached", "off")
