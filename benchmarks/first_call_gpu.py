@@ -117,7 +117,7 @@ def child(spec: dict, implementation: str, tune: bool, rounds: int) -> dict:
   if implementation == "default":
     from jaxpool._src.pallas.tuning import tuner as tuning
     out["launches"] = {r.key: [tuning.launch_name(r.launch), r.source]
-                       for r in tuning.report()}
+                       for r in tuning.report()}  # (empty: the call ran on XLA)
   if tune:
     from jaxpool import tune as jaxpool_tune
     from jaxpool._src.pallas.tuning import tuner as tuning
@@ -254,6 +254,8 @@ def _print_row(i: int, row: dict) -> None:
   p = row["parts_s"]
   steady = (f"; steady default/tuned {row['default_over_tuned']:.3f}"
             if "default_over_tuned" in row else "")
+  if not row["default"].get("launches"):
+    name += " [no Pallas kernel: XLA]"
   print(f"{i:2d} {name} ({row['taps']} taps): first call xla {row['xla']['first_call_s']:.2f} s,"
         f" default {row['default']['first_call_s']:.2f} s (+{row['overhead_s']:.2f}: import "
         f"{p['pallas_import']:.2f}, kernels {p['kernel_compile']:.2f}, other {p['other']:.2f})"
