@@ -186,8 +186,8 @@ def main(argv=None) -> int:
   ap.add_argument("--rounds", type=int, default=15, help="interleaved rounds (default 15)")
   ap.add_argument("--tune-budget-s", type=float, default=4.0,
                   help="JAXPOOL_TUNE_BUDGET_S for pretune, seconds a kernel (default 4)")
-  ap.add_argument("--deadline-s", type=float, default=450.0,
-                  help="start no new case after this many seconds (default 450)")
+  ap.add_argument("--deadline-s", type=float, default=380.0,
+                  help="start no new case after this many seconds (default 380)")
   ap.add_argument("--no-tune", action="store_true", help="first calls only (no pretune)")
   ap.add_argument("--quick", action="store_true",
                   help="a smoke run: 2 small cases, 2 rounds, any backend")
