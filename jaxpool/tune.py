@@ -63,7 +63,8 @@ def pretune(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[tuning.Re
   not run) noting each kernel's launch key, then tunes each key that the tuning cache and the
   shipped table do not hold (a few seconds each; ``JAXPOOL_TUNE_BUDGET_S``) and writes it to
   the cache. Then clears JAX's caches (``jax.clear_caches()``), so that ``fn``'s next trace,
-  in this process or any later one, takes the tuned launches whatever ``JAXPOOL_TUNE`` says.
+  in this process or any later one, takes the tuned launches (in every ``JAXPOOL_TUNE`` mode
+  but ``off``, which takes the heuristic).
   Pass a function of the shapes you run, e.g. ``jax.value_and_grad(loss)``, so that the
   backward kernels are tuned too.
 

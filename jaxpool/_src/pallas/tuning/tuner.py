@@ -14,7 +14,9 @@ looks the configuration up, in this order:
    ``~/.cache/jaxpool``), an entry being used only when the versions, the device kind and the
    driver it was tuned with are this process's;
 3. the table shipped with the package for this device kind (``launch_tables/*.json``);
-4. tuning: each candidate (:func:`candidates` around today's heuristic, at most
+4. by default (``JAXPOOL_TUNE=model``) the launch model's choice among the candidates
+   (``tuning/model.py``; the caller passes it as ``default``): no call waits on tuning;
+5. with ``JAXPOOL_TUNE=auto`` only, tuning: each candidate (:func:`candidates` around today's heuristic, at most
    ``JAXPOOL_TUNE_MAX_CANDIDATES``, and up to 10 blocks or loops of rows more for the forwards,
    5 blocks of rows for the backwards) is
    compiled (in parallel threads) and timed on pseudo-random data of the call's shape
@@ -22,20 +24,23 @@ looks the configuration up, in this order:
    written to the disk cache.
 
 Steps 1 to 3 and the keys are ``tuning/cache.py``'s (:class:`~cache.Store`, which a
-:class:`Tuner` is); this module holds the settings, the candidates, the timing and step 4.
+:class:`Tuner` is); this module holds the modes, the timing and step 5 (the settings
+themselves are ``jaxpool/_src/settings.py``'s).
 
 ``JAXPOOL_TUNE=off`` (or ``0``) uses the heuristic constants only (no cache, no table, no
 tuning); ``JAXPOOL_TUNE=cached`` uses the cache and the tables but never tunes (a key that has
-neither gets the heuristic). Interpret mode and non-CUDA platforms never tune.
+neither gets the heuristic). Interpret mode and non-CUDA platforms never tune. ``pretune``
+(``jaxpool/tune.py``) traces a function under :func:`recording`, then tunes the keys noted.
 
 A key (:class:`Key`) is the op, dtype, layout and a geometry class (window, strides, dilation,
 the columns and lanes rounded up to powers of two, and a size class of the work; for the
 average forward also how it counts its divisor), not the exact shape: shapes of one class
 share one configuration.
 
-Tuning happens where the kernel is first traced, which is usually inside a ``jit`` trace: it
-runs the candidates eagerly there (``jax.ensure_compile_time_eval``), logs its cost on the
-``jaxpool.tune`` logger and keeps it in :func:`report`.
+Under ``auto``, tuning happens where the kernel is first traced, which is usually inside a
+``jit`` trace: it runs the candidates eagerly there (``jax.ensure_compile_time_eval``), logs
+its cost on the ``jaxpool.tune`` logger (one INFO line a process, the rest DEBUG) and keeps it
+in :func:`report`.
 """
 
 from __future__ import annotations
