@@ -16,10 +16,10 @@ looks the configuration up, in this order:
 3. the table shipped with the package for this device kind (``launch_tables/*.json``);
 4. by default (``JAXPOOL_TUNE=model``) the launch model's choice among the candidates
    (``tuning/model.py``; the caller passes it as ``default``): no call waits on tuning;
-5. with ``JAXPOOL_TUNE=auto`` only, tuning: each candidate (:func:`candidates` around today's heuristic, at most
-   ``JAXPOOL_TUNE_MAX_CANDIDATES``, and up to 10 blocks or loops of rows more for the forwards,
-   5 blocks of rows for the backwards) is
-   compiled (in parallel threads) and timed on pseudo-random data of the call's shape
+5. with ``JAXPOOL_TUNE=auto`` only, tuning: each candidate (:func:`candidates` around
+   today's heuristic, at most ``JAXPOOL_TUNE_MAX_CANDIDATES``, and up to 10 blocks or loops
+   of rows more for the forwards, 5 blocks of rows for the backwards) is compiled (in
+   parallel threads) and timed on pseudo-random data of the call's shape
    (``trials.trial_inputs``), for at most ``JAXPOOL_TUNE_BUDGET_S`` seconds a key; the fastest is
    written to the disk cache.
 
