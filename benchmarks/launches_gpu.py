@@ -7,7 +7,7 @@ round kept, the tuner's timer), checks that every launch gives the first one's b
 prints each launch's time and fraction of the copy bandwidth (bytes counted as
 ``pooling_gpu.py`` counts them: forward ``x + y`` (+ the taps), backward ``dy`` (+ the taps)
 ``+ dx``; the copy ``x + 1`` over 1 GiB read and written). A trailing ``~``: the max
-backward's selects one lane at a time (``triton.PACKED_SELECT`` off). Saves
+backward's selects one lane at a time (the ``packed_select`` setting off). Saves
 ``benchmarks/results/launches_gpu.json`` (``--out``). Needs a GPU. Why a maintainer runs it:
 before offering a launch to the tuner, to see it against the table's launch in one process
 (the same launch moves by a few percent between processes); docs/design/launches.md.
@@ -32,7 +32,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 os.environ.setdefault("JAXPOOL_TUNE", "off")
-from jaxpool._src import windows  # noqa: E402
+from jaxpool._src import settings, windows  # noqa: E402
 from jaxpool._src.pallas.triton import ops as pk  # noqa: E402
 from jaxpool._src.pallas.tuning import tuner as tuning  # noqa: E402
 
@@ -116,12 +116,8 @@ def main() -> None:
     fns, outs = {}, {}
     for key in launches:
       fns[key] = jax.jit(functools.partial(_call, op, geom, shape, key[0]))
-      before = pk.PACKED_SELECT
-      pk.PACKED_SELECT = key[1]  # (read while the first call traces)
-      try:
+      with settings.override(packed_select=key[1]):  # (read while the first call traces)
         outs[key] = jax.block_until_ready(fns[key](*ops))
-      finally:
-        pk.PACKED_SELECT = before
     nbytes = sum(o.nbytes for o in ops) + sum(o.nbytes for o in jax.tree.leaves(
         outs[launches[0]]))
     want = [np.asarray(o) for o in jax.tree.leaves(outs[launches[0]])]

@@ -420,7 +420,7 @@ def tuning_summary(records) -> dict[str, Any]:
   sources: dict[str, int] = {}
   for r in records:
     sources[r.source] = sources.get(r.source, 0) + 1
-  return dict(mode=os.environ.get("JAXPOOL_TUNE", "auto") or "auto", lookups=sources,
+  return dict(mode=os.environ.get("JAXPOOL_TUNE", "") or "model", lookups=sources,
               tuned_keys=sorted({r.key for r in records if r.source == "tuned"}),
               seconds=sum(r.seconds for r in records))
 
@@ -785,8 +785,9 @@ def main(argv=None) -> int:
                       help="seconds for the whole run: a row gets at most what is left, and "
                            "no row starts with less than a minute left (it is reported as "
                            "skipped)")
-  parser.add_argument("--tune", default="auto", choices=("auto", "cached", "off"),
-                      help="JAXPOOL_TUNE for the rows: 'auto' (default, what a user gets) "
+  parser.add_argument("--tune", default="model", choices=("model", "auto", "cached", "off"),
+                      help="JAXPOOL_TUNE for the rows: 'model' (default, what a user gets) "
+                           "never tunes (the table, else the launch model); 'auto' "
                            "tunes a kernel that neither the shipped table nor the disk cache "
                            "holds, inside the optimized step's first compile (at most "
                            "JAXPOOL_TUNE_BUDGET_S, 10 s, a kernel); 'cached' never tunes")

@@ -49,7 +49,7 @@ import jax.numpy as jnp  # noqa: E402
 from jax import lax  # noqa: E402
 
 import jaxpool  # noqa: E402
-from jaxpool._src import windows  # noqa: E402
+from jaxpool._src import settings, windows  # noqa: E402
 from jaxpool._src.pallas.triton import ops as pk  # noqa: E402
 from jaxpool._src.pallas.tuning import tuner as tuning  # noqa: E402
 from result_path import device_tag, result_path  # noqa: E402
@@ -329,8 +329,19 @@ def main():
                   help="time K calls inside one jit, each on its own copy of the arguments "
                        "(the GPU's time of the op inside a jitted step; PyTorch's rows left "
                        "out)")
+  ap.add_argument("--table", choices=("on", "off", "foreign"), default="on",
+                  help="off: hide the shipped table, with an empty tuning cache and the default "
+                       "mode (the launch model alone); foreign: hide this GPU's tuning data from "
+                       "the model too (what a GPU without a table gets); saved beside the "
+                       "default result as pooling_gpu_<gpu>_table_<off|foreign>.json")
+  ap.add_argument("--no-table", dest="table", action="store_const", const="off",
+                  help="the same as --table off")
   ap.add_argument("--torch-rows", default=None, help=argparse.SUPPRESS)  # (the child process)
   args = ap.parse_args()
+  if args.table != "on":  # (before the tuner is first used: it reads these then)
+    os.environ["JAXPOOL_TUNE_TABLE"] = args.table
+    os.environ["JAXPOOL_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxpool-no-table-")
+    os.environ.pop("JAXPOOL_TUNE", None)
   cases = [c for c in CASES if any(w in c[0] for w in args.cases.split(","))]
   global INNER, SAMPLE_MS, NO_TORCH, IN_JIT
   if args.in_jit < 0:
@@ -346,7 +357,8 @@ def main():
     return
   dev = jax.devices()[0]
   print(f"device {dev.device_kind}; jax {jax.__version__}; python {platform.python_version()}")
-  print(f"launch configurations: {tuning.TUNE_ENV}={tuning.mode()}, cache "
+  print(f"launch configurations: {tuning.TUNE_ENV}={tuning.mode()}, shipped table "
+        f"{settings.get('tune_table')}, cache "
         f"{tuning.cache_dir()}, shipped table entries for this device: "
         f"{len(tuning.shipped_table(dev.device_kind))}", flush=True)
   copy_gbs = copy_bandwidth()
@@ -395,6 +407,8 @@ def main():
   if torch_version:
     meta["torch"] = torch_version
   args.json = args.json or result_path(__file__, device_tag(jax.devices()[0].device_kind))
+  if args.table != "on" and args.json.endswith(".json"):
+    args.json = args.json[:-5] + f"_table_{args.table}.json"
   os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
   with open(args.json, "w") as f:
     json.dump({"meta": meta, "results": results}, f, indent=1)

@@ -3,11 +3,11 @@
 ``run`` compiles and runs one kernel once, for Nsight Compute to profile: ``--op`` (default
 ``max_bwd``) on ``--case``, one of ``launches_gpu.py``'s (default ``2d_bf16``, 128x112x112x64
 3x3/s2/p1 bfloat16), with ``--launch bw,bl,w[,rd,rh]`` or the launch jaxpool picks on this GPU
-(``JAXPOOL_TUNE=cached``: the shipped table's; unset, the heuristic's, as in
-``launches_gpu.py``; ``--plain``: the 16-bit max backward's selects one lane at a time,
-``triton.PACKED_SELECT`` off). ``count`` reads the source page that Nsight Compute printed and
-prints the opcodes by how many warp instructions executed them (and how many lines of SASS
-each has)::
+(``JAXPOOL_TUNE=cached``: the shipped table's; ``off``: the heuristic's, as in
+``launches_gpu.py``; unset: the table's, else the launch model's; ``--plain``: the 16-bit max
+backward's selects one lane at a time, the ``packed_select`` setting off). ``count`` reads
+the source page that Nsight Compute printed and prints the opcodes by how many warp
+instructions executed them (and how many lines of SASS each has)::
 
   ncu --clock-control none -k regex:jaxpool -c 1 --section SourceCounters \\
       --page source --print-source sass --csv \\
@@ -35,13 +35,14 @@ def run(case: str, op: str, launch_text: str, plain: bool) -> None:
   from jaxpool._src import windows
   from jaxpool._src.pallas.triton import ops as pk
   from jaxpool._src.pallas.tuning import tuner as tuning
-  pk.PACKED_SELECT = not plain
+  from jaxpool._src import settings
+  settings.overrides["packed_select"] = not plain  # (this whole process)
   shape, window, strides, padding, fmt, dtype = lg.CASES[case]
   geom = windows.make_geometry(shape, window, strides, padding, data_format=fmt)
   launch = (tuple(int(v) for v in launch_text.split(",")) if launch_text else
             pk.launch_for(op, shape, dtype, geom, interpret=False, include_pad=True))
   print(f"{jax.devices()[0].device_kind}: {case} {op} launch {tuning.launch_name(launch)}, "
-        f"packed select {pk.PACKED_SELECT}", file=sys.stderr)
+        f"packed select {settings.get('packed_select')}", file=sys.stderr)
   ops = lg._operands(op, shape, geom, dtype)
   jax.block_until_ready(jax.jit(lambda *a: lg._call(op, geom, shape, launch, *a))(*ops))
 

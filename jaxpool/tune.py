@@ -12,6 +12,8 @@ gpu-benchmark``) on this machine's GPU and writes them to the tuning cache (see
 
 A case is ``SHAPE:WINDOW:STRIDES:PADDING:DTYPES:LAYOUT``, each tuple written with ``x``,
 ``PADDING`` an int or ``VALID``/``SAME``, ``DTYPES`` comma-separated.
+
+From Python, :func:`pretune` tunes the kernels that a function's trace calls.
 """
 
 from __future__ import annotations
@@ -21,11 +23,14 @@ import json
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
+import jax
 import jax.numpy as jnp
 
-from jaxpool._src import windows
+from jaxpool._src import settings, windows
+from jaxpool._src.pallas.triton import config
 from jaxpool._src.pallas.triton import ops as triton
 from jaxpool._src.pallas.tuning import tuner as tuning
 from jaxpool._src.platforms import platform
@@ -46,6 +51,48 @@ PRESETS: dict[str, list[Case]] = {
          "channels_last", ("float32",)),
     ],
 }
+
+
+__all__ = ["main", "pretune"]
+
+
+def pretune(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[tuning.Record]:
+  """Tunes the GPU kernels that ``fn(*args, **kwargs)`` calls, ahead of its first call.
+
+  Traces and lowers ``jax.jit(fn)`` for ``args`` (arrays or ``jax.ShapeDtypeStruct`` values; it is
+  not run) noting each kernel's launch key, then tunes each key that the tuning cache and the
+  shipped table do not hold (a few seconds each; ``JAXPOOL_TUNE_BUDGET_S``) and writes it to
+  the cache. Then clears JAX's caches (``jax.clear_caches()``), so that ``fn``'s next trace,
+  in this process or any later one, takes the tuned launches (in every ``JAXPOOL_TUNE`` mode
+  but ``off``, which takes the heuristic).
+  Pass a function of the shapes you run, e.g. ``jax.value_and_grad(loss)``, so that the
+  backward kernels are tuned too.
+
+  Returns:
+    One record a kernel: its key, launch and ``source`` ("tuned", or "cache"/"table"/"memory"
+    where it was known). Empty where the kernels do not run compiled (not an NVIDIA GPU).
+  """
+  if config.platform() != "cuda":
+    return []
+  jax.clear_caches()  # (a program traced before would not ask for its launches again)
+  with tuning.recording() as found, settings.override(tune="model"):
+    jax.jit(fn).trace(*args, **kwargs).lower(lowering_platforms=("cuda",))
+  tuner = tuning.default_tuner()
+  records, seen = [], set()
+  with settings.override(tune="auto"):
+    for key, heuristic, cands, trial in found:
+      if key.name() in seen:
+        continue
+      seen.add(key.name())
+      t0 = time.perf_counter()
+      tuner.choose(key, heuristic, cands, trial, tune=True)
+      record = tuner.records[-1]
+      records.append(record)
+      log = tuning.log.info if record.source == "tuned" else tuning.log.debug
+      log("jaxpool.tune.pretune: %s: %s (%s, %.1f s)", key.name(),
+          tuning.launch_name(record.launch), record.source, time.perf_counter() - t0)
+  jax.clear_caches()
+  return records
 
 
 def parse_case(spec: str) -> Case:
@@ -139,22 +186,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.error("give --preset or --case")
   if bad := [o for o in ops if o not in triton.OPS]:
     ap.error(f"--ops must name kernels of {triton.OPS}, got {bad}")
+  overrides: dict[str, Any] = {"tune": "auto"}
   if args.budget_s is not None:
     if args.budget_s <= 0:
       ap.error(f"--budget-s must be positive, got {args.budget_s}")
-    os.environ[tuning.BUDGET_ENV] = str(args.budget_s)
+    overrides["tune_budget_s"] = args.budget_s
   if args.max_candidates is not None:
     if args.max_candidates < 1:
       ap.error(f"--max-candidates must be at least 1, got {args.max_candidates}")
-    os.environ[tuning.CANDIDATES_ENV] = str(args.max_candidates)
+    overrides["tune_max_candidates"] = args.max_candidates
   if platform() != "cuda":
     print(f"python -m jaxpool.tune: tuning needs an NVIDIA GPU; the default backend is "
           f"{platform()!r}", file=sys.stderr)
     return 2
-  os.environ[tuning.TUNE_ENV] = "auto"
   tuner = tuning.Tuner(table={} if args.retune else None, fresh=args.retune)
   t0 = time.perf_counter()
-  with tuning.using(tuner):
+  with tuning.using(tuner), settings.override(**overrides):
     env = tuner.env
     print(f"device {env['device_kind']}; jax {env['jax']}, jaxlib {env['jaxlib']}; "
           f"cache {tuner.cache}", flush=True)

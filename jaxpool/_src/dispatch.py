@@ -19,7 +19,6 @@ Pallas backends say so.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import jax
@@ -27,6 +26,7 @@ import jax
 from jaxpool._src.backend import Backend, Op
 from jaxpool._src.checks import check_choice
 from jaxpool._src.pallas.backend import PALLAS_TPU, PALLAS_TRITON, PallasBackend
+from jaxpool._src import settings
 from jaxpool._src.platforms import pallas_kernels, platform
 from jaxpool._src.windows import IMPLEMENTATIONS, Geometry
 from jaxpool._src.xla_backend import XlaBackend
@@ -34,7 +34,7 @@ from jaxpool._src.xla_backend import XlaBackend
 __all__ = ["PALLAS_TPU", "PALLAS_TRITON", "XLA", "REGISTRY", "Backend", "Op", "choose",
            "default_implementation", "pallas", "pallas_by_default", "platform"]
 
-ENV = "JAXPOOL_IMPLEMENTATION"
+ENV = settings.SETTINGS["implementation"].env
 
 XLA = XlaBackend()
 
@@ -47,12 +47,7 @@ def default_implementation() -> str | None:
   """What ``implementation=None`` means: ``JAXPOOL_IMPLEMENTATION=xla`` makes it XLA everywhere
   (a switch for a whole program, its layers included); unset (or ``auto``), the first backend
   that serves the call."""
-  name = os.environ.get(ENV, "").strip().lower()
-  if name in ("", "auto"):
-    return None
-  if name != "xla":
-    raise ValueError(f"{ENV} must be 'xla', 'auto' or unset; got {name!r}.")
-  return name
+  return settings.get("implementation")
 
 
 def pallas() -> PallasBackend:

@@ -3,12 +3,13 @@ Pallas kernels (Triton or TPU) ``implementation="pallas"`` means here."""
 
 from __future__ import annotations
 
-import os
 import warnings
 
 import jax
 
-PALLAS_ENV = "JAXPOOL_PALLAS_BACKEND"
+from jaxpool._src import settings
+
+PALLAS_ENV = settings.SETTINGS["pallas_backend"].env
 PALLAS_KERNELS = ("triton", "tpu")
 
 
@@ -30,11 +31,9 @@ def pallas_kernels() -> str:
   The environment variable ``JAXPOOL_PALLAS_BACKEND`` (``"tpu"`` or ``"triton"``) overrides it;
   on a CPU, ``"tpu"`` runs the TPU kernels in the TPU interpreter (how they are tested).
   """
-  name = os.environ.get(PALLAS_ENV, "").strip().lower()
-  if not name:
+  name = settings.get("pallas_backend")
+  if name is None:
     return "tpu" if jax.default_backend() == "tpu" else "triton"
-  if name not in PALLAS_KERNELS:
-    raise ValueError(f"{PALLAS_ENV} must be one of {PALLAS_KERNELS} or unset, got {name!r}")
   return name
 
 
@@ -59,3 +58,28 @@ def warn_interpreter() -> None:
       "Pallas kernels compile for GPUs and TPUs only, and interpreted they run many times "
       "slower than implementation='xla' or None (the same values). Warned once per process.",
       PallasInterpreterWarning, stacklevel=3)
+
+
+MIN_COMPUTE_CAPABILITY = (8, 0)  # the Triton kernels' inline PTX (max.NaN, packed selects)
+
+
+def compute_capability() -> tuple[int, int] | None:
+  """The default device's CUDA compute capability, e.g. ``(9, 0)``; None where it has none."""
+  raw = getattr(jax.devices()[0], "compute_capability", None)
+  try:
+    major, minor = str(raw).split(".")[:2]
+    return int(major), int(minor)
+  except (TypeError, ValueError):
+    return None
+
+
+def old_gpu() -> str | None:
+  """Why the Triton kernels cannot run on this CUDA GPU (compute capability below 8.0), or
+  None. ``implementation=None`` takes XLA there; ``implementation="pallas"`` raises this."""
+  cc = compute_capability()
+  if cc is None or cc >= MIN_COMPUTE_CAPABILITY:
+    return None
+  kind = getattr(jax.devices()[0], "device_kind", "this GPU")
+  return (f"jaxpool's Triton kernels need an NVIDIA GPU of compute capability 8.0 (sm_80) or "
+          f"newer; {kind} is {cc[0]}.{cc[1]}: use implementation='xla' (or "
+          f"JAXPOOL_IMPLEMENTATION=xla)")

@@ -185,7 +185,7 @@ def test_which_backward_blocks_the_tuner_offers(monkeypatch):
   # cache entry: no backward loops) gives the heuristic.
 
   class Table:
-    def choose(self, key, heuristic, cands, trial, *, tune=True):
+    def choose(self, key, heuristic, cands, trial, *, tune=True, default=None):
       blocks = config.backward_block_candidates(heuristic, g2, 4)
       assert blocks and cands[-len(blocks):] == blocks
       return (*heuristic, Table.rows, 2)
@@ -204,7 +204,7 @@ def test_which_backward_blocks_the_tuner_offers(monkeypatch):
 
   # The cotangents' dtype sets the 16-byte blocks' warps: bfloat16 8 x 64 tiles, 2 warps.
   class Offered:
-    def choose(self, key, heuristic, cands, trial, *, tune=True):
+    def choose(self, key, heuristic, cands, trial, *, tune=True, default=None):
       Offered.cands = cands
       return heuristic
 
@@ -215,7 +215,7 @@ def test_which_backward_blocks_the_tuner_offers(monkeypatch):
   # A block from the cache or a table for a call that is offered none (a 3x3x3/s2 pool, whose
   # key's class may hold a block tuned elsewhere): the heuristic.
   class Blocks:
-    def choose(self, key, heuristic, cands, trial, *, tune=True):
+    def choose(self, key, heuristic, cands, trial, *, tune=True, default=None):
       return (*heuristic, 1, 2)
 
   shape3 = (2, 16, 56, 56, 64)

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from kernel_base import ON_GPU, bits_equal, tied
 
-from jaxpool._src import windows
+from jaxpool._src import settings, windows
 from jaxpool._src.pallas.triton import config
 from jaxpool._src.pallas.triton import ops as triton
 from jaxpool._src.pallas.triton import backward as triton_backward
@@ -59,7 +59,7 @@ def test_where_the_packed_select_applies(monkeypatch, mode, dtype, taps, tile, w
   if mode == "avg":
     ops = ops[1:]
   assert triton._packed_select(mode, ops, g, tile, warps, interpret) is want
-  monkeypatch.setattr(triton, "PACKED_SELECT", False)
+  monkeypatch.setitem(settings.overrides, "packed_select", False)
   assert triton._packed_select(mode, ops, g, tile, warps, interpret) is False
 
 
@@ -93,7 +93,7 @@ def test_the_packed_select_lowers_for_cuda(monkeypatch, dtype, packed):
     return jax.jit(fn).trace(taps, y).lower(lowering_platforms=("cuda",)).as_text()
 
   assert ("set.eq.u32.f16x2" in lowered()) is packed
-  monkeypatch.setattr(triton, "PACKED_SELECT", False)
+  monkeypatch.setitem(settings.overrides, "packed_select", False)
   assert "set.eq.u32.f16x2" not in lowered()
 
 
@@ -193,11 +193,11 @@ def test_gpu_packed_select_gives_the_one_lane_bits(rng, monkeypatch, case, dtype
   for launch in _offered(shape, dtype, geom):
     call = jax.jit(lambda i, d, launch=launch: triton._backward_call(
         (i, d), shape, geom, "max", False, launch=launch))
-    monkeypatch.setattr(triton, "PACKED_SELECT", True)
+    monkeypatch.setitem(settings.overrides, "packed_select", True)
     bw, bl, warps = launch[:3]
     packed += triton._packed_select("max", (taps, dy), g, bw * bl, warps, False)
     got = call(taps, dy)
-    monkeypatch.setattr(triton, "PACKED_SELECT", False)
+    monkeypatch.setitem(settings.overrides, "packed_select", False)
     jax.clear_caches()
     want = call(taps, dy)
     jax.clear_caches()

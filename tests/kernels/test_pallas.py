@@ -21,7 +21,7 @@ from kernel_base import (CONFIGS, CONFIGS_ND, GPU_CONFIGS, ND_IDS, ON_GPU, bits_
                          check_vmap_grad_and_jvp, data, kw_of)
 
 import jaxpool
-from jaxpool._src import dispatch, windows, xla
+from jaxpool._src import dispatch, settings, windows, xla
 from jaxpool._src.pallas.triton import config
 from jaxpool._src.pallas import ops
 
@@ -401,8 +401,8 @@ def test_nd_transformations(rng):
 def test_signed_zeros_match_xla(rng, monkeypatch, cfg, dtype, form):
   """Signed zeros (interpret mode; compiled: test_gpu_signed_zeros), with the running maximum
   interpret mode uses (``dtypes.beats``) and with the canonical NaN results that the compiled
-  kernels' PTX maximum gives (``config.NAN_MAX``)."""
-  monkeypatch.setattr(config, "NAN_MAX", form)
+  kernels' PTX maximum gives (the ``nan_max`` setting)."""
+  monkeypatch.setitem(settings.overrides, "nan_max", form)
   jax.clear_caches()  # (the form is read while tracing)
   check_signed_zeros(rng, cfg, dtype)
 
@@ -436,7 +436,7 @@ def check_nan_bits(rng):
 
 @pytest.mark.parametrize("form", ["auto", "canonical"])
 def test_nan_bits_match_xla(rng, monkeypatch, form):
-  monkeypatch.setattr(config, "NAN_MAX", form)
+  monkeypatch.setitem(settings.overrides, "nan_max", form)
   jax.clear_caches()  # (the form is read while tracing)
   check_nan_bits(rng)
 
@@ -485,10 +485,10 @@ def test_gpu_nan_bits(rng):
 @gpu
 @pytest.mark.parametrize("form", ["beats", "canonical"])
 def test_gpu_other_max_forms(rng, monkeypatch, form):
-  """The compiled kernels with the other forms of the running maximum (``config.NAN_MAX``, as
+  """The compiled kernels with the other forms of the running maximum (the ``nan_max`` setting, as
   docs/design/running-max.md compares them) give the same bits too."""
   _need_gpu()
-  monkeypatch.setattr(config, "NAN_MAX", form)
+  monkeypatch.setitem(settings.overrides, "nan_max", form)
   jax.clear_caches()
   for cfg in GPU_CONFIGS:
     for dtype in (jnp.float32, jnp.bfloat16):

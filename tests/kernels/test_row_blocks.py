@@ -19,7 +19,7 @@ from core_strategies import pool_configs, split, tie_rich
 from hypothesis import strategies as st
 from kernel_base import bits_equal, data
 
-from jaxpool._src import windows, xla
+from jaxpool._src import settings, windows, xla
 from jaxpool._src.pallas.triton import config
 from jaxpool._src.pallas.triton import ops as triton
 from jaxpool._src.pallas.tuning import tuner as tuning
@@ -169,7 +169,7 @@ def test_blocks_are_refused_where_they_could_give_other_bits(monkeypatch):
   # Compiled, a maximum whose bits depend on the order (a select that keeps the first NaN:
   # another form than PTX's; refused before anything compiles).
   monkeypatch.setattr(config, "_ptx", lambda interpret: not interpret)
-  monkeypatch.setattr(config, "NAN_MAX", "beats")
+  monkeypatch.setitem(settings.overrides, "nan_max", "beats")
   for mode in ("max", "argmax"):
     with pytest.raises(ValueError, match="block of output rows"):
       triton._window_call(x, fine, mode, False, launch=(4, 2, 1, 1, 2))
@@ -263,7 +263,7 @@ def test_a_block_chosen_for_another_geometry_of_the_class_is_not_used(monkeypatc
   assert geom.lift(3).out_spatial[:2] == (1, 1)
 
   class Table:
-    def choose(self, key, heuristic, cands, trial, *, tune=True):
+    def choose(self, key, heuristic, cands, trial, *, tune=True, default=None):
       return (8, 32, 8, 1, 2)
 
   monkeypatch.setattr(config, "platform", lambda: "cuda")
@@ -275,7 +275,7 @@ def test_a_block_chosen_for_another_geometry_of_the_class_is_not_used(monkeypatc
     many_rows = (2, 57, 56, 64)
     g2 = windows.make_geometry(many_rows, (3, 3), (2, 2), 0, None, False, "channels_last")
     ptx = triton.launch_for("max_fwd", many_rows, jnp.float32, g2, interpret=False)
-    monkeypatch.setattr(config, "NAN_MAX", "beats")
+    monkeypatch.setitem(settings.overrides, "nan_max", "beats")
     beats = triton.launch_for("max_fwd", many_rows, jnp.float32, g2, interpret=False)
   assert got == triton.launch_for("max_fwd", shape, jnp.float32, geom, interpret=True)  # heuristic
   assert len(got) == 3
@@ -295,7 +295,7 @@ def test_a_cached_loop_over_planes_where_windows_share_none_is_not_used(monkeypa
   assert config.row_block_candidates((8, 16, 4), geom.lift(3), jnp.float32)  # (rows: shared)
 
   class Table:
-    def choose(self, key, heuristic, cands, trial, *, tune=True):
+    def choose(self, key, heuristic, cands, trial, *, tune=True, default=None):
       return (8, 16, 4, 0, 2)
 
   monkeypatch.setenv(tuning.TUNE_ENV, "cached")

@@ -669,7 +669,9 @@ class RecordingTuner:
   def __init__(self):
     self.calls = []
 
-  def choose(self, key, heuristic, cands, trial, *, tune=True):
+  env = ENV
+
+  def choose(self, key, heuristic, cands, trial, *, tune=True, default=None):
     self.calls.append((key, heuristic, cands, trial, tune))
     return cands[-1]
 
@@ -759,7 +761,7 @@ def test_no_tuning_inside_shard_map(monkeypatch):
   """Inside a shard_map (a user's, or the one an Explicit mesh runs the kernels under) a tuning
   run's random inputs, drawn with jax.random before they were a hash, raised a bare
   AssertionError from JAX in an Explicit-mesh training step on a GPU: "auto" acts as "cached"
-  there, and outside as before."""
+  there (now "model": the launch model, never tuning), and outside as before."""
   shape = (2, 9, 11, 6)
   geom = windows.make_geometry(shape, (3, 3), (2, 2), 1)
   monkeypatch.setattr(config, "platform", lambda: "cuda")
@@ -777,7 +779,7 @@ def test_no_tuning_inside_shard_map(monkeypatch):
     jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P("d"))).lower(
         jnp.ones((2,)))
     triton.launch_for("max_fwd", shape, jnp.float32, geom, interpret=False)
-  assert seen == ["cached"]
+  assert seen == ["model"]
   assert [c[4] for c in fake.calls] == [False, True]
 
 
@@ -891,16 +893,18 @@ def test_tuning_while_a_gradient_is_traced_and_lowered(monkeypatch, tmp_path):
   aval = jax.ShapeDtypeStruct(small, jnp.float32)
 
   class InterpretTrials(tuning.Tuner):
-    def choose(self, key, heuristic, cands, trial, *, tune=True, budget=None):
+    def choose(self, key, heuristic, cands, trial, *, tune=True, budget=None, default=None):
       args = trial.args()  # (the real operands, made eagerly)
       assert all(isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer) for a in args)
       interp = tuning.Trial(
           lambda launch: jax.jit(lambda v: triton._window_call(
               v, geom_small, "argmax", True, launch=launch)).lower(aval).compile(),
           lambda: (jnp.ones(small, jnp.float32),))
-      return super().choose(key, heuristic, cands[:1], interp, tune=tune, budget=budget)
+      return super().choose(key, heuristic, cands[:1], interp, tune=tune, budget=budget,
+                            default=default)
 
   monkeypatch.setattr(config, "platform", lambda: "cuda")
+  monkeypatch.setenv(tuning.TUNE_ENV, "auto")  # (the default, "model", never tunes)
   tuner = InterpretTrials(cache=str(tmp_path), env=ENV, table={},
                           measure=lambda f, a: tuning.time_ms(f, a, samples=1, sample_ms=0.0))
   shape = (2, 9, 10, 4)
@@ -931,7 +935,7 @@ def test_tune_command_writes_the_cache_the_table_and_a_report(monkeypatch, tmp_p
     def __init__(self, **kw):
       super().__init__(env=ENV, measure=lambda fn, args: fn(*args), **kw)
 
-    def choose(self, key, heuristic, cands, trial, *, tune=True, budget=None):
+    def choose(self, key, heuristic, cands, trial, *, tune=True, budget=None, default=None):
       fast[key.name()] = cands[-1]
       times = {c: (0.5 if c == cands[-1] else 1.0) for c in cands}
       fake = tuning.Trial(lambda c: (lambda: times[c]), lambda: ())

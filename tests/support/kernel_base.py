@@ -15,8 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxpool
-from jaxpool._src import windows, xla
-from jaxpool._src.pallas.triton import config
+from jaxpool._src import settings, windows, xla
 from jaxpool._src.pallas import ops
 
 ON_GPU = jax.default_backend() in ("gpu", "cuda", "rocm")
@@ -92,7 +91,7 @@ def _max_ops(kw_items, impl, backend):
   max_pool_with_indices, min_pool (the max kernel on -x) and max_pool's gradient. Cached (keyed
   by the kernels' backend too), so that checks of the same configuration, dtype and shapes share
   one compile of each kernel: in interpret mode on a CPU the compile is the cost."""
-  del backend  # (only a key: JAXPOOL_PALLAS_BACKEND and config.NAN_MAX pick the kernels while
+  del backend  # (only a key: JAXPOOL_PALLAS_BACKEND and the nan_max setting pick the kernels while
   # tracing)
   kw = dict(kw_items)
 
@@ -111,7 +110,7 @@ def compare_max_ops(kw, x, xf, dy):
   """Every output of :func:`_max_ops`, the kernels against the XLA path, bit for bit."""
   key = tuple(sorted(kw.items()))
   # (the maximum's form is read while tracing too: tests may set it)
-  kernels = (ops.backend(), config.NAN_MAX)
+  kernels = (ops.backend(), settings.get("nan_max"))
   for a, b in zip(_max_ops(key, "pallas", kernels)(x, xf, dy),
                   _max_ops(key, "xla", None)(x, xf, dy), strict=True):
     bits_equal(a, b)

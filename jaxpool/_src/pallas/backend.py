@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import jax
 
+from jaxpool._src import platforms
 from jaxpool._src.backend import Backend, Op
 from jaxpool._src.platforms import warn_interpreter
 from jaxpool._src.windows import Geometry
@@ -65,7 +66,7 @@ class PallasBackend(Backend):
 
   def not_default(self, platform: str) -> str | None:
     if platform == "cuda":
-      return None
+      return platforms.old_gpu()
     return (f"the kernels run by default on NVIDIA GPUs only (they were never compiled on "
             f"{platform}); ask for them with implementation='pallas'")
 

@@ -2,11 +2,12 @@
 launch (:func:`launch_config`), the candidates the tuner times beside it (:func:`candidates`,
 the 16-byte and least-waste tiles, the warps, the blocks of rows of
 :func:`row_block_candidates` and :func:`backward_block_candidates`), and the form of the max
-kernel's running maximum that decides which blocks give the one-row kernel's bits.
+kernel's running maximum that decides which blocks give the one-row kernel's bits (the
+``nan_max`` setting, ``jaxpool/_src/settings.py``).
 
 The tuner (``tuning/``) chooses among these and stores its choices; the calls
-(``triton/ops.py``) launch what it chooses. ``NAN_MAX`` and ``platform`` are read here when a
-kernel is traced (tests set them with ``monkeypatch``).
+(``triton/ops.py``) launch what it chooses. The ``nan_max`` setting and ``platform`` are read
+here when a kernel is traced (tests set them with ``settings.override`` and ``monkeypatch``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpool._src import settings
 from jaxpool._src.pallas.triton.backward import interleaves, phase_rows
 from jaxpool._src.pallas.triton.max import compare_dtype
 from jaxpool._src.pallas.triton.rows import shares_planes
@@ -127,14 +129,6 @@ def launch_config(width: int, lanes: int, itemsize: int, channels_last: bool) ->
 
 # ----------------------------------------------------------------------------- kernel forms
 
-# How the max kernel takes its running maximum (see max.nan_max): "auto" (PTX's
-# instruction where it serves, else "beats"), "beats" or "canonical" ("beats" with PTX's NaN
-# results: how interpret-mode tests check the compiled kernels' taps of windows holding NaN on
-# a CPU).
-NAN_MAX = "auto"
-_NAN_MAX_FORMS = ("auto", "beats", "canonical")
-
-
 def _ptx(interpret: bool) -> bool:
   """Whether the kernels are compiled for an NVIDIA GPU (inline PTX serves), read when they are
   traced."""
@@ -142,17 +136,18 @@ def _ptx(interpret: bool) -> bool:
 
 
 def _max_form(cmp_t, interpret: bool) -> str:
-  """The form of ``max.nan_max`` that the max kernel uses (``NAN_MAX``, "auto"
+  """The form of ``max.nan_max`` that the max kernel uses (the ``nan_max`` setting: "auto"
   resolved), read when the kernel is traced.
 
   "auto": PTX's ``max.NaN.f32`` for compiled kernels on an NVIDIA GPU whose floats are
-  compared in float32; "beats" for the rest (and for integers in every form)."""
-  if NAN_MAX not in _NAN_MAX_FORMS:
-    raise ValueError(f"NAN_MAX must be one of {_NAN_MAX_FORMS}, got {NAN_MAX!r}")
+  compared in float32; "beats" for the rest (and for integers in every form); "beats" or
+  "canonical" (``beats`` with PTX's NaN results: how interpret-mode tests check the compiled
+  kernels' taps of windows holding NaN on a CPU) as set."""
+  nan_max = settings.get("nan_max")
   if not jnp.issubdtype(cmp_t, jnp.floating):
     return "beats"
-  if NAN_MAX != "auto":
-    return NAN_MAX
+  if nan_max != "auto":
+    return nan_max
   return "ptx" if np.dtype(cmp_t) == np.float32 and _ptx(interpret) else "beats"
 
 

@@ -48,6 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
+from jaxpool._src import platforms, settings
 from jaxpool._src.pallas.calls import out_struct
 from jaxpool._src.pallas.triton import config, tile
 from jaxpool._src.pallas.triton.avg import avg_kernel
@@ -57,6 +58,7 @@ from jaxpool._src.pallas.triton.config import Launch
 from jaxpool._src.pallas.triton.max import compare_dtype, max_kernel
 from jaxpool._src.pallas.triton.rows import row_blocks, rows_kernel, shares_planes
 from jaxpool._src.pallas.triton.tile import plgpu
+from jaxpool._src.pallas.tuning import model as launch_model
 from jaxpool._src.pallas.tuning import tuner as tuning
 from jaxpool._src.pallas.tuning.cache import Key, geometry_class
 from jaxpool._src.pallas.tuning.trials import trial_inputs
@@ -67,16 +69,11 @@ from jaxpool._src.windows import Geometry, taps_dtype
 
 # Triton's software pipelining depth (``num_stages``) for every kernel: 1, since most kernels
 # have no loop; the loops over the output planes (``rd = 0``) are the exception, and ran within
-# 2% with 2 or 3 stages (docs/tuning.md). Read when a kernel is traced: a program already traced
-# or compiled keeps the value it had. Nothing in the package or its benchmarks changes it now
-# (docs/design/launches.md).
-NUM_STAGES = 1
-
-
+# 2% with 2 or 3 stages (docs/tuning.md, docs/design/launches.md).
 def _compiler_params(num_warps: int):
   if plgpu is None:
     return None
-  return plgpu.CompilerParams(num_warps=num_warps, num_stages=NUM_STAGES)
+  return plgpu.CompilerParams(num_warps=num_warps, num_stages=1)
 
 
 def _call_kwargs(interpret: bool, num_warps: int):
@@ -224,18 +221,14 @@ def _backward_call(operands, in_shape, geom: Geometry, mode: str, interpret: boo
   return dx.reshape(in_shape)
 
 
-# Whether the max backward of 16-bit floats selects two lanes an instruction where it can
-# (backward.pick16); off: one lane at a time, as for other dtypes (the same bits).
-PACKED_SELECT = True
-
-
 def _packed_select(mode: str, operands, g: Geometry, tile: int, warps: int,
                    interpret: bool) -> bool:
   """Whether the backward kernel runs :func:`backward.pick16`: the max backward of a
   16-bit float compiled for an NVIDIA GPU, taps of at most 16 bits (at most ``PICK16_TAPS``
   taps a window), and each thread holding an even number of the ``tile``'s elements (so that each
-  32-bit register pairs two of them)."""
-  if mode != "max" or not PACKED_SELECT or not config._ptx(interpret):
+  32-bit register pairs two of them), unless the ``packed_select`` setting is off (one lane at a
+  time, as for other dtypes: the same bits; read here, when the kernel is traced)."""
+  if mode != "max" or not settings.get("packed_select") or not config._ptx(interpret):
     return False
   taps, dy = operands
   return (jnp.issubdtype(dy.dtype, jnp.floating) and dy.dtype.itemsize == 2
@@ -283,8 +276,10 @@ def launch_for(op: str, in_shape, dtype, geom: Geometry, *, interpret: bool,
 
   Interpret mode, platforms other than CUDA and ``JAXPOOL_TUNE=off``: :func:`launch_config`
   (the heuristic constants). Otherwise the tuner's choice (``tuning/tuner.py``): from memory, the
-  disk cache or the shipped table, else tuned now among :func:`tuning.candidates` (unless
-  ``JAXPOOL_TUNE=cached``). Every configuration computes the same bits.
+  disk cache or the shipped table, else (``JAXPOOL_TUNE``, read here) the launch model's choice
+  among :func:`config.candidates` (``model``, the default: ``tuning/model.py``), tuned now among
+  them (``auto``) or the heuristic (``cached``). Every configuration computes the same bits.
+  A CUDA GPU older than sm_80 raises a ``RuntimeError`` (``platforms.old_gpu``).
   """
   if op not in OPS:
     raise ValueError(f"op must be one of {OPS}, got {op!r}")
@@ -299,8 +294,11 @@ def launch_for(op: str, in_shape, dtype, geom: Geometry, *, interpret: bool,
   lanes = view[-1] if g.channels_last else view[0]
   cols = g.out_spatial[2] if forward else _backward_cols(g)
   heuristic = config.launch_config(cols, lanes, dtype.itemsize, g.channels_last)
-  if interpret or tuning.mode() == "off" or config.platform() != "cuda":
+  mode = tuning.mode()
+  if interpret or mode == "off" or config.platform() != "cuda":
     return heuristic
+  if (too_old := platforms.old_gpu()) is not None:
+    raise RuntimeError(too_old)
   geometry = geometry_class(g.window, g.strides, g.dilation, cols, lanes, math.prod(view))
   if op == "avg_fwd":
     geometry += "/" + avg_counting(include_pad, divisor)
@@ -327,13 +325,18 @@ def launch_for(op: str, in_shape, dtype, geom: Geometry, *, interpret: bool,
     taps = (np.dtype(taps_dtype(n_taps)).name, n_taps) if kind == "max" and not forward else None
     return trial_inputs(operand_types[-1].shape, dtype.name, taps)
 
-  chosen = Launch.of(tuning.default_tuner().choose(key, heuristic, cands,
-                                                    tuning.Trial(compile_launch, args),
-                                                    tune=tuning.mode() == "auto"))
+  tuner = tuning.default_tuner()
+  trial = tuning.Trial(compile_launch, args)
+  if mode == "model":  # (the launch model where the cache and the table hold nothing)
+    device_kind = getattr(tuner, "env", {}).get("device_kind", "")
+    guess = launch_model.choose(key.name(), device_kind, heuristic, cands)
+    chosen = Launch.of(tuner.choose(key, heuristic, cands, trial, tune=False, default=guess))
+  else:
+    chosen = Launch.of(tuner.choose(key, heuristic, cands, trial, tune=mode == "auto"))
   loops = forward and shares_planes(g)  # (a loop over the output planes: rd = 0)
   if chosen.rows is not None and (not extra or (chosen.block_depth == 0 and not loops)):
     # A block of rows chosen for this key's class (from the cache or a table) where this call
-    # cannot take one (one output row, padding that leaves a window empty, another config.NAN_MAX
+    # cannot take one (one output row, padding that leaves a window empty, another nan_max
     # form, no output planes sharing input planes to loop over, a backward's loop): the
     # heuristic.
     return heuristic

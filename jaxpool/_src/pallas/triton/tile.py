@@ -90,17 +90,9 @@ def load(ref, idx, mask=None, other=None):
   return _pl_legacy.load(ref, idx, mask=mask, other=other)  # pragma: no cover - older Pallas
 
 
-# How programs are numbered: "memory" (:func:`program`'s order) or "rows" (a 3-D grid, the rows
-# fastest, then the column blocks, then the lane blocks: the kernels' earlier order, kept so that
-# the two could be timed side by side; nothing sets it now: docs/design/program-order.md).
-ORDER = "memory"
-
-
 def grid(rows: int, col_blocks: int, lane_blocks: int) -> tuple[int, ...]:
   """The launch grid of a kernel over ``rows`` rows (``b, d, h``), ``col_blocks`` blocks of
   columns and ``lane_blocks`` blocks of lanes: one program a tile, numbered by :func:`program`."""
-  if ORDER == "rows":
-    return (rows, col_blocks, lane_blocks)
   return (rows * col_blocks * lane_blocks,)
 
 
@@ -113,8 +105,6 @@ def program(rows: int, col_blocks: int, lane_blocks: int, channels_last: bool):
   of a row, then the rows of a plane block, then the plane (lane) blocks. Consecutive programs
   then read and write consecutive stretches of memory. (With the rows running fastest, the
   3x3/s2 channels_last kernels took 6-8% longer on an H100: ``docs/tuning.md``.)"""
-  if ORDER == "rows":
-    return pl.program_id(0), pl.program_id(1), pl.program_id(2)
   pid = pl.program_id(0)
   if channels_last:
     row, cb, lb = split(pid, (col_blocks, lane_blocks))

@@ -28,6 +28,8 @@ from typing import Any
 
 import jax
 
+from jaxpool._src import settings
+
 from jaxpool._src.pallas.triton.config import MAX_ROWS, MAX_TILE, MAX_WARPS, Launch, pow2_ceil
 
 def launch_name(launch: Launch | Sequence[int]) -> str:
@@ -50,7 +52,7 @@ def launch_name(launch: Launch | Sequence[int]) -> str:
 # channels_last the candidates include the tile of columns that pads the kernel's columns
 # least (least_waste_tile), and the forwards' loops over the output planes with it.
 FORMAT = 9
-CACHE_ENV = "JAXPOOL_CACHE_DIR"
+CACHE_ENV = settings.SETTINGS["cache_dir"].env
 TABLES = "launch_tables"  # the shipped tables: a package folder beside this module
 
 
@@ -61,9 +63,9 @@ class TuningWarning(UserWarning):
 
 def cache_dir() -> str:
   """``$JAXPOOL_CACHE_DIR``, else ``$XDG_CACHE_HOME/jaxpool``, else ``~/.cache/jaxpool``."""
-  explicit = os.environ.get(CACHE_ENV, "").strip()
+  explicit = settings.get("cache_dir")
   if explicit:
-    return os.path.expanduser(explicit)
+    return explicit
   base = os.environ.get("XDG_CACHE_HOME", "").strip() or os.path.join("~", ".cache")
   return os.path.join(os.path.expanduser(base), "jaxpool")
 
@@ -199,7 +201,7 @@ class Store:
   def table(self) -> dict[str, Launch]:
     if self._table is None:
       self._table = shipped_table(self.env["device_kind"])
-    return self._table
+    return self._table if settings.get("tune_table") == "on" else {}
 
   def path(self, key: Key) -> str:
     """The cache file of ``key`` (its name hashes the key and the environment)."""

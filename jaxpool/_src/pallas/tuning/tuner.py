@@ -14,28 +14,33 @@ looks the configuration up, in this order:
    ``~/.cache/jaxpool``), an entry being used only when the versions, the device kind and the
    driver it was tuned with are this process's;
 3. the table shipped with the package for this device kind (``launch_tables/*.json``);
-4. tuning: each candidate (:func:`candidates` around today's heuristic, at most
-   ``JAXPOOL_TUNE_MAX_CANDIDATES``, and up to 10 blocks or loops of rows more for the forwards,
-   5 blocks of rows for the backwards) is
-   compiled (in parallel threads) and timed on pseudo-random data of the call's shape
+4. by default (``JAXPOOL_TUNE=model``) the launch model's choice among the candidates
+   (``tuning/model.py``; the caller passes it as ``default``): no call waits on tuning;
+5. with ``JAXPOOL_TUNE=auto`` only, tuning: each candidate (:func:`candidates` around
+   today's heuristic, at most ``JAXPOOL_TUNE_MAX_CANDIDATES``, and up to 10 blocks or loops
+   of rows more for the forwards, 5 blocks of rows for the backwards) is compiled (in
+   parallel threads) and timed on pseudo-random data of the call's shape
    (``trials.trial_inputs``), for at most ``JAXPOOL_TUNE_BUDGET_S`` seconds a key; the fastest is
    written to the disk cache.
 
 Steps 1 to 3 and the keys are ``tuning/cache.py``'s (:class:`~cache.Store`, which a
-:class:`Tuner` is); this module holds the settings, the candidates, the timing and step 4.
+:class:`Tuner` is); this module holds the modes, the timing and step 5 (the settings
+themselves are ``jaxpool/_src/settings.py``'s).
 
 ``JAXPOOL_TUNE=off`` (or ``0``) uses the heuristic constants only (no cache, no table, no
 tuning); ``JAXPOOL_TUNE=cached`` uses the cache and the tables but never tunes (a key that has
-neither gets the heuristic). Interpret mode and non-CUDA platforms never tune.
+neither gets the heuristic). Interpret mode and non-CUDA platforms never tune. ``pretune``
+(``jaxpool/tune.py``) traces a function under :func:`recording`, then tunes the keys noted.
 
 A key (:class:`Key`) is the op, dtype, layout and a geometry class (window, strides, dilation,
 the columns and lanes rounded up to powers of two, and a size class of the work; for the
 average forward also how it counts its divisor), not the exact shape: shapes of one class
 share one configuration.
 
-Tuning happens where the kernel is first traced, which is usually inside a ``jit`` trace: it
-runs the candidates eagerly there (``jax.ensure_compile_time_eval``), logs its cost on the
-``jaxpool.tune`` logger and keeps it in :func:`report`.
+Under ``auto``, tuning happens where the kernel is first traced, which is usually inside a
+``jit`` trace: it runs the candidates eagerly there (``jax.ensure_compile_time_eval``), logs
+its cost on the ``jaxpool.tune`` logger (one INFO line a process, the rest DEBUG) and keeps it
+in :func:`report`.
 """
 
 from __future__ import annotations
@@ -54,6 +59,8 @@ from typing import Any
 
 import jax
 
+from jaxpool._src import settings
+
 from jaxpool._src.pallas.triton.config import Launch
 from jaxpool._src.pallas.tuning.cache import Key, Store
 
@@ -65,13 +72,13 @@ from jaxpool._src.pallas.tuning.cache import (  # noqa: F401
     _valid_launch as _valid_launch, cache_dir as cache_dir, geometry_class as geometry_class,
     launch_name as launch_name, shipped_table as shipped_table, table_name as table_name)
 
-TUNE_ENV = "JAXPOOL_TUNE"
-BUDGET_ENV = "JAXPOOL_TUNE_BUDGET_S"
-CANDIDATES_ENV = "JAXPOOL_TUNE_MAX_CANDIDATES"
-THREADS_ENV = "JAXPOOL_TUNE_THREADS"
-MODES = ("auto", "cached", "off")
-DEFAULT_BUDGET_S = 10.0
-DEFAULT_MAX_CANDIDATES = 6
+TUNE_ENV = settings.SETTINGS["tune"].env
+BUDGET_ENV = settings.SETTINGS["tune_budget_s"].env
+CANDIDATES_ENV = settings.SETTINGS["tune_max_candidates"].env
+THREADS_ENV = settings.SETTINGS["tune_threads"].env
+MODES = settings.TUNE_MODES
+DEFAULT_BUDGET_S = settings.SETTINGS["tune_budget_s"].default
+DEFAULT_MAX_CANDIDATES = settings.SETTINGS["tune_max_candidates"].default
 MARGIN = 0.02  # a candidate must beat the heuristic by more than this fraction to replace it
 ROUNDS = 5  # samples a candidate, taken in rounds over all candidates (:func:`rounds`)
 SAMPLE_MS = 5.0  # one sample's calls last about this long (as benchmarks/pooling_gpu.py's)
@@ -84,14 +91,12 @@ log = logging.getLogger("jaxpool.tune")
 
 
 def mode() -> str:
-  """``JAXPOOL_TUNE``: ``"auto"`` (default; also ``1``/``on``), ``"cached"``, ``"off"`` (``0``)."""
-  raw = os.environ.get(TUNE_ENV, "").strip().lower()
-  name = {"": "auto", "1": "auto", "on": "auto", "true": "auto", "0": "off", "false": "off",
-          "no": "off"}.get(raw, raw)
-  if name not in MODES:
-    raise ValueError(f"{TUNE_ENV} must be one of {MODES} (or 1/0, on/off), got {raw!r}")
+  """``JAXPOOL_TUNE`` (the ``tune`` setting): ``"model"`` (default), ``"auto"`` (also
+  ``1``/``on``), ``"cached"``, ``"off"`` (``0``); see ``settings.py``. Where no tuning may run
+  (:func:`cached_only`, inside a ``shard_map``), ``"auto"`` acts as ``"model"``."""
+  name = settings.get("tune")
   if name == "auto" and (getattr(_LOCAL, "cached_only", False) or _inside_manual_axes()):
-    return "cached"
+    return "model"
   return name
 
 
@@ -121,29 +126,16 @@ def cached_only() -> Iterator[None]:
     _LOCAL.cached_only = previous
 
 
-def _positive(env: str, default: float, kind: type) -> Any:
-  raw = os.environ.get(env, "").strip()
-  if not raw:
-    return default
-  try:
-    value = kind(raw)
-  except ValueError:
-    value = None
-  if value is None or value <= 0:
-    raise ValueError(f"{env} must be a positive {kind.__name__}, got {raw!r}")
-  return value
-
-
 def budget_s() -> float:
   """``JAXPOOL_TUNE_BUDGET_S``: the most seconds one key's tuning takes (default 10)."""
-  return float(_positive(BUDGET_ENV, DEFAULT_BUDGET_S, float))
+  return float(settings.get("tune_budget_s"))
 
 
 def max_candidates() -> int:
   """``JAXPOOL_TUNE_MAX_CANDIDATES``: the most one-row configurations tried a key (default 6;
   the forwards also try up to 10 blocks or loops of output rows, the backwards up to 5 blocks
   of rows)."""
-  return int(_positive(CANDIDATES_ENV, DEFAULT_MAX_CANDIDATES, int))
+  return int(settings.get("tune_max_candidates"))
 
 
 
@@ -233,9 +225,14 @@ class Tuner(Store):
     self._lock = threading.RLock()
 
   def choose(self, key: Key, heuristic: Launch, cands: Sequence[Launch], trial: Trial, *,
-             tune: bool = True, budget: float | None = None) -> Launch:
-    """The configuration for ``key``: looked up, else tuned (``tune``), else ``heuristic``."""
+             tune: bool = True, budget: float | None = None,
+             default: Launch | None = None) -> Launch:
+    """The configuration for ``key``: looked up, else tuned (``tune``), else ``default`` (the
+    launch model's choice; source "model") or ``heuristic``."""
     with self._lock:
+      if _RECORDING is not None:  # (pretune's trace: note the key, tune nothing)
+        _RECORDING.append((key, heuristic, tuple(cands), trial))
+        tune = False
       found = self.lookup(key)
       if found is not None:
         launch, source = found
@@ -243,8 +240,9 @@ class Tuner(Store):
         self._add(Record(key.name(), launch, source))
         return launch
       if not tune:
-        self._add(Record(key.name(), heuristic, "heuristic"))
-        return heuristic
+        launch = Launch.of(default) if default is not None else heuristic
+        self._add(Record(key.name(), launch, "heuristic" if default is None else "model"))
+        return launch
       record = self.tune(key, heuristic, cands, trial, budget=budget)
       self.memory[key.name()] = record.launch
       self._add(record)
@@ -299,17 +297,18 @@ class Tuner(Store):
     self.write(key, best, {"times_ms": record.times_ms, "seconds": seconds,
                            "samples_ms": {launch_name(c): v for c, v in samples.items()},
                            "tuned_at": time.strftime("%Y-%m-%dT%H:%M:%S")})
-    log.info("jaxpool: tuned %s on %s in %.1f s (%d of %d candidates timed): %s, %.4f ms "
-             "(heuristic %s, %.4f ms)", key.name(), self.env.get("device_kind"), seconds,
-             len(times), len(order), best, times.get(best, math.nan), heuristic,
-             times.get(heuristic, math.nan))
+    log.debug("jaxpool: tuned %s on %s in %.1f s (%d of %d candidates timed): %s, %.4f ms "
+              "(heuristic %s, %.4f ms)", key.name(), self.env.get("device_kind"), seconds,
+              len(times), len(order), best, times.get(best, math.nan), heuristic,
+              times.get(heuristic, math.nan))
+    _announce(key, seconds)
     return record
 
   def _compile_all(self, order: Sequence[Launch], trial: Trial,
                    deadline: float) -> dict[Launch, Callable[..., Any]]:
     """Compiles the candidates in threads; those not compiled by ``deadline`` are dropped
     (the heuristic, first, is always waited for)."""
-    threads = int(_positive(THREADS_ENV, min(8, os.cpu_count() or 1), int))
+    threads = int(settings.get("tune_threads") or min(8, os.cpu_count() or 1))
     out: dict[Launch, Callable[..., Any]] = {}
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=threads)
     try:
@@ -331,6 +330,41 @@ class Tuner(Store):
 
 
 # ----------------------------------------------------------------------------- the default
+
+_ANNOUNCED = False
+
+
+def _announce(key: Key, seconds: float) -> None:
+  """The one INFO line a process logs when tuning first runs (``JAXPOOL_TUNE=auto``): which
+  kernel, how long, and how to tune ahead. (The other keys' lines are DEBUG.)"""
+  global _ANNOUNCED
+  if _ANNOUNCED:
+    return
+  _ANNOUNCED = True
+  log.info("jaxpool: tuned the GPU kernel %s in %.1f s on its first use (JAXPOOL_TUNE=auto; "
+           "each new kernel shape is tuned once and cached). To tune ahead instead, run "
+           "`python -m jaxpool.tune` or `jaxpool.tune.pretune(fn, *args)`; unset JAXPOOL_TUNE "
+           "to use the launch model without tuning.", key.name(), seconds)
+
+
+_RECORDING: list[tuple[Key, Launch, tuple[Launch, ...], Trial]] | None = None
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[list[tuple[Key, Launch, tuple[Launch, ...], Trial]]]:
+  """Inside the block, :meth:`Tuner.choose` tunes nothing and notes each key it is asked for,
+  with its heuristic, candidates and trial, in the list it yields (``jaxpool.tune.pretune``
+  traces a function so, then tunes those keys)."""
+  global _RECORDING
+  with _DEFAULT_LOCK:
+    previous, _RECORDING = _RECORDING, []
+    found = _RECORDING
+  try:
+    yield found
+  finally:
+    with _DEFAULT_LOCK:
+      _RECORDING = previous
+
 
 
 _DEFAULT: Tuner | None = None
