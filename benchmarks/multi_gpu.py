@@ -314,7 +314,8 @@ def vgg_part():
     def step(p, s, x, y):
       def local(q):
         leaves, tree = jax.tree.flatten(q)
-        return loss(tree.unflatten([gather(a, d) for a, d in zip(leaves, split_dims)]), x, y)
+        return loss(tree.unflatten([gather(a, d)
+                                    for a, d in zip(leaves, split_dims, strict=True)]), x, y)
       value, grads = jax.value_and_grad(local)(p)
       # Each gradient is now the sum over the GPUs of theirs (a split parameter's by the
       # all-gather's transpose, a reduce-scatter; a whole one's by shard_map's: its gradient is
@@ -331,7 +332,7 @@ def vgg_part():
   def update_gap(new, ref):
     """The largest relative difference of one array's update from one GPU's update."""
     return float(max(np.linalg.norm(n - r) / max(float(np.linalg.norm(r - b)), 1e-30)
-                     for n, r, b in zip(new, ref, before)))
+                     for n, r, b in zip(new, ref, before, strict=True)))
 
   try:
     for variant in ARGS.variants:

@@ -46,7 +46,7 @@ FIXED_WINDOW_MAX_TAPS = 16
 
 
 def _fixed_window(plan: Plan) -> tuple[int, ...]:
-  return tuple(L // o for L, o in zip(plan.in_spatial, plan.out_spatial))
+  return tuple(L // o for L, o in zip(plan.in_spatial, plan.out_spatial, strict=True))
 
 
 def _route(plan: Plan, x: jax.Array, op: Op) -> str:
@@ -54,7 +54,7 @@ def _route(plan: Plan, x: jax.Array, op: Op) -> str:
   ``"stages"``."""
   if all(o == 1 for o in plan.out_spatial):
     return "global"
-  if all(L % o == 0 for L, o in zip(plan.in_spatial, plan.out_spatial)):
+  if all(L % o == 0 for L, o in zip(plan.in_spatial, plan.out_spatial, strict=True)):
     w = _fixed_window(plan)
     if math.prod(w) <= FIXED_WINDOW_MAX_TAPS:
       return "fixed"

@@ -83,11 +83,11 @@ class Plan:
   def box_sizes(self, ndim: int, dtype) -> np.ndarray:
     """Elements per output bin (the average's divisor), shaped to broadcast on the output."""
     size = np.ones((), np.int64)
-    for L, o in zip(self.in_spatial, self.out_spatial):
+    for L, o in zip(self.in_spatial, self.out_spatial, strict=True):
       start, end = bins(L, o)
       size = np.multiply.outer(size, end - start)
     shape = [1] * ndim
-    for a, o in zip(self.axes(ndim), self.out_spatial):
+    for a, o in zip(self.axes(ndim), self.out_spatial, strict=True):
       shape[a] = o
     return size.reshape(shape).astype(dtype)
 
@@ -105,7 +105,7 @@ def make_plan(x: jax.Array, output_size: Any, data_format: str) -> Plan:
   axes = _spatial_axes(x.ndim, n, channels_last)
   check_nonempty(x, axes)
   in_spatial = tuple(int(x.shape[a]) for a in axes)
-  out_spatial = tuple(L if o is None else o for L, o in zip(in_spatial, sizes))
+  out_spatial = tuple(L if o is None else o for L, o in zip(in_spatial, sizes, strict=True))
   # Before any bin table (whose size grows with output_size) is built.
   check_plane(f"output_size={output_size!r}", out_spatial, "the output plane")
   return Plan(in_spatial, out_spatial, channels_last)

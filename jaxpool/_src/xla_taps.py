@@ -100,12 +100,12 @@ def fold_taps(geom: Geometry, step, init, start: int = 0, limit: int | None = No
 def tap_slice(xp: jax.Array, geom: Geometry, tap: Tap) -> jax.Array:
   """The values tap ``tap`` reads for every output position (``xp`` already padded)."""
   ndim = xp.ndim
-  start = geom.full_dims(ndim, [t * d for t, d in zip(tap, geom.dilation)], 0)
+  start = geom.full_dims(ndim, [t * d for t, d in zip(tap, geom.dilation, strict=True)], 0)
   strides = geom.full_dims(ndim, geom.strides, 1)
   out = geom.output_shape(xp.shape)
-  size = tuple((o - 1) * s + 1 for o, s in zip(out, strides))
+  size = tuple((o - 1) * s + 1 for o, s in zip(out, strides, strict=True))
   if is_static(tap):
-    return lax.slice(xp, start, tuple(b + n for b, n in zip(start, size)), strides)
+    return lax.slice(xp, start, tuple(b + n for b, n in zip(start, size, strict=True)), strides)
   return lax.slice(lax.dynamic_slice(xp, start, size), (0,) * ndim, size, strides)
 
 
@@ -149,7 +149,7 @@ def _phase_slice(tv: jax.Array, geom: Geometry, tap: Tap, out_shape) -> jax.Arra
       start.append(0)
       size.append(n)
   if is_static(tap):
-    part = lax.slice(tv, start, [b + n for b, n in zip(start, size)])
+    part = lax.slice(tv, start, [b + n for b, n in zip(start, size, strict=True)])
   else:
     part = lax.dynamic_slice(tv, start, size)
   return part.reshape(out_shape)
@@ -199,7 +199,7 @@ def has_empty_windows(geom: Geometry) -> bool:
 def input_shape(out_shape: tuple[int, ...], geom: Geometry) -> tuple[int, ...]:
   """The input shape whose pooled output has ``out_shape``."""
   shape = list(out_shape)
-  for ax, L in zip(geom.spatial_axes(len(shape)), geom.in_spatial):
+  for ax, L in zip(geom.spatial_axes(len(shape)), geom.in_spatial, strict=True):
     shape[ax] = L
   return tuple(shape)
 

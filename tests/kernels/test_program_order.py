@@ -81,5 +81,5 @@ def test_kernels_give_the_same_bits_in_either_order(monkeypatch, data_format):
     dmax = triton._backward_call((taps, dy), shape, geom, "max", True, launch=launch)
     davg = triton._backward_call((dy,), shape, geom, "avg", True, True, None, launch=launch)
     outs[order] = [np.asarray(v) for v in (y, taps, avg, dmax, davg)]
-  for a, b in zip(outs["memory"], outs["rows"]):
+  for a, b in zip(outs["memory"], outs["rows"], strict=True):
     np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))

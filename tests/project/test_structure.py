@@ -455,7 +455,11 @@ _PALLAS_ROOMS = {
     "sharding": {"sharding", "calls", "tuning"},
     "ops": {"triton.ops", "tpu.ops", "sharding", "calls"},
     "backend": {"ops", "sharding"},
+    "types": set(),
 }
+# Every room may take the kernels' modes and ops (``types.py``, which imports nothing of the
+# package).
+_PALLAS_ROOMS = {room: allowed | {"types"} for room, allowed in _PALLAS_ROOMS.items()}
 
 
 def _within(name: str, prefixes) -> bool:
