@@ -1,10 +1,10 @@
 """The max-pool forward over blocks of output rows a program, against the one-row kernel.
 
-The max-pool forward kernel (``jaxpool/_src/pallas/triton_max.py``) computes one output row a
+The max-pool forward kernel (``jaxpool/_src/pallas/triton/max.py``) computes one output row a
 program and takes every window's maximum over all its taps: 27 loads and 27 maxima an output
 element for a 3x3x3 window. A maximum is separable: the maximum over a window is the maximum
 over its planes of the maxima over their rows of the maxima over each row's column taps.
-``triton_rows.py``'s kernel (this probe's own until the tuner offered it) covers ``rd x rh``
+``triton/rows.py``'s kernel (this probe's own until the tuner offered it) covers ``rd x rh``
 output rows a program, reduces each input row it reads over its column taps once (shared by
 the output rows whose windows hold that row), then the rows of each plane, then the planes:
 for 3x3x3/s2 and ``rd x rh = 2 x 4``, about 17 loads and 22 maxima an output element.
@@ -57,7 +57,7 @@ SMALL = [
 
 def separable_max(x, k, s, p, rd, rh, bw, warps, bl=None, interpret=False, mode="max"):
   """The max pool of ``x`` (channels_last, window ``k``, stride ``s``, symmetric padding ``p``,
-  each one int) over blocks of ``rd x rh`` output rows: ``triton_rows.py``'s kernel (1 x 1:
+  each one int) over blocks of ``rd x rh`` output rows: ``triton/rows.py``'s kernel (1 x 1:
   the one-row kernel)."""
   n = x.ndim - 2
   geom = make_geometry(x.shape, (k,) * n, (s,) * n, ((p, p),) * n, (1,) * n, False,

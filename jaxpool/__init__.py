@@ -18,6 +18,10 @@ from jaxpool._src.api import max_pool_with_taps as max_pool_with_taps
 from jaxpool._src.api import max_unpool as max_unpool
 from jaxpool._src.api import min_pool as min_pool
 from jaxpool._src.optimize import optimize as optimize
+from jaxpool._src.platforms import PallasInterpreterWarning as PallasInterpreterWarning
+from jaxpool._src.roi.api import roi_align as roi_align
+from jaxpool._src.roi.api import roi_pool as roi_pool
+from jaxpool._src.roi.multi_scale import multi_scale_roi_align as multi_scale_roi_align
 from jaxpool._src.windows import Geometry as Geometry
 from jaxpool._src.windows import make_geometry as make_geometry
 
@@ -28,5 +32,6 @@ __all__ = [
     "avg_pool_grad", "Geometry", "global_avg_pool", "global_max_pool", "l2_pool", "lp_pool",
     "lp_pool_grad", "make_geometry", "max_pool", "max_pool_grad",
     "max_pool_grad_from_taps", "max_pool_with_indices", "max_pool_with_taps", "max_unpool",
-    "min_pool", "optimize",
+    "min_pool", "multi_scale_roi_align", "optimize", "PallasInterpreterWarning", "roi_align",
+    "roi_pool",
 ]

@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
+import os
 from typing import Any
 
 import jax
 import numpy as np
 
 from jaxpool._src.api_args import check_plane
-from jaxpool._src.checks import check_choice
+from jaxpool._src.checks import check_choice, check_static
 from jaxpool._src.checks import is_int as _is_int
 from jaxpool._src.windows import DATA_FORMATS, MAX_SIZE, taps_dtype
 from jaxpool._src.windows import spatial_axes as _spatial_axes
@@ -29,6 +31,7 @@ from jaxpool._src.windows import spatial_axes as _spatial_axes
 
 def _output_size(output_size: Any) -> tuple[int | None, ...]:
   """Checks ``output_size``: one int >= 1 or None per spatial dim."""
+  check_static("output_size", output_size)
   if _is_int(output_size) or isinstance(output_size, (bool, np.bool_)):
     raise TypeError(
         "output_size must be a tuple with one entry (an int >= 1 or None) per spatial dim, "
@@ -108,7 +111,73 @@ def make_plan(x: jax.Array, output_size: Any, data_format: str) -> Plan:
   out_spatial = tuple(L if o is None else o for L, o in zip(in_spatial, sizes, strict=True))
   # Before any bin table (whose size grows with output_size) is built.
   check_plane(f"output_size={output_size!r}", out_spatial, "the output plane")
+  check_fits(x, axes, out_spatial, f"output_size={output_size!r}")
   return Plan(in_spatial, out_spatial, channels_last)
+
+
+# ----------------------------------------------------------------------------- memory
+
+
+def host_memory() -> int | None:
+  """The host's physical memory in bytes (None where the system does not say)."""
+  try:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+  except (ValueError, OSError, AttributeError):  # pragma: no cover - not POSIX
+    return None
+
+
+def device_memory() -> int | None:
+  """The memory of the default backend's local devices together, in bytes: the host's on a
+  CPU; None where a device does not say."""
+  if jax.default_backend() == "cpu":
+    return host_memory()
+  total = 0
+  for d in jax.local_devices():
+    limit = (d.memory_stats() or {}).get("bytes_limit")
+    if not limit:
+      return None
+    total += int(limit)
+  return total
+
+
+def table_bytes(size: int, out: int) -> int:
+  """About the host memory that :func:`table` takes for one dim (an upper estimate, NumPy's
+  int64 temporaries included), without building it: ``out * k`` gather slots (``k``, the
+  longest bin, at most ``ceil(size / out) + 1``), ``size * m`` scatter slots (``m``, the most
+  bins an element lies in, at most ``ceil(out / size) + 1``), and the bins' bounds."""
+  k = -(-size // out) + 1
+  m = -(-out // size) + 1 if out > size else 0
+  return 40 * out + 16 * out * k + 48 * size * m
+
+
+def _gib(n: int) -> str:
+  return f"{n / 2**30:.3g} GiB"
+
+
+def check_fits(x: jax.Array, axes: tuple[int, ...], out_spatial: tuple[int, ...],
+               shown: str) -> None:
+  """ValueError if the output, or the bin tables built for it on the host, cannot fit in
+  memory: checked from the sizes alone, before anything is built (a mistaken ``output_size``
+  such as ``(2**31 - 1, 1)`` would otherwise take tens of GiB of host tables first)."""
+  in_spatial = tuple(int(x.shape[a]) for a in axes)
+  out_shape = list(x.shape)
+  for a, o in zip(axes, out_spatial, strict=True):
+    out_shape[a] = o
+  tables = sum(table_bytes(L, o) for L, o in zip(in_spatial, out_spatial, strict=True))
+  tables += 8 * math.prod(out_spatial)  # the average's divisors
+  output = math.prod(out_shape) * np.dtype(x.dtype).itemsize
+  host, device = host_memory(), device_memory()
+  on_host = tables + (output if jax.default_backend() == "cpu" else 0)
+  if (host is not None and on_host > host) or (device is not None and output > device):
+    where = [f"{_gib(host)} on the host" if host is not None else "",
+             f"{_gib(device)} on the devices" if device is not None and
+             jax.default_backend() != "cpu" else ""]
+    raise ValueError(
+        f"{shown} cannot fit: its output of shape {tuple(out_shape)} "
+        f"takes {_gib(output)} ({x.dtype}) and its bin tables about {_gib(tables)} of host "
+        f"memory, more than the {' and '.join(w for w in where if w)} here. output_size is "
+        f"the pooled spatial size, one entry per spatial dim, e.g. (7, 7).")
+
 
 
 # ----------------------------------------------------------------------------- bins

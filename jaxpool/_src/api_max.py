@@ -58,8 +58,9 @@ def max_pool(x: PoolIn, window_shape: Sequence[int],
       (``channels_first``); float, integer or bool dtype (complex has no order: TypeError).
     window_shape: taps per spatial dim, e.g. ``(3, 3)``; its length is the number of spatial dims.
     strides: step per spatial dim; ``None`` means all ones.
-    padding: ``"VALID"``, ``"SAME"`` (extra padding at the end), ``"SAME_LOWER"``, an int (both
-      sides of every spatial dim) or ``(lo, hi)`` pairs, one per spatial dim. Padding never wins.
+    padding: ``"VALID"``, ``"SAME"`` (extra padding at the end), ``"SAME_LOWER"`` (in any case,
+      as ``lax.reduce_window``), an int (both sides of every spatial dim) or ``(lo, hi)`` pairs,
+      one per spatial dim. Padding never wins.
     dilation: spacing between taps per spatial dim; ``None`` means all ones.
     ceil_mode: round the output size up (PyTorch's rule: the last window starts inside the input
       or the left padding).
@@ -238,7 +239,10 @@ def max_pool_grad_from_taps(dy: FloatOutIn, taps: TapsIn, input_shape: Sequence[
       float dtype.
     taps: of ``dy``'s shape, as :func:`max_pool_with_taps` returns them (any integer dtype;
       values in ``[-1, prod(window_shape))``, ``-1`` sends nothing). An out-of-range value
-      raises a ValueError when the call runs eagerly.
+      raises a ValueError when the call runs eagerly. For a window of more than 32 taps (run
+      separably, docs/large-windows.md) they must be taps that :func:`max_pool_with_taps`
+      returned for this geometry (or ``-1`` in their place): the gradient routes them one dim
+      at a time, relying on windows that share a row's maximum to agree on it.
     input_shape: the forward input's full shape.
     window_shape, strides, padding, dilation, ceil_mode, data_format, implementation: as the
       forward's (:func:`max_pool`).
@@ -353,6 +357,13 @@ def max_unpool(y: PooledIn, indices: IndicesIn,
   check_choice("data_format", data_format, ("channels_last", "channels_first"))
   n = spatial_rank(output_size, "output_size")
   size = int_tuple("output_size", output_size, n)
+  if n >= y.ndim:  # a full shape, as PyTorch's max_unpool takes (batch and channels in it)
+    spatial = size[2:] if data_format == "channels_first" else size[1:-1]
+    meant = f"; for this one, output_size={spatial!r}" if len(size) == y.ndim >= 3 else ""
+    raise ValueError(
+        f"output_size is the unpooled spatial shape, one entry per spatial dim (not the full "
+        f"output shape with batch and channels){meant}; got output_size={output_size!r}, "
+        f"{n} entries, for y of shape {tuple(y.shape)}.")
   check_plane(f"output_size={output_size!r}", size, "the unpooled plane")
   check_rank("y", y.shape, n, data_format)
   if indices.dtype != jnp.int32:

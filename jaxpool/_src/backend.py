@@ -20,6 +20,7 @@ from jaxpool._src.windows import Geometry
 
 if TYPE_CHECKING:
   from jaxpool._src.adaptive_plan import Plan
+  from jaxpool._src.roi.plan import AlignConfig, PoolConfig
 
 
 class Op(enum.Enum):
@@ -36,6 +37,9 @@ class Op(enum.Enum):
   # global pooling (one reduction): no fixed-window op serves them.
   ADAPTIVE_POOL = "bins that are not one fixed window"
   GLOBAL_POOL = "global pooling"
+  # ROI pooling (jaxpool/_src/roi/): regions of feature maps pooled into a fixed grid.
+  ROI_ALIGN = "roi_align"
+  ROI_POOL = "roi_pool"
 
 
 class Backend(abc.ABC):
@@ -130,3 +134,17 @@ class Backend(abc.ABC):
   def global_avg_pool(self, x: jax.Array, nspatial: int, channels_last: bool) -> jax.Array:
     """The mean over every spatial dim, which it drops."""
     raise self._missing(Op.GLOBAL_POOL)
+
+  # ------------------------------------------------------------------- ROI pooling
+
+  def roi_align(self, maps: tuple[jax.Array, ...], image: jax.Array, coords: jax.Array,
+                level: jax.Array, config: AlignConfig) -> jax.Array:
+    """ROI align (:attr:`Op.ROI_ALIGN`) of the boxes ``(image, coords)`` ``(K,)``, ``(K, 4)``,
+    each from the map ``maps[level]`` (channels last): ``(K, ph, pw, C)``, differentiable in
+    the maps and the coordinates."""
+    raise self._missing(Op.ROI_ALIGN)
+
+  def roi_pool(self, x: jax.Array, image: jax.Array, coords: jax.Array,
+               config: PoolConfig) -> tuple[jax.Array, jax.Array]:
+    """``(y, indices)``: torchvision's ROI max pooling (:attr:`Op.ROI_POOL`), channels last."""
+    raise self._missing(Op.ROI_POOL)

@@ -15,6 +15,7 @@ import operator
 from collections.abc import Sequence
 from typing import Any
 
+import jax
 import numpy as np
 
 # Sizes, strides, dilations, padding, the padded extent and the number of taps must each fit in
@@ -25,6 +26,25 @@ MAX_SIZE = 2**31 - 1
 def is_int(v: Any) -> bool:
   """A Python or NumPy int; a bool (``True`` is 1 to Python) is not one."""
   return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+
+def _traced(value: Any) -> bool:
+  if isinstance(value, jax.core.Tracer):
+    return True
+  if isinstance(value, (tuple, list)):
+    return any(_traced(v) for v in value)
+  return False
+
+
+def check_static(name: str, value: Any) -> None:
+  """TypeError if ``value`` is (or holds) a traced value: a window size, stride or padding
+  passed as an argument of a ``jax.jit`` function is traced unless it is marked static."""
+  if _traced(value):
+    raise TypeError(
+        f"{name} must be static Python ints, known when the function is traced; got the traced "
+        f"value {value!r}. Under jax.jit, mark the argument static: jax.jit(f, "
+        f"static_argnums=...) or jax.jit(f, static_argnames=...) (pass a tuple, which hashes, "
+        f"not a list), or close over the value instead of passing it.")
 
 
 def check_bool(name: str, value: Any, *, hint: str = "") -> bool:
@@ -63,6 +83,7 @@ def int_tuple(name: str, value: Any, n: int | None, *, default: int | None = Non
     if default is None or n is None:
       raise TypeError(f"{name} is required; got None.")
     return (default,) * n
+  check_static(name, value)
   if is_int(value):
     one_each = "ints" if n is None else f"{n} ints, one per spatial dim"
     raise TypeError(f"{name} must be a tuple of {one_each}; got the int {value!r}.")

@@ -4,6 +4,7 @@ Pallas kernels (Triton or TPU) ``implementation="pallas"`` means here."""
 from __future__ import annotations
 
 import os
+import warnings
 
 import jax
 
@@ -35,3 +36,26 @@ def pallas_kernels() -> str:
   if name not in PALLAS_KERNELS:
     raise ValueError(f"{PALLAS_ENV} must be one of {PALLAS_KERNELS} or unset, got {name!r}")
   return name
+
+
+class PallasInterpreterWarning(UserWarning):
+  """``implementation="pallas"`` ran on a platform without Pallas kernels (a CPU): the Pallas
+  interpreter serves the call, correct but many times slower than ``implementation="xla"``.
+  Issued once per process; silence it with ``warnings.filterwarnings("ignore",
+  category=jaxpool.PallasInterpreterWarning)``."""
+
+
+_interpreter_warned = False
+
+
+def warn_interpreter() -> None:
+  """Issues :class:`PallasInterpreterWarning`, the first time only (once per process)."""
+  global _interpreter_warned
+  if _interpreter_warned:
+    return
+  _interpreter_warned = True
+  warnings.warn(
+      f"implementation='pallas' runs the Pallas interpreter on {jax.default_backend()!r}: the "
+      "Pallas kernels compile for GPUs and TPUs only, and interpreted they run many times "
+      "slower than implementation='xla' or None (the same values). Warned once per process.",
+      PallasInterpreterWarning, stacklevel=3)

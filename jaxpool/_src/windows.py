@@ -16,7 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from jaxpool._src.checks import MAX_SIZE, check_bool, check_choice, int_tuple, is_int
+from jaxpool._src.checks import (MAX_SIZE, check_bool, check_choice, check_static, int_tuple,
+                                 is_int)
 
 DATA_FORMATS = ("channels_last", "channels_first")
 IMPLEMENTATIONS = (None, "xla", "pallas")
@@ -130,6 +131,7 @@ class Geometry:
 
 
 def spatial_rank(window_shape: Any, name: str = "window_shape") -> int:
+  check_static(name, window_shape)
   if is_int(window_shape):
     raise TypeError(
         f"{name} must be a tuple of ints, one per spatial dim (e.g. (2, 2)); got the "
@@ -151,17 +153,35 @@ def check_rank(name: str, shape: Sequence[int], n: int, data_format: str) -> Non
         f"{tuple(shape)}.")
 
 
+def padding_string(padding: str, allowed: Sequence[str] = PADDING_STRINGS, *,
+                   what: str | None = None) -> str:
+  """A padding string in the canonical upper case: ``"same"``, ``"Same"`` and ``"SAME"`` are
+  one padding, as for ``lax.reduce_window``, Flax and Keras. The one place that normalises it
+  (the ops, the graph nodes and the interop layers all call it).
+
+  Raises:
+    ValueError: ``padding`` is none of ``allowed`` in any case (``what``, if given, replaces
+      the list of allowed forms in the message).
+  """
+  name = padding.upper()
+  if name not in allowed:
+    forms = what or (", ".join(repr(a) for a in allowed) + " (in any case)")
+    raise ValueError(f"padding must be {forms}; got {padding!r}.")
+  return name
+
+
 def resolve_string_padding(padding: str, in_spatial: Sequence[int], window: Sequence[int],
                            strides: Sequence[int], dilation: Sequence[int]
                            ) -> tuple[tuple[int, int], ...]:
-  """A padding string as ``(lo, hi)`` pairs, one per spatial dim.
+  """A padding string (any case) as ``(lo, hi)`` pairs, one per spatial dim.
 
-  ``"VALID"``: none. ``"SAME"``: ``ceil(L / s)`` outputs, the odd element of padding at the end
-  (ONNX SAME_UPPER); ``"SAME_LOWER"``: at the start. ``"FULL"`` (the graph nodes' policy, not the
-  ops'): ``e - 1`` on both sides, ``e`` the effective window ``d * (k - 1) + 1``: every window
-  that touches a real element.
+  ``"VALID"``: none. ``"SAME"``: ``ceil(L / s)`` outputs; the total padding
+  ``max((ceil(L / s) - 1) * s + e - L, 0)``, ``e`` the effective window ``d * (k - 1) + 1``,
+  is split with the odd element at the end (``lax.padtype_to_pads``, TensorFlow, Keras, ONNX
+  SAME_UPPER); ``"SAME_LOWER"``: the odd element at the start. ``"FULL"`` (the graph nodes'
+  policy, not the ops'): ``e - 1`` on both sides: every window that touches a real element.
   """
-  check_choice("padding", padding, (*PADDING_STRINGS, "FULL"))
+  padding = padding_string(padding, (*PADDING_STRINGS, "FULL"))
   eff = [effective_window(k, d) for k, d in zip(window, dilation, strict=True)]
   if padding == "VALID":
     return ((0, 0),) * len(eff)
@@ -176,14 +196,34 @@ def resolve_string_padding(padding: str, in_spatial: Sequence[int], window: Sequ
   return tuple(pads)
 
 
+PADDING_FORMS = ("'VALID', 'SAME' or 'SAME_LOWER' (any case), an int (both sides of every "
+                 "spatial dim) or one (lo, hi) pair per spatial dim")
+
+
+def padding_hint(pairs: tuple[Any, ...], n: int) -> str:
+  """What a sequence of ints given as ``padding`` probably meant (``padding=(1, 1)``)."""
+  ints = [int(p) for p in pairs]
+  hints: dict[Any, str] = {}
+  if len(set(ints)) == 1:
+    hints[ints[0]] = f"{ints[0]} on both sides of every spatial dim"
+  if len(ints) == 2:
+    lo, hi = ints
+    hints.setdefault(((lo, hi),) * n, f"{lo} before and {hi} after in every spatial dim")
+  if len(ints) == n:
+    hints.setdefault(tuple((p, p) for p in ints), "a (lo, hi) pair per spatial dim")
+  return "; did you mean " + ", or ".join(f"padding={v!r} ({w})" for v, w in hints.items()) + "?"
+
+
 def padding_pairs(padding: Any, n: int) -> tuple[tuple[int, int], ...]:
   """Checks explicit padding: a sequence of ``n`` ``(lo, hi)`` pairs of ints >= 0."""
+  check_static("padding", padding)
   try:
     pairs = tuple(padding)
   except TypeError:
-    raise TypeError(
-        "padding must be 'VALID', 'SAME', 'SAME_LOWER', an int or a sequence of (lo, hi) "
-        f"pairs; got {padding!r}.") from None
+    raise TypeError(f"padding must be {PADDING_FORMS}; got {padding!r}.") from None
+  if pairs and all(is_int(p) for p in pairs):
+    raise TypeError(f"padding must be {PADDING_FORMS}; got {padding!r}, ints where (lo, hi) "
+                    f"pairs go{padding_hint(pairs, n)}")
   if len(pairs) != n:
     raise ValueError(
         f"padding must have one (lo, hi) pair per spatial dim ({n}); got {padding!r}.")
@@ -207,8 +247,9 @@ def _resolve_padding(padding: Any, in_spatial: tuple[int, ...], window: tuple[in
                      strides: tuple[int, ...], dilation: tuple[int, ...]
                      ) -> tuple[tuple[int, int], ...]:
   n = len(in_spatial)
+  check_static("padding", padding)
   if isinstance(padding, str):
-    check_choice("padding", padding, PADDING_STRINGS)
+    padding_string(padding)  # the ops take no "FULL"
     return resolve_string_padding(padding, in_spatial, window, strides, dilation)
   if is_int(padding):
     if padding < 0:

@@ -29,20 +29,20 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxpool._src import xla_taps
+from jaxpool._src import xla_separable, xla_taps
 from jaxpool._src.autodiff import MaxPoolOps, apply_activation
 from jaxpool._src.dtypes import accumulator_dtype, beats, lowest
 from jaxpool._src.linear import LinearPair
 from jaxpool._src.windows import Geometry, phase_taps, taps_dtype
 from jaxpool._src.xla_avg_lp import avg_pool, lp_pool, masked_avg_pool
-from jaxpool._src.xla_taps import (UNROLL_TAPS, explicit_sharding, fold_taps, has_empty_windows,
-                                   input_shape, is_static, max_pool_forward, pad, reader, tap_mask,
-                                   tap_slice)
+from jaxpool._src.xla_taps import (SEPARABLE_TAPS, UNROLL_TAPS, explicit_sharding, fold_taps,
+                                   has_empty_windows, input_shape, is_separable, is_static,
+                                   max_pool_forward, pad, reader, tap_mask, tap_slice)
 
 # Re-exported, so that the XLA backend's every op is ``xla.<name>`` (and the kernels' reference
 # values, ``accumulator_dtype`` and ``lowest``, too).
-__all__ = ["UNROLL_TAPS", "accumulator_dtype", "avg_pool", "explicit_sharding", "lowest",
-           "lp_pool", "masked_avg_pool", "max_pool_forward"]
+__all__ = ["SEPARABLE_TAPS", "UNROLL_TAPS", "accumulator_dtype", "avg_pool", "explicit_sharding",
+           "lowest", "lp_pool", "masked_avg_pool", "max_pool_forward"]
 
 
 # ----------------------------------------------------------------------------- max
@@ -57,7 +57,18 @@ def max_pool_taps(x: jax.Array, geom: Geometry,
   every number; ``+0.0`` beats ``-0.0``); padding never wins, nor does an element where
   ``mask`` (bool, broadcastable to ``x``; None: every element) is False. A window with no real
   (unmasked) element gives ``y = lowest`` and ``taps = -1``.
+
+  A window of more than ``SEPARABLE_TAPS`` taps runs separably (``xla_separable.py``), with
+  the same bits; :func:`direct_max_pool_taps` is the tap loop over the whole window.
   """
+  if is_separable(geom):
+    return xla_separable.max_pool_taps(x, geom, mask)
+  return direct_max_pool_taps(x, geom, mask)
+
+
+def direct_max_pool_taps(x: jax.Array, geom: Geometry,
+                         mask: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+  """:func:`max_pool_taps` as one loop over the whole window's taps, whatever its size."""
   ndim = x.ndim
   xp = pad(x, geom, lowest(x.dtype))
   # The mask is read per tap like x; its padding (and ceil-mode overhang) reads False, so it
@@ -88,8 +99,12 @@ def gather_at_taps(t: jax.Array, taps: jax.Array, geom: Geometry,
   Linear in ``t``; its transpose is the max-pool gradient (a deterministic scatter-add of each
   window's cotangent into its winner). With straight-line taps and no Explicit sharding the
   gather is a pair of jaxpool primitives (:data:`GATHER`) whose transpose on a CPU is
-  :func:`scatter_to_taps`; elsewhere JAX transposes :func:`_gather_at_taps` by itself.
+  :func:`scatter_to_taps`; elsewhere JAX transposes :func:`_gather_at_taps` by itself. A
+  separable window (more than ``SEPARABLE_TAPS`` taps) gathers one dim at a time
+  (``xla_separable.gather_at_taps``), whose transpose sums in that form's order.
   """
+  if is_separable(geom):
+    return xla_separable.gather_at_taps(t, taps, geom)
   if (geom.num_taps <= xla_taps.UNROLL_TAPS and explicit_sharding(taps) is None
       and explicit_sharding(t) is None):
     return GATHER.forward(taps, t, geom=geom, activation=activation, masked=masked)

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxpool._src import xla_taps
+from jaxpool._src import xla_separable, xla_taps
 from jaxpool._src.dtypes import accumulator_dtype
 from jaxpool._src.windows import Geometry, window_counts_1d
 from jaxpool._src.xla_taps import fold_taps, max_pool_forward, reader, window_sum
@@ -41,8 +41,11 @@ def window_sum_linear(t: jax.Array, geom: Geometry) -> jax.Array:
 
   It is linear in ``t`` and built from pad, slice and add, so JAX transposes it into pads that
   XLA fuses into one gather-like pass: several times faster than the transpose of
-  ``reduce_window`` (a padded reduce-window over the dilated cotangent), and deterministic.
+  ``reduce_window`` (a padded reduce-window over the dilated cotangent), and deterministic. A
+  separable window (more than ``SEPARABLE_TAPS`` taps) sums one dim at a time.
   """
+  if xla_taps.is_separable(geom):
+    return xla_separable.window_sum(t, geom)
   read = reader(t, geom, phase=geom.num_taps > xla_taps.UNROLL_SUM_TAPS)
   return fold_taps(geom, lambda j, tap, acc: acc + read(tap),
                    lambda: read((0,) * geom.nspatial), start=1,

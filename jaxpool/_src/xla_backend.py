@@ -1,5 +1,5 @@
-"""The XLA backend: every op on ``lax`` (``xla.py``, ``xla_avg_lp.py``, ``adaptive_xla.py``),
-on every platform, each jitted once per static configuration.
+"""The XLA backend: every op on ``lax`` (``xla.py``, ``xla_avg_lp.py``, ``adaptive_xla.py``,
+``roi/xla.py``), on every platform, each jitted once per static configuration.
 
 A ``mask`` (masked pooling) is served here only: the max pool is the shared rule of
 ``autodiff.py`` on the operand ``(x, mask)`` (``xla.MASKED_MAX_POOL_OPS``).
@@ -12,6 +12,8 @@ import jax
 from jaxpool._src import adaptive_xla, autodiff, xla
 from jaxpool._src.adaptive_plan import Plan
 from jaxpool._src.backend import Backend, Op
+from jaxpool._src.roi import xla as roi_xla
+from jaxpool._src.roi.plan import AlignConfig, PoolConfig
 from jaxpool._src.windows import Geometry
 
 # Each op is jitted once per static config: calling it again with the same shapes and config
@@ -22,6 +24,8 @@ _grad_from_taps = jax.jit(autodiff.grad_from_taps, static_argnums=(2, 3))
 _avg_pool = jax.jit(xla.avg_pool, static_argnums=(1, 2, 3))
 _masked_avg_pool = jax.jit(xla.masked_avg_pool, static_argnums=(2, 3, 4))
 _lp_pool = jax.jit(xla.lp_pool, static_argnums=(1, 2))
+_roi_align = jax.jit(roi_xla.roi_align, static_argnums=(4,))
+_roi_pool = jax.jit(roi_xla.roi_pool, static_argnums=(3,))
 
 
 def _max_operand(x: jax.Array, mask: jax.Array | None):
@@ -92,3 +96,11 @@ class XlaBackend(Backend):
 
   def global_avg_pool(self, x: jax.Array, nspatial: int, channels_last: bool) -> jax.Array:
     return adaptive_xla.global_avg_jit(x, nspatial, channels_last)
+
+  def roi_align(self, maps: tuple[jax.Array, ...], image: jax.Array, coords: jax.Array,
+                level: jax.Array, config: AlignConfig) -> jax.Array:
+    return _roi_align(maps, image, coords, level, config)
+
+  def roi_pool(self, x: jax.Array, image: jax.Array, coords: jax.Array,
+               config: PoolConfig) -> tuple[jax.Array, jax.Array]:
+    return _roi_pool(x, image, coords, config)

@@ -46,6 +46,18 @@ UNROLL_TAPS = 64
 UNROLL_SUM_TAPS = 256
 TAPS_PER_TRIP = 8  # taps per trip of the loop
 
+# Windows of more taps than this run separably (``xla_separable.py``): one spatial dim at a
+# time, the last first, each a loop over that dim's taps. The rule depends on the geometry only;
+# the Pallas kernels take at most this many taps (``pallas/ops.py`` ``MAX_TAPS``), so every
+# backend gives such a window the separable form's gradient (its summation order).
+SEPARABLE_TAPS = 32
+
+
+def is_separable(geom: Geometry) -> bool:
+  """Whether ``geom``'s max, min and average pooling run separably (more than
+  ``SEPARABLE_TAPS`` taps)."""
+  return geom.num_taps > SEPARABLE_TAPS
+
 Tap = tuple  # one coordinate per spatial dim: Python ints (straight-line code) or int32 scalars
 
 
@@ -217,10 +229,29 @@ def explicit_sharding(a: jax.Array):
 
 
 def max_pool_forward(x: jax.Array, geom: Geometry) -> jax.Array:
-  """Max pooling without the taps: one ``lax.reduce_window``."""
+  """Max pooling without the taps: one ``lax.reduce_window``, or one a spatial dim for a
+  separable window (:func:`is_separable`; the same values: a maximum's order does not matter)."""
+  if is_separable(geom):
+    return _reduce_by_dims(x, geom, lowest(x.dtype), lax.max)
   return lax.reduce_window(x, lowest(x.dtype), lax.max, **window_args(geom, x.ndim))
 
 
 def window_sum(x: jax.Array, geom: Geometry) -> jax.Array:
-  """Sum over each window's real elements: one ``lax.reduce_window`` (the forward path)."""
+  """Sum over each window's real elements: one ``lax.reduce_window`` (the forward path), or
+  one a spatial dim for a separable window (:func:`is_separable`)."""
+  if is_separable(geom):
+    return _reduce_by_dims(x, geom, np.array(0, x.dtype), lax.add)
   return lax.reduce_window(x, np.array(0, x.dtype), lax.add, **window_args(geom, x.ndim))
+
+
+def _reduce_by_dims(x: jax.Array, geom: Geometry, init, op) -> jax.Array:
+  """``lax.reduce_window`` over one spatial dim at a time, the last first: work that grows with
+  the sum of the window's sizes, not their product."""
+  for i in reversed(range(geom.nspatial)):
+    only = lambda v, fill, i=i: [v if j == i else fill for j in range(geom.nspatial)]
+    x = lax.reduce_window(
+        x, init, op, window_dimensions=geom.full_dims(x.ndim, only(geom.window[i], 1), 1),
+        window_strides=geom.full_dims(x.ndim, only(geom.strides[i], 1), 1),
+        padding=geom.full_dims(x.ndim, only(geom.full_padding[i], (0, 0)), (0, 0)),
+        window_dilation=geom.full_dims(x.ndim, only(geom.dilation[i], 1), 1))
+  return x

@@ -16,7 +16,8 @@ from typing import Any
 import numpy as np
 
 from jaxpool._src.checks import check_bool, check_name, is_int
-from jaxpool._src.windows import DATA_FORMATS, IMPLEMENTATIONS, PADDING_STRINGS
+from jaxpool._src.windows import (DATA_FORMATS, IMPLEMENTATIONS, padding_hint,
+                                   padding_string)
 
 
 _NO_CROP = "negative padding, which lax.reduce_window reads as cropping, is not supported"
@@ -83,14 +84,13 @@ def flax_per_dim(name: str, value: Any, n: int) -> tuple[int, ...] | None:
 
 
 def flax_padding(value: Any, n: int) -> str | int | tuple[tuple[int, int], ...]:
-  """Flax's padding forms: ``"VALID"``, ``"SAME"`` (any case, as ``lax``), one ``(lo, hi)``
-  pair per spatial dim; plus jaxpool's ``"SAME_LOWER"`` and an int (both sides of every dim)."""
+  """Flax's padding forms: ``"VALID"``, ``"SAME"`` (any case, as ``lax``: the core's
+  :func:`~jaxpool._src.windows.padding_string`), one ``(lo, hi)`` pair per spatial dim; plus
+  jaxpool's ``"SAME_LOWER"`` and an int (both sides of every dim)."""
   what = (f"'VALID', 'SAME', 'SAME_LOWER', an int, or {n} (lo, hi) pairs, one per spatial dim, "
           f"e.g. {((1, 1),) * n}")
   if isinstance(value, str):
-    if value.upper() not in PADDING_STRINGS:
-      raise ValueError(f"padding must be {what}; got {value!r}.")
-    return value.upper()
+    return padding_string(value, what=what)  # the core's normalisation
   if is_int(value):
     if value < 0:
       raise ValueError(f"padding must be >= 0; got {value!r}.")
@@ -100,7 +100,7 @@ def flax_padding(value: Any, n: int) -> str | int | tuple[tuple[int, int], ...]:
   pairs = _items("padding", value, what)
   if pairs and all(is_int(p) for p in pairs):
     raise TypeError(f"padding must be {what}; got {value!r}, ints where Flax takes (lo, hi) "
-                    "pairs.")
+                    f"pairs{padding_hint(pairs, n)}")
   out = []
   for p in pairs:
     if is_int(p):

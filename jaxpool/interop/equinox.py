@@ -45,9 +45,10 @@ from jaxpool._src import api
 from jaxpool._src.checks import check_bool, check_divisor, check_name, check_norm
 from jaxpool._src.windows import IMPLEMENTATIONS, check_rank, effective_window
 from jaxpool.interop._args import eqx_padding, eqx_per_dim
+from jaxpool.interop._roi import MultiScaleRoIAlignBody, RoIAlignBody, RoIPoolBody, one_image
 
 __all__ = ["MaxPool1d", "MaxPool2d", "MaxPool3d", "AvgPool1d", "AvgPool2d", "AvgPool3d",
-           "LPPool1d", "LPPool2d", "LPPool3d"]
+           "LPPool1d", "LPPool2d", "LPPool3d", "RoIAlign", "RoIPool", "MultiScaleRoIAlign"]
 
 IntOrSeq = int | Sequence[int]
 PaddingArg = int | Sequence[int] | Sequence[tuple[int, int]]
@@ -374,3 +375,101 @@ class LPPool3d(_LPPool):
     """``(channels, *spatial)`` -> ``(channels, *out_spatial)``; ``key`` is ignored."""
     with jax.named_scope("jaxpool.equinox.LPPool3d"):
       return self._pool(x)
+
+
+# ROI pooling (torchvision's names and arguments, channels first; jaxpool/interop/_roi.py).
+
+
+class RoIAlign(RoIAlignBody, eqx.Module):
+  """:func:`jaxpool.roi_align`, channels first, called on ``(x, boxes)``: one example
+  ``(C, H, W)`` with ``(K, 4)`` boxes (``jax.vmap`` over a batch, as Equinox does), or a batch
+  ``(N, C, H, W)`` with ``(K, 5)`` rows or a list of ``(K_i, 4)``.
+
+  Args: as :func:`jaxpool.roi_align` (keywords after ``output_size``; ``data_format`` defaults
+  to ``"channels_first"``), checked here.
+  """
+
+  output_size: Any = eqx.field(static=True)
+  spatial_scale: float = eqx.field(static=True)
+  sampling_ratio: int = eqx.field(static=True)
+  aligned: bool = eqx.field(static=True)
+  mode: str = eqx.field(static=True)
+  max_samples: Any = eqx.field(static=True)
+  data_format: str = eqx.field(static=True)
+  implementation: str | None = eqx.field(static=True)
+
+  def __init__(self, output_size: IntOrSeq, *, spatial_scale: float = 1.0,
+               sampling_ratio: int = -1, aligned: bool = False, mode: str = "avg",
+               max_samples: IntOrSeq | None = None, data_format: str = "channels_first",
+               implementation: str | None = None):
+    self.output_size = output_size if isinstance(output_size, int) else tuple(output_size)
+    self.spatial_scale, self.sampling_ratio, self.aligned = spatial_scale, sampling_ratio, aligned
+    self.mode = mode
+    self.max_samples = (max_samples if max_samples is None or isinstance(max_samples, int)
+                        else tuple(max_samples))
+    self.data_format, self.implementation = data_format, implementation
+    self._check_attributes()
+
+  def __call__(self, x: jax.Array, boxes: Any, *, key: Any = None) -> jax.Array:
+    """``(K, C, ph, pw)`` (``(K, ph, pw, C)`` channels last); ``key`` is ignored."""
+    with jax.named_scope("jaxpool.equinox.RoIAlign"):
+      return self._apply(*one_image(x, boxes)[:2])
+
+
+class RoIPool(RoIPoolBody, eqx.Module):
+  """:func:`jaxpool.roi_pool`, channels first, called on ``(x, boxes)`` as :class:`RoIAlign`.
+
+  Args: as :func:`jaxpool.roi_pool` (keywords after ``output_size``).
+  """
+
+  output_size: Any = eqx.field(static=True)
+  spatial_scale: float = eqx.field(static=True)
+  data_format: str = eqx.field(static=True)
+  implementation: str | None = eqx.field(static=True)
+
+  def __init__(self, output_size: IntOrSeq, *, spatial_scale: float = 1.0,
+               data_format: str = "channels_first", implementation: str | None = None):
+    self.output_size = output_size if isinstance(output_size, int) else tuple(output_size)
+    self.spatial_scale = spatial_scale
+    self.data_format, self.implementation = data_format, implementation
+    self._check_attributes()
+
+  def __call__(self, x: jax.Array, boxes: Any, *, key: Any = None) -> jax.Array:
+    with jax.named_scope("jaxpool.equinox.RoIPool"):
+      return self._apply(*one_image(x, boxes)[:2])
+
+
+class MultiScaleRoIAlign(MultiScaleRoIAlignBody, eqx.Module):
+  """:func:`jaxpool.multi_scale_roi_align`, channels first, called on
+  ``(features, boxes, image_shapes)`` (a batch: the levels ``(N, C, H_l, W_l)``).
+
+  Args: as :func:`jaxpool.multi_scale_roi_align` (keywords after ``output_size``).
+  """
+
+  output_size: Any = eqx.field(static=True)
+  sampling_ratio: int = eqx.field(static=True)
+  canonical_scale: float = eqx.field(static=True)
+  canonical_level: int = eqx.field(static=True)
+  eps: float = eqx.field(static=True)
+  aligned: bool = eqx.field(static=True)
+  mode: str = eqx.field(static=True)
+  max_samples: Any = eqx.field(static=True)
+  data_format: str = eqx.field(static=True)
+  implementation: str | None = eqx.field(static=True)
+
+  def __init__(self, output_size: IntOrSeq, *, sampling_ratio: int = 2,
+               canonical_scale: float = 224.0, canonical_level: int = 4, eps: float = 1e-6,
+               aligned: bool = False, mode: str = "avg", max_samples: IntOrSeq | None = None,
+               data_format: str = "channels_first", implementation: str | None = None):
+    self.output_size = output_size if isinstance(output_size, int) else tuple(output_size)
+    self.sampling_ratio, self.canonical_scale = sampling_ratio, canonical_scale
+    self.canonical_level, self.eps, self.aligned, self.mode = canonical_level, eps, aligned, mode
+    self.max_samples = (max_samples if max_samples is None or isinstance(max_samples, int)
+                        else tuple(max_samples))
+    self.data_format, self.implementation = data_format, implementation
+    self._check_attributes()
+
+  def __call__(self, features: Any, boxes: Any, image_shapes: Any, *,
+               key: Any = None) -> jax.Array:
+    with jax.named_scope("jaxpool.equinox.MultiScaleRoIAlign"):
+      return self._apply(features, boxes, image_shapes)

@@ -40,9 +40,10 @@ from jaxpool._src.checks import check_bool, check_divisor, check_norm
 from jaxpool.interop._args import flax_config
 from jaxpool.interop._layers import (AvgPoolBody, LPPoolBody, MaxPoolBody, MinPoolBody,
                                      checked_inputs)
+from jaxpool.interop._roi import MultiScaleRoIAlignBody, RoIAlignBody, RoIPoolBody
 
 __all__ = ["max_pool", "min_pool", "avg_pool", "lp_pool", "MaxPool", "MinPool", "AvgPool",
-           "LPPool", "L2Pool"]
+           "LPPool", "L2Pool", "RoIAlign", "RoIPool", "MultiScaleRoIAlign"]
 
 Padding = str | int | Sequence[tuple[int, int]]
 
@@ -261,3 +262,82 @@ class L2Pool(LPPoolBody, nn.Module):
 
   def __call__(self, inputs: jax.typing.ArrayLike) -> jax.Array:
     return self._apply_pool(inputs)
+
+
+# ROI pooling layers (torchvision's names and arguments; the body in jaxpool/interop/_roi.py).
+
+
+class RoIAlign(RoIAlignBody, nn.Module):
+  """:func:`jaxpool.roi_align` as a linen module (no parameters), called on
+  ``(inputs, boxes)``.
+
+  Attributes:
+    output_size, spatial_scale, sampling_ratio, aligned, mode, max_samples, data_format,
+      implementation: as :func:`jaxpool.roi_align`; checked when the module is constructed.
+  """
+
+  output_size: int | Sequence[int]
+  spatial_scale: float = 1.0
+  sampling_ratio: int = -1
+  aligned: bool = False
+  mode: str = "avg"
+  max_samples: int | Sequence[int] | None = None
+  data_format: str = "channels_last"
+  implementation: str | None = None
+
+  def __post_init__(self) -> None:
+    self._check_attributes()
+    super().__post_init__()
+
+  def __call__(self, inputs: jax.typing.ArrayLike, boxes) -> jax.Array:
+    """``(N, H, W, C)`` and boxes (``(K, 5)`` or a list) -> ``(K, ph, pw, C)``."""
+    return self._apply(inputs, boxes)
+
+
+class RoIPool(RoIPoolBody, nn.Module):
+  """:func:`jaxpool.roi_pool` as a linen module (no parameters), called on
+  ``(inputs, boxes)``.
+
+  Attributes:
+    output_size, spatial_scale, data_format, implementation: as :func:`jaxpool.roi_pool`.
+  """
+
+  output_size: int | Sequence[int]
+  spatial_scale: float = 1.0
+  data_format: str = "channels_last"
+  implementation: str | None = None
+
+  def __post_init__(self) -> None:
+    self._check_attributes()
+    super().__post_init__()
+
+  def __call__(self, inputs: jax.typing.ArrayLike, boxes) -> jax.Array:
+    return self._apply(inputs, boxes)
+
+
+class MultiScaleRoIAlign(MultiScaleRoIAlignBody, nn.Module):
+  """:func:`jaxpool.multi_scale_roi_align` as a linen module (no parameters), called on
+  ``(features, boxes, image_shapes)``.
+
+  Attributes:
+    output_size, sampling_ratio, canonical_scale, canonical_level, eps, aligned, mode,
+      max_samples, data_format, implementation: as :func:`jaxpool.multi_scale_roi_align`.
+  """
+
+  output_size: int | Sequence[int]
+  sampling_ratio: int = 2
+  canonical_scale: float = 224.0
+  canonical_level: int = 4
+  eps: float = 1e-6
+  aligned: bool = False
+  mode: str = "avg"
+  max_samples: int | Sequence[int] | None = None
+  data_format: str = "channels_last"
+  implementation: str | None = None
+
+  def __post_init__(self) -> None:
+    self._check_attributes()
+    super().__post_init__()
+
+  def __call__(self, features, boxes, image_shapes) -> jax.Array:
+    return self._apply(features, boxes, image_shapes)

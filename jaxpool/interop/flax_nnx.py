@@ -30,10 +30,11 @@ from flax import nnx
 from jaxpool._src.checks import check_bool, check_divisor, check_norm
 from jaxpool.interop._args import flax_config
 from jaxpool.interop._layers import AvgPoolBody, LPPoolBody, MaxPoolBody, MinPoolBody
+from jaxpool.interop._roi import MultiScaleRoIAlignBody, RoIAlignBody, RoIPoolBody
 from jaxpool.interop.flax_linen import Padding, avg_pool, lp_pool, max_pool, min_pool
 
 __all__ = ["max_pool", "min_pool", "avg_pool", "lp_pool", "MaxPool", "MinPool", "AvgPool",
-           "LPPool", "L2Pool"]
+           "LPPool", "L2Pool", "RoIAlign", "RoIPool", "MultiScaleRoIAlign"]
 
 
 class _Pool(nnx.Module):
@@ -156,3 +157,76 @@ class L2Pool(LPPool):
     super().__init__(2, window_shape, strides, padding, dilation=dilation,
                      ceil_mode=ceil_mode, data_format=data_format,
                      implementation=implementation)
+
+
+# ROI pooling layers (torchvision's names and arguments; the body in jaxpool/interop/_roi.py).
+
+
+class RoIAlign(RoIAlignBody, nnx.Module):
+  """:func:`jaxpool.roi_align` as an nnx layer (no parameters), called on ``(inputs, boxes)``.
+
+  Args: as :func:`jaxpool.roi_align` (keywords after ``output_size``), checked here.
+  """
+
+  def __init__(self, output_size: int | Sequence[int], *, spatial_scale: float = 1.0,
+               sampling_ratio: int = -1, aligned: bool = False, mode: str = "avg",
+               max_samples: int | Sequence[int] | None = None,
+               data_format: str = "channels_last", implementation: str | None = None):
+    self.output_size = output_size
+    self.spatial_scale = spatial_scale
+    self.sampling_ratio = sampling_ratio
+    self.aligned = aligned
+    self.mode = mode
+    self.max_samples = max_samples
+    self.data_format = data_format
+    self.implementation = implementation
+    self._check_attributes()
+
+  def __call__(self, inputs: jax.typing.ArrayLike, boxes) -> jax.Array:
+    return self._apply(inputs, boxes)
+
+
+class RoIPool(RoIPoolBody, nnx.Module):
+  """:func:`jaxpool.roi_pool` as an nnx layer (no parameters), called on ``(inputs, boxes)``.
+
+  Args: as :func:`jaxpool.roi_pool` (keywords after ``output_size``), checked here.
+  """
+
+  def __init__(self, output_size: int | Sequence[int], *, spatial_scale: float = 1.0,
+               data_format: str = "channels_last", implementation: str | None = None):
+    self.output_size = output_size
+    self.spatial_scale = spatial_scale
+    self.data_format = data_format
+    self.implementation = implementation
+    self._check_attributes()
+
+  def __call__(self, inputs: jax.typing.ArrayLike, boxes) -> jax.Array:
+    return self._apply(inputs, boxes)
+
+
+class MultiScaleRoIAlign(MultiScaleRoIAlignBody, nnx.Module):
+  """:func:`jaxpool.multi_scale_roi_align` as an nnx layer (no parameters), called on
+  ``(features, boxes, image_shapes)``.
+
+  Args: as :func:`jaxpool.multi_scale_roi_align` (keywords after ``output_size``).
+  """
+
+  def __init__(self, output_size: int | Sequence[int], *, sampling_ratio: int = 2,
+               canonical_scale: float = 224.0, canonical_level: int = 4, eps: float = 1e-6,
+               aligned: bool = False, mode: str = "avg",
+               max_samples: int | Sequence[int] | None = None,
+               data_format: str = "channels_last", implementation: str | None = None):
+    self.output_size = output_size
+    self.sampling_ratio = sampling_ratio
+    self.canonical_scale = canonical_scale
+    self.canonical_level = canonical_level
+    self.eps = eps
+    self.aligned = aligned
+    self.mode = mode
+    self.max_samples = max_samples
+    self.data_format = data_format
+    self.implementation = implementation
+    self._check_attributes()
+
+  def __call__(self, features, boxes, image_shapes) -> jax.Array:
+    return self._apply(features, boxes, image_shapes)

@@ -47,7 +47,7 @@ BAD_CONFIGS = {
     "padding_not_pairs": (dict(padding=((0, 0, 0), (0, 0))), TypeError,
                           E("padding") + ".*" + E("((0, 0, 0), (0, 0))")),
     "padding_float": (dict(padding=1.5), TypeError, "padding.*1.5"),
-    "padding_unknown_string": (dict(padding="same"), ValueError, "padding.*'same'"),
+    "padding_unknown_string": (dict(padding="sane"), ValueError, "padding.*'sane'"),
     "padding_full": (dict(padding="FULL"), ValueError, "padding.*'VALID'.*'FULL'"),
     "padding_too_large_lo": (dict(padding=((2, 0), (0, 0))), ValueError,
                              "padding.*" + E("(2, 0)")),

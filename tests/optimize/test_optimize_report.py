@@ -59,7 +59,8 @@ def test_flax_layers_and_lines():
   assert found == {("reduce_window_max", "Net/block1", block),
                    ("select_and_scatter_add", "Net/block1", block),
                    ("reduce_window_sum", "Net", net)}, str(rep)
-  assert "[layer Net/block1; " in str(rep)
+  assert "[layer Net/block1; " in rep.long()  # the long form; the table shows it briefly:
+  assert "Net/block1," in str(rep)
 
 
 def test_equinox_layer_and_line():
@@ -90,3 +91,39 @@ def test_library_frames_are_skipped():
   """A site made inside a library's function names the user's call of it, not the library."""
   rep = jaxpool.optimize(lambda x: nn.avg_pool(x, (2, 2))).report(jnp.ones((1, 4, 4, 1)))
   assert sites(rep)[0].source.startswith(f"{HERE}:"), str(rep)
+
+
+def test_the_report_is_a_table_in_the_users_words():
+  """Issue 49: report lines ran 200-400 characters and named JAX's primitives. ``str(report)``
+  is an aligned table of at most 100 columns whose what/where/why name only what the user
+  wrote; ``report.long()`` keeps a line a site with the primitive and the full source path."""
+  def f(x):
+    r = jax.nn.relu(x)
+    y = nn.max_pool(r, (2, 2), (2, 2)) + nn.max_pool(jax.nn.relu(x * 2), (2, 2), (2, 2))
+    s = jax.lax.reduce_window(x, 0.0, jax.lax.add, (1, 2, 2, 1), (1, 2, 2, 1), "VALID")
+    return nn.avg_pool(y, (2, 2), (2, 2)).sum() + r.sum() + s.sum()
+
+  x = jnp.ones((1, 8, 8, 3))
+  rep = jaxpool.optimize(jax.grad(f), cost=cost.always).report(x)
+  text = str(rep)
+  lines = text.splitlines()
+  assert lines[0].startswith("jaxpool.optimize(f): ") and len(lines) > len(rep.findings)
+  assert max(len(line) for line in lines) <= 100, text
+  for word in ("custom_jvp_call", "reduce_window", "select_and_scatter_add", "select_prim",
+               "transpose of", HERE):
+    assert word not in text, (word, text)
+  # One row a site, starting with its status, what and where (the file and line, briefly).
+  rows = [line for line in lines[2:] if not line.startswith(" " * 4)]
+  assert len(rows) == len(rep.findings), text
+  for row, finding in zip(rows, rep.findings, strict=True):
+    assert row.split()[0] in ("replaced", "left"), row
+    line = finding.source.split(" (")[0].rsplit(":", 1)[1]
+    assert finding.what in row and f"test_optimize_report.py:{line}" in row, (row, finding)
+  whats = [d.what for d in rep.findings]
+  assert {"jax.nn.relu", "max pool", "max pool gradient", "average pool", "window sum",
+          "average pool gradient"} <= set(whats), whats
+  assert "has other readers" in " ".join(text.split())
+  long = rep.long().splitlines()
+  assert len(long) == len(rep.findings) + 1
+  assert all(f"{HERE}:" in ln for ln in long[1:]), rep.long()
+  assert any("custom_jvp_call(relu) (jax.nn.relu)" in ln for ln in long), rep.long()

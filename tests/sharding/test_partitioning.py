@@ -55,9 +55,9 @@ results, test_split_equals_one_device, test_every_check_is_in_a_group = (
 
 
 def test_the_private_jax_name_the_kernels_use_is_there():
-  # jaxpool/_src/pallas/partition.py marks its primitives in this JAX-private set (lowering a
-  # nested jit then keeps the devices, which custom_partitioning needs). A JAX release that moves
-  # it fails here first.
+  # jaxpool/_src/pallas/sharding/partition.py marks its primitives in this JAX-private set
+  # (lowering a nested jit then keeps the devices, which custom_partitioning needs). A JAX release
+  # that moves it fails here first.
   from jax._src import dispatch
   assert isinstance(dispatch.prim_requires_devices_during_lowering, set)
   from jaxpool._src.pallas.sharding import partition

@@ -143,9 +143,10 @@ def axis_in_range(node: Node, name: str, axis: int, spec: Spec, input_name: str)
 
 def check_padding(node: Node, padding: Any, n: int, policies: tuple[str, ...] = PADDING_POLICIES
                   ) -> str | tuple[tuple[int, int], ...]:
-  """A padding policy (one of ``policies``) as given, or ``n`` explicit ``(lo, hi)`` pairs."""
-  if isinstance(padding, str) and padding in policies:
-    return padding
+  """A padding policy (one of ``policies``, in any case, returned in upper case), or ``n``
+  explicit ``(lo, hi)`` pairs."""
+  if isinstance(padding, str) and padding.upper() in policies:
+    return windows.padding_string(padding, policies)
   if isinstance(padding, str) or not isinstance(padding, Iterable):
     raise node._fail(f"padding must be one of {policies} or (lo, hi) pairs; got "
                      f"{padding!r}.", ValueError if isinstance(padding, str) else TypeError)

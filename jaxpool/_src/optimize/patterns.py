@@ -148,10 +148,11 @@ def _relu_before(ctx: Context, g: Dataflow, i: int, x, where: str):
     return none
   cur, reader, alone = x, i, True
   while isinstance(cur, core.Var) and cur in g.producer:
-    alone = alone and g.only_reader(cur, reader)
     j = g.producer[cur]
     src = g.eqns[j]
     act = activation(src)
+    alone = alone and (g.only_reader(cur, reader) or (
+        act == "relu" and reader == i and _read_by_pool_and_its_masked_gradient(g, cur, i, src)))
     if act is not None:
       fold = relu_fold.fold(act, only_reader=alone)
       if isinstance(fold, str):
@@ -173,6 +174,53 @@ def _relu_before(ctx: Context, g: Dataflow, i: int, x, where: str):
       break
     cur, reader = src.invars[0], j
   return none
+
+
+def _is_zero(g: Dataflow, atom) -> bool:
+  v = g.value(atom)
+  return v is not None and v.size > 0 and bool(np.all(v == 0))
+
+
+def _relu_mask_of(g: Dataflow, pred, relu_in) -> bool:
+  """Whether ``pred`` is ``relu_in > 0``: the mask of ``jax.nn.relu``'s JVP."""
+  e = g.eqns[g.producer[pred]] if pred in g.producer else None
+  return (e is not None and e.primitive is prims.gt_p and e.invars[0] is relu_in
+          and _is_zero(g, e.invars[1]))
+
+
+def _read_by_pool_and_its_masked_gradient(g: Dataflow, r, i: int, relu) -> bool:
+  """Whether the readers of ``r``, the result of ``jax.nn.relu`` (equation ``relu``), are the
+  max pool ``i`` and that pool's gradient, masked by ReLU's derivative: what ``jax.grad`` of
+  ``max_pool(relu(x))`` builds (``select_and_scatter_add(ct, r)``, then ``select_n(x > 0, 0,
+  .)``). Folding stays exact there: the max pool's gradient run on ``x`` instead of
+  ``relu(x)`` picks the same element in every window whose maximum is positive, and the mask
+  zeroes the others (docs/optimize.md, "Under a transformation")."""
+  readers_ = g.readers.get(r, [])
+  others = [k for k in readers_ if k != i]
+  if i not in readers_ or not others or -1 in others:
+    return False
+  pool = g.eqns[i].params
+  if any(d != 1 for d in pool.get("window_dilation", ())):
+    return False
+  for k in others:
+    e = g.eqns[k]
+    p = e.params
+    if (e.primitive is not prims.select_and_scatter_add_p or e.invars[1] is not r
+        or getattr(p.get("select_prim"), "name", None) != "ge"
+        or tuple(p["window_dimensions"]) != tuple(pool["window_dimensions"])
+        or tuple(p["window_strides"]) != tuple(pool["window_strides"])
+        or tuple(map(tuple, p["padding"])) != tuple(map(tuple, pool["padding"]))):
+      return False
+    grad = e.outvars[0]
+    (m, *rest) = g.readers.get(grad, [-1]) or [-1]
+    if rest or m < 0:
+      return False
+    sel = g.eqns[m]
+    if not (sel.primitive is prims.select_n_p and len(sel.invars) == 3
+            and sel.invars[2] is grad and _is_zero(g, sel.invars[1])
+            and _relu_mask_of(g, sel.invars[0], relu.invars[0])):
+      return False
+  return True
 
 
 # ----------------------------------------------------------------------------- max pooling
@@ -231,8 +279,11 @@ def _max_select_layout(ctx: Context, g: Dataflow, eqn, where: str, x, what: str,
   """The window layout of XLA's max-pool ``select_and_*`` op (``select_prim`` ``ge``), or None
   after noting why the site is left alone."""
   p = eqn.params
-  if getattr(p["select_prim"], "name", None) != "ge":
-    ctx.note(where, eqn, False, f"select_prim {p['select_prim']} (not a max pool's {what})")
+  name = str(getattr(p["select_prim"], "name", p["select_prim"]))
+  if name != "ge":
+    picks = {"le": "<= (a min pool's)", "lt": "<", "gt": ">"}.get(name, name)
+    ctx.note(where, eqn, False, f"not a max pool's {what}: it picks by {picks}, a max pool's "
+             "by >=")
     return None
   lay = window_layout(ctx, g, p, x, allow_int=False, **layout)
   if isinstance(lay, str):

@@ -122,8 +122,9 @@ class Planner:
     if entry is None:
       for inner in core.jaxprs_in_params(eqn.params):
         if holds_pooling(inner):
-          self.note(where, eqn, False, f"optimize does not enter {eqn.primitive.name}; call "
-                    "optimize on the function inside it")
+          what = Finding(where, eqn.primitive.name, False, "").what
+          self.note(where, eqn, False, f"optimize does not enter {what}; call optimize on the "
+                    "function inside it")
           return
       return
     bodies = entry.bodies(eqn)

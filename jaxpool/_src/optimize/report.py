@@ -7,11 +7,33 @@ import functools
 import os
 import re
 import sys
+import textwrap
+from collections.abc import Sequence
 
 from jaxpool._src.optimize import _jax_private
 
 # jaxpool's own directory: its frames are never the user's.
 JAXPOOL_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep
+
+
+# What each equation is, in the words of the code that made it (the report's "what" column).
+_WHAT = {
+    "reduce_window_max": "max pool",
+    "reduce_window_min": "min pool",
+    "reduce_window": "lax.reduce_window",
+    "reduce_window_sum": "window sum",
+    "select_and_scatter_add": "max pool gradient",
+    "select_and_gather_add": "max pool JVP",
+    "max": "max(x, 0)",
+    "custom_jvp_call": "jax.custom_jvp function",
+    "custom_vjp_call": "jax.custom_vjp function",
+    "while": "lax.while_loop",
+    "cond": "lax.cond",
+    "scan": "lax.scan",
+}
+
+WIDTH = 100
+"""The columns that ``str(report)`` fits in."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -20,7 +42,8 @@ class Finding:
 
   Attributes:
     where: the chain of calls that holds it, e.g. ``"loss/scan/jit(block)"``.
-    op: the JAX primitive, e.g. ``"reduce_window_max"``.
+    op: the JAX primitive, e.g. ``"reduce_window_max"`` (:attr:`what` says it in the user's
+      words: ``"max pool"``).
     replaced: whether it now runs as jaxpool.
     detail: what it became (``replaced``) or why it was left alone.
     source: the user's source line that produced it, as JAX records it.
@@ -38,12 +61,69 @@ class Finding:
   cost: str = ""
   layer: str = ""
 
+  @property
+  def what(self) -> str:
+    """The equation in the words of the code that made it: ``"jax.nn.relu"``, ``"max pool"``,
+    ``"max pool gradient"``, ``"average pool"``..."""
+    m = re.fullmatch(r"custom_jvp_call\((relu6?)\)", self.op)
+    if m:
+      return f"jax.nn.{m.group(1)}"
+    if self.op == "reduce_window_sum":
+      if self.detail.startswith("an average pool's gradient"):
+        return "average pool gradient"
+      if self.replaced or self.cost:
+        return "average pool"
+    return _WHAT.get(self.op, self.op)
+
+  @property
+  def status(self) -> str:
+    return "replaced" if self.replaced else ("left to XLA" if self.cost else "left alone")
+
+  @property
+  def at(self) -> str:
+    """Where, briefly: the layer and the source file's name and line."""
+    src = self.source.split(" (")[0]
+    head, sep, line = src.rpartition(":")
+    short = f"{os.path.basename(head)}:{line}" if sep else src
+    return ", ".join(p for p in (self.layer, short) if p)
+
+
+_KEEP = "\x00"  # a space that the table does not break at
+
+
+def _cells(text: str, width: int) -> list[str]:
+  """``text`` wrapped to ``width``, never inside a tuple within a call (``(2, 2)`` in
+  ``jaxpool.max_pool(window (2, 2), ...)`` stays on one line)."""
+  depth, chars = 0, []
+  for c in text:
+    depth += (c == "(") - (c == ")")
+    chars.append(_KEEP if c == " " and depth >= 2 else c)
+  # A kept run longer than a third of the column (a whole call in parentheses) may break.
+  units = [u if len(u) <= width // 3 else u.replace(_KEEP, " ")
+           for u in "".join(chars).split(" ")]
+  lines = textwrap.wrap(" ".join(units), width, break_on_hyphens=False) or [""]
+  return [line.replace(_KEEP, " ") for line in lines]
+
+
+def table(rows: Sequence[Sequence[str]], widths: Sequence[int], indent: str = "  ") -> str:
+  """Rows of cells as an aligned table, each cell wrapped to its column's width (the last
+  column takes what ``WIDTH`` leaves)."""
+  out = []
+  for row in rows:
+    cells = [_cells(c, w) for c, w in zip(row, widths)]
+    for k in range(max(len(c) for c in cells)):
+      parts = [(c[k] if k < len(c) else "").ljust(w) for c, w in zip(cells, widths)]
+      out.append((indent + "  ".join(parts)).rstrip())
+  return "\n".join(out)
+
 
 @dataclasses.dataclass(frozen=True)
 class OptimizeReport:
   """What :func:`optimize` replaced in one traced call, and what it left alone and why.
 
-  ``str(report)`` is a table, one line per finding.
+  ``str(report)`` (:meth:`table`) is an aligned table that fits 100 columns, a row a site:
+  what, where, and what it became or why it was left alone. :meth:`long` gives a line a
+  site with the full source paths and the chain of calls.
   """
 
   function: str
@@ -63,17 +143,38 @@ class OptimizeReport:
     """The recognised sites that the cost decision left to XLA."""
     return tuple(f for f in self.findings if f.cost)
 
-  def __str__(self) -> str:
+  def _headline(self) -> str:
     kept = len(self.left_to_xla)
-    lines = [f"jaxpool.optimize({self.function}): {len(self.replaced)} replaced, "
-             f"{len(self.left_alone)} left alone"
-             + (f" ({kept} of them left to XLA by the cost decision)" if kept else "")]
+    return (f"jaxpool.optimize({self.function}): {len(self.replaced)} replaced, "
+            f"{len(self.left_alone)} left alone"
+            + (f" ({kept} of them left to XLA by the cost decision)" if kept else ""))
+
+  def table(self, width: int = WIDTH) -> str:
+    """The report as an aligned table of ``width`` columns at most, a row a site."""
+    if not self.findings:
+      return self._headline()
+    rows = [("", "what", "where", "became / why not")]
+    rows += [(f.status, f.what, f.at, f.detail.removeprefix("left to XLA: "))
+             for f in self.findings]
+    w_status = max(len(r[0]) for r in rows)
+    w_what = min(max(len(r[1]) for r in rows), 21)
+    w_at = min(max(len(r[2]) for r in rows), 28)
+    w_detail = max(width - 2 - 2 * 3 - w_status - w_what - w_at, 20)
+    return self._headline() + "\n" + table(rows, (w_status, w_what, w_at, w_detail))
+
+  def long(self) -> str:
+    """The long form: a line a site, with its primitive, the chain of calls that holds it,
+    its layer and the full path of its source line."""
+    lines = [self._headline()]
     for f in self.findings:
       tag = "replaced   " if f.replaced else ("left to XLA" if f.cost else "left alone ")
       where = "; ".join(p for p in (f"layer {f.layer}" if f.layer else "", f.source) if p)
       src = f"  [{where}]" if where else ""
-      lines.append(f"  {tag}  {f.where}: {f.op} -> {f.detail}{src}")
+      lines.append(f"  {tag}  {f.where}: {f.op} ({f.what}) -> {f.detail}{src}")
     return "\n".join(lines)
+
+  def __str__(self) -> str:
+    return self.table()
 
 
 LIBRARIES = ("jax", "jaxlib", "jaxpool", "flax", "keras", "equinox", "optax")

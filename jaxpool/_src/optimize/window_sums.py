@@ -187,13 +187,13 @@ def sum_transpose(ctx: Context, g: Dataflow, i: int, rules: Rules, where: str) -
     lo, hi = eff - 1 - lo_p, max(eff - 1 - hi_p, 0)
     n, size = shape(ct)[d], in_shape[d]
     if lo < 0 or size + lo + hi < eff or (size + lo + hi - eff) // s + 1 != n:
-      reason = reason or "a padded window sum that is not the transpose of a window sum"
+      reason = reason or "a window sum of a padded array that is not an average pool's gradient"
     strides.append(s)
     padding.append((lo, hi))
   lay = reason or layout(in_shape, p["window_dimensions"], strides, padding,
                          p["window_dilation"])
   if isinstance(lay, str):
-    ctx.note(where, eqn, False, f"(the transpose of a window sum) {lay}")
+    ctx.note(where, eqn, False, f"an average pool's gradient, left alone: {lay}")
     return True
   impl = ctx.implementation
   full = lay.shape(in_shape)
@@ -205,6 +205,6 @@ def sum_transpose(ctx: Context, g: Dataflow, i: int, rules: Rules, where: str) -
     return [lay.back(dx)]
   site = make_site(ctx, g, i, "avg_pool_grad", lay, ct, full=full)
   ctx.offer(where, eqn, site, rules, {i: Rule((ct,), run), j: DROP},
-            "(the transpose of a window sum) "
+            "an average pool's gradient: "
             f"jaxpool.avg_pool_grad({lay.describe()}; divisor_override=1)")
   return True

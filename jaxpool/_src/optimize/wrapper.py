@@ -137,7 +137,9 @@ def optimize(fn: Callable, *, implementation: api.Implementation = None, report:
   count), XLA's max-pool gradient (``select_and_scatter_add``) and JVP, the transpose of a
   window sum, inside ``jit``, ``custom_jvp``/``custom_vjp`` primals, ``remat``, ``cond``,
   ``scan`` and ``while``. ``jax.nn.relu`` (or ``relu6``) whose only reader is a max pool runs
-  after the pool instead (same values and gradients). ``cost`` decides per recognised site
+  after the pool instead (same values and gradients); in a function that holds its gradient
+  (``optimize(jax.grad(f))``), the pool's own gradient masked by ReLU's derivative is no other
+  reader, so a ReLU folds under either order. ``cost`` decides per recognised site
   whether jaxpool's call pays off; a site it declines stays XLA's and the report says why.
   Writes into the Flax NNX variables of the arguments (batch statistics, RNG counters) reach
   the caller's module as without optimize. See docs/optimize.md.
@@ -147,7 +149,8 @@ def optimize(fn: Callable, *, implementation: api.Implementation = None, report:
     implementation: passed to every jaxpool op: ``None``, ``"xla"`` or ``"pallas"``.
     report: print the report (what was replaced, what was left alone and why) each time a new
       signature is traced.
-    fold_relu: move a ReLU whose only reader is a max pool after the pool.
+    fold_relu: move a ReLU whose only reader is a max pool (and that pool's gradient) after
+      the pool.
     cost: decides per recognised site whether jaxpool's call pays off: a function of the site
       (op, shape, dtype, window, neighbours, whether the kernels run) that returns ``None``
       (replace) or the reason XLA keeps it. ``None``: jaxpool's cost model (docs/optimize.md,
@@ -155,9 +158,11 @@ def optimize(fn: Callable, *, implementation: api.Implementation = None, report:
 
   Returns:
     An :class:`Optimized` function with ``fn``'s signature; ``.report(*args)`` returns the
-    :class:`OptimizeReport` of a call. It composes with ``jit``, ``grad``, ``vmap``,
-    ``shard_map`` both ways (``optimize(jax.grad(f))`` replaces the pooling of the reverse
-    pass too; a ``shard_map`` inside ``fn`` is entered, its body's pooling run per device).
+    :class:`OptimizeReport` of a call (``str(report)``: a table of 100 columns, a row a site;
+    ``report.long()``: a line a site with JAX's primitive and the full source path). It
+    composes with ``jit``, ``grad``, ``vmap``, ``shard_map`` both ways
+    (``optimize(jax.grad(f))`` replaces the pooling of the reverse pass too; a ``shard_map``
+    inside ``fn`` is entered, its body's pooling run per device).
     Max-pool gradients follow jaxpool's rule (the first maximum in row-major window order, the
     first NaN), where XLA's may differ on ties and NaN.
 

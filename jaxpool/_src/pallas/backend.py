@@ -18,6 +18,7 @@ from __future__ import annotations
 import jax
 
 from jaxpool._src.backend import Backend, Op
+from jaxpool._src.platforms import warn_interpreter
 from jaxpool._src.windows import Geometry
 
 
@@ -28,8 +29,12 @@ def _ops():
 
 
 def _interpret() -> bool:
-  """On a CPU the kernels run in interpret mode (how they are tested)."""
-  return jax.default_backend() == "cpu"
+  """On a CPU the kernels run in interpret mode (how they are tested), with a
+  :class:`~jaxpool._src.platforms.PallasInterpreterWarning` the first time."""
+  if jax.default_backend() == "cpu":
+    warn_interpreter()
+    return True
+  return False
 
 
 class PallasBackend(Backend):

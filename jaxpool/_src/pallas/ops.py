@@ -46,8 +46,9 @@ _FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(np.float
 # H100 the forward kernels took 1.0, 2.6, 13.5 and 30.8 s to compile for 16, 25, 49 and 64 taps
 # (the forward with taps 1.3, 3.5, 20.8, 40.4 s; benchmarks/compile_gpu.py,
 # docs/design/window-limits.md). Larger
-# windows go to the XLA path, whose loop over the taps compiles in bounded time.
-MAX_TAPS = 32
+# windows go to the XLA path, whose loop over the taps compiles in bounded time. It is the XLA
+# path's separable bound: a larger window's gradient sums in the separable form's order.
+MAX_TAPS = xla.SEPARABLE_TAPS
 MAX_ELEMENTS = 2**31 - 1  # the kernels index in int32; larger arrays stay on XLA
 
 

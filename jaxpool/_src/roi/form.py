@@ -1,0 +1,324 @@
+"""ROI align's sampled sum as one 4-linear form, and its four derivatives as jaxpool primitives.
+
+For fixed integer corner positions, ROI align (average or max over the samples) is
+
+    F(wy, wx, x, ct) = sum ct[k,i,j,c] sel[k,i,j,c,s] wy[k,i,sy,a] wx[k,j,sx,b]
+                                       x[base[k] + iy[k,i,sy,a] * stride[k] + ix[k,j,sx,b], c]
+
+summed over the box ``k``, the bin ``(i, j)``, the channel ``c``, the sample ``s = (sy, sx)`` and
+its corners ``(a, b)``: linear in each of the corner weights ``wy``, ``wx`` (functions of the
+boxes, written with ``jnp`` in ``plan.py``, so JAX differentiates them), the flat feature table
+``x`` ``(P, C)`` and the output cotangent ``ct`` ``(K, ph, pw, C)``. ``sel`` is 1 (average) or,
+with the residual ``taps`` (max), 1 at the sample ``taps[k,i,j,c]`` only.
+
+One primitive, ``jaxpool_roi_form``, computes ``dF/d(wrt)`` for ``wrt`` one of ``"ct"`` (the
+forward ``y``), ``"x"`` (the feature gradient), ``"wy"``, ``"wx"`` (the box gradient's parts),
+from the other three. Each is linear in each of its three operands, so its JVP is three binds and
+its transpose with respect to an operand ``u`` is the bind for ``wrt=u`` with the cotangent in the
+slot of the old ``wrt``: reverse, forward and higher order compose without ``custom_vjp``.
+
+The feature gradient is deterministic: the contributions are sorted by pixel (a stable sort),
+summed per pixel by a segmented scan in a fixed order, and read at unique positions; no scatter.
+Memory: the outputs times the samples per bin times 4 corners.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.extend import core as jex_core
+from jax.interpreters import ad, batching, mlir
+
+F32 = jnp.float32
+SLOTS = ("wy", "wx", "x", "ct")  # the four linear slots, in operand order
+_RES = ("base", "stride", "iy", "ix", "taps")
+
+
+def _names(wrt: str, has_taps: bool) -> tuple[str, ...]:
+  res = _RES if has_taps else _RES[:-1]
+  return (*res, *(s for s in SLOTS if s != wrt))
+
+
+# ----------------------------------------------------------------------------- implementations
+
+
+def _rows(base, stride, iy, ix):
+  """Flat rows of x: ``(K, ph, pw, Sy, Sx, 2, 2)``."""
+  r = base[:, None, None, None, None, None, None] + (
+      iy[:, :, None, :, None, :, None] * stride[:, None, None, None, None, None, None])
+  return r + ix[:, None, :, None, :, None, :]
+
+
+def _weights(wy, wx):
+  """``wy * wx`` per corner: ``(K, ph, pw, Sy, Sx, 2, 2)`` float32."""
+  return (wy[:, :, None, :, None, :, None].astype(F32)
+          * wx[:, None, :, None, :, None, :].astype(F32))
+
+
+def _selected(taps, sy, sx):
+  """Per element ``(K, ph, pw, C)``: the selected sample's row and column index, and a mask."""
+  ok = taps >= 0
+  t = jnp.where(ok, taps, 0)
+  return t // sx, t % sx, ok
+
+
+def _max_parts(base, stride, iy, ix, taps, wy, wx):
+  """Max mode: per element and corner ``(K, ph, pw, C, 2, 2)``: flat element rows and weights."""
+  K, ph, Sy, _ = iy.shape
+  pw, Sx = ix.shape[1:3]
+  C = taps.shape[-1]
+  sy, sx, ok = _selected(taps, Sy, Sx)
+  k = jnp.arange(K)[:, None, None, None]
+  i = jnp.arange(ph)[None, :, None, None]
+  j = jnp.arange(pw)[None, None, :, None]
+  ry, cy = iy[k, i, sy], wy[k, i, sy].astype(F32)  # (K, ph, pw, C, 2)
+  rx, cx = ix[k, j, sx], wx[k, j, sx].astype(F32)
+  rows = (base[:, None, None, None, None, None] + ry[..., :, None] * stride[
+      :, None, None, None, None, None] + rx[..., None, :])
+  elems = rows * C + jnp.arange(C)[None, None, None, :, None, None]
+  w = jnp.where(ok[..., None, None], cy[..., :, None] * cx[..., None, :], 0.0)
+  return elems, w, (sy, sx, ok)
+
+
+def sample_value(s, base, stride, iy, ix, wy, wx, x):
+  """The bilinear value of sample ``s = sy * Sx + sx`` of every bin: ``(K, ph, pw, C)``
+  float32, its four corners added in the order of torchvision's kernel."""
+  Sx = ix.shape[2]
+  sy, sx = s // Sx, s % Sx
+  r = lax.dynamic_index_in_dim(iy, sy, 2, keepdims=False)  # (K, ph, 2)
+  c = lax.dynamic_index_in_dim(ix, sx, 2, keepdims=False)  # (K, pw, 2)
+  u = lax.dynamic_index_in_dim(wy, sy, 2, keepdims=False).astype(F32)
+  t = lax.dynamic_index_in_dim(wx, sx, 2, keepdims=False).astype(F32)
+  v = None
+  for a in (0, 1):
+    for b in (0, 1):
+      rows = base[:, None, None] + r[:, :, None, a] * stride[:, None, None] + c[:, None, :, b]
+      g = jnp.take(x, rows, axis=0, mode="clip").astype(F32)
+      term = (u[:, :, None, a] * t[:, None, :, b])[..., None] * g
+      v = term if v is None else v + term
+  return v
+
+
+def _forward(base, stride, iy, ix, taps, wy, wx, x, *, dtype):
+  """``y = dF/dct``: (K, ph, pw, C)."""
+  K, ph, Sy, _ = iy.shape
+  pw, Sx = ix.shape[1:3]
+  C = x.shape[1]
+  if taps is not None:
+    elems, w, _ = _max_parts(base, stride, iy, ix, taps, wy, wx)
+    g = jnp.take(x.reshape(-1), elems, mode="clip").astype(F32)
+    v = w[..., 0, 0] * g[..., 0, 0] + w[..., 0, 1] * g[..., 0, 1]
+    v = v + w[..., 1, 0] * g[..., 1, 0] + w[..., 1, 1] * g[..., 1, 1]
+    return v.astype(dtype)
+
+  def body(s, acc):
+    return acc + sample_value(s, base, stride, iy, ix, wy, wx, x)
+
+  acc = lax.fori_loop(0, Sy * Sx, body, jnp.zeros((K, ph, pw, C), F32))
+  return acc.astype(dtype)
+
+
+def segment_sum_sorted(values: jax.Array, rows: jax.Array, num_rows: int) -> jax.Array:
+  """``out[p] = sum of values[m] where rows[m] == p``, ``(num_rows, C)``, deterministic.
+
+  A stable sort of the rows, a segmented inclusive scan (Hillis-Steele: ``ceil(log2)`` of the
+  longest run steps, each adding the partial sum ``2**t`` entries back within the segment, a
+  fixed tree of additions), then each row's sum read at the last entry of its segment (a gather
+  at unique positions): no scatter, no atomics.
+  ``values``: ``(M, C)`` float32; ``rows``: ``(M,)`` int32 in ``[0, num_rows)``.
+  """
+  C = values.shape[1]
+  if values.shape[0] == 0 or num_rows == 0:
+    return jnp.zeros((num_rows, C), values.dtype)
+  order = jnp.argsort(rows, stable=True)
+  keys = rows[order]
+  vals = values[order]
+  M = keys.shape[0]
+  idx = jnp.arange(M, dtype=jnp.int32)
+  starts = jnp.concatenate([jnp.ones((1,), bool), keys[1:] != keys[:-1]])
+  first = lax.cummax(jnp.where(starts, idx, 0))  # where each entry's segment starts
+  zeros = jnp.zeros_like(vals)
+
+  def step(t, v):  # Hillis-Steele: add the partial sum 2**t entries back, inside the segment
+    d = jnp.left_shift(jnp.int32(1), t)
+    shifted = lax.dynamic_slice_in_dim(jnp.concatenate([zeros, v]), M - d, M)
+    return v + jnp.where((idx - d >= first)[:, None], shifted, 0.0)
+
+  # As many steps as the longest run needs (ceil(log2(run))), not log2(M): a data-dependent
+  # count, fine here (this implementation is never differentiated by JAX).
+  longest = jnp.max(idx - first) + 1
+  steps = 32 - lax.clz((longest - 1).astype(jnp.int32))
+  sums = lax.fori_loop(0, steps, step, vals)
+  targets = jnp.arange(num_rows, dtype=keys.dtype)
+  last = jnp.searchsorted(keys, targets, side="right") - 1
+  safe = jnp.clip(last, 0, keys.shape[0] - 1)
+  hit = (last >= 0) & (keys[safe] == targets)
+  return jnp.where(hit[:, None], sums[safe], 0.0)
+
+
+def _feature_grad(base, stride, iy, ix, taps, wy, wx, ct, *, dtype, rows_out):
+  """``dx = dF/dx``: (P, C)."""
+  C = ct.shape[-1]
+  if taps is not None:
+    elems, w, _ = _max_parts(base, stride, iy, ix, taps, wy, wx)
+    vals = (ct.astype(F32)[..., None, None] * w).reshape(-1, 1)
+    out = segment_sum_sorted(vals, elems.reshape(-1).astype(jnp.int32), rows_out * C)
+    return out.reshape(rows_out, C).astype(dtype)
+  rows = _rows(base, stride, iy, ix)  # (K, ph, pw, Sy, Sx, 2, 2)
+  w = _weights(wy, wx)
+  vals = ct.astype(F32)[:, :, :, None, None, None, None, :] * w[..., None]
+  out = segment_sum_sorted(vals.reshape(-1, C), rows.reshape(-1).astype(jnp.int32), rows_out)
+  return out.astype(dtype)
+
+
+def _corner_dots(base, stride, iy, ix, taps, x, ct):
+  """``d[k,i,j,sy,sx,a,b] = sum_c ct sel x[corner]`` (float32), one sample at a time."""
+  K, ph, Sy, _ = iy.shape
+  pw, Sx = ix.shape[1:3]
+  ctf = ct.astype(F32)
+
+  def one(s):
+    sy, sx = s // Sx, s % Sx
+    r = lax.dynamic_index_in_dim(iy, sy, 2, keepdims=False)
+    c = lax.dynamic_index_in_dim(ix, sx, 2, keepdims=False)
+    rows = (base[:, None, None, None, None] + r[:, :, None, :, None] * stride[
+        :, None, None, None, None] + c[:, None, :, None, :])  # (K, ph, pw, 2, 2)
+    g = jnp.take(x, rows, axis=0, mode="clip").astype(F32)  # (K, ph, pw, 2, 2, C)
+    prod = ctf[:, :, :, None, None, :] * g
+    if taps is not None:
+      prod = jnp.where((taps == s)[:, :, :, None, None, :], prod, 0.0)
+    return prod.sum(-1)
+
+  d = lax.map(one, jnp.arange(Sy * Sx))  # (S, K, ph, pw, 2, 2)
+  d = d.reshape(Sy, Sx, K, ph, pw, 2, 2)
+  return jnp.transpose(d, (2, 3, 4, 0, 1, 5, 6))  # (K, ph, pw, Sy, Sx, 2, 2)
+
+
+def _wy_grad(base, stride, iy, ix, taps, wx, x, ct, *, dtype):
+  d = _corner_dots(base, stride, iy, ix, taps, x, ct)
+  out = (d * wx.astype(F32)[:, None, :, None, :, None, :]).sum(axis=(2, 4, 6))
+  return out.astype(dtype)  # (K, ph, Sy, 2)
+
+
+def _wx_grad(base, stride, iy, ix, taps, wy, x, ct, *, dtype):
+  d = _corner_dots(base, stride, iy, ix, taps, x, ct)
+  out = (d * wy.astype(F32)[:, :, None, :, None, :, None]).sum(axis=(1, 3, 5))
+  return out.astype(dtype)  # (K, pw, Sx, 2)
+
+
+def _impl(*operands, wrt, has_taps, dtype, rows):
+  ops = dict(zip(_names(wrt, has_taps), operands))
+  res = (ops["base"], ops["stride"], ops["iy"], ops["ix"], ops.get("taps"))
+  if wrt == "ct":
+    return _forward(*res, ops["wy"], ops["wx"], ops["x"], dtype=dtype)
+  if wrt == "x":
+    return _feature_grad(*res, ops["wy"], ops["wx"], ops["ct"], dtype=dtype, rows_out=rows)
+  if wrt == "wy":
+    return _wy_grad(*res, ops["wx"], ops["x"], ops["ct"], dtype=dtype)
+  return _wx_grad(*res, ops["wy"], ops["x"], ops["ct"], dtype=dtype)
+
+
+# ----------------------------------------------------------------------------- the primitive
+
+roi_form_p = jex_core.Primitive("jaxpool_roi_form")
+_impl_jit = jax.jit(_impl, static_argnames=("wrt", "has_taps", "dtype", "rows"))
+roi_form_p.def_impl(lambda *operands, **params: _impl_jit(*operands, **params))
+
+
+def _shape(ops, wrt, rows):
+  if wrt == "ct":
+    K, ph = ops["iy"].shape[:2]
+    return (K, ph, ops["ix"].shape[1], ops["x"].shape[1])
+  if wrt == "x":
+    return (rows, ops["ct"].shape[-1])
+  return ops["iy" if wrt == "wy" else "ix"].shape
+
+
+def _abstract_eval(*avals, wrt, has_taps, dtype, rows):
+  ops = dict(zip(_names(wrt, has_taps), avals))
+  like = next(ops[s] for s in SLOTS if s in ops)
+  return like.update(shape=_shape(ops, wrt, rows), dtype=jnp.dtype(dtype), weak_type=False)
+
+
+roi_form_p.def_abstract_eval(_abstract_eval)
+mlir.register_lowering(roi_form_p, mlir.lower_fun(_impl, multiple_results=False))
+
+
+def bind(wrt: str, *, base, stride, iy, ix, taps=None, dtype, rows=0, **slots):
+  """``dF/d(wrt)`` from the other three slots (keyword arguments ``wy``, ``wx``, ``x``, ``ct``)."""
+  names = _names(wrt, taps is not None)
+  given = dict(base=base, stride=stride, iy=iy, ix=ix, taps=taps, **slots)
+  return roi_form_p.bind(*(given[n] for n in names), wrt=wrt, has_taps=taps is not None,
+                         dtype=jnp.dtype(dtype).name, rows=int(rows))
+
+
+def _jvp(primals, tangents, *, wrt, has_taps, dtype, rows):
+  names = _names(wrt, has_taps)
+  params = dict(wrt=wrt, has_taps=has_taps, dtype=dtype, rows=rows)
+  out = roi_form_p.bind(*primals, **params)
+  total = None
+  for n, (name, t) in enumerate(zip(names, tangents)):
+    if name not in SLOTS or type(t) is ad.Zero:
+      continue
+    args = list(primals)
+    args[n] = t
+    term = roi_form_p.bind(*args, **params)
+    total = term if total is None else total + term
+  if total is None:
+    return out, ad.Zero.from_primal_value(out)
+  return out, total
+
+
+def _transpose(ct_out, *operands, wrt, has_taps, dtype, rows):
+  names = _names(wrt, has_taps)
+  ops = dict(zip(names, operands))
+  undefined = [n for n in names if ad.is_undefined_primal(ops[n])]
+  assert len(undefined) == 1 and undefined[0] in SLOTS, undefined
+  u = undefined[0]
+  aval = ops[u].aval
+  if type(ct_out) is ad.Zero:
+    return [ad.Zero(aval) if n == u else None for n in names]
+  new = {n: v for n, v in ops.items() if n != u}
+  new[wrt] = ct_out
+  out_rows = aval.shape[0] if u == "x" else 0
+  result = roi_form_p.bind(*(new[n] for n in _names(u, has_taps)), wrt=u, has_taps=has_taps,
+                           dtype=aval.dtype.name, rows=out_rows)
+  return [result if n == u else None for n in names]
+
+
+ad.primitive_jvps[roi_form_p] = _jvp
+ad.primitive_transposes[roi_form_p] = _transpose
+
+
+def _batch(args, dims, *, wrt, has_taps, dtype, rows):
+  """A mapped axis folds into the boxes (and the feature table's rows): the boxes of different
+  batch elements never meet, and ``base`` moves each element's boxes to its own table."""
+  names = _names(wrt, has_taps)
+  size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+  ops = {}
+  x_batched = wrt == "x"
+  table_rows = rows
+  for name, a, d in zip(names, args, dims):
+    if name == "x":
+      if d is not None:
+        a = jnp.moveaxis(a, d, 0)
+        x_batched = True
+        table_rows = a.shape[1]
+        a = a.reshape(size * a.shape[1], a.shape[2])
+      else:
+        table_rows = a.shape[0]
+    else:
+      a = jnp.broadcast_to(a, (size, *a.shape)) if d is None else jnp.moveaxis(a, d, 0)
+      a = a.reshape(size * a.shape[1], *a.shape[2:])
+    ops[name] = a
+  K = ops["base"].shape[0] // size
+  if x_batched:
+    shift = jnp.repeat(jnp.arange(size, dtype=ops["base"].dtype) * table_rows, K)
+    ops["base"] = ops["base"] + shift
+  out = roi_form_p.bind(*(ops[n] for n in names), wrt=wrt, has_taps=has_taps, dtype=dtype,
+                        rows=rows * size if wrt == "x" else rows)
+  return out.reshape(size, out.shape[0] // size, *out.shape[1:]), 0
+
+
+batching.primitive_batchers[roi_form_p] = _batch

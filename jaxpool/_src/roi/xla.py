@@ -1,0 +1,144 @@
+"""ROI pooling on XLA: ``roi_align`` (average or max over the samples, one or several feature
+maps) and ``roi_pool``, channels last, from the plans of ``plan.py`` and the primitives of
+``form.py`` (and, for ``roi_pool``, a gather whose transpose is the same deterministic sorted
+sum).
+
+Every function here takes checked arguments; the public functions (``api.py``) check them.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxpool._src.linear import LinearPair
+from jaxpool._src.roi import form
+from jaxpool._src.roi.plan import POOL_FLOOR, AlignConfig, PoolConfig, align_plan, pool_bins
+
+F32 = jnp.float32
+
+
+def flat_table(maps: tuple[jax.Array, ...]) -> jax.Array:
+  """The feature maps ``(N, H, W, C)`` as one table of pixels ``(rows, C)``."""
+  C = maps[0].shape[-1]
+  flat = [m.reshape(-1, C) for m in maps]
+  return flat[0] if len(flat) == 1 else jnp.concatenate(flat, axis=0)
+
+
+def _align_taps(ops, counts, x):
+  """Max mode: the first sample of each bin holding the maximum (a NaN beats every number, the
+  first NaN wins), per channel; -1 where the bin has no sample. Not differentiated."""
+  ops = {k: lax.stop_gradient(v) for k, v in ops.items()}
+  x = lax.stop_gradient(x)
+  gy, gx = counts
+  K, ph, Sy, _ = ops["iy"].shape
+  pw, Sx = ops["ix"].shape[1:3]
+  C = x.shape[1]
+
+  def body(s, carry):
+    best, arg = carry
+    v = form.sample_value(s, ops["base"], ops["stride"], ops["iy"], ops["ix"], ops["wy"],
+                          ops["wx"], x)
+    real = ((s // Sx < gy) & (s % Sx < gx))[:, None, None, None]
+    better = real & ((arg < 0) | (v > best) | (jnp.isnan(v) & ~jnp.isnan(best)))
+    return jnp.where(better, v, best), jnp.where(better, s, arg)
+
+  init = (jnp.zeros((K, ph, pw, C), F32), jnp.full((K, ph, pw, C), -1, jnp.int32))
+  return lax.fori_loop(0, Sy * Sx, body, init)[1]
+
+
+def roi_align(maps: tuple[jax.Array, ...], image: jax.Array, coords: jax.Array,
+              level: jax.Array, cfg: AlignConfig) -> jax.Array:
+  """``(K, ph, pw, C)`` in the maps' dtype.
+
+  Args:
+    maps: the feature maps, ``(N, H_l, W_l, C)`` each (``cfg.levels`` describes them).
+    image: ``(K,)`` int32; coords: ``(K, 4)`` float32; level: ``(K,)`` int32.
+  """
+  x = flat_table(maps)
+  ops, count, counts, finite = align_plan(image, coords, level, cfg)
+  if cfg.mode == "max":
+    taps = _align_taps(ops, counts, x)
+    y = form.bind("ct", **ops, taps=taps, x=x, dtype=F32)
+  else:
+    y = form.bind("ct", **ops, x=x, dtype=F32) / count[:, None, None, None]
+  y = jnp.where(finite[:, None, None, None], y, jnp.nan)
+  return y.astype(x.dtype)
+
+
+# ------------------------------------------------------------------------------- roi_pool
+
+
+def _pick(elems: jax.Array, x: jax.Array, *, rows: int) -> jax.Array:
+  if x.ndim > 2:  # a mapped axis in front (linear.LinearPair's batching)
+    return jax.vmap(functools.partial(_pick, rows=rows))(elems, x)
+  return jnp.take(x.reshape(-1), elems, mode="clip")
+
+
+def _pick_transpose(elems: jax.Array, ct: jax.Array, *, rows: int) -> jax.Array:
+  if ct.ndim > 4:
+    return jax.vmap(functools.partial(_pick_transpose, rows=rows))(elems, ct)
+  C = ct.shape[-1]
+  ok = elems >= 0
+  vals = jnp.where(ok, ct.astype(F32), 0.0).reshape(-1, 1)
+  keys = jnp.where(ok, elems, 0).reshape(-1).astype(jnp.int32)
+  out = form.segment_sum_sorted(vals, keys, rows * C)
+  return out.reshape(rows, C).astype(ct.dtype)
+
+
+# ``x.reshape(-1)[elems]`` (-1: none) and its transpose, the deterministic sorted sum.
+PICK = LinearPair(
+    "roi_pick", _pick, _pick_transpose,
+    forward_shape=lambda e, x, *, rows: tuple(e),
+    transpose_shape=lambda e, ct, *, rows: (*e[:-4], rows, ct[-1]))
+
+
+def _pool_argmax(x, bins, base, width):
+  """Per element ``(K, ph, pw, C)``: the table row of the bin's first maximum under ``>`` from
+  torchvision's start (-FLT_MAX), or -1. Loops over the largest bin's pixels; not
+  differentiated."""
+  (hs, he), (ws, we) = bins
+  x = lax.stop_gradient(x)
+  K, ph = hs.shape
+  pw = ws.shape[1]
+  C = x.shape[1]
+  ey = jnp.max(he - hs, initial=0)
+  ex = jnp.maximum(jnp.max(we - ws, initial=0), 1)
+  rows_h, rows_w = hs[:, :, None], ws[:, None, :]
+
+  def body(t, carry):
+    best, arg = carry
+    h = rows_h + t // ex
+    w = rows_w + t % ex
+    inside = (h < he[:, :, None]) & (w < we[:, None, :])
+    r = base[:, None, None] + jnp.clip(h, 0, None) * width[:, None, None] + jnp.clip(w, 0, None)
+    r = jnp.where(inside, r, 0)
+    v = jnp.take(x, r, axis=0, mode="clip").astype(F32)
+    better = inside[..., None] & (v > best)
+    return jnp.where(better, v, best), jnp.where(better, r[..., None], arg)
+
+  init = (jnp.full((K, ph, pw, C), POOL_FLOOR, F32), jnp.full((K, ph, pw, C), -1, jnp.int32))
+  return lax.fori_loop(0, ey * ex, body, init)[1]
+
+
+def roi_pool(x: jax.Array, image: jax.Array, coords: jax.Array,
+             cfg: PoolConfig) -> tuple[jax.Array, jax.Array]:
+  """``(y, indices)`` ``(K, ph, pw, C)``: torchvision's max over each integer bin, and the
+  flat index ``h * W + w`` of each maximum in its image's plane (-1: none)."""
+  table = flat_table((x,))
+  (hs, he), (ws, we), base, width, ok, finite = pool_bins(image, coords, cfg)
+  bins = ((hs, he), (ws, we))
+  empty = (he <= hs)[:, :, None] | (we <= ws)[:, None, :]
+  usable = (ok[:, None, None] & ~empty)[..., None]
+  rows = jnp.where(usable, _pool_argmax(table, bins, base, width), -1)
+  C = table.shape[1]
+  elems = jnp.where(rows >= 0, rows * C + jnp.arange(C, dtype=rows.dtype)[None, None, None], -1)
+  picked = PICK.forward(elems, table, rows=table.shape[0])
+  fill = jnp.where(usable, POOL_FLOOR, 0.0).astype(x.dtype)
+  y = jnp.where(rows >= 0, picked, fill)
+  y = jnp.where(finite[:, None, None, None], y, jnp.nan).astype(x.dtype)
+  indices = jnp.where(rows >= 0, rows - base[:, None, None, None], -1)
+  return y, indices

@@ -1,0 +1,381 @@
+"""Windows of more than ``SEPARABLE_TAPS`` taps: the separable XLA path (xla_separable.py).
+
+Against the independent NumPy reference (values, indices, taps, gradients of max, min and
+average pooling on tie-rich, NaN, infinite and signed-zero inputs); the separable and the direct
+form forced on the same geometries (the same bits); the gradient's summation order against a
+NumPy model of the documented rule (docs/semantics.md, "Large windows"); forward mode and second
+order; and the work: the taps a program visits grow with the window's size per dim, not with its
+taps (counted in the jaxpr, loop trips included).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import hypothesis
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import reference as ref
+from core_strategies import assert_bitwise, assert_same_bits, jp, tie_rich, tol
+
+import jaxpool
+from jaxpool._src import xla, xla_separable, xla_taps
+from jaxpool._src.pallas import ops as pallas_ops
+from jaxpool._src.windows import make_geometry
+
+# (shape, window, strides, padding, dilation, ceil_mode, data_format): every one has more than
+# SEPARABLE_TAPS taps.
+slow = pytest.mark.slow
+GRID = [
+    ((2, 9, 11, 3), (7, 6), (1, 1), "SAME", None, False, "channels_last"),  # stride 1, 'same'
+    pytest.param(((1, 2, 10, 12), (6, 7), (2, 3), ((2, 3), (1, 4)), None, True,
+                  "channels_first"), marks=slow),
+    ((1, 6, 7, 8, 2), (3, 4, 3), (1, 2, 2), 1, (1, 1, 2), False, "channels_last"),  # 3-D
+    pytest.param(((2, 45, 2), (40,), (3,), 5, None, True, "channels_last"), marks=slow),  # 1-D
+    pytest.param(((1, 12, 12, 1), (6, 6), (1, 1), ((5, 5), (0, 5)), (2, 2), True,
+                  "channels_last"), marks=slow),  # empty windows
+    pytest.param(((1, 2, 9, 9), (9, 9), None, "VALID", None, False, "channels_first"),
+                 marks=slow),  # the whole input
+    pytest.param(((1, 7, 44, 2), (1, 40), (3, 2), "SAME", None, False, "channels_last"),
+                 marks=slow),  # a stage of one tap
+    pytest.param(((1, 5, 3, 40, 1), (1, 1, 33), (2, 1, 4), "SAME", None, True, "channels_last"),
+                 marks=slow),
+]
+
+SETTINGS = hypothesis.settings(max_examples=4, deadline=None, derandomize=True,
+                               suppress_health_check=[hypothesis.HealthCheck.too_slow])
+
+
+def _kw(window, strides, padding, dilation, ceil_mode, data_format):
+  return dict(window_shape=window, strides=strides, padding=padding, dilation=dilation,
+              ceil_mode=ceil_mode, data_format=data_format)
+
+
+def _inputs(rng, shape, dtype=np.float32):
+  """Ties, NaN, -inf, +inf and signed zeros."""
+  x = tie_rich(rng, shape, np.float64, specials=True)
+  u = rng.random(shape)
+  x[u > 0.9] = -0.0
+  x[(u > 0.85) & (u <= 0.9)] = 0.0
+  return x.astype(dtype)
+
+
+def _check_against_reference(x, kw, rng):
+  """Max and min: values, indices, taps, gradients; average: values and gradients."""
+  y, idx = jp.max_pool_with_indices(x, **kw)
+  y_ref, idx_ref = ref.max_pool_with_indices(x, **kw)
+  assert_bitwise(y, y_ref)
+  assert_bitwise(idx, idx_ref)
+  _, taps = jp.max_pool_with_taps(x, **kw)
+  np.testing.assert_array_equal(np.asarray(taps, np.int64), ref.max_pool_with_taps(x, **kw)[1])
+  assert_bitwise(jp.max_pool(x, **kw), y_ref)
+  dy = rng.integers(-3, 4, size=y.shape).astype(np.float32)  # integer dy: exact sums
+  g = jax.grad(lambda v: jnp.sum(jp.max_pool(v, **kw) * dy))(x)
+  assert_bitwise(g, ref.max_pool_grad(x, dy, **kw).astype(np.float32) + 0.0)
+  assert_same_bits(jaxpool.max_pool_grad_from_taps(dy, taps, x.shape, **kw), g)
+  ymin, imin = ref.min_pool_with_indices(x, **kw)
+  assert_bitwise(jp.min_pool(x, **kw), ymin)
+  gmin = jax.grad(lambda v: jnp.sum(jp.min_pool(v, **kw) * dy))(x)
+  assert_bitwise(gmin, ref.max_pool_grad(x, dy, minimum=True, **kw).astype(np.float32) + 0.0)
+  xf = rng.standard_normal(x.shape).astype(np.float32)
+  taps_n = math.prod(kw["window_shape"])
+  for include in (True, False):
+    a = jp.avg_pool(xf, **kw, count_include_pad=include)
+    np.testing.assert_allclose(a, ref.avg_pool(xf, **kw, count_include_pad=include),
+                               **tol(np.float32, taps_n))
+    ga = jax.grad(lambda v, c=include: jnp.sum(jp.avg_pool(v, **kw, count_include_pad=c) * dy))(xf)
+    np.testing.assert_allclose(ga, ref.avg_pool_grad(dy, x.shape, **kw,
+                                                     count_include_pad=include),
+                               **tol(np.float32, taps_n))
+
+
+@pytest.mark.parametrize("case", GRID)
+def test_against_reference(case, rng):
+  shape, *cfg = case
+  kw = _kw(*cfg)
+  assert xla_taps.is_separable(make_geometry(shape, kw["window_shape"], kw["strides"],
+                                             kw["padding"], kw["dilation"], kw["ceil_mode"],
+                                             kw["data_format"]))
+  _check_against_reference(_inputs(rng, shape), kw, rng)
+
+
+@st.composite
+def large_configs(draw):
+  """A geometry of more than SEPARABLE_TAPS taps, strides at most the window, small input."""
+  n = draw(st.integers(1, 3))
+  lows = {1: 33, 2: 5, 3: 3}[n]
+  highs = {1: 40, 2: 9, 3: 4}[n]
+  window = tuple(draw(st.integers(lows, highs)) for _ in range(n))
+  hypothesis.assume(math.prod(window) > xla_taps.SEPARABLE_TAPS)
+  strides = tuple(draw(st.integers(1, k)) for k in window)
+  dilation = tuple(draw(st.sampled_from([1, 1, 2])) for _ in range(n))
+  eff = [d * (k - 1) + 1 for k, d in zip(window, dilation, strict=True)]
+  pads = tuple((draw(st.integers(0, e - 1)), draw(st.integers(0, e - 1))) for e in eff)
+  spatial = tuple(draw(st.integers(max(1, e - lo - hi), max(1, e - lo - hi) + 4))
+                  for e, (lo, hi) in zip(eff, pads, strict=True))
+  fmt = draw(st.sampled_from(["channels_last", "channels_first"]))
+  shape = (1, *spatial, 2) if fmt == "channels_last" else (1, 2, *spatial)
+  return shape, dict(window_shape=window, strides=strides, padding=pads, dilation=dilation,
+                     ceil_mode=draw(st.booleans()), data_format=fmt)
+
+
+@slow
+@SETTINGS
+@hypothesis.given(cfg=large_configs(), seed=st.integers(0, 2**31 - 1))
+def test_property_against_reference(cfg, seed):
+  shape, kw = cfg
+  _check_against_reference(_inputs(np.random.default_rng(seed), shape), kw,
+                           np.random.default_rng(seed + 1))
+
+
+@pytest.mark.slow
+@hypothesis.settings(max_examples=40, deadline=None, derandomize=True,
+                     suppress_health_check=[hypothesis.HealthCheck.too_slow])
+@hypothesis.given(cfg=large_configs(), seed=st.integers(0, 2**31 - 1))
+def test_property_against_reference_wide(cfg, seed):
+  shape, kw = cfg
+  _check_against_reference(_inputs(np.random.default_rng(seed), shape), kw,
+                           np.random.default_rng(seed + 1))
+
+
+# ------------------------------------------------------------------------------ the two forms
+
+# Geometries both forms run, small and large windows alike.
+BOTH = [
+    pytest.param(((2, 8, 9, 3), (3, 3), (2, 2), 1, None, False, "channels_last"), marks=slow),
+    ((1, 3, 9, 10), (5, 4), (1, 2), ((2, 1), (3, 0)), (1, 2), True, "channels_first"),
+    pytest.param(((2, 7, 6, 5, 2), (2, 3, 2), (1, 1, 2), "SAME", None, True, "channels_last"),
+                 marks=slow),
+    pytest.param(((1, 11, 12, 2), (9, 8), (3, 1), ((4, 0), (0, 7)), None, True, "channels_last"),
+                 marks=slow),
+]
+
+
+@pytest.mark.parametrize("case", BOTH)
+@pytest.mark.parametrize("dtype", [np.float32, pytest.param(jnp.bfloat16, marks=slow),
+                                   pytest.param(np.int32, marks=slow)])
+def test_separable_and_direct_forms_give_the_same_bits(case, dtype, rng):
+  shape, *cfg = case
+  kw = _kw(*cfg)
+  geom = make_geometry(shape, kw["window_shape"], kw["strides"], kw["padding"], kw["dilation"],
+                       kw["ceil_mode"], kw["data_format"])
+  x = jnp.asarray(_inputs(rng, shape).astype(np.float32)
+                  if dtype != np.int32 else rng.integers(-2, 3, shape)).astype(dtype)
+  direct = jax.jit(xla.direct_max_pool_taps, static_argnums=1)(x, geom)
+  sep = jax.jit(xla_separable.max_pool_taps, static_argnums=1)(x, geom)
+  assert_same_bits(sep[0], direct[0])
+  assert_same_bits(sep[1], direct[1])
+  assert_same_bits(xla.flat_indices(sep[1], geom), xla.flat_indices(direct[1], geom))
+  mask = jnp.asarray(rng.random(shape) < 0.7)
+  assert_same_bits(xla_separable.max_pool_taps(x, geom, mask)[1],
+                   xla.direct_max_pool_taps(x, geom, mask)[1])
+  # The gathers (forward mode) agree too; their transposes sum in their own orders.
+  t = jnp.asarray(rng.standard_normal(shape), np.float32)
+  assert_same_bits(xla_separable.gather_at_taps(t, direct[1], geom),
+                   xla._gather_at_taps(t, direct[1], geom))
+
+
+# ------------------------------------------------------------------------------ summation order
+
+
+def _order_model(taps, dy, geom):
+  """The separable gradient's documented summation order, in float32, for one (batch, channel)
+  row: ``taps`` and ``dy`` of the output's spatial shape (the winners from the reference).
+
+  Stage ``i`` (the first spatial dim first) moves every partial sum from output to input
+  resolution along dim ``i``: the sum at an input position adds, over that dim's taps in
+  descending order, the partial sum of the output position whose window reads it through that
+  tap where that window's winner lies there, else +0.0, left to right.
+  """
+  n = len(geom.window)
+  sums = {}
+  tap_of = {}
+  for o in itertools.product(*map(range, geom.out_spatial)):
+    if taps[o] >= 0:
+      sums[o] = np.float32(dy[o])
+      tap_of[o] = np.unravel_index(int(taps[o]), geom.window)
+  for i in range(n):
+    k, s, d, lo = geom.window[i], geom.strides[i], geom.dilation[i], geom.padding[i][0]
+    # each partial sum's tap along dim i (the windows it gathers agree)
+    moved: dict = {}
+    at: dict = {}
+    for pos, ti in ((p, tap_of[p][i]) for p in sums):
+      at[pos] = ti
+    targets = {pos[:i] + (pos[i] * s + at[pos] * d - lo,) + pos[i + 1:] for pos in sums}
+    for q in targets:
+
+      def term(a, q=q, i=i, s=s, d=d, lo=lo, sums=sums, at=at):
+        o, r = divmod(q[i] + lo - a * d, s)
+        src = q[:i] + (o,) + q[i + 1:]
+        return sums[src] if (r == 0 and src in sums and at[src] == a) else np.float32(0.0)
+
+      if k <= xla_taps.UNROLL_TAPS:
+        acc = None
+        for a in reversed(range(k)):
+          acc = term(a) if acc is None else np.float32(acc + term(a))
+      else:  # a loop: the last k % 8 taps one a trip, then trips of 8 summed among themselves
+        full, _ = divmod(k, xla_taps.TAPS_PER_TRIP)
+        acc = np.float32(0.0)
+        for a in reversed(range(full * xla_taps.TAPS_PER_TRIP, k)):
+          acc = np.float32(acc + term(a))
+        for trip in reversed(range(full)):
+          taps8 = range(trip * xla_taps.TAPS_PER_TRIP, (trip + 1) * xla_taps.TAPS_PER_TRIP)
+          group = None
+          for a in reversed(taps8):
+            group = term(a) if group is None else np.float32(group + term(a))
+          acc = np.float32(acc + group)
+      moved[q] = acc
+    new_tap = {}
+    for p in sums:
+      q = p[:i] + (p[i] * s + at[p] * d - lo,) + p[i + 1:]
+      new_tap[q] = tap_of[p]
+    sums, tap_of = moved, new_tap
+  dx = np.zeros(geom.in_spatial, np.float32)
+  for q, v in sums.items():
+    dx[q] = v
+  return dx
+
+
+@pytest.mark.parametrize("case", [
+    ((12, 13), (7, 6), (1, 1), "SAME", None, False),
+    pytest.param(((10, 12), (6, 7), (2, 3), ((2, 3), (1, 4)), None, True), marks=slow),
+    pytest.param(((6, 7, 8), (3, 4, 3), (1, 2, 1), 1, (1, 1, 2), False), marks=slow),
+    pytest.param(((40,), (33,), (1,), 3, None, False), marks=slow),
+    ((90,), (66,), (1,), ((10, 10),), None, False),  # a loop: trips of 8 taps
+])
+def test_gradient_sums_in_the_documented_order(case, rng):
+  spatial, window, strides, padding, dilation, ceil_mode = case
+  x = rng.integers(0, 3, (1, *spatial, 1)).astype(np.float32)  # ties: shared winners
+  kw = _kw(window, strides, padding, dilation, ceil_mode, "channels_last")
+  y, taps = ref.max_pool_with_taps(x, **kw)
+  dy = rng.standard_normal(y.shape).astype(np.float32)
+  g = jax.grad(lambda v: jnp.sum(jp.max_pool(v, **kw) * dy))(x)
+  geom = make_geometry(x.shape, window, strides, padding, dilation, ceil_mode)
+  model = _order_model(taps[0, ..., 0], dy[0, ..., 0], geom)
+  assert_bitwise(np.asarray(g)[0, ..., 0], model)
+
+
+# ------------------------------------------------------------------------------ transforms
+
+
+def test_forward_mode_and_second_order(rng):
+  kw = _kw((6, 7), (2, 1), 2, None, False, "channels_last")
+  x = jnp.asarray(rng.permutation(2 * 9 * 10 * 2).reshape(2, 9, 10, 2).astype(np.float32))
+  t = jnp.asarray(rng.standard_normal(x.shape), np.float32)
+  _, idx = ref.max_pool_with_indices(np.asarray(x), **kw)
+  _, jt = jax.jvp(lambda v: jp.max_pool(v, **kw), (x,), (t,))
+  rows = np.moveaxis(np.asarray(t), -1, 1).reshape(4, -1)
+  want = np.take_along_axis(rows, np.moveaxis(idx, -1, 1).reshape(4, -1), axis=1)
+  assert_bitwise(np.moveaxis(np.asarray(jt), -1, 1).reshape(4, -1), want)
+  f = lambda v: jnp.sum(jp.max_pool(v, **kw) ** 2)
+  hvp = jax.jvp(jax.grad(f), (x,), (t,))[1]
+  # d/dx of 2 y dy/dx: 2 at each winner, summed over the windows that chose it
+  expect = ref.max_pool_grad(np.asarray(x), 2 * want.reshape(2, 2, *idx.shape[1:3])
+                             .transpose(0, 2, 3, 1), **kw)
+  np.testing.assert_allclose(hvp, expect, rtol=1e-6, atol=1e-6)
+  g = jax.vmap(jax.grad(lambda v: jnp.sum(jp.max_pool(v[None], **kw))))(x)
+  np.testing.assert_array_equal(g, jax.grad(lambda v: jnp.sum(jp.max_pool(v, **kw)))(x))
+
+
+@slow
+def test_gradient_deterministic_and_loop_form(rng):
+  """A dim of more than UNROLL_TAPS taps runs its stages as loops; two runs give the same bits."""
+  kw = _kw((70, 2), (3, 1), ((10, 0), (1, 1)), None, True, "channels_last")
+  x = _inputs(rng, (1, 80, 5, 2))
+  _check_against_reference(x, kw, rng)
+  dy = rng.standard_normal(jp.max_pool(x, **kw).shape).astype(np.float32)
+  f = jax.jit(jax.grad(lambda v: jnp.sum(jp.max_pool(v, **kw) * dy)))
+  assert_same_bits(f(x), f(jnp.asarray(x) + 0))
+  assert "scan" in str(jax.make_jaxpr(f)(x))
+
+
+def test_loop_form_1d(rng):
+  """A window of more than UNROLL_TAPS taps in one dim: its stage is a loop over the taps."""
+  kw = _kw((66,), (2,), 3, None, True, "channels_last")
+  x = _inputs(rng, (1, 70, 1))
+  y, idx = jp.max_pool_with_indices(x, **kw)
+  y_ref, idx_ref = ref.max_pool_with_indices(x, **kw)
+  assert_bitwise(y, y_ref)
+  assert_bitwise(idx, idx_ref)
+  dy = rng.integers(-3, 4, size=y.shape).astype(np.float32)
+  f = jax.jit(jax.grad(lambda v: jnp.sum(jp.max_pool(v, **kw) * dy)))
+  assert_bitwise(f(x), ref.max_pool_grad(x, dy, **kw).astype(np.float32) + 0.0)
+  assert "scan" in str(jax.make_jaxpr(f)(x))
+
+
+def test_average_half_precision_accumulates_in_float32(rng):
+  kw = _kw((7, 6), (1, 2), "SAME", None, False, "channels_last")
+  x = rng.standard_normal((1, 10, 11, 2)).astype(jnp.bfloat16)
+  y = jp.avg_pool(x, **kw)
+  assert y.dtype == jnp.bfloat16
+  np.testing.assert_allclose(np.asarray(y, np.float64),
+                             ref.avg_pool(np.asarray(x, np.float64), **kw), **tol(jnp.bfloat16))
+  dy = rng.standard_normal(y.shape).astype(jnp.bfloat16)
+  g = jax.vjp(lambda v: jp.avg_pool(v, **kw), x)[1](dy)[0]
+  np.testing.assert_allclose(np.asarray(g, np.float64),
+                             ref.avg_pool_grad(np.asarray(dy, np.float64), x.shape, **kw),
+                             **tol(jnp.bfloat16))
+
+
+# ------------------------------------------------------------------------------ routing
+
+
+def test_the_kernels_take_no_separable_window():
+  assert pallas_ops.MAX_TAPS == xla_taps.SEPARABLE_TAPS
+  for window in ((6, 6), (33,), (4, 3, 3)):
+    geom = make_geometry((1, 40, 40, 40, 2)[-len(window) - 2:], window)
+    assert xla_taps.is_separable(geom)
+    assert "taps" in pallas_ops.unsupported("max_pool", (1, 40, 40, 2), np.float32, geom)
+  assert not xla_taps.is_separable(make_geometry((1, 40, 40, 2), (4, 8)))
+  x = jnp.zeros((1, 8, 8, 1))
+  with pytest.raises(ValueError, match="36 taps"):
+    jaxpool.max_pool(x, (6, 6), implementation="pallas")
+
+
+# ------------------------------------------------------------------------------ work
+
+
+def _work(jaxpr, prims=("slice", "dynamic_slice")) -> int:
+  """Equations of ``prims`` a run of ``jaxpr`` executes: loop bodies times their trips."""
+  total = 0
+  for eqn in jaxpr.eqns:
+    trips = eqn.params.get("length", 1) if eqn.primitive.name == "scan" else 1
+    if eqn.primitive.name in prims:
+      total += 1
+    for param in eqn.params.values():
+      for sub in param if isinstance(param, (tuple, list)) else (param,):
+        inner = getattr(sub, "jaxpr", sub)
+        if hasattr(inner, "eqns"):
+          total += trips * _work(inner, prims)
+  return total
+
+
+def _grad_jaxpr(k: int):
+  x = jnp.zeros((1, 48, 48, 2), jnp.float32)
+  f = lambda v: jnp.sum(jp.max_pool(v, (k, k), padding="SAME"))
+  return jax.make_jaxpr(jax.grad(f))(x).jaxpr
+
+
+def test_taps_visited_grow_with_the_window_size_not_its_taps():
+  """Forward and gradient: tap slices executed (loop trips counted) for 13x13 and 31x31 are in
+  the ratio of the sizes per dim (31/13), not of the taps ((31/13)^2 = 5.7, today's direct
+  loop over every tap); the programs' sizes too."""
+  w13, w31 = _work(_grad_jaxpr(13)), _work(_grad_jaxpr(31))
+  assert w31 / w13 < 31 / 13 * 1.15, (w13, w31)
+  size = lambda k: len(str(_grad_jaxpr(k)).splitlines())
+  s13, s31 = size(13), size(31)
+  assert s31 / s13 < 31 / 13 * 1.15, (s13, s31)
+  # past UNROLL_TAPS per dim the stages are loops: the program stops growing
+  assert size(200) < size(66) * 1.1
+
+
+def test_the_separable_forward_is_a_reduce_window_per_dim():
+  x = jnp.zeros((1, 40, 40, 2))
+  jaxpr = jax.make_jaxpr(lambda v: jp.max_pool(v, (13, 13), padding="SAME"))(x)
+  assert str(jaxpr).count("reduce_window_max") == 2
+  jaxpr = jax.make_jaxpr(lambda v: jp.avg_pool(v, (13, 13), padding="SAME"))(x)
+  assert str(jaxpr).count("reduce_window_sum") == 2

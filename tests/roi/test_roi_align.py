@@ -1,0 +1,303 @@
+"""roi_align against the NumPy reference (tests/support/roi_reference.py): values, the feature
+gradient and the box gradient, every sampling form, aligned both ways, rectangular grids, the
+edge boxes; the box gradient against finite differences; determinism."""
+
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import roi_reference as rref
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import jaxpool
+
+N, H, W, C = 2, 7, 9, 3
+
+
+def _x(rng, shape=(N, H, W, C)):
+  return rng.standard_normal(shape).astype(np.float32)
+
+
+def _boxes(rng, k, lo=-2.0, hi=10.0):
+  pts = rng.uniform(lo, hi, (k, 4)).astype(np.float32)
+  x1, x2 = np.minimum(pts[:, 0], pts[:, 2]), np.maximum(pts[:, 0], pts[:, 2])
+  y1, y2 = np.minimum(pts[:, 1], pts[:, 3]), np.maximum(pts[:, 1], pts[:, 3])
+  img = rng.integers(0, N, k).astype(np.float32)
+  return np.stack([img, x1, y1, x2, y2], axis=1)
+
+
+# Boxes that exercise the edges: outside the map, zero and negative size, one pixel, the whole
+# map, past the bottom-right clamp band, straddling the top-left one.
+EDGE = np.array([
+    [0, 20.0, 20.0, 30.0, 25.0],   # outside the map
+    [1, 3.0, 2.0, 3.0, 2.0],       # zero size
+    [0, 5.0, 4.0, 2.0, 1.0],       # negative size
+    [1, 2.0, 3.0, 3.0, 4.0],       # one pixel
+    [0, 0.0, 0.0, 9.0, 7.0],       # the whole map
+    [1, 6.3, 4.2, 9.8, 7.9],       # into the bottom-right clamp band
+    [0, -1.7, -0.6, 2.2, 1.9],     # over the top-left clamp band
+], np.float32)
+
+
+def _run(x, boxes, dy, **kw):
+  """Value, feature gradient and box gradient of jaxpool.roi_align, under one jit."""
+  f = lambda v, b: jaxpool.roi_align(v, b, **kw)
+
+  @jax.jit
+  def go(x, boxes, dy):
+    y, vjp = jax.vjp(f, x, boxes)
+    return (y, *vjp(dy))
+
+  return go(x, boxes, dy)
+
+
+def _check(x, boxes, rng, atol=2e-5, **kw):
+  ref = rref.roi_align(x, boxes, **kw)
+  dy = rng.standard_normal(ref.shape).astype(np.float32)
+  y, dx, db = _run(x, boxes, dy, **kw)
+  ry, rdx, rdb = rref.roi_align(x, boxes, dy=dy, **kw)
+  np.testing.assert_allclose(y, ry, atol=atol, rtol=1e-5)
+  np.testing.assert_allclose(dx, rdx, atol=atol, rtol=1e-5)
+  np.testing.assert_allclose(db[:, 1:], rdb, atol=10 * atol, rtol=1e-4)
+  np.testing.assert_array_equal(db[:, 0], 0)
+
+
+@pytest.mark.parametrize("mode,aligned", [
+    ("avg", False), ("max", True),
+    pytest.param("avg", True, marks=pytest.mark.slow),
+    pytest.param("max", False, marks=pytest.mark.slow)])
+def test_values_and_gradients(rng, mode, aligned):
+  x = _x(rng)
+  boxes = np.concatenate([_boxes(rng, 6), EDGE])
+  _check(x, boxes, rng, output_size=(3, 2), spatial_scale=0.9, sampling_ratio=2,
+         aligned=aligned, mode=mode)
+
+
+@pytest.mark.parametrize("sampling_ratio,max_samples", [
+    (-1, 2), pytest.param(0, None, marks=pytest.mark.slow),
+    pytest.param(1, None, marks=pytest.mark.slow)])
+def test_sampling_forms(rng, sampling_ratio, max_samples):
+  x = _x(rng)
+  boxes = np.concatenate([_boxes(rng, 5, hi=14.0), EDGE])
+  _check(x, boxes, rng, output_size=(2, 3), spatial_scale=0.7, sampling_ratio=sampling_ratio,
+         max_samples=max_samples, aligned=True)
+
+
+def test_adaptive_count_the_same_under_jit_and_outside(rng):
+  """Outside jit the sample grid is fitted to the boxes; under jit it is the default bound:
+  the same numbers."""
+  x = _x(rng)
+  boxes = np.concatenate([_boxes(rng, 4, hi=30.0), EDGE])
+  eager = jaxpool.roi_align(x, boxes, (2, 2), sampling_ratio=0)
+  jitted = jax.jit(lambda v, b: jaxpool.roi_align(v, b, (2, 2), sampling_ratio=0))(x, boxes)
+  np.testing.assert_allclose(eager, jitted, rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(eager, rref.roi_align(x, boxes, (2, 2), sampling_ratio=0),
+                             rtol=1e-5, atol=1e-5)
+
+
+def test_box_gradient_matches_finite_differences(rng):
+  """Away from pixel boundaries and the clamp bands: boxes well inside the map, a float64
+  reference for the differences."""
+  x = _x(rng)
+  boxes = np.array([[0, 1.13, 1.27, 6.71, 5.58], [1, 2.41, 0.77, 4.36, 5.92],
+                    [0, 0.62, 2.19, 7.83, 3.41]], np.float32)
+  kw = dict(output_size=(2, 3), spatial_scale=1.0, sampling_ratio=2, aligned=True)
+  dy = rng.standard_normal((3, 2, 3, C))
+  _, _, db = _run(x, boxes, dy.astype(np.float32), **kw)
+  eps = 1e-4
+  fd = np.zeros((3, 4))
+  for k in range(3):
+    for c in range(4):
+      plus, minus = boxes.astype(np.float64), boxes.astype(np.float64)
+      plus[k, 1 + c] += eps
+      minus[k, 1 + c] -= eps
+      fp = rref.roi_align(x, plus, pos_dtype=np.float64, **kw)
+      fm = rref.roi_align(x, minus, pos_dtype=np.float64, **kw)
+      fd[k, c] = np.sum(dy * (fp - fm)) / (2 * eps)
+  np.testing.assert_allclose(db[:, 1:], fd, rtol=1e-3, atol=1e-3)
+
+
+def test_list_of_boxes_is_the_rows_form(rng):
+  x = _x(rng)
+  rows = _boxes(rng, 5)
+  per_image = [rows[rows[:, 0] == i, 1:] for i in range(N)]
+  order = np.argsort(rows[:, 0], kind="stable")
+  a = jaxpool.roi_align(x, rows[order], 3, sampling_ratio=2)
+  b = jaxpool.roi_align(x, per_image, 3, sampling_ratio=2)
+  np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.slow
+def test_list_of_boxes_gradient(rng):
+  x = _x(rng)
+  rows = _boxes(rng, 5)
+  per_image = [rows[rows[:, 0] == i, 1:] for i in range(N)]
+  order = np.argsort(rows[:, 0], kind="stable")
+  g = jax.grad(lambda bs: jaxpool.roi_align(x, bs, 3, sampling_ratio=2).sum())(per_image)
+  assert [t.shape for t in g] == [p.shape for p in per_image]
+  gr = jax.grad(lambda b: jaxpool.roi_align(x, b, 3, sampling_ratio=2).sum())(rows[order])
+  np.testing.assert_array_equal(np.concatenate(g), gr[:, 1:])
+
+
+def test_empty_boxes_and_images_without_boxes(rng):
+  x = _x(rng)
+  y = jaxpool.roi_align(x, np.zeros((0, 5), np.float32), (2, 3))
+  assert y.shape == (0, 2, 3, C)
+  dx = jax.grad(lambda v: jaxpool.roi_align(v, np.zeros((0, 5), np.float32), 2,
+                                            sampling_ratio=2).sum())(x)
+  np.testing.assert_array_equal(dx, 0)
+  only_first = [np.array([[1.0, 1.0, 4.0, 5.0]], np.float32), np.zeros((0, 4), np.float32)]
+  dx = jax.grad(lambda v: jaxpool.roi_align(v, only_first, 2, sampling_ratio=2).sum())(x)
+  np.testing.assert_array_equal(dx[1], 0)
+  assert np.abs(dx[0]).sum() > 0
+
+
+@pytest.mark.slow
+def test_channels_first_is_the_transpose(rng):
+  x = _x(rng)
+  boxes = _boxes(rng, 4)
+  a = jaxpool.roi_align(x, boxes, (2, 3), sampling_ratio=2)
+  b = jaxpool.roi_align(np.moveaxis(x, -1, 1), boxes, (2, 3), sampling_ratio=2,
+                        data_format="channels_first")
+  np.testing.assert_array_equal(np.moveaxis(np.asarray(b), 1, -1), a)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16,
+                                   pytest.param(jnp.float16, marks=pytest.mark.slow)])
+def test_low_precision_accumulates_in_float32(rng, dtype):
+  x = _x(rng)
+  boxes = _boxes(rng, 4)
+  xl = jnp.asarray(x, dtype)
+  y = jaxpool.roi_align(xl, boxes, 2, sampling_ratio=2, aligned=True)
+  assert y.dtype == dtype
+  ref = rref.roi_align(np.asarray(xl.astype(jnp.float32)), boxes, 2, sampling_ratio=2,
+                       aligned=True)
+  tol = 1e-2 if dtype == jnp.bfloat16 else 2e-3
+  np.testing.assert_allclose(np.asarray(y, np.float32), ref, rtol=tol, atol=tol)
+  dx = jax.grad(lambda v: jaxpool.roi_align(v, boxes, 2, sampling_ratio=2).astype(
+      jnp.float32).sum())(xl)
+  assert dx.dtype == dtype
+
+
+def test_two_runs_same_bits(rng):
+  x = _x(rng)
+  boxes = np.concatenate([_boxes(rng, 8), _boxes(rng, 8)])  # overlapping boxes: shared pixels
+  kw = dict(output_size=(3, 3), sampling_ratio=2, aligned=True)
+  dy = rng.standard_normal((16, 3, 3, C)).astype(np.float32)
+  first = _run(x, boxes, dy, **kw)
+  second = _run(x.copy(), boxes.copy(), dy.copy(), **kw)
+  for a, b in zip(first, second):
+    np.testing.assert_array_equal(np.asarray(a).view(np.uint32), np.asarray(b).view(np.uint32))
+
+
+@pytest.mark.slow
+def test_jvp_is_the_transpose_of_the_vjp(rng):
+  x = _x(rng)
+  boxes = np.concatenate([_boxes(rng, 8), _boxes(rng, 8)])
+  kw = dict(output_size=(3, 3), sampling_ratio=2, aligned=True)
+  dy = rng.standard_normal((16, 3, 3, C)).astype(np.float32)
+  first = _run(x, boxes, dy, **kw)
+  tx = rng.standard_normal(x.shape).astype(np.float32)
+  tb = rng.standard_normal(boxes.shape).astype(np.float32)
+  _, ty = jax.jvp(lambda v, b: jaxpool.roi_align(v, b, **kw), (x, boxes), (tx, tb))
+  lhs = float(np.sum(np.asarray(ty, np.float64) * dy))
+  rhs = float(np.sum(np.asarray(first[1], np.float64) * tx)
+              + np.sum(np.asarray(first[2], np.float64) * tb))
+  assert abs(lhs - rhs) < 1e-3 * max(1.0, abs(lhs))
+
+
+def test_vmap_forward(rng):
+  xs = np.stack([_x(rng), _x(rng)])
+  bs = np.stack([_boxes(rng, 3), _boxes(rng, 3)])
+  f = lambda v, b: jaxpool.roi_align(v, b, 2, sampling_ratio=2)
+  np.testing.assert_allclose(jax.vmap(f)(xs, bs), np.stack([f(xs[i], bs[i]) for i in range(2)]),
+                             rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_vmap_is_a_loop(rng):
+  xs = np.stack([_x(rng), _x(rng)])
+  bs = np.stack([_boxes(rng, 3), _boxes(rng, 3)])
+  f = lambda v, b: jaxpool.roi_align(v, b, 2, sampling_ratio=2, mode="max")
+  np.testing.assert_allclose(jax.vmap(f)(xs, bs), np.stack([f(xs[i], bs[i]) for i in range(2)]),
+                             rtol=1e-6, atol=1e-6)
+  g = jax.vmap(jax.grad(lambda v, b: (f(v, b) ** 2).sum(), argnums=(0, 1)))(xs, bs)
+  for i in range(2):
+    gi = jax.grad(lambda v, b: (f(v, b) ** 2).sum(), argnums=(0, 1))(xs[i], bs[i])
+    np.testing.assert_allclose(g[0][i], gi[0], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(g[1][i], gi[1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["avg", "max"])
+def test_vmap_over_the_boxes_only(rng, mode):
+  """The features unbatched, the boxes batched: the gradient's batching rule keeps one table."""
+  x = _x(rng)
+  bs = np.stack([_boxes(rng, 3) for _ in range(3)])
+  f = lambda v, b: (jaxpool.roi_align(v, b, 2, sampling_ratio=2, mode=mode) ** 2).sum()
+  g = jax.grad(f, argnums=(0, 1))
+  gv = jax.vmap(g, in_axes=(None, 0))(x, bs)
+  for i in range(3):
+    gi = g(x, bs[i])
+    np.testing.assert_allclose(gv[0][i], gi[0], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(gv[1][i], gi[1], rtol=1e-6, atol=1e-6)
+  whole = jax.grad(lambda v, b: jax.vmap(f, in_axes=(None, 0))(v, b).sum())(x, bs)
+  np.testing.assert_allclose(whole, sum(g(x, bs[i])[0] for i in range(3)), rtol=1e-5,
+                             atol=1e-5)
+
+
+@pytest.mark.slow
+def test_second_order_runs(rng):
+  x = _x(rng, (1, 5, 5, 1))
+  boxes = np.array([[0, 0.6, 0.7, 3.3, 3.9]], np.float32)
+  f = lambda b: (jaxpool.roi_align(x, b, 2, sampling_ratio=2, aligned=True) ** 2).sum()
+  h = jax.hessian(f)(boxes)
+  assert h.shape == (1, 5, 1, 5) and np.isfinite(h).all()
+
+
+def test_max_mode_ties_and_nan(rng):
+  """The first maximum (row-major samples) takes the gradient; a NaN sample wins."""
+  x = np.zeros((1, 4, 4, 1), np.float32)
+  box = np.array([[0, 0.0, 0.0, 4.0, 4.0]], np.float32)  # 2x2 samples at pixel centres
+  f = lambda v: jaxpool.roi_align(v, box, 1, sampling_ratio=2, aligned=True, mode="max")
+  g = jax.grad(lambda v: f(v).sum())(x)
+  expect = np.zeros((4, 4))
+  expect[0:2, 0:2] = 0.25  # the first sample (1.0, 1.0) -> aligned: pixel (0.5, 0.5)
+  np.testing.assert_allclose(g[0, :, :, 0], expect)
+  x[0, 3, 3, 0] = np.nan
+  assert np.isnan(f(x)).all()
+
+
+@settings(max_examples=2, deadline=None, suppress_health_check=list(HealthCheck))
+@given(seed=st.integers(0, 2**16), ratio=st.sampled_from([0, 1, 2]),
+       aligned=st.booleans(), mode=st.sampled_from(["avg", "max"]))
+def test_hypothesis_against_the_reference(seed, ratio, aligned, mode):
+  rng = np.random.default_rng(seed)
+  _check(_x(rng), _boxes(rng, 3, hi=12.0), rng, output_size=(2, 2), spatial_scale=0.8,
+         sampling_ratio=ratio, aligned=aligned, mode=mode, max_samples=3 if ratio == 0 else None)
+
+
+@pytest.mark.slow
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(seed=st.integers(0, 2**16), ratio=st.integers(-1, 3), aligned=st.booleans(),
+       mode=st.sampled_from(["avg", "max"]), ph=st.integers(1, 4), pw=st.integers(1, 4),
+       scale=st.sampled_from([0.25, 0.5, 1.0, 1.3]), k=st.integers(0, 6))
+def test_hypothesis_wide(seed, ratio, aligned, mode, ph, pw, scale, k):
+  rng = np.random.default_rng(seed)
+  boxes = np.concatenate([_boxes(rng, k, lo=-4.0, hi=16.0 / scale), EDGE])
+  _check(_x(rng), boxes, rng, output_size=(ph, pw), spatial_scale=scale, sampling_ratio=ratio,
+         aligned=aligned, mode=mode, max_samples=None if ratio > 0 else 4)
+
+
+def test_gradients_have_no_scatter(rng):
+  """The determinism claim, checked in the compiled program: no scatter (so no atomics) in the
+  gradient for the features and the boxes of roi_align, and for the features of roi_pool."""
+  x = _x(rng)
+  boxes = _boxes(rng, 4)
+  align = lambda v, b: jaxpool.roi_align(v, b, 2, sampling_ratio=2, aligned=True).sum()
+  pool = lambda v: jaxpool.roi_pool(v, boxes, 2).sum()
+  for hlo in (jax.jit(jax.grad(align, argnums=(0, 1))).lower(x, boxes).as_text(),
+              jax.jit(jax.grad(pool)).lower(x).as_text()):
+    assert "scatter" not in hlo.lower()
