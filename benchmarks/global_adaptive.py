@@ -120,7 +120,7 @@ def reduce_window_adaptive(x: jax.Array, out: tuple[int, int], kind: str) -> jax
   """Adaptive pooling of ``(N, H, W, C)`` from ``lax.reduce_window``: for each distinct bin
   shape ``(lh, lw)``, one stride-1 reduce-window, gathered at the bins' starts, selected where
   the bins have that shape (JAX differentiates it by itself)."""
-  per_dim = [adaptive_plan.bins(L, o) for L, o in zip(x.shape[1:3], out)]
+  per_dim = [adaptive_plan.bins(L, o) for L, o in zip(x.shape[1:3], out, strict=True)]
   lens = [e - s for s, e in per_dim]
   acc = jnp.float32 if kind == "avg" and x.dtype.itemsize < 4 else x.dtype
   xa = x.astype(acc)
@@ -206,7 +206,7 @@ def global_rows(shapes, dtypes, repeats, inner, chain=0):
 def adaptive_rows(divisible, large, other, dtypes, repeats, inner):
   rows = []
   for (shape, out), dtypes_here in ((divisible, dtypes), (large, dtypes[:1])):
-    w = tuple(L // o for L, o in zip(shape[1:3], out))
+    w = tuple(L // o for L, o in zip(shape[1:3], out, strict=True))
     plan = adaptive_plan.Plan(tuple(shape[1:3]), out, True)
     name = f"{shape_str(shape)} -> {out[0]}x{out[1]}"
     for dtype in dtypes_here:

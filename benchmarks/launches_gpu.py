@@ -122,7 +122,8 @@ def main() -> None:
         outs[launches[0]]))
     want = [np.asarray(o) for o in jax.tree.leaves(outs[launches[0]])]
     same = {lc: all(np.array_equal(np.asarray(a).view(np.uint8), b.view(np.uint8))
-                    for a, b in zip(jax.tree.leaves(o), want)) for lc, o in outs.items()}
+                    for a, b in zip(jax.tree.leaves(o), want, strict=True))
+            for lc, o in outs.items()}
     del outs
     best = fastest_in_rounds(fns, ops, args.rounds, samples=args.samples)
     print(f"\n{name} {op} {shape} {dtype} {fmt}: {nbytes / 1e6:.0f} MB", flush=True)

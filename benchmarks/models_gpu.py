@@ -367,9 +367,9 @@ def _distance(a, b):
   la = [v.astype(jnp.float32) for v in jax.tree.leaves(a)]
   lb = [v.astype(jnp.float32) for v in jax.tree.leaves(b)]
   stack = lambda vs: jnp.stack([jnp.float32(0), *vs])
-  return (jnp.max(stack([jnp.max(jnp.abs(u - v)) for u, v in zip(la, lb)])),
+  return (jnp.max(stack([jnp.max(jnp.abs(u - v)) for u, v in zip(la, lb, strict=True)])),
           jnp.max(stack([jnp.max(jnp.abs(v)) for v in lb])),
-          jnp.sqrt(jnp.sum(stack([jnp.sum((u - v) ** 2) for u, v in zip(la, lb)]))),
+          jnp.sqrt(jnp.sum(stack([jnp.sum((u - v) ** 2) for u, v in zip(la, lb, strict=True)]))),
           jnp.sqrt(jnp.sum(stack([jnp.sum(v**2) for v in lb]))))
 
 

@@ -431,7 +431,7 @@ def halo_floor(m, exchanged, k: int):
     def exchange(*pieces):
       for _ in range(times):
         pieces = tuple(lax.ppermute(piece, axes, pairs)
-                       for piece, (_, _, pairs) in zip(pieces, exchanged))
+                       for piece, (_, _, pairs) in zip(pieces, exchanged, strict=False))
       return pieces
     specs = (spec,) * len(exchanged)
     return jax.jit(jax.shard_map(exchange, mesh=m, in_specs=specs, out_specs=specs))
@@ -469,7 +469,7 @@ def weak_part():
     dtype = jnp.dtype(dtype_name)
     for split, n, mesh_shape in weak_layouts():
       shape = list(block)
-      for dim, ways in zip((1, 2), mesh_shape):
+      for dim, ways in zip((1, 2), mesh_shape, strict=False):
         shape[dim] *= ways
       shape = tuple(shape)
       base = dict(part="weak", dtype=dtype_name, split=split, devices=n,
@@ -542,7 +542,7 @@ def weak_run(row, pool, kw, impl, x, dys, args, m, k, dev0):
   else:  # the whole problem on one device, the same implementation
     try:
       ref = jax.jit(fwd_grad)(x, dys[0])
-      same = all(bool(same_bits(jax.device_put(o, dev0), r)) for o, r in zip(out, ref))
+      same = all(bool(same_bits(jax.device_put(o, dev0), r)) for o, r in zip(out, ref, strict=True))
       del ref
     except Exception as e:  # noqa: BLE001 - e.g. the whole problem does not fit one device
       same = None
@@ -627,7 +627,8 @@ def vgg_part():
     def step(p, s, x, y):
       def local(q):
         leaves, tree = jax.tree.flatten(q)
-        return loss(tree.unflatten([gather(a, d) for a, d in zip(leaves, split_dims)]), x, y)
+        return loss(tree.unflatten([gather(a, d)
+                                    for a, d in zip(leaves, split_dims, strict=True)]), x, y)
       value, grads = jax.value_and_grad(local)(p)
       # Each gradient is now the sum over the GPUs of theirs (a split parameter's by the
       # all-gather's transpose, a reduce-scatter; a whole one's by shard_map's: its gradient is
@@ -644,7 +645,7 @@ def vgg_part():
   def update_gap(new, ref):
     """The largest relative difference of one array's update from one GPU's update."""
     return float(max(np.linalg.norm(n - r) / max(float(np.linalg.norm(r - b)), 1e-30)
-                     for n, r, b in zip(new, ref, before)))
+                     for n, r, b in zip(new, ref, before, strict=True)))
 
   try:
     for variant in ARGS.variants:
@@ -1053,7 +1054,7 @@ def plot(rows: list[dict], path: str) -> str | None:
     print("--plot: no rows with an efficiency to plot", flush=True)
     return None
   fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2), squeeze=False)
-  for ax, (title, ylabel, lines) in zip(axes[0], panels):
+  for ax, (title, ylabel, lines) in zip(axes[0], panels, strict=True):
     for label, pts in sorted(lines.items()):
       pts = sorted(set(pts))
       ax.plot([n for n, _ in pts], [v for _, v in pts], marker="o", label=label)

@@ -130,7 +130,7 @@ def train(axis_type: AxisType) -> bool:
   ps, _, ls = step(jax.device_put(params, replicated), jax.device_put(opt_state, replicated),
                    jax.device_put(xb, batch), jax.device_put(yb, batch))
   diff = max(float(jnp.max(jnp.abs(a - b))) for a, b in
-             zip(jax.tree.leaves(p1), jax.tree.leaves(ps)))
+             zip(jax.tree.leaves(p1), jax.tree.leaves(ps), strict=True))
   print(f"first step: loss one device {float(l1):.6f}, sharded {float(ls):.6f}; "
         f"max parameter difference {diff:.2e}")
   ok = abs(float(l1) - float(ls)) < 1e-5 and diff < 1e-5

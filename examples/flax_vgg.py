@@ -162,7 +162,7 @@ def main(argv=None) -> dict:
     shown = " ".join(f"{v:.4f}" for v in r["losses"][:4]) + " ... " + f"{r['losses'][-1]:.4f}"
     print(f"{name:18s} {r['step_ms']:11.1f} ms {r['first_step_s']:9.2f} s   {shown}")
   a, b = results["flax"]["losses"], results["jaxpool.optimize"]["losses"]
-  diff = max(abs(u - v) for u, v in zip(a, b))
+  diff = max(abs(u - v) for u, v in zip(a, b, strict=True))
   print(f"\nlargest loss difference over {len(a)} steps: {diff:.3g} "
         f"(speed-up {results['flax']['step_ms'] / results['jaxpool.optimize']['step_ms']:.2f}x)")
   return results

@@ -53,7 +53,7 @@ def main() -> None:
   value, grads = jax.jit(tg.run)(params, image=x, label=y)
   ref_value, ref_grads = jax.value_and_grad(lambda p: g.apply(p, image=x, label=y))(params)
   diff = max(float(jnp.max(jnp.abs(a - b)))
-             for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)))
+             for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True))
   print(f"\ntraining graph: loss {float(value):.6f}; jax.value_and_grad: {float(ref_value):.6f}; "
         f"max |grad difference| {diff:.3g}")
   per_example = jax.vmap(lambda xi, yi: tg.run(params, image=xi, label=yi))(x, y)[1]

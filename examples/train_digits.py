@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> dict:
       lambda p: forward_loss.apply(p, state=state, key=keys, training=True, image=xb, label=yb),
       has_aux=True))(params)
   diff = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(
-      jax.tree.leaves(grads_a), jax.tree.leaves(grads_b)))
+      jax.tree.leaves(grads_a), jax.tree.leaves(grads_b), strict=True))
   print(f"training graph vs jax.value_and_grad on one batch: loss {float(loss_a):.6f} vs "
         f"{float(loss_b):.6f}, max |grad difference| = {diff:.3g}")
 

@@ -24,14 +24,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp  # noqa: F401 (the docstrings' examples use jnp)
-import numpy as np
 
 from jaxpool._src import api_avg, api_max, dispatch
 from jaxpool._src.adaptive_plan import Plan, check_nonempty, make_plan
 from jaxpool._src.api_args import (DataFormat, FloatIn, FloatOut, Implementation, IndicesOut,
                                    PoolIn, PoolOut, as_array, check_plane)
 from jaxpool._src.backend import Backend, Op
-from jaxpool._src.checks import check_choice
+from jaxpool._src.checks import check_bool, check_choice
 from jaxpool._src.dtypes import check_dtype
 from jaxpool._src.windows import DATA_FORMATS, make_geometry
 from jaxpool._src.windows import spatial_axes as _spatial_axes
@@ -47,7 +46,7 @@ FIXED_WINDOW_MAX_TAPS = 16
 
 
 def _fixed_window(plan: Plan) -> tuple[int, ...]:
-  return tuple(L // o for L, o in zip(plan.in_spatial, plan.out_spatial))
+  return tuple(L // o for L, o in zip(plan.in_spatial, plan.out_spatial, strict=True))
 
 
 def _route(plan: Plan, x: jax.Array, op: Op) -> str:
@@ -55,7 +54,7 @@ def _route(plan: Plan, x: jax.Array, op: Op) -> str:
   ``"stages"``."""
   if all(o == 1 for o in plan.out_spatial):
     return "global"
-  if all(L % o == 0 for L, o in zip(plan.in_spatial, plan.out_spatial)):
+  if all(L % o == 0 for L, o in zip(plan.in_spatial, plan.out_spatial, strict=True)):
     w = _fixed_window(plan)
     if math.prod(w) <= FIXED_WINDOW_MAX_TAPS:
       return "fixed"
@@ -215,8 +214,7 @@ def _global_args(x: Any, data_format: Any, keepdims: Any, *,
   x = as_array("x", x)
   check_dtype("x", x, allow_int=allow_int)
   check_choice("data_format", data_format, DATA_FORMATS)
-  if not isinstance(keepdims, (bool, np.bool_)):
-    raise TypeError(f"keepdims must be a bool; got {keepdims!r}.")
+  check_bool("keepdims", keepdims)
   if x.ndim < 3:
     layout = "(N, *spatial, C)" if data_format == "channels_last" else "(N, C, *spatial)"
     raise ValueError(

@@ -86,11 +86,11 @@ class Plan:
   def box_sizes(self, ndim: int, dtype) -> np.ndarray:
     """Elements per output bin (the average's divisor), shaped to broadcast on the output."""
     size = np.ones((), np.int64)
-    for L, o in zip(self.in_spatial, self.out_spatial):
+    for L, o in zip(self.in_spatial, self.out_spatial, strict=True):
       start, end = bins(L, o)
       size = np.multiply.outer(size, end - start)
     shape = [1] * ndim
-    for a, o in zip(self.axes(ndim), self.out_spatial):
+    for a, o in zip(self.axes(ndim), self.out_spatial, strict=True):
       shape[a] = o
     return size.reshape(shape).astype(dtype)
 
@@ -108,7 +108,7 @@ def make_plan(x: jax.Array, output_size: Any, data_format: str) -> Plan:
   axes = _spatial_axes(x.ndim, n, channels_last)
   check_nonempty(x, axes)
   in_spatial = tuple(int(x.shape[a]) for a in axes)
-  out_spatial = tuple(L if o is None else o for L, o in zip(in_spatial, sizes))
+  out_spatial = tuple(L if o is None else o for L, o in zip(in_spatial, sizes, strict=True))
   # Before any bin table (whose size grows with output_size) is built.
   check_plane(f"output_size={output_size!r}", out_spatial, "the output plane")
   check_fits(x, axes, out_spatial, f"output_size={output_size!r}")
@@ -161,9 +161,9 @@ def check_fits(x: jax.Array, axes: tuple[int, ...], out_spatial: tuple[int, ...]
   such as ``(2**31 - 1, 1)`` would otherwise take tens of GiB of host tables first)."""
   in_spatial = tuple(int(x.shape[a]) for a in axes)
   out_shape = list(x.shape)
-  for a, o in zip(axes, out_spatial):
+  for a, o in zip(axes, out_spatial, strict=True):
     out_shape[a] = o
-  tables = sum(table_bytes(L, o) for L, o in zip(in_spatial, out_spatial))
+  tables = sum(table_bytes(L, o) for L, o in zip(in_spatial, out_spatial, strict=True))
   tables += 8 * math.prod(out_spatial)  # the average's divisors
   output = math.prod(out_shape) * np.dtype(x.dtype).itemsize
   host, device = host_memory(), device_memory()

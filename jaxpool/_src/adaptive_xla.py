@@ -183,7 +183,7 @@ def _argmax_stages(x: jax.Array, plan: Plan) -> tuple[jax.Array, tuple[Any, ...]
 def _at_argmax(t: jax.Array, taps: tuple[Any, ...], plan: Plan) -> jax.Array:
   """``t`` at each output's argmax: linear in ``t`` (the max's tangent map)."""
   ndim = t.ndim
-  for (ax, tab), tap in zip(plan.stages(ndim), taps):
+  for (ax, tab), tap in zip(plan.stages(ndim), taps, strict=True):
     if tap is None:
       continue
     if tab.kind != "scatter":  # gather form

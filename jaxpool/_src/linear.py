@@ -99,7 +99,7 @@ def _linear_rules(p: jex_core.Primitive, transpose_p: jex_core.Primitive) -> Non
 
 
 def _batch(p: jex_core.Primitive, args, dims, params):
-  size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+  size = next(a.shape[d] for a, d in zip(args, dims, strict=True) if d is not None)
   moved = [jnp.broadcast_to(a, (size, *a.shape)) if d is None
-           else jnp.moveaxis(a, d, 0) for a, d in zip(args, dims)]
+           else jnp.moveaxis(a, d, 0) for a, d in zip(args, dims, strict=True)]
   return p.bind(*moved, **params), 0

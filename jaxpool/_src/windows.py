@@ -69,12 +69,12 @@ class Geometry:
 
   @property
   def effective_window(self) -> tuple[int, ...]:
-    return tuple(effective_window(k, d) for k, d in zip(self.window, self.dilation))
+    return tuple(effective_window(k, d) for k, d in zip(self.window, self.dilation, strict=True))
 
   @property
   def full_padding(self) -> tuple[tuple[int, int], ...]:
     """``(lo, hi + extra)`` per spatial dim: what the padded input really spans."""
-    return tuple((lo, hi + e) for (lo, hi), e in zip(self.padding, self.extra))
+    return tuple((lo, hi + e) for (lo, hi), e in zip(self.padding, self.extra, strict=True))
 
   @property
   def num_taps(self) -> int:
@@ -111,13 +111,13 @@ class Geometry:
   def full_dims(self, ndim: int, spatial: Sequence[Any], fill: Any) -> tuple[Any, ...]:
     """Spreads one value per spatial dim over all ``ndim`` dims, ``fill`` elsewhere."""
     out = [fill] * ndim
-    for ax, v in zip(self.spatial_axes(ndim), spatial):
+    for ax, v in zip(self.spatial_axes(ndim), spatial, strict=True):
       out[ax] = v
     return tuple(out)
 
   def output_shape(self, in_shape: Sequence[int]) -> tuple[int, ...]:
     shape = list(in_shape)
-    for ax, o in zip(self.spatial_axes(len(shape)), self.out_spatial):
+    for ax, o in zip(self.spatial_axes(len(shape)), self.out_spatial, strict=True):
       shape[ax] = o
     return tuple(shape)
 
@@ -125,7 +125,7 @@ class Geometry:
     """The forward input's shape, from its output's (any batch dims): the inverse of
     :meth:`output_shape`."""
     shape = list(out_shape)
-    for ax, n in zip(self.spatial_axes(len(shape)), self.in_spatial):
+    for ax, n in zip(self.spatial_axes(len(shape)), self.in_spatial, strict=True):
       shape[ax] = n
     return tuple(shape)
 
@@ -182,13 +182,13 @@ def resolve_string_padding(padding: str, in_spatial: Sequence[int], window: Sequ
   policy, not the ops'): ``e - 1`` on both sides: every window that touches a real element.
   """
   padding = padding_string(padding, (*PADDING_STRINGS, "FULL"))
-  eff = [effective_window(k, d) for k, d in zip(window, dilation)]
+  eff = [effective_window(k, d) for k, d in zip(window, dilation, strict=True)]
   if padding == "VALID":
     return ((0, 0),) * len(eff)
   if padding == "FULL":
     return tuple((e - 1, e - 1) for e in eff)
   pads = []
-  for L, s, e in zip(in_spatial, strides, eff):
+  for L, s, e in zip(in_spatial, strides, eff, strict=True):
     out = -(-L // s)
     total = max((out - 1) * s + e - L, 0)
     small, large = total // 2, total - total // 2
@@ -314,10 +314,10 @@ def make_geometry(x_shape: Sequence[int], window_shape: Any, strides: Any = None
   if any(L > MAX_SIZE for L in in_spatial):
     raise ValueError(f"{name}'s spatial sizes must each be at most 2**31 - 1; got shape "
                      f"{x_shape} (spatial {in_spatial}).")
-  eff = tuple(effective_window(k, d) for k, d in zip(window, dilation_t))
+  eff = tuple(effective_window(k, d) for k, d in zip(window, dilation_t, strict=True))
   pads = _resolve_padding(padding, in_spatial, window, strides_t, dilation_t)
   out_spatial, extra = [], []
-  for i, (L, (lo, hi), e, s) in enumerate(zip(in_spatial, pads, eff, strides_t)):
+  for i, (L, (lo, hi), e, s) in enumerate(zip(in_spatial, pads, eff, strides_t, strict=True)):
     if lo >= e or hi >= e:
       raise ValueError(
           f"padding must be smaller than the effective window (dilation*(window-1)+1 = {e}) "

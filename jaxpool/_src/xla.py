@@ -148,9 +148,9 @@ def scatter_to_taps(taps: jax.Array, ct: jax.Array, geom: Geometry) -> jax.Array
   ndim = ct.ndim
   axes = geom.spatial_axes(ndim)
   n = geom.nspatial
-  planes_m = [-(-L // s) for L, s in zip(geom.in_spatial, geom.strides)]
+  planes_m = [-(-L // s) for L, s in zip(geom.in_spatial, geom.strides, strict=True)]
   plane_shape = list(ct.shape)
-  for ax, m in zip(axes, planes_m):
+  for ax, m in zip(axes, planes_m, strict=True):
     plane_shape[ax] = m
   planes = {}
   for phase in itertools.product(*(range(s) for s in geom.strides)):
@@ -163,7 +163,7 @@ def scatter_to_taps(taps: jax.Array, ct: jax.Array, geom: Geometry) -> jax.Array
       v = jnp.where(taps == np.array(tap, taps.dtype), ct, jnp.zeros((), ct.dtype))
       # plane element m takes window m + q: shift by -q, crop or zero-fill to the plane's size
       cfg = geom.full_dims(ndim, [(-q, m - o + q, 0) for (_, q), m, o in
-                                  zip(c, planes_m, geom.out_spatial)], (0, 0, 0))
+                                  zip(c, planes_m, geom.out_spatial, strict=True)], (0, 0, 0))
       v = lax.pad(v, jnp.zeros((), ct.dtype), cfg)
       acc = v if acc is None else acc + v
     if acc is not None and len(reach) < geom.num_taps:
@@ -182,11 +182,11 @@ def scatter_to_taps(taps: jax.Array, ct: jax.Array, geom: Geometry) -> jax.Array
 
   full = interleave(())  # (..., m_0, s_0, m_1, s_1, ...)
   merged = list(ct.shape)
-  for ax, m, s in zip(axes, planes_m, geom.strides):
+  for ax, m, s in zip(axes, planes_m, geom.strides, strict=True):
     merged[ax] = m * s
   dx = full.reshape(merged)
   limits = list(dx.shape)
-  for ax, L in zip(axes, geom.in_spatial):
+  for ax, L in zip(axes, geom.in_spatial, strict=True):
     limits[ax] = L
   return lax.slice(dx, (0,) * ndim, limits)
 

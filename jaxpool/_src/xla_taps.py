@@ -59,10 +59,11 @@ def is_separable(geom: Geometry) -> bool:
   ``SEPARABLE_TAPS`` taps, in windows that overlap enough for it to pay.
 
   The separable gradient works at input resolution one dim at a time, about ``sum(k)`` taps an
-  input element (over the dims of more than one tap); the direct one visits each window's taps, about ``prod(k / s)`` an input
-  element. So windows whose strides nearly reach their size (``13x13`` at stride 6 or 13, where
-  few windows share an element) keep the direct form: the separable gradient ran 3-20x slower
-  there on an H200 (docs/large-windows.md). The rule reads the geometry only."""
+  input element (over the dims of more than one tap); the direct one visits each window's taps,
+  about ``prod(k / s)`` an input element. So windows whose strides nearly reach their size
+  (``13x13`` at stride 6 or 13, where few windows share an element) keep the direct form: the
+  separable gradient ran 3-20x slower there on an H200 (docs/large-windows.md). The rule reads
+  the geometry only."""
   if geom.num_taps <= SEPARABLE_TAPS:
     return False
   taps_separable = sum(k for k in geom.window if k > 1)
@@ -123,12 +124,12 @@ def fold_taps(geom: Geometry, step, init, start: int = 0, limit: int | None = No
 def tap_slice(xp: jax.Array, geom: Geometry, tap: Tap) -> jax.Array:
   """The values tap ``tap`` reads for every output position (``xp`` already padded)."""
   ndim = xp.ndim
-  start = geom.full_dims(ndim, [t * d for t, d in zip(tap, geom.dilation)], 0)
+  start = geom.full_dims(ndim, [t * d for t, d in zip(tap, geom.dilation, strict=True)], 0)
   strides = geom.full_dims(ndim, geom.strides, 1)
   out = geom.output_shape(xp.shape)
-  size = tuple((o - 1) * s + 1 for o, s in zip(out, strides))
+  size = tuple((o - 1) * s + 1 for o, s in zip(out, strides, strict=True))
   if is_static(tap):
-    return lax.slice(xp, start, tuple(b + n for b, n in zip(start, size)), strides)
+    return lax.slice(xp, start, tuple(b + n for b, n in zip(start, size, strict=True)), strides)
   return lax.slice(lax.dynamic_slice(xp, start, size), (0,) * ndim, size, strides)
 
 
@@ -172,7 +173,7 @@ def _phase_slice(tv: jax.Array, geom: Geometry, tap: Tap, out_shape) -> jax.Arra
       start.append(0)
       size.append(n)
   if is_static(tap):
-    part = lax.slice(tv, start, [b + n for b, n in zip(start, size)])
+    part = lax.slice(tv, start, [b + n for b, n in zip(start, size, strict=True)])
   else:
     part = lax.dynamic_slice(tv, start, size)
   return part.reshape(out_shape)
@@ -222,7 +223,7 @@ def has_empty_windows(geom: Geometry) -> bool:
 def input_shape(out_shape: tuple[int, ...], geom: Geometry) -> tuple[int, ...]:
   """The input shape whose pooled output has ``out_shape``."""
   shape = list(out_shape)
-  for ax, L in zip(geom.spatial_axes(len(shape)), geom.in_spatial):
+  for ax, L in zip(geom.spatial_axes(len(shape)), geom.in_spatial, strict=True):
     shape[ax] = L
   return tuple(shape)
 

@@ -79,7 +79,8 @@ class _Pool(eqx.Module):
     self.use_ceil = check_bool("use_ceil", use_ceil)
     self.dilation = eqx_per_dim("dilation", dilation, n)
     self.implementation = check_name("implementation", implementation, IMPLEMENTATIONS)
-    for i, ((lo, hi), k, d) in enumerate(zip(self.padding, self.kernel_size, self.dilation)):
+    for i, ((lo, hi), k, d) in enumerate(zip(self.padding, self.kernel_size, self.dilation,
+                                             strict=True)):
       e = effective_window(k, d)
       if lo >= e or hi >= e:
         kernel = f"kernel_size {k}" if d == 1 else f"dilation*(kernel_size-1)+1 = {e}"
@@ -94,7 +95,7 @@ class _Pool(eqx.Module):
     n = self.num_spatial_dims
     check_rank("x", shape, n, "channels_first")
     for i, (L, (lo, hi), k, d) in enumerate(zip(shape[-n:], self.padding, self.kernel_size,
-                                                 self.dilation)):
+                                                 self.dilation, strict=True)):
       if L + lo + hi < effective_window(k, d):
         raise ValueError(
             f"kernel_size {self.kernel_size} (dilation {self.dilation}) is larger than the "

@@ -167,7 +167,7 @@ def _config(inputs: Any, pool_size: Any, strides: Any, padding: Any,
   if window is None or steps is None:
     return None
   spatial = shape[1:-1] if data_format == "channels_last" else shape[2:]
-  if padding == "valid" and any(k > size for k, size in zip(window, spatial)):
+  if padding == "valid" and any(k > size for k, size in zip(window, spatial, strict=True)):
     return None                                # an empty output: Keras's (lax's) result
   return dict(window_shape=window, strides=steps, padding=_PADDINGS[padding],
               data_format=data_format, implementation=_options["implementation"])

@@ -47,7 +47,7 @@ def unique_batch(rng, n, shape=(12, 12, 2), classes=5):
 
 def max_abs_diff(a, b):
   return max(float(jnp.max(jnp.abs(x - y))) for x, y in zip(jax.tree.leaves(a),
-                                                           jax.tree.leaves(b)))
+                                                           jax.tree.leaves(b), strict=True))
 
 
 @pytest.fixture(scope="module")

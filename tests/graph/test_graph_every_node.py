@@ -22,7 +22,7 @@ from jaxpool import graph as jg
 
 def assert_same_bits(a, b):
   assert jax.tree.structure(a) == jax.tree.structure(b)
-  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
     assert x.dtype == y.dtype and x.shape == y.shape
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 

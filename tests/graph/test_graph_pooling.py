@@ -24,7 +24,7 @@ def _ties(rng, shape):
 def _same_trees(a, b):
   la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
   assert jax.tree.structure(a) == jax.tree.structure(b)
-  for x, y in zip(la, lb):
+  for x, y in zip(la, lb, strict=True):
     assert_same_bits(x, y)
 
 

@@ -180,13 +180,14 @@ def test_conv_transpose_forward(window, strides, padding, dilation, groups, feat
   g = jg.Graph(node)
   params = g.init(jax.random.key(0))
   params["t"]["b"] = randn(rng, features)
-  eff = [d * (k - 1) + 1 for k, d in zip(window, dilation)]
+  eff = [d * (k - 1) + 1 for k, d in zip(window, dilation, strict=True)]
   if padding == "VALID":
     pads = [(0, 0)] * len(window)
   elif padding == "FULL":
     pads = [(e - 1, e - 1) for e in eff]
   elif padding == "SAME":  # out = L * s: crop e - s, the odd one at the end; e < s adds at the end
-    pads = [(max(e - s, 0) // 2, e - s - max(e - s, 0) // 2) for e, s in zip(eff, strides)]
+    pads = [(max(e - s, 0) // 2, e - s - max(e - s, 0) // 2)
+            for e, s in zip(eff, strides, strict=True)]
   else:
     pads = padding
   want = ref_conv_transpose(f64(x), f64(params["t"]["w"]), f64(params["t"]["b"]), strides,
@@ -194,11 +195,11 @@ def test_conv_transpose_forward(window, strides, padding, dilation, groups, feat
   y = g.apply(params, x=x)
   assert y.shape == want.shape
   if padding == "SAME":
-    assert y.shape[1:-1] == tuple(L * s for L, s in zip(spatial, strides))
+    assert y.shape[1:-1] == tuple(L * s for L, s in zip(spatial, strides, strict=True))
   if isinstance(padding, tuple):  # PyTorch's size rule: (L-1)s - 2p + d(k-1) + output_padding + 1
     p, op = 1, (1, 0)
     assert y.shape[1:-1] == tuple((L - 1) * s - 2 * p + d * (k - 1) + q + 1 for L, s, d, k, q in
-                                  zip(spatial, strides, dilation, window, op))
+                                  zip(spatial, strides, dilation, window, op, strict=True))
   assert_close(y, want)
 
 
@@ -305,7 +306,7 @@ def _gradient_cases():
 def by_input(node, ct):
   """A gradient node's cotangents by input name, summed where an input is read twice."""
   out = {}
-  for name, c in zip(node.inputs, ct.inputs):
+  for name, c in zip(node.inputs, ct.inputs, strict=True):
     out[name] = c if name not in out else out[name] + c
   return out
 
@@ -378,7 +379,7 @@ def test_channels_first_equals_channels_last(rng):
   outs_l = gl.apply(params, image=x, target=t)
   outs_f = gf.apply(params, image=to_first(x), target=t)
   assert_close(outs_f[0], outs_l[0])
-  for a, b in zip(outs_f[1:-1], outs_l[1:-1]):   # images
+  for a, b in zip(outs_f[1:-1], outs_l[1:-1], strict=True):   # images
     assert_close(a, to_first(b))
   assert_close(outs_f[-1], outs_l[-1])           # Flatten: channels-last order either way
   # training graphs: same loss, same parameter gradients

@@ -236,7 +236,7 @@ def test_backend_functions_equal_keras_and_numpy(rng, spatial, pool, strides, pa
   def both(x, xt, w):
     out = {}
     for op, pair in fns.items():
-      for who, f in zip(("keras", "jaxpool"), pair):
+      for who, f in zip(("keras", "jaxpool"), pair, strict=True):
         st = keras_strides if who == "keras" else strides
         run = lambda v, f=f, st=st: f(v, pool, st, padding, fmt)
         out[op, who] = (run(x), run(xt), jax.grad(lambda u, run=run: jnp.sum(w * run(u)))(x))
@@ -245,7 +245,7 @@ def test_backend_functions_equal_keras_and_numpy(rng, spatial, pool, strides, pa
   out = both(x, xt, w)
   for op in fns:
     keras_out, ours = out[op, "keras"], out[op, "jaxpool"]
-    for a, b, v in zip(ours[:2], keras_out[:2], (x, xt)):
+    for a, b, v in zip(ours[:2], keras_out[:2], (x, xt), strict=True):
       assert a.shape == b.shape and a.dtype == b.dtype
       if op == "max":
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -273,12 +273,12 @@ def test_layers_use_jaxpool_and_equal_keras(rng, monkeypatch):
             keras.layers.AveragePooling2D(3, strides=2, padding="same"),
             keras.layers.MaxPooling1D(2), keras.layers.AveragePooling3D(2, padding="same")]
   inputs = [x, x, x[:, 0], x[:, :4, :4, None, :].repeat(2, axis=3)]
-  plain = [layer(v) for layer, v in zip(layers, inputs)]
+  plain = [layer(v) for layer, v in zip(layers, inputs, strict=True)]
   calls = _count_jaxpool_calls(monkeypatch.setattr)
   with jk.enabled():
-    ours = [layer(v) for layer, v in zip(layers, inputs)]
+    ours = [layer(v) for layer, v in zip(layers, inputs, strict=True)]
   assert calls == {"max_pool": 2, "avg_pool": 2}
-  for a, b in zip(ours, plain):
+  for a, b in zip(ours, plain, strict=True):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
 
 
@@ -474,7 +474,7 @@ def run_fit_checks() -> dict:
     plain, w_plain = fit(batch)
     with jk.enabled():
       ours, w_ours = fit(batch)
-    diff = max(float(np.max(np.abs(a - b))) for a, b in zip(w_plain, w_ours))
+    diff = max(float(np.max(np.abs(a - b))) for a, b in zip(w_plain, w_ours, strict=True))
     out[where] = dict(plain=plain, jaxpool=ours, max_weight_diff=diff,
                       devices=1 if keras.distribution.distribution() is None else
                       len(keras.distribution.distribution().device_mesh.devices.flat))

@@ -1,4 +1,4 @@
-"""The backward kernel over blocks of rows a program (``block = (bd, bh)`` of
+"""The backward kernel over blocks of rows a program (``block = (block_depth, block_height)`` of
 ``triton_backward.backward_kernel``): every block gives the bits of one block a program and of
 the XLA path (max pooling: the same sums in the same order; average pooling: the same
 divisors), both layouts, 1-3 spatial dims, padding, dilation and ceil mode, blocks that

@@ -390,7 +390,7 @@ def test_average_blocks_give_the_bits_of_one_row(name, dtype):
              [triton._window_call(x, geom, "avg", True, pad, div, launch=lc)[0]
               for lc in launches]) for pad, div in settings]
 
-  for (pad, div), (one, blocks) in zip(settings, run(x)):
+  for (pad, div), (one, blocks) in zip(settings, run(x), strict=True):
     want = xla.avg_pool(x.astype(jnp.float32), geom, pad, div)
     tol = 1e-2 if dtype == jnp.bfloat16 else 1e-6
     np.testing.assert_allclose(np.asarray(one, np.float32), want, rtol=tol, atol=tol)

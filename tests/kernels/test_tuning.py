@@ -616,7 +616,7 @@ def test_processes_tuning_at_once_leave_one_whole_entry(tmp_path):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
            for c in launches]
   outs = [p.communicate(timeout=120) for p in procs]
-  for p, (_, err) in zip(procs, outs):
+  for p, (_, err) in zip(procs, outs, strict=True):
     assert p.returncode == 0, err
   chosen = [tuple(json.loads(out.strip().splitlines()[-1])) for out, _ in outs]
   assert chosen == launches  # each tuned (its own fake timer) and used its result

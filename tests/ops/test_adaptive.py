@@ -56,12 +56,13 @@ class RefPlan:
     nd = len(shape)
     self.axes = list(range(nd - 1 - n, nd - 1)) if self.cl else list(range(nd - n, nd))
     self.in_spatial = tuple(shape[a] for a in self.axes)
-    self.out_spatial = tuple(L if o is None else o for L, o in zip(self.in_spatial, output_size))
+    self.out_spatial = tuple(L if o is None else o
+                             for L, o in zip(self.in_spatial, output_size, strict=True))
 
   @property
   def out_shape(self):
     s = list(self.shape)
-    for a, o in zip(self.axes, self.out_spatial):
+    for a, o in zip(self.axes, self.out_spatial, strict=True):
       s[a] = o
     return tuple(s)
 
@@ -78,7 +79,7 @@ class RefPlan:
 
   def boxes(self):
     """For each output position (row-major): the flat input indices of its bin, row-major."""
-    per_dim = [ref_bins(L, o) for L, o in zip(self.in_spatial, self.out_spatial)]
+    per_dim = [ref_bins(L, o) for L, o in zip(self.in_spatial, self.out_spatial, strict=True)]
     for o in itertools.product(*[range(v) for v in self.out_spatial]):
       ranges = [range(*per_dim[d][o[d]]) for d in range(self.n)]
       yield [int(np.ravel_multi_index(p, self.in_spatial)) for p in itertools.product(*ranges)]
@@ -470,7 +471,7 @@ def test_divisible_sizes_equal_fixed_window_pooling(shape, out, fmt, rng):
   x = tie_rich(rng, shape, specials=True)
   xu = rng.standard_normal(shape).astype(np.float32)
   axes = (1, 2) if fmt == "channels_last" else (2, 3)
-  w = tuple(shape[a] // o for a, o in zip(axes, out))
+  w = tuple(shape[a] // o for a, o in zip(axes, out, strict=True))
   plan = _plan.Plan(tuple(shape[a] for a in axes), out, fmt == "channels_last")
   y = jaxpool.max_pool(x, w, w, data_format=fmt)
   # (Values bit for bit, NaN as NaN: a GPU's XLA max may return another NaN payload.)

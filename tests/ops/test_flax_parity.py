@@ -60,7 +60,7 @@ def test_max_pool_equals_reduce_window(dilation, data_format, rng):
 
   def full(vals, fill):
     out = [fill] * 4
-    for a, v in zip(spatial, vals):
+    for a, v in zip(spatial, vals, strict=True):
       out[a] = v
     return tuple(out)
 

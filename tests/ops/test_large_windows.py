@@ -116,10 +116,10 @@ def large_configs(draw):
   hypothesis.assume(sum(k for k in window if k > 1)
                     <= math.prod(k / s for k, s in zip(window, strides, strict=True)))
   dilation = tuple(draw(st.sampled_from([1, 1, 2])) for _ in range(n))
-  eff = [d * (k - 1) + 1 for k, d in zip(window, dilation)]
+  eff = [d * (k - 1) + 1 for k, d in zip(window, dilation, strict=True)]
   pads = tuple((draw(st.integers(0, e - 1)), draw(st.integers(0, e - 1))) for e in eff)
   spatial = tuple(draw(st.integers(max(1, e - lo - hi), max(1, e - lo - hi) + 4))
-                  for e, (lo, hi) in zip(eff, pads))
+                  for e, (lo, hi) in zip(eff, pads, strict=True))
   fmt = draw(st.sampled_from(["channels_last", "channels_first"]))
   shape = (1, *spatial, 2) if fmt == "channels_last" else (1, 2, *spatial)
   return shape, dict(window_shape=window, strides=strides, padding=pads, dilation=dilation,
@@ -393,8 +393,8 @@ def test_the_separable_forward_is_a_reduce_window_per_dim():
 ])
 def test_which_geometries_run_separably(window, strides, separable):
   """Separable only where the windows overlap enough for it to pay (about ``sum(k)`` taps an
-  input element, over the dims of more than one tap, against ``prod(k / s)``): strides near the window keep the direct form, whose
-  gradient ran 3-20x faster there on an H200."""
+  input element, over the dims of more than one tap, against ``prod(k / s)``): strides near the
+  window keep the direct form, whose gradient ran 3-20x faster there on an H200."""
   shape = (1, *(max(k, 2 * s) + 3 for k, s in zip(window, strides, strict=True)), 1)
   geom = make_geometry(shape, window, strides, 0, None, False, "channels_last")
   assert xla_taps.is_separable(geom) is separable

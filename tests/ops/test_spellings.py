@@ -54,8 +54,8 @@ def test_string_padding_resolves_as_lax_in_any_case(n, data, name, case, ceil_mo
   k = data.draw(st.lists(st.integers(1, 4), min_size=n, max_size=n))
   s = data.draw(st.lists(st.integers(1, 4), min_size=n, max_size=n))
   d = data.draw(st.lists(st.integers(1, 3), min_size=n, max_size=n))
-  eff = [di * (ki - 1) + 1 for ki, di in zip(k, d)]
-  hypothesis.assume(name != "VALID" or all(Li >= e for Li, e in zip(L, eff)))
+  eff = [di * (ki - 1) + 1 for ki, di in zip(k, d, strict=True)]
+  hypothesis.assume(name != "VALID" or all(Li >= e for Li, e in zip(L, eff, strict=True)))
   shape = (2, *L, 3) if channels_last else (2, 3, *L)
   fmt = "channels_last" if channels_last else "channels_first"
   geom = jaxpool.make_geometry(shape, tuple(k), tuple(s), _cases(name, case), tuple(d),
@@ -68,8 +68,9 @@ def test_string_padding_resolves_as_lax_in_any_case(n, data, name, case, ceil_mo
     assert geom.out_spatial == plain.out_spatial
   else:
     lower = name == "SAME_LOWER"
-    assert geom.padding == tuple(_same_pads(Li, e, si, lower) for Li, e, si in zip(L, eff, s))
-    assert geom.out_spatial == tuple(math.ceil(Li / si) for Li, si in zip(L, s))
+    assert geom.padding == tuple(_same_pads(Li, e, si, lower)
+                                 for Li, e, si in zip(L, eff, s, strict=True))
+    assert geom.out_spatial == tuple(math.ceil(Li / si) for Li, si in zip(L, s, strict=True))
     assert geom.extra == (0,) * n  # ceil_mode adds no overhang to SAME
 
 

@@ -48,7 +48,7 @@ def moved_arrays(hlo: str) -> list[tuple[str, int]]:
 
 
 def same(a, b):
-  for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+  for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
     u, v = np.asarray(u), np.asarray(v)
     assert u.shape == v.shape and u.dtype == v.dtype, (u.shape, v.shape, u.dtype, v.dtype)
     assert u.tobytes() == v.tobytes(), f"differ by up to {np.abs(u - v).max()}"

@@ -113,7 +113,7 @@ def test_3d_conv_pool_gradient_and_jvp_on_the_transposed_view(gpu):
   rep = g.report(*args)
   pool_grads = [d for d in details(rep) if "jaxpool.max_pool_grad(" in d]
   assert len(pool_grads) == 1 and TRANSPOSED in pool_grads[0], str(rep)
-  for got, want in zip(g(*args), grad(*args)):
+  for got, want in zip(g(*args), grad(*args), strict=True):
     np.testing.assert_array_equal(got, want)
   tangents = tuple(jnp.asarray(RNG.integers(-3, 4, a.shape), a.dtype) for a in args)
   jvp = lambda *a: jax.jvp(f, a, tangents)[1]

@@ -204,5 +204,5 @@ def test_equinox_network_backprop():
   opt = jaxpool.optimize(step)
   rep = opt.report(x, y)
   assert rep.replaced and not unrecognised(rep), str(rep)
-  for a, b in zip(*jax.jit(lambda x, y: (opt(x, y), step(x, y)))(x, y)):
+  for a, b in zip(*jax.jit(lambda x, y: (opt(x, y), step(x, y)))(x, y), strict=True):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

@@ -115,7 +115,7 @@ def test_the_report_is_a_table_in_the_users_words():
   # One row a site, starting with its status, what and where (the file and line, briefly).
   rows = [line for line in lines[2:] if not line.startswith(" " * 4)]
   assert len(rows) == len(rep.findings), text
-  for row, finding in zip(rows, rep.findings):
+  for row, finding in zip(rows, rep.findings, strict=True):
     assert row.split()[0] in ("replaced", "left"), row
     line = finding.source.split(" (")[0].rsplit(":", 1)[1]
     assert finding.what in row and f"test_optimize_report.py:{line}" in row, (row, finding)

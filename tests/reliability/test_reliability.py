@@ -323,10 +323,10 @@ def extreme_configs(draw):
   window = tuple(draw(st.integers(1, 12)) for _ in range(n))
   dilation = tuple(draw(st.sampled_from([1, 1, 2, 5])) for _ in range(n))
   strides = tuple(draw(st.sampled_from([1, 2, 7, 40])) for _ in range(n))
-  eff = [d * (k - 1) + 1 for k, d in zip(window, dilation)]
+  eff = [d * (k - 1) + 1 for k, d in zip(window, dilation, strict=True)]
   padding = tuple((draw(st.integers(0, e - 1)), draw(st.integers(0, e - 1))) for e in eff)
   spatial = tuple(max(1, e - lo - hi + draw(st.integers(0, 6)))
-                  for e, (lo, hi) in zip(eff, padding))
+                  for e, (lo, hi) in zip(eff, padding, strict=True))
   ceil_mode = draw(st.booleans())
   batch = draw(st.sampled_from([(1,), (2,), ()]))
   dtype = draw(st.sampled_from([np.float32, np.float16, np.int8, np.int32]))

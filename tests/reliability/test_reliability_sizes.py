@@ -41,7 +41,7 @@ def _lp_reference(x, dy, p, window, strides, padding, dilation):
   x = np.asarray(x, np.float64)
   spatial = x.shape[1:-1]
   out = [(L + lo + hi - d * (k - 1) - 1) // s + 1
-         for L, (lo, hi), k, s, d in zip(spatial, padding, window, strides, dilation)]
+         for L, (lo, hi), k, s, d in zip(spatial, padding, window, strides, dilation, strict=True)]
   y = np.zeros((x.shape[0], *out, x.shape[-1]))
   dx = np.zeros_like(x)
   reached = np.zeros(x.shape, bool)
@@ -50,8 +50,8 @@ def _lp_reference(x, dy, p, window, strides, padding, dilation):
       elems = []
       for t in itertools.product(*map(range, window)):
         pos = tuple(oi * s + ti * d - lo for oi, ti, s, d, (lo, _) in
-                    zip(o, t, strides, dilation, padding))
-        if all(0 <= q < L for q, L in zip(pos, spatial)):
+                    zip(o, t, strides, dilation, padding, strict=True))
+        if all(0 <= q < L for q, L in zip(pos, spatial, strict=True)):
           elems.append((n, *pos, c))
       v = np.array([x[e] for e in elems])
       g = dy[(n, *o, c)]

@@ -109,7 +109,7 @@ def tie_rich(seed, shape):
 def assert_equal(a, b, what):
   a, b = jax.tree.leaves(a), jax.tree.leaves(b)
   assert len(a) == len(b), what
-  for u, v in zip(a, b):
+  for u, v in zip(a, b, strict=True):
     u, v = np.asarray(u), np.asarray(v)
     assert u.shape == v.shape and u.dtype == v.dtype, f"{what}: {u.shape} vs {v.shape}"
     if not np.array_equal(u.view(np.uint8), v.view(np.uint8)):
@@ -133,7 +133,7 @@ def halo_bound(x_shape, spec, mesh, halo_rows: dict[int, int]) -> int:
   sizes = dict(mesh.shape)
   block = [d if e is None else -(-d // math.prod(sizes[a] for a in ((e,) if isinstance(e, str)
                                                                      else e)))
-           for d, e in zip(x_shape, (*spec, *(None,) * (len(x_shape) - len(spec))))]
+           for d, e in zip(x_shape, (*spec, *(None,) * (len(x_shape) - len(spec))), strict=True)]
   return max(math.prod(block) // block[ax] * rows for ax, rows in halo_rows.items())
 
 
@@ -205,7 +205,7 @@ def run_case(name, mesh, x, spec, kw, *, spatial_rows=None, only=None, seed=0,
         single = one_device(op, kw, fn, x, dy)
         placed_as = [want] * 2
       with jax.set_mesh(mesh) if explicit else contextlib.nullcontext():
-        placed = [jax.device_put(a, s) for a, s in zip((x, dy), placed_as)]
+        placed = [jax.device_put(a, s) for a, s in zip((x, dy), placed_as, strict=True)]
         compiled = jax.jit(run_fn).lower(*placed).compile()
         out = compiled(*placed)
       assert_equal(out, single, "sharded vs one device")

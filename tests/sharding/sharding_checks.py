@@ -92,7 +92,7 @@ def unique(key, shape, dtype=jnp.float32):
 def assert_equal(a, b, what):
   a, b = jax.tree.leaves(a), jax.tree.leaves(b)
   assert len(a) == len(b), what
-  for u, v in zip(a, b):
+  for u, v in zip(a, b, strict=True):
     u, v = np.asarray(u), np.asarray(v)
     assert u.shape == v.shape and u.dtype == v.dtype, f"{what}: {u.shape}/{u.dtype} vs {v.shape}"
     if not np.array_equal(u, v, equal_nan=True):
@@ -110,7 +110,7 @@ def run_sharded(fn, args, specs, mesh, *, expect_no_comm=True, out_spec=None, si
   """``jit(fn)`` on inputs placed with ``specs``, compared with ``fn`` on one device."""
   if single is None:
     single = jax.jit(fn)(*args)
-  placed = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(args, specs)]
+  placed = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(args, specs, strict=True)]
   compiled = jax.jit(fn).lower(*placed).compile()
   out = compiled(*placed)
   assert_equal(out, single, "sharded vs one device")
@@ -134,7 +134,7 @@ def run_shard_map(fn, args, specs, out_specs, mesh, *, single=None):
   if single is None:
     single = jax.jit(fn)(*args)
   mapped = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=tuple(specs), out_specs=out_specs))
-  placed = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(args, specs)]
+  placed = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(args, specs, strict=True)]
   assert_equal(mapped(*placed), single, "shard_map vs one device")
 
 
@@ -288,7 +288,7 @@ def main() -> int:
     single = jax.jit(dp_step)(w, xs)
     out = jax.jit(dp_step)(jax.device_put(w, NamedSharding(mesh, P())),
                            jax.device_put(xs, NamedSharding(mesh, P(("data", "model")))))
-    for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(single)):
+    for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(single), strict=True):
       # the mean over the batch is summed in a different order across devices: allclose
       np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
   check("jit/data_parallel/value_and_grad")(check_dp)
@@ -323,7 +323,7 @@ def main() -> int:
       got, want = kernels(placed), both("xla")(placed)
     if jax.default_backend() == "gpu":  # the kernels compiled, not interpreted
       assert device_checks.has_compiled_kernel(kernels.as_text()), "no compiled kernel ran"
-    for g, w in zip(got[:2], want[:2]):
+    for g, w in zip(got[:2], want[:2], strict=True):
       assert_equal(g, w, "pallas vs xla (max)")
     np.testing.assert_allclose(np.asarray(got[2]), np.asarray(want[2]), rtol=1e-6, atol=1e-6)
     for leaf in jax.tree.leaves(got):

@@ -34,7 +34,7 @@ def first_steps(out: str) -> dict[str, tuple[str, str]]:
   kinds = re.findall(r"^(\w+) mesh, 8 device\(s\)", out, re.M)
   losses = re.findall(r"^first step: loss one device (\S+), sharded (\S+);", out, re.M)
   assert len(kinds) == len(losses), out
-  return dict(zip(kinds, losses))
+  return dict(zip(kinds, losses, strict=True))
 
 
 def test_auto_mesh():

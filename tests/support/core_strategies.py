@@ -54,7 +54,7 @@ def assert_trees_close(a, b, rtol=1e-5):
   its largest entry (in float64)."""
   import jax
   assert jax.tree.structure(a) == jax.tree.structure(b)
-  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
     x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
     scale = max(float(np.max(np.abs(y))), 1e-30)
     np.testing.assert_allclose(x, y, rtol=rtol, atol=rtol * scale)
@@ -78,7 +78,7 @@ def pool_configs(draw, max_nspatial=3, allow_dilation=True, allow_ceil=True):
   window = tuple(draw(st.integers(1, 2 if small else 3)) for _ in range(n))
   strides = tuple(draw(st.integers(1, 3)) for _ in range(n))
   dilation = tuple(draw(st.integers(1, 2)) if allow_dilation else 1 for _ in range(n))
-  eff = [d * (k - 1) + 1 for k, d in zip(window, dilation)]
+  eff = [d * (k - 1) + 1 for k, d in zip(window, dilation, strict=True)]
   kind = draw(st.sampled_from(["VALID", "SAME", "SAME_LOWER", "int", "pairs"]))
   if kind == "int":
     padding = draw(st.integers(0, min(eff) - 1))
@@ -90,7 +90,7 @@ def pool_configs(draw, max_nspatial=3, allow_dilation=True, allow_ceil=True):
     padding = kind
     pads = [(0, 0)] * n  # SAME never makes the padded input smaller than the window
   spatial = []
-  for e, (lo, hi) in zip(eff, pads):
+  for e, (lo, hi) in zip(eff, pads, strict=True):
     least = max(1, e - lo - hi) if kind not in ("SAME", "SAME_LOWER") else 1
     spatial.append(draw(st.integers(least, least + (3 if small else 5))))
   nbatch = draw(st.integers(0, 2))

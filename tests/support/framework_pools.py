@@ -63,7 +63,7 @@ def pooling_equations(fn: Callable[..., Any], args: tuple, kwargs: dict) -> int:
 
   def flat(*values: Any) -> Any:
     full = list(leaves)
-    for i, v in zip(dyn, values):
+    for i, v in zip(dyn, values, strict=True):
       full[i] = v
     a, k = jax.tree.unflatten(treedef, full)
     return fn(*a, **k)

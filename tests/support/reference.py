@@ -45,7 +45,7 @@ def resolve_padding(padding, in_spatial, window, strides, dilation):
     if padding == "VALID":
       return [(0, 0)] * n
     pads = []
-    for size, k, s, d in zip(in_spatial, window, strides, dilation):
+    for size, k, s, d in zip(in_spatial, window, strides, dilation, strict=True):
       span = d * (k - 1) + 1
       out = (size + s - 1) // s  # ONNX SAME_*: out = ceil(L / s)
       total = max(0, (out - 1) * s + span - size)
@@ -94,7 +94,7 @@ class Config:
     self.out_spatial = tuple(
         output_size(size, k, s, d, lo, hi, ceil_mode)
         for size, k, s, d, (lo, hi) in zip(self.in_spatial, self.window, self.strides,
-                                           self.dilation, self.pads))
+                                           self.dilation, self.pads, strict=True))
 
   @property
   def out_shape(self):
@@ -102,7 +102,7 @@ class Config:
     n = self.n
     axes = range(len(shape) - 1 - n, len(shape) - 1) if self.channels_last else range(
         len(shape) - n, len(shape))
-    for a, o in zip(axes, self.out_spatial):
+    for a, o in zip(axes, self.out_spatial, strict=True):
       shape[a] = o
     return tuple(shape)
 
@@ -133,14 +133,14 @@ class Config:
       taps = []
       for t in itertools.product(*[range(k) for k in self.window]):
         pos = [oi * s + ti * d - lo for oi, ti, s, d, (lo, _) in
-               zip(o, t, self.strides, self.dilation, self.pads)]
-        if all(0 <= p < size for p, size in zip(pos, self.in_spatial)):
+               zip(o, t, self.strides, self.dilation, self.pads, strict=True)]
+        if all(0 <= p < size for p, size in zip(pos, self.in_spatial, strict=True)):
           flat = 0
-          for p, size in zip(pos, self.in_spatial):
+          for p, size in zip(pos, self.in_spatial, strict=True):
             flat = flat * size + p
           taps.append(("real", flat))
         elif all(-lo <= p < size + hi for p, size, (lo, hi) in zip(pos, self.in_spatial,
-                                                                    self.pads)):
+                                                                    self.pads, strict=True)):
           taps.append(("pad", None))
         else:
           taps.append(("overhang", None))

@@ -150,7 +150,7 @@ class Node:
 
     def f(p, *diff):
       full = list(xs)
-      for k, v in zip(idx, diff):
+      for k, v in zip(idx, diff, strict=True):
         full[k] = v
       return self.forward(p, tuple(full), in_specs)
 
@@ -162,7 +162,7 @@ class Node:
       y, vjp = jax.vjp(f, params, *[xs[k] for k in idx])
       dparams, *cts = vjp(jnp.asarray(dy).astype(y.dtype))
     dxs: list[jax.Array | None] = [None] * len(xs)
-    for k, c in zip(idx, cts):
+    for k, c in zip(idx, cts, strict=True):
       dxs[k] = c
     return tuple(dxs), dparams
 

@@ -206,7 +206,7 @@ class Conv(_Convolution):
     super().check_inputs(in_specs)
     spatial = self._spatial(in_specs[0].shape)
     pads = self._pads(in_specs[0].shape)
-    for i, (L, p, k, d) in enumerate(zip(spatial, pads, self.window, self.dilation)):
+    for i, (L, p, k, d) in enumerate(zip(spatial, pads, self.window, self.dilation, strict=True)):
       self._check(windows.check_window_fits, i, L, p, effective_window(k, d), self.window,
                   self.dilation, name="window")
 
@@ -253,7 +253,7 @@ class ConvTranspose(_Convolution):
     strides, dilation = self.strides or (), self.dilation or ()  # set by _normalize
     if self.padding == "SAME":
       out = []
-      for k, s, d in zip(self.window, strides, dilation):
+      for k, s, d in zip(self.window, strides, dilation, strict=True):
         total = effective_window(k, d) - s
         lo = max(total, 0) // 2
         out.append((lo, total - lo))
@@ -264,7 +264,7 @@ class ConvTranspose(_Convolution):
     super().check_inputs(in_specs)
     for i, (L, (lo, hi), k, s, d) in enumerate(zip(self._spatial(in_specs[0].shape),
                                                     self.pads(in_specs[0].shape), self.window,
-                                                    self.strides, self.dilation)):
+                                                    self.strides, self.dilation, strict=True)):
       e = effective_window(k, d)
       if (L - 1) * s + e - lo - hi < 1:
         raise self._fail(f"padding {self.padding!r} crops the whole output in spatial dim {i}: "
@@ -275,7 +275,7 @@ class ConvTranspose(_Convolution):
     (x,), (spec,) = xs, in_specs
     # a stride-1 convolution of the stride-dilated input with the spatially flipped kernel
     pads = [(d * (k - 1) - lo, d * (k - 1) - hi) for (lo, hi), k, d in
-            zip(self.pads(spec.shape), self.window, self.dilation)]
+            zip(self.pads(spec.shape), self.window, self.dilation, strict=True)]
     w = jnp.flip(params["w"], axis=tuple(range(self.nspatial)))
     return self._conv(params, x, spec, w, window_strides=(1,) * self.nspatial, padding=pads,
                       lhs_dilation=self.strides)

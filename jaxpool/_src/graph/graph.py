@@ -179,7 +179,7 @@ class Graph:
     specs = self.param_specs()
     keys = jax.random.split(key, max(len(specs), 1))
     params: Params = {}
-    for k, name in zip(keys, specs):
+    for k, name in zip(keys, specs, strict=False):  # (one key, unused, where no node has any)
       node = self._by_name[name]
       p = node.init_params(k, self._in_specs(node))
       if p is None:

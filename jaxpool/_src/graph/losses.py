@@ -90,7 +90,7 @@ class _Elementwise(Node):
       raise self._fail(f"{self._input_fields[0]} {self.inputs[0]!r} {p.shape} and "
                        f"{self._input_fields[1]} {self.inputs[1]!r} {t.shape} must have the "
                        "same per-example shape.")
-    for field_name, name, s in zip(self._input_fields, self.inputs, in_specs):
+    for field_name, name, s in zip(self._input_fields, self.inputs, in_specs, strict=True):
       if not jnp.issubdtype(s.dtype, jnp.floating):
         raise self._fail(f"{field_name} {name!r} must be a float input; got {s.dtype}.",
                          TypeError)

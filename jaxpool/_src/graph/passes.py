@@ -59,7 +59,7 @@ def _swap(value: Any, new: dict[str, Node]) -> Any:
     return repl if repl is not None and repl is not value else value
   if isinstance(value, (tuple, list)) and any(isinstance(v, Node) for v in value):
     items = [_swap(v, new) for v in value]
-    if all(a is b for a, b in zip(items, value)):
+    if all(a is b for a, b in zip(items, value, strict=True)):
       return value
     return type(value)(items)
   return value

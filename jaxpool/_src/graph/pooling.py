@@ -138,7 +138,7 @@ class _Pool(Node):
       raise self._fail("strides and offset are unset; build the node through its constructor.")
     pads = resolve_padding(self.padding, spatial, self.window, strides, self.dilation_)
     crop, final = [], []
-    for (lo, hi), o in zip(pads, offset):
+    for (lo, hi), o in zip(pads, offset, strict=True):
       lo, hi = lo - o, hi + o
       crop.append((max(-lo, 0), max(-hi, 0)))
       final.append((max(lo, 0), max(hi, 0)))
@@ -149,7 +149,7 @@ class _Pool(Node):
     if any(c != (0, 0) for c in crop):
       start = [0] * x.ndim
       limit = list(x.shape)
-      for ax, (a, b) in zip(self.spatial_axes(x.ndim), crop):
+      for ax, (a, b) in zip(self.spatial_axes(x.ndim), crop, strict=True):
         start[ax], limit[ax] = a, x.shape[ax] - b
       x = lax.slice(x, start, limit)
     return x, pads
@@ -159,7 +159,7 @@ class _Pool(Node):
     if all(c == (0, 0) for c in crop):
       return dx
     cfg = [(0, 0, 0)] * dx.ndim
-    for ax, (a, b) in zip(self.spatial_axes(dx.ndim), crop):
+    for ax, (a, b) in zip(self.spatial_axes(dx.ndim), crop, strict=True):
       cfg[ax] = (a, b, 0)
     return lax.pad(dx, jnp.zeros((), dx.dtype), cfg)
 
@@ -167,7 +167,7 @@ class _Pool(Node):
     (x,) = in_specs
     check_image(self, x, self.window)
     crop, _ = self.geometry(self.spatial(x))
-    for i, (L, (a, b)) in enumerate(zip(self.spatial(x), crop)):
+    for i, (L, (a, b)) in enumerate(zip(self.spatial(x), crop, strict=True)):
       if a + b >= L:
         raise self._fail(f"offset {self.offset} crops all of spatial dim {i} (size {L}).")
 
@@ -189,7 +189,7 @@ class _Pool(Node):
     (x,) = in_specs
     crop, pads = self.geometry(self.spatial(x))
     cropped = list(x.shape)
-    for ax, (a, b) in zip(self.spatial_axes(len(cropped)), crop):
+    for ax, (a, b) in zip(self.spatial_axes(len(cropped)), crop, strict=True):
       cropped[ax] -= a + b
     try:  # the core checks the window against the padded input, naming the argument
       windows.make_geometry(cropped, **self._kw(pads))

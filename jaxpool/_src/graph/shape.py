@@ -151,11 +151,12 @@ class Pad(Node):
     check_image(self, x, self.padding, self.data_format, "padding")
     in_spatial = spatial_shape(x.shape, self.data_format)
     _check_out_spatial(self, "padding", self.padding, in_spatial,
-                       tuple(L + lo + hi for L, (lo, hi) in zip(in_spatial, self.padding)))
+                       tuple(L + lo + hi
+                             for L, (lo, hi) in zip(in_spatial, self.padding, strict=True)))
     if self.mode in ("reflect", "symmetric"):
       limit = 0 if self.mode == "reflect" else 1
       for i, (L, (lo, hi)) in enumerate(zip(spatial_shape(x.shape, self.data_format),
-                                            self.padding)):
+                                            self.padding, strict=True)):
         if max(lo, hi) > L - 1 + limit:
           raise self._fail(f"mode {self.mode!r} needs padding {'<' if limit == 0 else '<='} "
                            f"the input size; spatial dim {i} has size {L}, padding {(lo, hi)}.")
@@ -163,7 +164,7 @@ class Pad(Node):
   def forward(self, params, xs, in_specs):
     (x,), (spec,) = xs, in_specs
     widths = [(0, 0)] * x.ndim
-    for ax, p in zip(spatial_axes(x, spec, self.data_format), self.padding):
+    for ax, p in zip(spatial_axes(x, spec, self.data_format), self.padding, strict=True):
       widths[ax] = p
     if self.mode == "constant":
       return jnp.pad(x, widths, constant_values=jnp.asarray(self.value, x.dtype))
@@ -208,9 +209,10 @@ class Concat(Node):
   def check_inputs(self, in_specs):
     first = in_specs[0]
     ax = axis_in_range(self, "axis", self.concat_axis, first, self.inputs[0])
-    for name, s in zip(self.inputs[1:], in_specs[1:]):
+    for name, s in zip(self.inputs[1:], in_specs[1:], strict=True):
       if (len(s.shape) != len(first.shape)
-          or any(a != b for k, (a, b) in enumerate(zip(s.shape, first.shape)) if k != ax)):
+          or any(a != b for k, (a, b) in enumerate(zip(s.shape, first.shape, strict=True))
+                 if k != ax)):
         raise self._fail(f"inputs {self.inputs[0]!r} {first.shape} and {name!r} {s.shape} must "
                          f"have the same shape except along axis {self.concat_axis}.")
 
@@ -258,17 +260,17 @@ class Upsample(Node):
     check_image(self, in_specs[0], self.scale, self.data_format, "scale")
     in_spatial = spatial_shape(in_specs[0].shape, self.data_format)
     _check_out_spatial(self, "scale", self.scale, in_spatial,
-                       tuple(L * s for L, s in zip(in_spatial, self.scale)))
+                       tuple(L * s for L, s in zip(in_spatial, self.scale, strict=True)))
 
   def forward(self, params, xs, in_specs):
     (x,), (spec,) = xs, in_specs
     axes = spatial_axes(x, spec, self.data_format)
     if self.method == "nearest":
-      for ax, s in zip(axes, self.scale):
+      for ax, s in zip(axes, self.scale, strict=True):
         x = jnp.repeat(x, s, axis=ax)
       return x
     shape = list(x.shape)
-    for ax, s in zip(axes, self.scale):
+    for ax, s in zip(axes, self.scale, strict=True):
       shape[ax] *= s
     y = jax.image.resize(x.astype(jnp.promote_types(x.dtype, jnp.float32)), shape, "linear")
     return y.astype(x.dtype)

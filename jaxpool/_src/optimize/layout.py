@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpool._src.windows import make_geometry
+from jaxpool._src.windows import effective_window, make_geometry, spatial_axes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,9 +72,9 @@ def layout(shape: Sequence[int], window: Sequence[int], strides: Sequence[int],
   other = [i for i in range(ndim) if i not in spatial]
   perm: tuple[int, ...] | None = None
   expand = False
-  if spatial == list(range(ndim - 1 - k, ndim - 1)):
+  if tuple(spatial) == spatial_axes(ndim, k, True):
     data_format = "channels_last"
-  elif spatial == list(range(ndim - k, ndim)):
+  elif tuple(spatial) == spatial_axes(ndim, k, False):
     data_format, expand = "channels_first", ndim == k
   else:
     data_format, perm = "channels_first", tuple(other + spatial)
@@ -97,7 +97,7 @@ def _trim(size: int, k: int, s: int, pad: tuple[int, int], d: int) -> tuple[int,
   """``pad`` without the end padding that no window reaches (Equinox's ``use_ceil`` pads a
   whole stride more than its last window needs): the same windows, so the same results."""
   lo, hi = pad
-  eff = d * (k - 1) + 1
+  eff = effective_window(k, d)
   if size + lo + hi < eff:
     return pad
   n = (size + lo + hi - eff) // s + 1

@@ -20,7 +20,7 @@ import numpy as np
 from jax.extend import core
 from jax.extend.core import primitives as prims
 
-from jaxpool._src import api
+from jaxpool._src import api, dtypes
 from jaxpool._src import relu_fold
 from jaxpool._src.optimize import conv_layout
 from jaxpool._src.optimize.cost import kernels_by_default
@@ -55,15 +55,6 @@ class Context(Protocol):
 
 
 Recogniser = Callable[[Context, Dataflow, int, Rules, str], bool]
-
-
-def _lowest(dtype) -> Any:
-  dtype = np.dtype(dtype)
-  if jnp.issubdtype(dtype, jnp.floating):
-    return -np.inf
-  if jnp.issubdtype(dtype, jnp.integer):
-    return np.iinfo(dtype).min
-  return None
 
 
 def common_checks(p: dict, x, *, allow_int: bool) -> str | None:
@@ -247,7 +238,9 @@ def _generic_max(g: Dataflow, eqn) -> str | None:
           list(comp.outvars) == list(body[0].outvars)):
     return "its computation is not max(a, b)"
   init = g.value(eqn.invars[1])
-  lowest = _lowest(eqn.invars[0].aval.dtype)
+  dtype = eqn.invars[0].aval.dtype
+  covered = jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer)
+  lowest = dtypes.lowest(dtype).item() if covered else None
   if init is None or lowest is None or not np.all(init == lowest):
     return (f"init value {init if init is None else init.item()!r} is not max's identity "
             f"{lowest!r}: not a max pool")

@@ -14,6 +14,7 @@ from jaxpool._src.optimize.dataflow import Dataflow, shape, uniform
 from jaxpool._src.optimize.interpreter import DROP, Rule, Rules, alias
 from jaxpool._src.optimize.layout import layout
 from jaxpool._src.optimize.patterns import Context, common_checks, make_site, window_layout
+from jaxpool._src.windows import effective_window
 
 
 def window_sum(ctx: Context, g: Dataflow, i: int, rules: Rules, where: str) -> bool:
@@ -182,7 +183,7 @@ def sum_transpose(ctx: Context, g: Dataflow, i: int, rules: Rules, where: str) -
   for d in range(len(in_shape)):
     lo_p, hi_p, interior = (int(v) for v in config[d])
     k, dil, s = p["window_dimensions"][d], p["window_dilation"][d], interior + 1
-    eff = dil * (k - 1) + 1
+    eff = effective_window(k, dil)
     lo, hi = eff - 1 - lo_p, max(eff - 1 - hi_p, 0)
     n, size = shape(ct)[d], in_shape[d]
     if lo < 0 or size + lo + hi < eff or (size + lo + hi - eff) // s + 1 != n:

@@ -19,6 +19,7 @@ from jaxpool._src.optimize.cost import Cost, default_cost
 from jaxpool._src.optimize.interpreter import Rules, eval_jaxpr, is_tracer
 from jaxpool._src.optimize.planner import Planner
 from jaxpool._src.optimize.report import OptimizeReport
+from jaxpool._src.checks import check_bool
 from jaxpool._src.windows import IMPLEMENTATIONS, check_choice
 
 _CACHE_SIZE = 32
@@ -186,11 +187,9 @@ def optimize(fn: Callable, *, implementation: api.Implementation = None, report:
   if not callable(fn):
     raise TypeError(f"fn must be callable; got {type(fn).__name__}: {fn!r}.")
   check_choice("implementation", implementation, IMPLEMENTATIONS)
-  if not isinstance(report, (bool, np.bool_)):
-    raise TypeError(f"report must be a bool; got {report!r}.")
-  if not isinstance(fold_relu, (bool, np.bool_)):
-    raise TypeError(f"fold_relu must be a bool; got {fold_relu!r}.")
+  report = check_bool("report", report)
+  fold_relu = check_bool("fold_relu", fold_relu)
   if cost is not None and not callable(cost):
     raise TypeError(f"cost must be None or a function of a site; got {cost!r}.")
-  return Optimized(fn, implementation, bool(report), bool(fold_relu),
+  return Optimized(fn, implementation, report, fold_relu,
                    default_cost if cost is None else cost)

@@ -182,7 +182,7 @@ def join(parts: list[jax.Array], axis: int) -> jax.Array:
 def _local_geometry(geom: Geometry, plans, works) -> Geometry:
   in_sp, out_sp = list(geom.in_spatial), list(geom.out_spatial)
   padding, extra = list(geom.padding), list(geom.extra)
-  for p, w in zip(plans, works):
+  for p, w in zip(plans, works, strict=True):
     n_in, n_out, lo, hi, ex = w.dim
     j = p.spatial
     in_sp[j], out_sp[j], padding[j], extra[j] = n_in, n_out, (lo, hi), ex
@@ -202,13 +202,13 @@ def _branch(kc: KernelCall, plans, works, result_shapes, operands):
   if any(w is None for w in works):  # no window touches this block
     return tuple(jnp.zeros(s, d) for s, d in result_shapes)
   pieces = list(operands)
-  for p, w in zip(plans, works):
+  for p, w in zip(plans, works, strict=True):
     pieces = [lax.slice_in_dim(o, w.start, w.start + w.rows, axis=p.axis) for o in pieces]
   outs = kc.run(pieces, _local_geometry(kc.geom, plans, works))
   placed = []
-  for o, (shape, _) in zip(outs, result_shapes):
+  for o, (shape, _) in zip(outs, result_shapes, strict=True):
     cfg = [(0, 0, 0)] * o.ndim
-    for p, w in zip(plans, works):
+    for p, w in zip(plans, works, strict=True):
       lo, hi = w.place if kc.backward else (0, p.out_tile - w.dim[1])
       cfg[p.axis] = (lo, hi, 0)
     placed.append(lax.pad(o, jnp.zeros((), o.dtype), cfg))
@@ -230,7 +230,7 @@ def general(kc: KernelCall, plans: tuple[DimPlan, ...], *operands):
   if len(branches) == 1:
     return branches[0](ext)
   index = jnp.zeros((), jnp.int32)
-  for p, cls in zip(plans, classes):
+  for p, cls in zip(plans, classes, strict=True):
     table = jnp.asarray([cls.index(w) for w in p.works], jnp.int32)
     index = index * len(cls) + table[lax.axis_index(p.names)]
   return lax.switch(index, branches, ext)

@@ -281,7 +281,7 @@ def _edge_outputs(kc: KernelCall, p: DimPlan, blocks, halos, edge: _Edge, before
   """The result rows ``edge`` names, recomputed from each operand's block rows and its halo's
   (``before``: the halo comes before the block)."""
   pieces = []
-  for x, halo in zip(blocks, halos):
+  for x, halo in zip(blocks, halos, strict=True):
     own = lax.slice_in_dim(x, edge.own[0], edge.own[1], axis=p.axis)
     near = lax.slice_in_dim(halo, edge.halo[0], edge.halo[1], axis=p.axis)
     pieces.append(join([near, own] if before else [own, near], p.axis))
@@ -293,7 +293,7 @@ def _write_edge(p: DimPlan, outs, fixed, edge: _Edge, use=None):
   """``outs`` with the rows ``edge`` names replaced by ``fixed`` (in place), where ``use``
   (a traced bool: this device has that edge) holds, or everywhere without it."""
   ax, new = p.axis, []
-  for o, f in zip(outs, fixed):
+  for o, f in zip(outs, fixed, strict=True):
     if use is not None:
       f = jnp.where(use, f, lax.slice_in_dim(o, edge.first, edge.first + edge.count, axis=ax))
     new.append(lax.dynamic_update_slice_in_dim(o, f, edge.first, axis=ax))

@@ -252,7 +252,7 @@ def _split_ways(sharding, ndim: int) -> list[int] | None:
   count on each dim): the real sizes need not divide (XLA pads the blocks)."""
   tiles = (len(sharding.device_set),) * ndim
   try:
-    return [t // b for t, b in zip(tiles, sharding.shard_shape(tiles))]
+    return [t // b for t, b in zip(tiles, sharding.shard_shape(tiles), strict=True)]
   except Exception:  # noqa: BLE001 - any failure to read it means: not readable
     return None
 

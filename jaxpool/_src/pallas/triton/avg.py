@@ -31,62 +31,66 @@ from jaxpool._src.pallas.triton.tile import both_paths, counted_taps, load, outp
 from jaxpool._src.windows import Geometry
 
 
-def reciprocal(n: int, acc_t) -> np.ndarray:
-  """``1 / n`` in ``acc_t``, correctly rounded (computed now, a constant of the kernel)."""
-  return np.array(1, acc_t) / np.array(n, acc_t)
+def reciprocal(count: int, acc_t) -> np.ndarray:
+  """``1 / count`` in ``acc_t``, correctly rounded (computed now, a constant of the kernel)."""
+  return np.array(1, acc_t) / np.array(count, acc_t)
 
 
-def count_reciprocal(cnt, acc_t, ptx: bool):
-  """``1 / cnt`` in ``acc_t`` for the counts ``cnt`` (int32; a zero count, an empty window's,
-  reads one), correctly rounded as :func:`reciprocal`'s: an IEEE division, or where the kernel
-  is compiled for an NVIDIA GPU (``ptx``) PTX's ``rcp.rn.f32`` for float32 (Triton divides
-  float32 approximately; it divides float64 exactly)."""
-  d = jnp.where(cnt == 0, 1, cnt).astype(acc_t)
+def count_reciprocal(counts, acc_t, ptx: bool):
+  """``1 / counts`` in ``acc_t`` for the window counts ``counts`` (int32; a zero count, an
+  empty window's, reads one), correctly rounded as :func:`reciprocal`'s: an IEEE division, or
+  where the kernel is compiled for an NVIDIA GPU (``ptx``) PTX's ``rcp.rn.f32`` for float32
+  (Triton divides float32 approximately; it divides float64 exactly)."""
+  denominator = jnp.where(counts == 0, 1, counts).astype(acc_t)
   if ptx and np.dtype(acc_t) == np.float32:
     assert plgpu is not None  # (triton/ops.py sets ptx only with the Triton backend)
     return plgpu.elementwise_inline_asm(
-        "rcp.rn.f32 $0, $1;", args=[d], constraints="=r,r", pack=1,
-        result_shape_dtypes=[jax.ShapeDtypeStruct(d.shape, d.dtype)])[0]
-  return np.array(1, acc_t) / d
+        "rcp.rn.f32 $0, $1;", args=[denominator], constraints="=r,r", pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(denominator.shape, denominator.dtype)])[0]
+  return np.array(1, acc_t) / denominator
 
 
-def avg_kernel(x_ref, o_ref, *, g: Geometry, bw: int, bl: int, lanes: int, rows: int,
-               include_pad: bool, divisor: int | None, interpret: bool, ptx: bool):
+def avg_kernel(x_ref, o_ref, *, geom: Geometry, block_cols: int, block_lanes: int, lanes: int,
+               rows: int, include_pad: bool, divisor: int | None, interpret: bool, ptx: bool):
   """One output row's averages (``ptx``: compiled for an NVIDIA GPU, see
   :func:`count_reciprocal`)."""
-  row = output_row(g, bw, bl, lanes, rows, interpret)
-  tile, b, outs = row.tile, row.b, row.outs
+  row = output_row(geom, block_cols, block_lanes, lanes, rows, interpret)
+  tile, batch, outs = row.tile, row.batch, row.outs
   dtype = x_ref.dtype
   acc_t = accumulator_dtype(dtype)
 
   def load_tap(tap, edge: bool):
-    """Tap ``(a, i, j)`` of the tile's windows; at the edges (``edge``) the taps outside the
-    input are masked and read zero."""
-    pos = [outs[dim] * g.strides[dim] + k * g.dilation[dim] - g.pad_lo[dim]
-           for dim, k in enumerate(tap)]
-    ok = None
+    """Tap ``(plane_tap, row_tap, col_tap)`` of the tile's windows; at the edges (``edge``)
+    the taps outside the input are masked and read zero."""
+    positions = [outs[dim] * geom.strides[dim] + offset * geom.dilation[dim] - geom.pad_lo[dim]
+                 for dim, offset in enumerate(tap)]
+    valid = None
     if edge:
-      inside = [(p >= 0) & (p < n) for p, n in zip(pos, g.in_spatial)]
-      ok = tile.cols_of(inside[0] & inside[1] & inside[2])
-      pos = [jnp.clip(p, 0, n - 1) for p, n in zip(pos, g.in_spatial)]
-    return load(x_ref, tile.index(b, *pos), ok, None if ok is None else np.array(0, dtype))
+      sizes = geom.in_spatial
+      inside = [(position >= 0) & (position < size)
+                for position, size in zip(positions, sizes, strict=True)]
+      valid = tile.cols_of(inside[0] & inside[1] & inside[2])
+      positions = [jnp.clip(position, 0, size - 1)
+                   for position, size in zip(positions, sizes, strict=True)]
+    zero = None if valid is None else np.array(0, dtype)
+    return load(x_ref, tile.index(batch, *positions), valid, zero)
 
   def body(edge: bool):
     acc: Any = None  # the planes' sums of the rows' sums of each row's taps, each in order
-    for a in range(g.window[0]):
+    for plane_tap in range(geom.window[0]):
       plane: Any = None
-      for i in range(g.window[1]):
+      for row_tap in range(geom.window[1]):
         line: Any = None
-        for j in range(g.window[2]):
-          xt = load_tap((a, i, j), edge).astype(acc_t)
-          line = xt if line is None else line + xt
+        for col_tap in range(geom.window[2]):
+          value = load_tap((plane_tap, row_tap, col_tap), edge).astype(acc_t)
+          line = value if line is None else line + value
         plane = line if plane is None else plane + line
       acc = plane if acc is None else acc + plane
     if divisor is not None or not edge:  # an interior window counts all its taps
-      scale: Any = reciprocal(divisor if divisor is not None else g.num_taps, acc_t)
+      scale: Any = reciprocal(divisor if divisor is not None else geom.num_taps, acc_t)
     else:
-      cnt = counted_taps(g, outs, include_pad, bw)
-      scale = tile.cols_of(count_reciprocal(cnt, acc_t, ptx))
-    tile.store(o_ref, tile.index(b, *outs), (acc * scale).astype(dtype), row.col_mask)
+      counts = counted_taps(geom, outs, include_pad, block_cols)
+      scale = tile.cols_of(count_reciprocal(counts, acc_t, ptx))
+    tile.store(o_ref, tile.index(batch, *outs), (acc * scale).astype(dtype), row.col_mask)
 
   both_paths(row.interior, body)

@@ -26,21 +26,24 @@ from jaxpool._src.pallas.triton.tile import (
     program,
     split,
 )
+from jaxpool._src.pallas.types import PoolKind
 from jaxpool._src.windows import Geometry, phase_offsets, phase_taps
 
 
-def backward_kernel(*refs, g: Geometry, bw: int, bl: int, lanes: int, rows: int,
-                    n_cols: int, mode: str, include_pad: bool, divisor: int | None,
-                    interpret: bool, block: tuple[int, int] = (1, 1), packed: bool = False):
-  """``dx`` for a block of ``s_d x s_h`` input rows and ``s_w * bw`` (channels_last) or ``bw``
-  (channels_first) columns, phase by phase; with ``block = (bd, bh)``, for ``bd x bh`` such
-  blocks of rows (``bd`` of them in depth, ``bh`` in height).
+def backward_kernel(*refs, geom: Geometry, block_cols: int, block_lanes: int, lanes: int,
+                    rows: int, n_cols: int, mode: PoolKind, include_pad: bool,
+                    divisor: int | None, interpret: bool, block: tuple[int, int] = (1, 1),
+                    packed: bool = False):
+  """``dx`` for a block of ``s_d x s_h`` input rows and ``s_w * block_cols`` (channels_last) or
+  ``block_cols`` (channels_first) columns, phase by phase; with ``block = (block_depth,
+  block_height)``, for ``block_depth x block_height`` such blocks of rows.
 
   The input element ``(m_d s_d + r_d, m_h s_h + r_h, m s_w + r_w)`` lies at tap ``(a, i, j)`` of
   window ``(m_d + q_d, m_h + q_h, m + q_w)`` exactly when ``r + lo - tap * d = q * s`` in every
   dim: for a fixed phase ``r`` the taps that can hold it and the offsets ``q`` are static, and
   each tap's windows are a contiguous run over ``m``. (``rows`` and ``n_cols``: the launch's
-  blocks of rows, ``b x ceil(ceil(D / s_d) / bd) x ceil(ceil(H / s_h) / bh)``, and its columns,
+  blocks of rows, ``batch x ceil(ceil(D / s_d) / block_depth) x ceil(ceil(H / s_h) /
+  block_height)``, and its columns,
   over which :func:`tile.program` numbers the programs.) So each phase reads only the
   taps that matter, as whole tiles (each loaded once for all the phases of the program's blocks
   that read it: neighbouring blocks of rows share the windows' rows where windows overlap), and
@@ -63,49 +66,56 @@ def backward_kernel(*refs, g: Geometry, bw: int, bl: int, lanes: int, rows: int,
     idx_ref, dy_ref, dx_ref = refs
   else:
     dy_ref, dx_ref = refs
-  (D, H, W), (Do, Ho, Wo) = g.in_spatial, g.out_spatial
-  mcount = [-(-n // s) for n, s in zip(g.in_spatial, g.strides)]
-  bd, bh = block
-  row, cb, lb = program(rows, pl.cdiv(n_cols, bw), pl.cdiv(lanes, bl), g.channels_last)
-  b, md, mh = split(row, block_rows(g, block))
-  md, mh = md * bd, mh * bh  # the first block's phase rows (blocks past the end: masked)
-  tile = Tile(bw, lanes, bl, interpret, g.channels_last, lb)
-  c0 = cb * bw
-  raw = c0 + jnp.arange(bw, dtype=jnp.int32)
-  sw = g.strides[2]
-  interleaved = not g.channels_last and interleaves(sw)
-  # (store columns, window-phase columns m, [(column tap j, offset q, lane mask or None)])
+  (depth, height, width), (out_depth, out_height, out_width) = geom.in_spatial, geom.out_spatial
+  phase_counts = [-(-size // stride)
+                  for size, stride in zip(geom.in_spatial, geom.strides, strict=True)]
+  block_depth, block_height = block
+  row, col_block, lane_block = program(rows, pl.cdiv(n_cols, block_cols),
+                                       pl.cdiv(lanes, block_lanes), geom.channels_last)
+  batch, m_depth, m_height = split(row, block_rows(geom, block))
+  # The first block's phase rows (blocks past the end: masked).
+  m_depth, m_height = m_depth * block_depth, m_height * block_height
+  tile = Tile(block_cols, lanes, block_lanes, interpret, geom.channels_last, lane_block)
+  first_col = col_block * block_cols
+  raw_cols = first_col + jnp.arange(block_cols, dtype=jnp.int32)
+  stride_w = geom.strides[2]
+  interleaved = not geom.channels_last and interleaves(stride_w)
+  # (store columns, window-phase columns m, [(column tap, offset q, lane mask or None)])
   groups: list[tuple[Any, Any, list[tuple[int, Any, Any]]]]
-  if g.channels_last or interleaved:
-    # Columns by phase: the block is ``bw`` values of ``m``, each phase ``r_w`` one group.
-    # (channels_first with a power-of-two stride: the phases' results are interleaved into
-    # whole lines of ``sw * bw`` columns before they are stored.)
-    m = jnp.minimum(raw, mcount[2] - 1)  # lanes past the end: clamped copies, stores masked
-    col_mask = None if mcount[2] % bw == 0 else raw < mcount[2]
-    m_span = (c0, jnp.minimum(c0 + bw, mcount[2]) - 1)
-    groups = [(m * sw + rw, m, [(j, q, None) for j, q in phase_taps(g, 2, rw)])
-              for rw in range(sw)]
+  if geom.channels_last or interleaved:
+    # Columns by phase: the block is ``block_cols`` values of ``m``, each phase ``r_w`` one
+    # group. (channels_first with a power-of-two stride: the phases' results are interleaved
+    # into whole lines of ``stride_w * block_cols`` columns before they are stored.)
+    # Lanes past the end: clamped copies, stores masked.
+    phase_cols = jnp.minimum(raw_cols, phase_counts[2] - 1)
+    col_mask = None if phase_counts[2] % block_cols == 0 else raw_cols < phase_counts[2]
+    m_span = (first_col, jnp.minimum(first_col + block_cols, phase_counts[2]) - 1)
+    groups = [(phase_cols * stride_w + col_phase, phase_cols,
+               [(col_tap, offset, None) for col_tap, offset in phase_taps(geom, 2, col_phase)])
+              for col_phase in range(stride_w)]
   else:
-    # channels_first, other strides: the block is ``bw`` contiguous input columns (whole-line
-    # stores), each lane with its own phase, so the column taps are masked per lane.
-    w = jnp.minimum(raw, W - 1)
-    col_mask = None if W % bw == 0 else raw < W
-    m, rw = w // sw, w % sw
-    m_span = (c0 // sw, (jnp.minimum(c0 + bw, W) - 1) // sw)
-    jtaps = []
-    for j in range(g.window[2]):
-      shift = -(-(j * g.dilation[2]) // sw) + 1  # keeps the numerator >= 0 for C-style // and %
-      num = rw + g.pad_lo[2] - j * g.dilation[2] + shift * sw
-      jtaps.append((j, num // sw - shift, num % sw == 0))
-    groups = [(w, m, jtaps)]
+    # channels_first, other strides: the block is ``block_cols`` contiguous input columns
+    # (whole-line stores), each lane with its own phase, so the column taps are masked per lane.
+    in_cols = jnp.minimum(raw_cols, width - 1)
+    col_mask = None if width % block_cols == 0 else raw_cols < width
+    phase_cols, col_phase = in_cols // stride_w, in_cols % stride_w
+    m_span = (first_col // stride_w, (jnp.minimum(first_col + block_cols, width) - 1) // stride_w)
+    col_taps = []
+    for col_tap in range(geom.window[2]):
+      # (keeps the numerator >= 0 for C-style // and %)
+      shift = -(-(col_tap * geom.dilation[2]) // stride_w) + 1
+      numerator = col_phase + geom.pad_lo[2] - col_tap * geom.dilation[2] + shift * stride_w
+      col_taps.append((col_tap, numerator // stride_w - shift, numerator % stride_w == 0))
+    groups = [(in_cols, phase_cols, col_taps)]
   # Interior: every phase's rows exist and every window the (real) tile visits is real; the
   # columns past W are masked on both paths.
   interior = None
-  for dim, first_m, last_m in ((0, md, md + bd - 1), (1, mh, mh + bh - 1), (2, *m_span)):
-    qs = phase_offsets(g, dim)
-    inside = (first_m + min(qs) >= 0) & (last_m + max(qs) < g.out_spatial[dim])
+  for dim, first_m, last_m in ((0, m_depth, m_depth + block_depth - 1),
+                               (1, m_height, m_height + block_height - 1), (2, *m_span)):
+    offsets = phase_offsets(geom, dim)
+    inside = (first_m + min(offsets) >= 0) & (last_m + max(offsets) < geom.out_spatial[dim])
     if dim < 2:
-      inside &= (last_m + 1) * g.strides[dim] <= g.in_spatial[dim]
+      inside &= (last_m + 1) * geom.strides[dim] <= geom.in_spatial[dim]
     interior = inside if interior is None else interior & inside
   dtype = dy_ref.dtype
   # Max pooling sums in the cotangents' dtype, rounding after every add as the XLA path does
@@ -115,91 +125,99 @@ def backward_kernel(*refs, g: Geometry, bw: int, bl: int, lanes: int, rows: int,
   acc_t = dtype if mode == "max" else accumulator_dtype(dtype)
   zero = jnp.zeros(tile.shape, acc_t)
 
-  def divisor_of(wins):
-    """The average divisor of the windows ``wins = (od, oh, ow)``: the same formula on both
-    code paths (unlike the forward, no path has a constant count)."""
+  def divisor_of(windows):
+    """The average divisor of the windows ``(out_plane, out_row, out_cols)``: the same formula
+    on both code paths (unlike the forward, no path has a constant count)."""
     if divisor is not None:
       return np.array(divisor, acc_t)
-    cnt = counted_taps(g, wins, include_pad, bw)
-    return tile.cols_of(jnp.where(cnt == 0, 1, cnt).astype(acc_t))
+    counts = counted_taps(geom, windows, include_pad, block_cols)
+    return tile.cols_of(jnp.where(counts == 0, 1, counts).astype(acc_t))
 
-  def store(d, h, w, acc, edge):
+  def store(in_plane, in_row, in_cols, acc, edge):
     # Rows and columns past the end: masked when compiled; in interpret mode the store's
     # scatter drops out-of-bounds indices (and clamped lanes rewrite their own value).
-    mask = col_mask if w.shape == (bw,) else None
-    if W % sw or interleaved:
-      past = w < W  # (an interleaved line's overhang past the last m is past W too)
+    mask = col_mask if in_cols.shape == (block_cols,) else None
+    if width % stride_w or interleaved:
+      past = in_cols < width  # (an interleaved line's overhang past the last m is past W too)
       mask = past if mask is None else (mask & past)
     if edge:
-      rows = jnp.broadcast_to((d < D) & (h < H), w.shape)
-      mask = rows if mask is None else (mask & rows)
-    tile.store(dx_ref, tile.index(b, d, h, w), acc.astype(dtype), mask)
+      real_rows = jnp.broadcast_to((in_plane < depth) & (in_row < height), in_cols.shape)
+      mask = real_rows if mask is None else (mask & real_rows)
+    tile.store(dx_ref, tile.index(batch, in_plane, in_row, in_cols), acc.astype(dtype), mask)
 
-  # Every phase (a block ``kd, kh``, its ``rd, rh`` and a column group) sums its taps in
-  # descending tap order. A tap's windows are a tile at a static offset ``(kd + qd, kh + qh,
-  # qw)`` from the program's first block (``j``, not ``qw``, where each lane has its own column
-  # phase), and phases share offsets (a 3x3/s2 block's four phases read four tiles, for nine
+  # Every phase (a block ``block_d, block_h``, its ``phase_d, phase_h`` and a column group)
+  # sums its taps in descending tap order. A tap's windows are a tile at a static offset
+  # ``(block_d + offset_d, block_h + offset_h, offset_w)`` from the program's first block
+  # (``-col_tap``, not ``offset_w``, where each lane has its own column phase), and phases
+  # share offsets (a 3x3/s2 block's four phases read four tiles, for nine
   # taps; two blocks in height, six): so the tiles are loaded once each, in ascending offset
   # order, which is every phase's descending tap order, and added into every phase that reads
   # them.
-  row_phases = [(kd, kh, rd, rh) for kd, kh in itertools.product(range(bd), range(bh))
-                for rd, rh in itertools.product(range(g.strides[0]), range(g.strides[1]))]
-  phases = [(*rp, gi) for rp in row_phases for gi in range(len(groups))]
+  row_phases = [(block_d, block_h, phase_d, phase_h)
+                for block_d, block_h in itertools.product(range(block_depth), range(block_height))
+                for phase_d, phase_h in itertools.product(range(geom.strides[0]),
+                                                          range(geom.strides[1]))]
+  phases = [(*row_phase, group) for row_phase in row_phases for group in range(len(groups))]
   uses: dict[tuple[int, int, int], list[tuple[int, int]]] = {}  # offset -> [(phase, tap)]
   lane_oks: dict[tuple[int, int, int], Any] = {}
   cols: dict[tuple[int, int, int], Any] = {}
   every_tap = []  # whether each phase visits every tap of the window
-  for p, (kd, kh, rd, rh, gi) in enumerate(phases):
-    _, m, jtaps = groups[gi]
-    n = 0
-    for a, qd in phase_taps(g, 0, rd):
-      for i, qh in phase_taps(g, 1, rh):
-        for j, qw, lane_ok in jtaps:
-          key = (kd + qd, kh + qh, qw if lane_ok is None else -j)
-          uses.setdefault(key, []).append((p, (a * g.window[1] + i) * g.window[2] + j))
-          lane_oks[key], cols[key] = lane_ok, m + qw
-          n += 1
-    every_tap.append(n == g.num_taps)
+  for phase, (block_d, block_h, phase_d, phase_h, group) in enumerate(phases):
+    _, phase_cols, col_taps = groups[group]
+    n_taps = 0
+    for plane_tap, offset_d in phase_taps(geom, 0, phase_d):
+      for row_tap, offset_h in phase_taps(geom, 1, phase_h):
+        for col_tap, offset_w, lane_ok in col_taps:
+          key = (block_d + offset_d, block_h + offset_h,
+                 offset_w if lane_ok is None else -col_tap)
+          tap = (plane_tap * geom.window[1] + row_tap) * geom.window[2] + col_tap
+          uses.setdefault(key, []).append((phase, tap))
+          lane_oks[key], cols[key] = lane_ok, phase_cols + offset_w
+          n_taps += 1
+    every_tap.append(n_taps == geom.num_taps)
 
   def body(edge: bool):
     accs: list[Any] = [None] * len(phases)
     missed: list[Any] = [None] * len(phases)  # (edge path) the windows past the edge it skipped
     for key in sorted(uses):
-      od, oh, ow = md + key[0], mh + key[1], cols[key]
-      ok = lane_oks[key]
+      out_plane, out_row, out_cols = m_depth + key[0], m_height + key[1], cols[key]
+      valid = lane_oks[key]
       if edge:
-        real = (od >= 0) & (od < Do) & (oh >= 0) & (oh < Ho) & (ow >= 0) & (ow < Wo)
-        ok = real if ok is None else ok & real
-        od, oh, ow = (jnp.clip(od, 0, Do - 1), jnp.clip(oh, 0, Ho - 1),
-                      jnp.clip(ow, 0, Wo - 1))
-      if ok is not None:
-        ok = tile.cols_of(ok)
-      where = tile.index(b, od, oh, ow)
-      dyt = load(dy_ref, where, ok, None if ok is None else np.array(0, dtype))
+        real = ((out_plane >= 0) & (out_plane < out_depth) & (out_row >= 0)
+                & (out_row < out_height) & (out_cols >= 0) & (out_cols < out_width))
+        valid = real if valid is None else valid & real
+        out_plane, out_row, out_cols = (jnp.clip(out_plane, 0, out_depth - 1),
+                                        jnp.clip(out_row, 0, out_height - 1),
+                                        jnp.clip(out_cols, 0, out_width - 1))
+      if valid is not None:
+        valid = tile.cols_of(valid)
+      where = tile.index(batch, out_plane, out_row, out_cols)
+      dy_tile = load(dy_ref, where, valid, None if valid is None else np.array(0, dtype))
       if mode == "max":
-        it = load(idx_ref, where, ok, None if ok is None else np.array(-1, idx_ref.dtype))
+        no_tap = None if valid is None else np.array(-1, idx_ref.dtype)
+        taps_tile = load(idx_ref, where, valid, no_tap)
         if packed:
-          it = it.astype(jnp.int16)
-        for p, t in uses[key]:
+          taps_tile = taps_tile.astype(jnp.int16)
+        for phase, tap in uses[key]:
           # The XLA path adds a zero for each tap this phase skips, so its sums are never
           # -0.0: -0.0 + 0.0 is +0.0. So the first term of such a phase maps -0.0 to +0.0.
           # (A select: XLA:CPU would simplify zero + c to c.)
-          first_zero = accs[p] is None and not every_tap[p]
+          first_zero = accs[phase] is None and not every_tap[phase]
           if packed:
-            c = pick16(dyt, it, t, first_zero)
+            term = pick16(dy_tile, taps_tile, tap, first_zero)
           else:
-            c = jnp.where(it == t, dyt, np.array(0, dtype))
+            term = jnp.where(taps_tile == tap, dy_tile, np.array(0, dtype))
             if first_zero:
-              c = jnp.where(c == 0, zero, c)
-          accs[p] = c if accs[p] is None else accs[p] + c
+              term = jnp.where(term == 0, zero, term)
+          accs[phase] = term if accs[phase] is None else accs[phase] + term
       else:
-        c = dyt.astype(acc_t) / divisor_of((od, oh, ow))
-        if ok is not None:
-          c = jnp.where(ok, c, 0)
-        for p, _ in uses[key]:
-          accs[p] = c if accs[p] is None else accs[p] + c
-          if ok is not None:
-            missed[p] = ~ok if missed[p] is None else missed[p] | ~ok
+        term = dy_tile.astype(acc_t) / divisor_of((out_plane, out_row, out_cols))
+        if valid is not None:
+          term = jnp.where(valid, term, 0)
+        for phase, _ in uses[key]:
+          accs[phase] = term if accs[phase] is None else accs[phase] + term
+          if valid is not None:
+            missed[phase] = ~valid if missed[phase] is None else missed[phase] | ~valid
     if mode != "max":
       # The XLA path's gradient sums a term for every tap, +0.0 from the padding where a tap
       # holds no real window (JAX transposes the tap slices into pads), so it is -0.0 only
@@ -207,23 +225,26 @@ def backward_kernel(*refs, g: Geometry, bw: int, bl: int, lanes: int, rows: int,
       # skipped a tap (a phase that visits fewer than all, or a window past the edge) takes
       # +0.0 for a zero. (A select: XLA:CPU, which runs interpret mode, would fold a constant
       # masked +0.0 out of the sum.)
-      for p, acc in enumerate(accs):
+      for phase, acc in enumerate(accs):
         if acc is None:
           continue
-        skipped = missed[p] if every_tap[p] else True
+        skipped = missed[phase] if every_tap[phase] else True
         if skipped is not None:
-          accs[p] = jnp.where((acc == 0) & skipped, zero, acc)
+          accs[phase] = jnp.where((acc == 0) & skipped, zero, acc)
     accs = [zero if acc is None else acc for acc in accs]
-    ng = len(groups)
-    for n, (kd, kh, rd, rh) in enumerate(row_phases):
-      d, h = (md + kd) * g.strides[0] + rd, (mh + kh) * g.strides[1] + rh
-      mine = accs[n * ng:(n + 1) * ng]
+    n_groups = len(groups)
+    for index, (block_d, block_h, phase_d, phase_h) in enumerate(row_phases):
+      in_plane = (m_depth + block_d) * geom.strides[0] + phase_d
+      in_row = (m_height + block_h) * geom.strides[1] + phase_h
+      mine = accs[index * n_groups:(index + 1) * n_groups]
       if interleaved:
-        # Whole lines of ``sw * bw`` columns: column ``m * sw + r`` from phase ``r``.
-        store(d, h, c0 * sw + jnp.arange(bw * sw, dtype=jnp.int32), interleave(mine), edge)
+        # Whole lines of ``stride_w * block_cols`` columns: column ``m * stride_w + r`` from
+        # phase ``r``.
+        line = first_col * stride_w + jnp.arange(block_cols * stride_w, dtype=jnp.int32)
+        store(in_plane, in_row, line, interleave(mine), edge)
       else:
-        for (w, _, _), acc in zip(groups, mine):
-          store(d, h, w, acc, edge)
+        for (in_cols, _, _), acc in zip(groups, mine, strict=True):
+          store(in_plane, in_row, in_cols, acc, edge)
 
   both_paths(interior, body)
 
@@ -256,15 +277,16 @@ def pick16(dy, taps, tap: int, plus_zero: bool):
       result_shape_dtypes=[jax.ShapeDtypeStruct(dy.shape, dy.dtype)])[0]
 
 
-def phase_rows(g: Geometry) -> tuple[int, int]:
-  """The backward's blocks of ``s_d x s_h`` input rows in depth and height (``g`` lifted to
+def phase_rows(geom: Geometry) -> tuple[int, int]:
+  """The backward's blocks of ``s_d x s_h`` input rows in depth and height (``geom`` lifted to
   3-D): ``ceil(D / s_d)`` and ``ceil(H / s_h)``."""
-  return -(-g.in_spatial[0] // g.strides[0]), -(-g.in_spatial[1] // g.strides[1])
+  return -(-geom.in_spatial[0] // geom.strides[0]), -(-geom.in_spatial[1] // geom.strides[1])
 
 
-def block_rows(g: Geometry, block: tuple[int, int]) -> tuple[int, int]:
-  """The programs' rows of ``block = (bd, bh)`` blocks in depth and height (a batch's)."""
-  depth, height = phase_rows(g)
+def block_rows(geom: Geometry, block: tuple[int, int]) -> tuple[int, int]:
+  """The programs' rows of ``block = (block_depth, block_height)`` blocks in depth and height
+  (a batch's)."""
+  depth, height = phase_rows(geom)
   return -(-depth // block[0]), -(-height // block[1])
 
 
@@ -274,7 +296,8 @@ def interleaves(stride: int) -> bool:
 
 
 def interleave(parts):
-  """``(bl, n * bw)`` from ``n`` (a power of two) ``(bl, bw)`` tiles: column ``m * n + r`` is
+  """``(block_lanes, n * block_cols)`` from ``n`` (a power of two) ``(block_lanes,
+  block_cols)`` tiles: column ``m * n + r`` is
   ``parts[r][:, m]``. Pairs are stacked on a new minor dim and flattened, recursively."""
   if len(parts) == 1:
     return parts[0]

@@ -32,13 +32,12 @@ from jaxpool._src.windows import Geometry, phase_offsets, window_counts_1d
 class Launch:
   """One launch of a Triton kernel: a program's tile and warps, and its block of rows.
 
-  ``block_cols`` x ``block_lanes``: the tile (the kernels' ``bw`` and ``bl``: output columns,
+  ``block_cols`` x ``block_lanes``: the tile (output columns,
   and channels in channels_last or planes in channels_first); ``num_warps``: Triton's warps.
   ``block_depth`` x ``block_height``, or None (the one-row kernels): a program's block of rows,
   in a forward (max with or without its taps, or average; ``triton/rows.py``) output rows,
   ``block_depth = 0`` for ``block_height`` rows of every output plane, looped over; in a
   backward (``triton/backward.py``) blocks of input rows, each block one row per stride phase.
-  The kernels call these ``rd, rh`` and ``bd, bh``.
 
   On disk (the cache's entries, the shipped tables) a launch is its tuple form, a list of three
   or five ints in this order: ``Launch(8, 64, 4)`` is ``[8, 64, 4]``, ``Launch(8, 64, 4, 1, 2)``
@@ -182,7 +181,7 @@ def candidates(heuristic: Launch, cols: int, lanes: int, itemsize: int, channels
         if bw * bl > MAX_TILE and (bw, bl) != (bw0, bl0):
           continue
         cand = (bw, bl, warps)
-        steps = [abs(math.log2(a / b)) for a, b in zip(cand, heuristic)]
+        steps = [abs(math.log2(a / b)) for a, b in zip(cand, heuristic, strict=True)]
         found.append(((sum(s > 0 for s in steps), sum(steps), cand), cand))
   found.sort()
   exact = least_waste_tile(cols, bw0, bl0, itemsize) if channels_last else []

@@ -21,14 +21,16 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxpool._src.api_args import Activation
 from jaxpool._src.autodiff import apply_activation
 from jaxpool._src.dtypes import beats, lowest
 from jaxpool._src.pallas.triton.tile import both_paths, load, output_row, plgpu
+from jaxpool._src.pallas.types import MaxForm
 from jaxpool._src.windows import Geometry, real_taps
 
-# The forms of the running maximum (:func:`nan_max`): "ptx" (PTX's instruction), "beats"
-# (``dtypes.beats``) and "canonical" ("beats" with PTX's NaN results).
-FORMS = ("ptx", "beats", "canonical")
+# PTX's canonical NaN (the bits of a float32 NaN that ``max.NaN.f32`` returns), which the form
+# "canonical" of :func:`nan_max` gives for every NaN as PTX does.
+CANONICAL_NAN_BITS = 0x7FFFFFFF
 
 
 def compare_dtype(dtype) -> np.dtype:
@@ -40,23 +42,24 @@ def compare_dtype(dtype) -> np.dtype:
   return dtype
 
 
-def max_kernel(x_ref, *out_refs, g: Geometry, bw: int, bl: int, lanes: int, rows: int,
-               with_taps: bool, form: str, interpret: bool, activation: str | None = None):
+def max_kernel(x_ref, *out_refs, geom: Geometry, block_cols: int, block_lanes: int, lanes: int,
+               rows: int, with_taps: bool, form: MaxForm, interpret: bool,
+               activation: Activation = None):
   """One output row's maxima (then ``activation``), and with ``with_taps`` each window's
   winning tap (row-major, -1 where the window holds no real tap).
 
-  ``form`` is :func:`nan_max`'s (one of :data:`FORMS`; "beats" for integers).
+  ``form`` is :func:`nan_max`'s ("beats" for integers).
   """
-  row = output_row(g, bw, bl, lanes, rows, interpret)
-  tile, b, outs = row.tile, row.b, row.outs
+  row = output_row(geom, block_cols, block_lanes, lanes, rows, interpret)
+  tile, batch, outs = row.tile, row.batch, row.outs
   dtype = x_ref.dtype
   idx_t = out_refs[1].dtype if with_taps else np.dtype(np.int8)
   cmp_t = compare_dtype(dtype)
   low = lowest(dtype)
 
-  def tap_at(dim: int, k):
-    """The input position along ``dim`` of tap ``k`` of the tile's windows."""
-    return outs[dim] * g.strides[dim] + k * g.dilation[dim] - g.pad_lo[dim]
+  def tap_at(dim: int, offset):
+    """The input position along ``dim`` of tap ``offset`` (along ``dim``) of the tile's windows."""
+    return outs[dim] * geom.strides[dim] + offset * geom.dilation[dim] - geom.pad_lo[dim]
 
   def load_max_tap(tap, real):
     """Tap ``tap`` of the tile's windows. At the edges (``real``: each dim's first and last
@@ -66,43 +69,44 @@ def max_kernel(x_ref, *out_refs, g: Geometry, bw: int, bl: int, lanes: int, rows
     back: the first tap reading a real tap ``m`` has, in each dim, 0 where ``m`` is that dim's
     first real tap and ``m``'s own index elsewhere, an order on the real taps that is
     row-major's."""
-    pos = []
-    for dim, k in enumerate(tap):
-      if real is not None and g.window[dim] > 1:
-        k = jnp.clip(k, *real[dim])
-      p = tap_at(dim, k)
+    positions = []
+    for dim, offset in enumerate(tap):
+      if real is not None and geom.window[dim] > 1:
+        offset = jnp.clip(offset, *real[dim])
+      position = tap_at(dim, offset)
       if real is not None:  # (a window with no real tap reads anywhere inside; see empty)
-        p = jnp.clip(p, 0, g.in_spatial[dim] - 1)
-      pos.append(p)
-    return load(x_ref, tile.index(b, *pos))
+        position = jnp.clip(position, 0, geom.in_spatial[dim] - 1)
+      positions.append(position)
+    return load(x_ref, tile.index(batch, *positions))
 
   def body(edge: bool):
     best: Any = None
     idx: Any = None
-    real = [real_taps(g, dim, o, xp=jnp) for dim, o in enumerate(outs)] if edge else None
-    for t, tap in enumerate(g.taps()):
-      xt = load_max_tap(tap, real).astype(cmp_t)
+    real = ([real_taps(geom, dim, position, xp=jnp) for dim, position in enumerate(outs)]
+            if edge else None)
+    for tap_id, tap in enumerate(geom.taps()):
+      value = load_max_tap(tap, real).astype(cmp_t)
       if best is None:
-        best = nan_max(xt, xt, form)  # (NaN made canonical, as the scan's maxima are)
+        best = nan_max(value, value, form)  # (NaN made canonical, as the scan's maxima are)
         if with_taps:
-          idx = jnp.full(tile.shape, t, idx_t)
+          idx = jnp.full(tile.shape, tap_id, idx_t)
         continue
-      new = nan_max(best, xt, form)
+      new = nan_max(best, value, form)
       if with_taps:
-        idx = jnp.where(bits(new) != bits(best), np.array(t, idx_t), idx)
+        idx = jnp.where(bits(new) != bits(best), np.array(tap_id, idx_t), idx)
       best = new
-    out_at = tile.index(b, *outs)
+    out_at = tile.index(batch, *outs)
     if real is not None:
       # Windows with no real tap: the lowest value, no tap.
       empty = None
       for dim, (first, last) in enumerate(real):
-        if g.window[dim] > 1 or g.pad_lo[dim] or g.pad_hi[dim] or g.extra[dim]:
-          e = tile.cols_of(first > last)
-          empty = e if empty is None else empty | e
+        if geom.window[dim] > 1 or geom.pad_lo[dim] or geom.pad_hi[dim] or geom.extra[dim]:
+          no_tap = tile.cols_of(first > last)
+          empty = no_tap if empty is None else empty | no_tap
       if empty is not None:
         best = jnp.where(empty, np.array(low, cmp_t), best)
       if with_taps:
-        idx = _real_tap(g, idx, [[tile.cols_of(v) for v in r] for r in real])
+        idx = _real_tap(geom, idx, [[tile.cols_of(end) for end in spans] for spans in real])
         if empty is not None:
           idx = jnp.where(empty, np.array(-1, idx_t), idx)
     best, idx = apply_activation(best, idx, activation)  # (fused: no pass of its own)
@@ -113,22 +117,22 @@ def max_kernel(x_ref, *out_refs, g: Geometry, bw: int, bl: int, lanes: int, rows
   both_paths(row.interior, body)
 
 
-def _real_tap(g: Geometry, idx, real):
+def _real_tap(geom: Geometry, idx, real):
   """The real taps that the copies in ``idx`` (window taps, row-major) read: each dim's tap
   clamped to ``real``'s ``(first, last)``."""
-  t, parts = idx.astype(jnp.int32), []
-  for k in reversed(g.window):
-    parts.append(t % k)
-    t = t // k
+  rest, parts = idx.astype(jnp.int32), []
+  for size in reversed(geom.window):
+    parts.append(rest % size)
+    rest = rest // size
   out: Any = None
   for dim, part in enumerate(reversed(parts)):
-    if g.window[dim] > 1:
+    if geom.window[dim] > 1:
       part = jnp.clip(part, *real[dim])
-    out = part if out is None else out * g.window[dim] + part
+    out = part if out is None else out * geom.window[dim] + part
   return out.astype(idx.dtype)
 
 
-def nan_max(best, x, form: str):
+def nan_max(best, x, form: MaxForm):
   """The running maximum ``best`` of a window scanned in tap order, after tap ``x``, in
   :func:`dtypes.beats`' order: NaN above every number, ``+0.0`` above ``-0.0``.
 
@@ -144,14 +148,14 @@ def nan_max(best, x, form: str):
         result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, x.dtype)])[0]
   new = jnp.where(beats(x, best), x, best)
   if form == "canonical":
-    canonical = np.array(np.uint32(0x7FFFFFFF)).view(np.float32).astype(x.dtype)
+    canonical = np.array(np.uint32(CANONICAL_NAN_BITS)).view(np.float32).astype(x.dtype)
     new = jnp.where(new != new, canonical, new)
   return new
 
 
-def bits(v):
-  """``v``'s bits as unsigned integers (floats), or ``v``."""
-  if not jnp.issubdtype(v.dtype, jnp.floating):
-    return v
-  unsigned = {2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[v.dtype.itemsize]
-  return lax.bitcast_convert_type(v, unsigned)
+def bits(value):
+  """``value``'s bits as unsigned integers (floats), or ``value``."""
+  if not jnp.issubdtype(value.dtype, jnp.floating):
+    return value
+  unsigned = {2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[value.dtype.itemsize]
+  return lax.bitcast_convert_type(value, unsigned)

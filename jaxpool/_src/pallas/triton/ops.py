@@ -12,13 +12,35 @@ estimate) and the choice of launch configuration. The kernels live beside it:
 - ``backward.py``: the backward of both, as gathers.
 
 Every kernel sees the spatial dims as ``(D, H, W)`` (1-D and 2-D pools get unit ``D`` and
-``H``). A program covers one output row (``b, d, h``; a block of ``rd x rh`` of them in
-``triton/rows.py``), a block of ``bw`` columns and a block of ``bl`` *lanes*: the channels in
+``H``). A program covers one output row (``batch, depth, height``; a block of ``block_depth x
+block_height`` of them in ``triton/rows.py``), a block of ``block_cols`` columns and a block of
+``block_lanes`` *lanes* (the launch's fields, ``config.Launch``): the channels in
 ``channels_last`` (the operand viewed as ``(B, D, H, W, C)``, channels contiguous) or the
 planes in ``channels_first`` (viewed as ``(P, D, H, W)`` with ``P = batch * C``, columns
-contiguous). Each tap's load is a tile with the contiguous dim last:
-``(bw, bl)`` in channels_last, ``(bl, bw)`` in channels_first (Triton spreads a warp's threads
-along the last dim, so that is what keeps the loads coalesced).
+contiguous). Each tap's load is a tile with the contiguous dim last: ``(block_cols,
+block_lanes)`` in channels_last, ``(block_lanes, block_cols)`` in channels_first (Triton spreads
+a warp's threads along the last dim, so that is what keeps the loads coalesced).
+
+Why no ``BlockSpec``: the calls give the kernels whole operands (no ``in_specs`` or
+``out_specs``; each ref is the array in global memory) and the kernels compute every load's
+and store's indices themselves, because what a program reads and writes is not one block of a
+grid of blocks. A forward tile's windows overlap their neighbours' (a window wider than its
+stride, or dilated) and reach past the input at the edges: the input a tile reads is a halo
+around it that starts at a negative index at the low edge, and each tap is a load strided by
+the stride and dilation (``out_cols * stride + tap * dilation - pad``). Pallas Triton's blocks
+sit at multiples of the block shape, or at element offsets without padding (jax 0.10:
+"Unblocked indexing with padding is not supported in Triton lowering"); the kernels instead
+clamp an edge tap to a copy of a real tap of its window (max) or mask it (average), and take
+a path without clamps, chosen at run time, where a tile lies inside. The backward gathers: a
+program writes the input columns of each stride phase (``m * s_w + r_w``, a strided set, or
+whole lines interleaved from the phases) and reads the cotangent tiles at static offsets
+around its block (the windows that can hold its elements); the blocks of rows of
+``triton/rows.py`` read the input rows their output rows share once, and with ``block_depth =
+0`` a program loops over every output plane. The programs are numbered by the kernels
+(``tile.program``: a 1-D grid, decoded so that neighbours in memory run together) and a tile's
+lanes past the end are clamped copies of the last real one, its stores masked per column and
+lane. (The TPU kernels, ``tpu/ops.py``, whose blocks sit in VMEM, do use ``BlockSpec``s: a
+grid step's block is one image and one block of channels, padded in a VMEM scratch.)
 
 The kernels never read out of bounds, and compiled never write out of bounds. At the edges
 every index is clamped into the array: a max kernel's tap outside the input reads a copy of the
@@ -42,6 +64,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
+from typing import cast
 
 import jax
 import jax.numpy as jnp
@@ -49,6 +72,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from jaxpool._src import platforms, settings
+from jaxpool._src.api_args import Activation
 from jaxpool._src.pallas.calls import out_struct
 from jaxpool._src.pallas.triton import config, tile
 from jaxpool._src.pallas.triton.avg import avg_kernel
@@ -62,6 +86,7 @@ from jaxpool._src.pallas.tuning import model as launch_model
 from jaxpool._src.pallas.tuning import tuner as tuning
 from jaxpool._src.pallas.tuning.cache import Key, geometry_class
 from jaxpool._src.pallas.tuning.trials import trial_inputs
+from jaxpool._src.pallas.types import KERNEL_OPS, ForwardMode, MaxForm, PoolKind
 from jaxpool._src.windows import Geometry, taps_dtype
 
 
@@ -93,77 +118,83 @@ def _view(x: jax.Array, spatial, channels_last: bool) -> jax.Array:
   return x.reshape(_view_shape(x.shape, spatial, channels_last))
 
 
-def _lanes_and_batch(x4: jax.Array, channels_last: bool) -> tuple[int, int]:
-  return (x4.shape[-1], x4.shape[0]) if channels_last else (x4.shape[0], 1)
+def _lanes_and_batch(x_view: jax.Array, channels_last: bool) -> tuple[int, int]:
+  return (x_view.shape[-1], x_view.shape[0]) if channels_last else (x_view.shape[0], 1)
 
 
 
 # ----------------------------------------------------------------------------- forward
 
-def _window_call(x: jax.Array, geom: Geometry, mode: str, interpret: bool,
+def _window_call(x: jax.Array, geom: Geometry, mode: ForwardMode, interpret: bool,
                  include_pad: bool = False, divisor: int | None = None,
-                 launch: Launch | None = None, activation: str | None = None):
+                 launch: Launch | None = None, activation: Activation = None):
   """The forward kernel of ``mode`` ("max", "argmax": with the taps, "avg") over ``x``."""
-  g = geom.lift(3)
+  geom3 = geom.lift(3)
   out_shape = geom.output_shape(x.shape)
-  x4 = _view(x, g.in_spatial, g.channels_last)
-  lanes, nb = _lanes_and_batch(x4, g.channels_last)
-  (Do, Ho, Wo) = g.out_spatial
+  x_view = _view(x, geom3.in_spatial, geom3.channels_last)
+  lanes, n_batch = _lanes_and_batch(x_view, geom3.channels_last)
+  (out_depth, out_height, out_width) = geom3.out_spatial
   launch = Launch.of(launch or launch_for(f"{mode}_fwd", x.shape, x.dtype, geom,
                                           interpret=interpret, include_pad=include_pad,
                                           divisor=divisor, activation=activation))
-  bw, bl, warps = launch.block_cols, launch.block_lanes, launch.num_warps
-  block = list(launch.rows or ())  # (rd, rh), or none: the one-row kernels
-  rows = nb * Do * Ho
-  grid = tile.grid(rows, pl.cdiv(Wo, bw), pl.cdiv(lanes, bl))
-  shape4 = _view_shape(out_shape, g.out_spatial, g.channels_last)
-  outs = [out_struct(shape4, x.dtype, x)]
+  block_cols, block_lanes, num_warps = launch.block_cols, launch.block_lanes, launch.num_warps
+  block = list(launch.rows or ())  # (block_depth, block_height), or none: the one-row kernels
+  rows = n_batch * out_depth * out_height
+  grid = tile.grid(rows, pl.cdiv(out_width, block_cols), pl.cdiv(lanes, block_lanes))
+  out_view_shape = _view_shape(out_shape, geom3.out_spatial, geom3.channels_last)
+  outs = [out_struct(out_view_shape, x.dtype, x)]
   if mode == "argmax":
-    outs.append(out_struct(shape4, taps_dtype(g.num_taps), x))
-  form = config._max_form(compare_dtype(x.dtype), interpret)
+    outs.append(out_struct(out_view_shape, taps_dtype(geom3.num_taps), x))
+  form = cast(MaxForm, config._max_form(compare_dtype(x.dtype), interpret))
   kernel: Callable[..., None]
   if block and tuple(block) != (1, 1):
-    bd, bh = block
-    fits = config.avg_blocks(g) if mode == "avg" else config._blocks_exact(g, x.dtype, interpret)
-    if not fits or bh < 1 or bd < 0 or (bd == 0 and not shares_planes(g)):
+    block_depth, block_height = block
+    fits = (config.avg_blocks(geom3) if mode == "avg"
+            else config._blocks_exact(geom3, x.dtype, interpret))
+    if (not fits or block_height < 1 or block_depth < 0
+        or (block_depth == 0 and not shares_planes(geom3))):
       raise ValueError(f"a block of output rows {tuple(block)} serves only the max forward "
                        f"with dilation 1, no empty window and (compiled) a maximum whose bits "
                        f"do not depend on the order, or the average forward with dilation 1 "
                        f"(a loop over the output planes, 0 planes, only where windows share "
-                       f"input planes), not {mode} of {x.dtype} over {g}")
-    grid = tile.grid(nb * row_blocks(g, (bd, bh)), pl.cdiv(Wo, bw), pl.cdiv(lanes, bl))
-    kernel = functools.partial(rows_kernel, g=g, bw=bw, bl=bl, lanes=lanes, nb=nb,
-                               block=(bd, bh), form=form, interpret=interpret,
+                       f"input planes), not {mode} of {x.dtype} over {geom3}")
+    grid = tile.grid(n_batch * row_blocks(geom3, (block_depth, block_height)),
+                     pl.cdiv(out_width, block_cols), pl.cdiv(lanes, block_lanes))
+    kernel = functools.partial(rows_kernel, geom=geom3, block_cols=block_cols,
+                               block_lanes=block_lanes, lanes=lanes, n_batch=n_batch,
+                               block=(block_depth, block_height), form=form, interpret=interpret,
                                with_taps=mode == "argmax", activation=activation,
                                mode="avg" if mode == "avg" else "max",
                                include_pad=include_pad, divisor=divisor, ptx=config._ptx(interpret))
   elif mode == "avg":
-    kernel = functools.partial(avg_kernel, g=g, bw=bw, bl=bl, lanes=lanes, rows=rows,
+    kernel = functools.partial(avg_kernel, geom=geom3, block_cols=block_cols,
+                               block_lanes=block_lanes, lanes=lanes, rows=rows,
                                interpret=interpret, include_pad=include_pad, divisor=divisor,
                                ptx=config._ptx(interpret))
   else:
-    kernel = functools.partial(max_kernel, g=g, bw=bw, bl=bl, lanes=lanes, rows=rows,
+    kernel = functools.partial(max_kernel, geom=geom3, block_cols=block_cols,
+                               block_lanes=block_lanes, lanes=lanes, rows=rows,
                                interpret=interpret, with_taps=mode == "argmax", form=form,
                                activation=activation)
-  n_in, n_out = x.size * x.dtype.itemsize, sum(
-      math.prod(o.shape) * np.dtype(o.dtype).itemsize for o in outs)
-  res = pl.pallas_call(
+  bytes_in, bytes_out = x.size * x.dtype.itemsize, sum(
+      math.prod(out.shape) * np.dtype(out.dtype).itemsize for out in outs)
+  results = pl.pallas_call(
       kernel, out_shape=tuple(outs), grid=grid, interpret=interpret,
       name=f"jaxpool_{mode}_pool_fwd",
-      cost_estimate=pl.CostEstimate(flops=math.prod(shape4) * g.num_taps,
-                                    transcendentals=0, bytes_accessed=n_in + n_out),
-      **_call_kwargs(interpret, warps))(x4)
-  return tuple(r.reshape(out_shape) for r in res)
+      cost_estimate=pl.CostEstimate(flops=math.prod(out_view_shape) * geom3.num_taps,
+                                    transcendentals=0, bytes_accessed=bytes_in + bytes_out),
+      **_call_kwargs(interpret, num_warps))(x_view)
+  return tuple(result.reshape(out_shape) for result in results)
 
 def max_forward(x: jax.Array, geom: Geometry, *, interpret: bool,
-                activation: str | None = None) -> jax.Array:
+                activation: Activation = None) -> jax.Array:
   """Max pooling without the taps (then the activation): ``x`` in either layout, 1-3 spatial
   dims."""
   return _window_call(x, geom, "max", interpret, activation=activation)[0]
 
 
 def max_forward_taps(x: jax.Array, geom: Geometry, *, interpret: bool,
-                     activation: str | None = None):
+                     activation: Activation = None):
   """Max pooling and each window's winning tap, row-major (``taps_dtype``; -1: none)."""
   return _window_call(x, geom, "argmax", interpret, activation=activation)
 
@@ -177,47 +208,49 @@ def avg_forward(x: jax.Array, geom: Geometry, *, interpret: bool, count_include_
 
 # ----------------------------------------------------------------------------- backward
 
-def _backward_cols(g: Geometry) -> int:
-  """The backward's columns (``g`` lifted to 3-D): phase columns ``m``, or, channels_first
+def _backward_cols(geom: Geometry) -> int:
+  """The backward's columns (``geom`` lifted to 3-D): phase columns ``m``, or, channels_first
   with a stride that does not interleave, input columns."""
-  if g.channels_last or interleaves(g.strides[2]):
-    return -(-g.in_spatial[2] // g.strides[2])
-  return g.in_spatial[2]
+  if geom.channels_last or interleaves(geom.strides[2]):
+    return -(-geom.in_spatial[2] // geom.strides[2])
+  return geom.in_spatial[2]
 
 
-def _backward_call(operands, in_shape, geom: Geometry, mode: str, interpret: bool,
+def _backward_call(operands, in_shape, geom: Geometry, mode: PoolKind, interpret: bool,
                    include_pad: bool = False, divisor: int | None = None,
                    launch: Launch | None = None) -> jax.Array:
-  g = geom.lift(3)
+  geom3 = geom.lift(3)
   dy = operands[-1]
-  ops4 = [_view(o, g.out_spatial, g.channels_last) for o in operands]
-  lanes, nb = _lanes_and_batch(ops4[0], g.channels_last)
+  views = [_view(operand, geom3.out_spatial, geom3.channels_last) for operand in operands]
+  lanes, n_batch = _lanes_and_batch(views[0], geom3.channels_last)
   # The column block counts phase columns ``m`` (or, channels_first with a stride that does not
   # interleave, input columns).
-  cols = _backward_cols(g)
+  n_cols = _backward_cols(geom3)
   launch = Launch.of(launch or launch_for(f"{mode}_bwd", in_shape, dy.dtype, geom,
                                           interpret=interpret, include_pad=include_pad,
                                           divisor=divisor))
-  bw, bl, warps = launch.block_cols, launch.block_lanes, launch.num_warps
-  block = list(launch.rows or ())  # (bd, bh), or none: one block a program
-  bd, bh = block or (1, 1)
-  if bd < 1 or bh < 1:
+  block_cols, block_lanes, num_warps = launch.block_cols, launch.block_lanes, launch.num_warps
+  block = list(launch.rows or ())  # (block_depth, block_height), or none: one block a program
+  block_depth, block_height = block or (1, 1)
+  if block_depth < 1 or block_height < 1:
     raise ValueError(f"a backward's block of rows must be at least 1 x 1, got {tuple(block)}")
-  rows = nb * math.prod(block_rows(g, (bd, bh)))
-  grid = tile.grid(rows, pl.cdiv(cols, bw), pl.cdiv(lanes, bl))
-  kernel = functools.partial(backward_kernel, g=g, bw=bw, bl=bl, lanes=lanes, rows=rows,
-                             n_cols=cols, mode=mode, include_pad=include_pad, divisor=divisor,
-                             interpret=interpret, block=(bd, bh),
-                             packed=_packed_select(mode, operands, g, bw * bl, warps, interpret))
-  shape4 = _view_shape(in_shape, g.in_spatial, g.channels_last)
-  nbytes = sum(o.size * o.dtype.itemsize for o in operands) + math.prod(shape4) * \
-      dy.dtype.itemsize
+  rows = n_batch * math.prod(block_rows(geom3, (block_depth, block_height)))
+  grid = tile.grid(rows, pl.cdiv(n_cols, block_cols), pl.cdiv(lanes, block_lanes))
+  packed = _packed_select(mode, operands, geom3, block_cols * block_lanes, num_warps, interpret)
+  kernel = functools.partial(backward_kernel, geom=geom3, block_cols=block_cols,
+                             block_lanes=block_lanes, lanes=lanes, rows=rows, n_cols=n_cols,
+                             mode=mode, include_pad=include_pad, divisor=divisor,
+                             interpret=interpret, block=(block_depth, block_height),
+                             packed=packed)
+  in_view_shape = _view_shape(in_shape, geom3.in_spatial, geom3.channels_last)
+  n_bytes = (sum(operand.size * operand.dtype.itemsize for operand in operands)
+             + math.prod(in_view_shape) * dy.dtype.itemsize)
   dx = pl.pallas_call(
-      kernel, out_shape=out_struct(shape4, dy.dtype, dy), grid=grid, interpret=interpret,
+      kernel, out_shape=out_struct(in_view_shape, dy.dtype, dy), grid=grid, interpret=interpret,
       name=f"jaxpool_{mode}_pool_bwd",
-      cost_estimate=pl.CostEstimate(flops=math.prod(shape4) * g.num_taps, transcendentals=0,
-                                    bytes_accessed=nbytes),
-      **_call_kwargs(interpret, warps))(*ops4)
+      cost_estimate=pl.CostEstimate(flops=math.prod(in_view_shape) * geom3.num_taps,
+                                    transcendentals=0, bytes_accessed=n_bytes),
+      **_call_kwargs(interpret, num_warps))(*views)
   return dx.reshape(in_shape)
 
 
@@ -259,7 +292,7 @@ def avg_backward(dy: jax.Array, in_shape, geom: Geometry, *, interpret: bool,
 
 # ----------------------------------------------------------------------------- tuning
 
-OPS = ("max_fwd", "argmax_fwd", "avg_fwd", "max_bwd", "avg_bwd")
+OPS = KERNEL_OPS  # ("max_fwd", "argmax_fwd", "avg_fwd", "max_bwd", "avg_bwd")
 
 
 def avg_counting(include_pad: bool, divisor: int | None) -> str:
@@ -271,7 +304,7 @@ def avg_counting(include_pad: bool, divisor: int | None) -> str:
 
 def launch_for(op: str, in_shape, dtype, geom: Geometry, *, interpret: bool,
                include_pad: bool = False, divisor: int | None = None,
-               activation: str | None = None) -> Launch:
+               activation: Activation = None) -> Launch:
   """The launch configuration of kernel ``op`` (:data:`OPS`) on an input of ``in_shape``.
 
   Interpret mode, platforms other than CUDA and ``JAXPOOL_TUNE=off``: :func:`launch_config`
@@ -310,8 +343,10 @@ def launch_for(op: str, in_shape, dtype, geom: Geometry, *, interpret: bool,
 
   def call(launch: Launch, *ops):
     if forward:
-      return _window_call(ops[0], geom, kind, False, include_pad, divisor, launch, activation)
-    return _backward_call(ops, in_shape, geom, kind, False, include_pad, divisor, launch)
+      return _window_call(ops[0], geom, cast(ForwardMode, kind), False, include_pad, divisor,
+                          launch, activation)
+    return _backward_call(ops, in_shape, geom, cast(PoolKind, kind), False, include_pad,
+                          divisor, launch)
 
   n_taps = g.num_taps
   operand_types = ([jax.ShapeDtypeStruct(in_shape, dtype)] if forward else

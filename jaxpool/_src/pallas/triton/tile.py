@@ -1,7 +1,7 @@
 """What every GPU kernel (Pallas Triton) shares: the tile of one program, loads and stores
 that stay in bounds, and the choice between the interior and the edge code paths.
 
-A program's tile is a block of ``bw`` columns and ``bl`` *lanes*: the channels in
+A program's tile is a block of ``block_cols`` columns and ``block_lanes`` *lanes*: the channels in
 ``channels_last`` (the operand viewed as ``(B, D, H, W, C)``) or the planes in
 ``channels_first`` (viewed as ``(P, D, H, W)``). :class:`Tile` holds the lane coordinates and
 builds the indexers; ``triton/ops.py`` explains the layout and calls the kernels.
@@ -36,58 +36,59 @@ class Tile:
   would let a masked lane restore an old value), write it again.
   """
 
-  def __init__(self, bw: int, lanes: int, bl: int, interpret: bool, channels_last: bool,
-               lane_block):
-    raw = lane_block * bl + jnp.arange(bl, dtype=jnp.int32)
-    exact = lanes % bl == 0
+  def __init__(self, block_cols: int, lanes: int, block_lanes: int, interpret: bool,
+               channels_last: bool, lane_block):
+    raw = lane_block * block_lanes + jnp.arange(block_lanes, dtype=jnp.int32)
+    exact = lanes % block_lanes == 0
     self.channels_last = channels_last
-    self.shape = (bw, bl) if channels_last else (bl, bw)
+    self.shape = (block_cols, block_lanes) if channels_last else (block_lanes, block_cols)
     self.lane: Any  # a pl.Slice (compiled, contiguous channels) or an index array
     if channels_last and exact and not interpret:
       # Compiled: a plain slice keeps the channel dim provably contiguous (vector loads).
-      self.lane = pl.ds(lane_block * bl, bl)
+      self.lane = pl.ds(lane_block * block_lanes, block_lanes)
     else:
       self.lane = jnp.minimum(raw, lanes - 1)
     self.lane_mask = None if exact else self.lanes_of(raw < lanes)
     self.interpret = interpret
 
-  def cols_of(self, v):
-    """A per-column ``(bw,)`` vector (or a scalar) laid along the tile's column dim."""
-    if jnp.ndim(v) == 0:
-      return v
-    return v[:, None] if self.channels_last else v[None, :]
+  def cols_of(self, vector):
+    """A per-column ``(block_cols,)`` vector (or a scalar) laid along the tile's column dim."""
+    if jnp.ndim(vector) == 0:
+      return vector
+    return vector[:, None] if self.channels_last else vector[None, :]
 
-  def lanes_of(self, v):
-    """A per-lane ``(bl,)`` vector laid along the tile's lane dim."""
-    return v[None, :] if self.channels_last else v[:, None]
+  def lanes_of(self, vector):
+    """A per-lane ``(block_lanes,)`` vector laid along the tile's lane dim."""
+    return vector[None, :] if self.channels_last else vector[:, None]
 
-  def index(self, b, d, h, cols):
-    """Indexer for the elements ``(b, d, h, cols, lanes)`` of the operand -> ``self.shape``."""
+  def index(self, batch, depth, height, cols):
+    """Indexer for the elements ``(batch, depth, height, cols, lanes)`` of the operand ->
+    ``self.shape``."""
     if not self.channels_last:
       assert not isinstance(self.lane, pl.Slice)
-      return (self.lane[:, None], d, h, cols[None, :])
+      return (self.lane[:, None], depth, height, cols[None, :])
     if isinstance(self.lane, pl.Slice):
-      return (b, d, h, cols, self.lane)
-    return (b, d, h, cols[:, None], self.lane[None, :])
+      return (batch, depth, height, cols, self.lane)
+    return (batch, depth, height, cols[:, None], self.lane[None, :])
 
-  def store(self, ref, idx, val, col_mask=None):
-    """Stores ``val``; compiled, masked to the real columns (``col_mask``) and lanes."""
+  def store(self, ref, where, value, col_mask=None):
+    """Stores ``value``; compiled, masked to the real columns (``col_mask``) and lanes."""
     if self.interpret:
-      ref[idx] = val
+      ref[where] = value
       return
     mask = None if col_mask is None else self.cols_of(col_mask)
     if self.lane_mask is not None:
       mask = self.lane_mask if mask is None else (mask & self.lane_mask)
     if plgpu is not None and hasattr(plgpu, "store"):
-      plgpu.store(ref.at[idx], val, mask=mask)
+      plgpu.store(ref.at[where], value, mask=mask)
     else:  # pragma: no cover - older Pallas
-      _pl_legacy.store(ref, idx, val, mask=mask)
+      _pl_legacy.store(ref, where, value, mask=mask)
 
 
-def load(ref, idx, mask=None, other=None):
+def load(ref, where, mask=None, other=None):
   if plgpu is not None and hasattr(plgpu, "load"):
-    return plgpu.load(ref.at[idx], mask=mask, other=other)
-  return _pl_legacy.load(ref, idx, mask=mask, other=other)  # pragma: no cover - older Pallas
+    return plgpu.load(ref.at[where], mask=mask, other=other)
+  return _pl_legacy.load(ref, where, mask=mask, other=other)  # pragma: no cover - older Pallas
 
 
 def grid(rows: int, col_blocks: int, lane_blocks: int) -> tuple[int, ...]:
@@ -128,46 +129,51 @@ def both_paths(interior, body: Callable[[bool], None]) -> None:
   pl.when(jnp.logical_not(interior))(lambda: body(True))
 
 
-def counted_taps(g: Geometry, wins, include_pad: bool, bw: int):
+def counted_taps(geom: Geometry, windows, include_pad: bool, block_cols: int):
   """Each window's taps inside the counted region (the input, or the input and its user
-  padding with ``include_pad``), a product of one factor per dim: ``(bw,)`` int32."""
-  cnt = jnp.ones((bw,), jnp.int32)
-  for dim, o in enumerate(wins):
-    cnt = cnt * window_count(g, dim, o, include_pad, jnp).astype(jnp.int32)
-  return cnt
+  padding with ``include_pad``), a product of one factor per dim: ``(block_cols,)`` int32."""
+  count = jnp.ones((block_cols,), jnp.int32)
+  for dim, position in enumerate(windows):
+    count = count * window_count(geom, dim, position, include_pad, jnp).astype(jnp.int32)
+  return count
 
 
 class OutputRow(NamedTuple):
-  """Where a forward program works: its tile, batch (or plane) ``b``, the output positions
-  ``outs = (do, ho, wo)`` of its windows (``wo``: ``(bw,)``, the columns past the last clamped
-  to it), the mask of its real columns (None: all are) and whether every tap of every real
-  window lies inside the input (``interior``, a traced bool)."""
+  """Where a forward program works: its tile, batch (or plane) ``batch``, the output positions
+  ``outs = (out_plane, out_row, out_cols)`` of its windows (``out_cols``: ``(block_cols,)``, the
+  columns past the last clamped to it), the mask of its real columns (None: all are) and
+  whether every tap of every real window lies inside the input (``interior``, a traced
+  bool)."""
 
   tile: Tile
-  b: Any
+  batch: Any
   outs: tuple[Any, Any, Any]
   col_mask: Any
   interior: Any
 
 
-def output_row(g: Geometry, bw: int, bl: int, lanes: int, rows: int,
+def output_row(geom: Geometry, block_cols: int, block_lanes: int, lanes: int, rows: int,
                interpret: bool) -> OutputRow:
-  """The :class:`OutputRow` of this program: one output row (``b, do, ho``) of ``rows``,
-  ``bw`` columns."""
-  Do, Ho, Wo = g.out_spatial
-  row, cb, lb = program(rows, pl.cdiv(Wo, bw), pl.cdiv(lanes, bl), g.channels_last)
-  b, do, ho = split(row, (Do, Ho))
-  tile = Tile(bw, lanes, bl, interpret, g.channels_last, lb)
-  w0 = cb * bw
-  raw_wo = w0 + jnp.arange(bw, dtype=jnp.int32)
+  """The :class:`OutputRow` of this program: one output row (``batch, out_plane, out_row``) of
+  ``rows``, ``block_cols`` columns."""
+  out_depth, out_height, out_width = geom.out_spatial
+  row, col_block, lane_block = program(rows, pl.cdiv(out_width, block_cols),
+                                       pl.cdiv(lanes, block_lanes), geom.channels_last)
+  batch, out_plane, out_row = split(row, (out_depth, out_height))
+  tile = Tile(block_cols, lanes, block_lanes, interpret, geom.channels_last, lane_block)
+  first_col = col_block * block_cols
+  raw_cols = first_col + jnp.arange(block_cols, dtype=jnp.int32)
   # Lanes past the last column are clamped copies of it (their stores are masked).
-  wo = jnp.minimum(raw_wo, Wo - 1)
-  col_mask = None if Wo % bw == 0 else raw_wo < Wo
+  out_cols = jnp.minimum(raw_cols, out_width - 1)
+  col_mask = None if out_width % block_cols == 0 else raw_cols < out_width
   # Interior: every tap of every (real) window of the tile lies inside the input.
   interior = None
-  for dim, first_win, last_win in ((0, do, do), (1, ho, ho), (2, w0, jnp.minimum(w0 + bw, Wo) - 1)):
-    first = first_win * g.strides[dim] - g.pad_lo[dim]
-    last = last_win * g.strides[dim] + (g.window[dim] - 1) * g.dilation[dim] - g.pad_lo[dim]
-    inside = (first >= 0) & (last < g.in_spatial[dim])
+  last_col = jnp.minimum(first_col + block_cols, out_width) - 1
+  for dim, first_window, last_window in ((0, out_plane, out_plane), (1, out_row, out_row),
+                                         (2, first_col, last_col)):
+    first = first_window * geom.strides[dim] - geom.pad_lo[dim]
+    last = (last_window * geom.strides[dim] + (geom.window[dim] - 1) * geom.dilation[dim]
+            - geom.pad_lo[dim])
+    inside = (first >= 0) & (last < geom.in_spatial[dim])
     interior = inside if interior is None else interior & inside
-  return OutputRow(tile, b, (do, ho, wo), col_mask, interior)
+  return OutputRow(tile, batch, (out_plane, out_row, out_cols), col_mask, interior)

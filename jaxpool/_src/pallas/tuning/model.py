@@ -37,7 +37,8 @@ WEIGHT = 1.0  # how many observations of PRIOR a form's mean is shrunk with
 def form(launch: Launch | Sequence[int], heuristic: Launch | Sequence[int]) -> str:
   """``launch`` relative to ``heuristic``: ``"+0-1+0"`` (half the lanes), ``"+0+0+0/1x2"``
   (the heuristic's tile in blocks of 1 x 2 rows)."""
-  steps = "".join(f"{round(math.log2(a / b)):+d}" for a, b in zip(launch[:3], heuristic[:3]))
+  steps = "".join(f"{round(math.log2(a / b)):+d}" for a, b in zip(launch[:3], heuristic[:3],
+                                                                        strict=True))
   return steps + (f"/{launch[3]}x{launch[4]}" if len(launch) == 5 else "")
 
 
