@@ -94,6 +94,7 @@ class MultiScaleRoIAlignBody(RoIBody):
     roi_api.positive_scale("canonical_scale", self.canonical_scale)
     if not is_int(self.canonical_level):
       raise TypeError(f"canonical_level must be an int; got {self.canonical_level!r}.")
+    roi_api.finite_number("eps", self.eps)
     check_bool("aligned", self.aligned)
     check_name("mode", self.mode, MODES)
 

@@ -44,6 +44,9 @@ def check_maps(name: str, x: Any, data_format: Any) -> jax.Array:
     x = jnp.moveaxis(x, 1, -1)
   if 0 in x.shape[1:3]:
     raise ValueError(f"{name} must have a non-empty spatial plane; got shape {tuple(x.shape)}.")
+  if x.shape[0] == 0 or x.shape[3] == 0:
+    raise ValueError(f"{name} must have at least one image and one channel; got shape "
+                     f"{tuple(x.shape)} ({data_format}).")
   return x
 
 
@@ -118,12 +121,24 @@ def output_size_pair(value: Any) -> tuple[int, int]:
   return int_tuple("output_size", value, 2)  # type: ignore[return-value]
 
 
-def positive_scale(name: str, value: Any) -> float:
+def finite_number(name: str, value: Any, what: str = "a finite number") -> float:
+  """A static real number: a Python or NumPy int or float, or a concrete 0-d JAX array."""
+  if isinstance(value, jax.Array) and value.ndim == 0 and not isinstance(value, jax.core.Tracer):
+    if jnp.issubdtype(value.dtype, jnp.integer) or jnp.issubdtype(value.dtype, jnp.floating):
+      value = value.item()
   if isinstance(value, (bool, np.bool_)) or not isinstance(
       value, (int, float, np.integer, np.floating)):
-    raise TypeError(f"{name} must be a positive finite number; got {value!r}.")
+    raise TypeError(f"{name} must be {what} (a static Python or NumPy number, not traced); got "
+                    f"{value!r}.")
   v = float(value)
-  if not (v > 0 and math.isfinite(v)):
+  if not math.isfinite(v):
+    raise ValueError(f"{name} must be {what}; got {value!r}.")
+  return v
+
+
+def positive_scale(name: str, value: Any) -> float:
+  v = finite_number(name, value, "a positive finite number")
+  if not v > 0:
     raise ValueError(f"{name} must be a positive finite number; got {value!r}.")
   return v
 
@@ -149,8 +164,8 @@ _needed = jax.jit(lambda coords, scale, out: jnp.max(
 
 
 def sample_grid(sampling_ratio: int, cap: tuple[int, int] | None, coords: jax.Array,
-             scale: jax.Array, levels: tuple[Level, ...],
-             output_size: tuple[int, int]) -> tuple[int, int]:
+                scale: jax.Array, levels: tuple[Level, ...],
+                output_size: tuple[int, int]) -> tuple[int, int]:
   """The static sample grid ``(Sy, Sx)``: see ``roi_align``'s ``max_samples``."""
   if sampling_ratio > 0:
     return (sampling_ratio, sampling_ratio)
@@ -231,7 +246,7 @@ def roi_align(x: Any, boxes: Boxes, output_size: int | Sequence[int], *,
   levels = (Level(N, H, W, scale, 0),)
   level = jnp.zeros(image.shape, jnp.int32)
   samples = sample_grid(ratio, cap, coords, jnp.full(image.shape, scale, jnp.float32), levels,
-                     output_size)
+                        output_size)
   cfg = AlignConfig(output_size, levels, ratio, samples, aligned, mode)
   backend = dispatch.choose(Op.ROI_ALIGN, implementation, x, None, caller="roi_align")
   y = backend.roi_align((x,), image, coords, level, cfg)
