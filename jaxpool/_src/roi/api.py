@@ -209,7 +209,8 @@ def roi_align(x: Any, boxes: Boxes, output_size: int | Sequence[int], *,
     max_samples: with ``sampling_ratio <= 0``, the most samples per bin along each axis (an int
       or ``(y, x)``), the static size of the sample grid. Default: enough for every box inside
       the feature map, ``ceil((H + 1) / ph)`` by ``ceil((W + 1) / pw)`` (outside ``jit``,
-      the smallest grid that gives the same result). A box needing more is sampled
+      the smallest grid that holds the boxes' samples: the same output and feature gradient,
+      bit for bit, the box gradient to rounding). A box needing more is sampled
       ``max_samples`` times per axis.
     data_format: ``"channels_last"`` or ``"channels_first"`` (torchvision's NCHW).
     implementation: ``None`` or ``"xla"`` (the Pallas backend has no ROI kernel yet).
@@ -271,10 +272,10 @@ def roi_pool(x: Any, boxes: Boxes, output_size: int | Sequence[int], *,
   Returns:
     ``y`` ``(K, ph, pw, C)`` (or channels first), or ``(y, indices)``. Unlike
     :func:`max_pool`: the maximum starts from float32's lowest value under ``>``, so NaN never
-    wins and a bin of only NaN or -inf gives ``-3.4028235e38`` with index -1; an empty bin
-    (a box outside the map) gives 0 and index -1. Under ``jit``, a box whose image index is out
-    of range gives zeros (index -1), one with a NaN or infinite coordinate NaN (outside ``jit``
-    both raise).
+    wins and a bin of only NaN or -inf gives ``-3.4028235e38`` (``-inf`` in bfloat16 and
+    float16) with index -1; an empty bin (a box outside the map) gives 0 and index -1. Under
+    ``jit``, a box whose image index is out of range gives zeros (index -1), one with a NaN or
+    infinite coordinate NaN (outside ``jit`` both raise).
 
   The gradient goes to each bin's maximum (sums where bins overlap, deterministic); the boxes'
   gradient is zero (their coordinates are rounded).
