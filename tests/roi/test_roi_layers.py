@@ -50,6 +50,8 @@ def test_layers_are_the_functions():
     (lambda: jpe.RoIPool(2, data_format="NCHW"), r"data_format must be one of"),
     (lambda: jpn.MultiScaleRoIAlign(2, canonical_level=4.0), r"canonical_level must be an int"),
     (lambda: jpl.RoIPool((2, 2), implementation="cuda"), r"implementation must be one of"),
+    (lambda: jpe.MultiScaleRoIAlign(2, eps=float("nan")), r"eps must be a finite number"),
+    (lambda: jpl.MultiScaleRoIAlign(2, eps="a"), r"eps must be a finite number"),
 ])
 def test_attributes_checked_at_construction(make, match):
   with pytest.raises((TypeError, ValueError), match=match):
@@ -61,3 +63,10 @@ def test_equinox_layer_is_a_pytree_without_leaves():
   assert jax.tree_util.tree_leaves(layer) == []
   g = jax.grad(lambda b: layer(jnp.asarray(np.moveaxis(X, -1, 1)), b).sum())(BOXES)
   assert g.shape == BOXES.shape
+
+
+@pytest.mark.parametrize("make", [jpn.RoIAlign, jpe.RoIAlign, jpn.MultiScaleRoIAlign,
+                                  jpe.MultiScaleRoIAlign])
+def test_sequence_attributes_kept_as_tuples(make):
+  layer = make([2, 3], max_samples=[4, 5])
+  assert layer.output_size == (2, 3) and layer.max_samples == (4, 5)
