@@ -4,7 +4,6 @@ unusable box) count as nothing: a NaN or inf they would read, or a NaN cotangent
 the static sample grid (eager == jit)."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 import roi_reference as rref
