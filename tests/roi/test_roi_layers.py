@@ -27,6 +27,11 @@ def test_layers_are_the_functions():
   # one example, as Equinox calls a layer under vmap
   one = eqx_layer(xc[1], BOXES[1:, 1:])
   np.testing.assert_array_equal(np.moveaxis(np.asarray(one), 1, -1), want[1:])
+
+
+@pytest.mark.slow
+def test_pool_layers_are_the_functions():
+  xc = np.moveaxis(X, -1, 1)
   pool = jaxpool.roi_pool(X, BOXES, 2)
   np.testing.assert_array_equal(jpl.RoIPool(2).apply({}, X, BOXES), pool)
   np.testing.assert_array_equal(jpn.RoIPool(2)(X, BOXES), pool)
