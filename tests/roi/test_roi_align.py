@@ -209,6 +209,7 @@ def test_jvp_is_the_transpose_of_the_vjp(rng):
   assert abs(lhs - rhs) < 1e-3 * max(1.0, abs(lhs))
 
 
+@pytest.mark.slow
 def test_vmap_forward(rng):
   xs = np.stack([_x(rng), _x(rng)])
   bs = np.stack([_boxes(rng, 3), _boxes(rng, 3)])

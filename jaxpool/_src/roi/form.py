@@ -78,7 +78,8 @@ def _selected(taps, sy, sx):
 
 
 def _max_parts(base, stride, iy, ix, taps, wy, wx):
-  """Max mode: per element and corner ``(K, ph, pw, C, 2, 2)``: flat element rows and weights."""
+  """Max mode: per element and corner ``(K, ph, pw, C, 2, 2)``: flat element rows, weights and
+  liveness (the selected sample is live there)."""
   K, ph, Sy, _ = iy.shape
   pw, Sx = ix.shape[1:3]
   C = taps.shape[-1]
