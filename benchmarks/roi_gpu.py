@@ -32,9 +32,7 @@ import argparse
 import json
 import math
 import os
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -45,6 +43,7 @@ import jaxpool  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from result_path import device_tag, result_path  # noqa: E402
+from timing import median_ms  # noqa: E402
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 STRIDES = (4, 8, 16, 32)
@@ -110,19 +109,6 @@ def plain_multi_scale_roi_align(features, boxes, scales, output_size, sampling_r
 
 
 # ----------------------------------------------------------------------------- timing
-
-
-def median_ms(call, sync, reps):
-  for _ in range(2):
-    call()
-  sync()
-  samples = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    call()
-    sync()
-    samples.append(time.perf_counter() - t0)
-  return statistics.median(samples) * 1e3
 
 
 def time_jax(fn, args, reps):

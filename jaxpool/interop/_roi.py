@@ -94,6 +94,7 @@ class MultiScaleRoIAlignBody(RoIBody):
     roi_api.positive_scale("canonical_scale", self.canonical_scale)
     if not is_int(self.canonical_level):
       raise TypeError(f"canonical_level must be an int; got {self.canonical_level!r}.")
+    roi_api.finite_number("eps", self.eps)
     check_bool("aligned", self.aligned)
     check_name("mode", self.mode, MODES)
 
@@ -105,9 +106,17 @@ class MultiScaleRoIAlignBody(RoIBody):
         data_format=self.data_format, implementation=self.implementation)
 
 
-def one_image(inputs: Any, boxes: Any) -> tuple[Any, Any, bool]:
+def init_layer(layer: RoIBody, **attributes: Any) -> None:
+  """The framework layers' ``__init__``: set the attributes (a list or tuple as a tuple, so the
+  static fields hash) and check them under their names."""
+  for name, value in attributes.items():
+    setattr(layer, name, tuple(value) if isinstance(value, (list, tuple)) else value)
+  layer._check_attributes()
+
+
+def one_image(inputs: Any, boxes: Any) -> tuple[Any, Any]:
   """Equinox's per-example form: ``(C, H, W)`` with ``(K, 4)`` boxes becomes a batch of one
   (``(1, C, H, W)`` and ``[boxes]``); other forms pass as they are."""
   if jnp.ndim(inputs) == 3:
-    return jnp.asarray(inputs)[None], [boxes], True
-  return inputs, boxes, False
+    return jnp.asarray(inputs)[None], [boxes]
+  return inputs, boxes

@@ -45,7 +45,8 @@ from jaxpool._src import api
 from jaxpool._src.checks import check_bool, check_divisor, check_name, check_norm
 from jaxpool._src.windows import IMPLEMENTATIONS, check_rank, effective_window
 from jaxpool.interop._args import eqx_padding, eqx_per_dim
-from jaxpool.interop._roi import MultiScaleRoIAlignBody, RoIAlignBody, RoIPoolBody, one_image
+from jaxpool.interop._roi import (MultiScaleRoIAlignBody, RoIAlignBody, RoIPoolBody, init_layer,
+                                  one_image)
 
 __all__ = ["MaxPool1d", "MaxPool2d", "MaxPool3d", "AvgPool1d", "AvgPool2d", "AvgPool3d",
            "LPPool1d", "LPPool2d", "LPPool3d", "RoIAlign", "RoIPool", "MultiScaleRoIAlign"]
@@ -402,18 +403,14 @@ class RoIAlign(RoIAlignBody, eqx.Module):
                sampling_ratio: int = -1, aligned: bool = False, mode: str = "avg",
                max_samples: IntOrSeq | None = None, data_format: str = "channels_first",
                implementation: str | None = None):
-    self.output_size = output_size if isinstance(output_size, int) else tuple(output_size)
-    self.spatial_scale, self.sampling_ratio, self.aligned = spatial_scale, sampling_ratio, aligned
-    self.mode = mode
-    self.max_samples = (max_samples if max_samples is None or isinstance(max_samples, int)
-                        else tuple(max_samples))
-    self.data_format, self.implementation = data_format, implementation
-    self._check_attributes()
+    init_layer(self, output_size=output_size, spatial_scale=spatial_scale,
+               sampling_ratio=sampling_ratio, aligned=aligned, mode=mode, max_samples=max_samples,
+               data_format=data_format, implementation=implementation)
 
   def __call__(self, x: jax.Array, boxes: Any, *, key: Any = None) -> jax.Array:
     """``(K, C, ph, pw)`` (``(K, ph, pw, C)`` channels last); ``key`` is ignored."""
     with jax.named_scope("jaxpool.equinox.RoIAlign"):
-      return self._apply(*one_image(x, boxes)[:2])
+      return self._apply(*one_image(x, boxes))
 
 
 class RoIPool(RoIPoolBody, eqx.Module):
@@ -429,14 +426,12 @@ class RoIPool(RoIPoolBody, eqx.Module):
 
   def __init__(self, output_size: IntOrSeq, *, spatial_scale: float = 1.0,
                data_format: str = "channels_first", implementation: str | None = None):
-    self.output_size = output_size if isinstance(output_size, int) else tuple(output_size)
-    self.spatial_scale = spatial_scale
-    self.data_format, self.implementation = data_format, implementation
-    self._check_attributes()
+    init_layer(self, output_size=output_size, spatial_scale=spatial_scale,
+               data_format=data_format, implementation=implementation)
 
   def __call__(self, x: jax.Array, boxes: Any, *, key: Any = None) -> jax.Array:
     with jax.named_scope("jaxpool.equinox.RoIPool"):
-      return self._apply(*one_image(x, boxes)[:2])
+      return self._apply(*one_image(x, boxes))
 
 
 class MultiScaleRoIAlign(MultiScaleRoIAlignBody, eqx.Module):
@@ -461,13 +456,10 @@ class MultiScaleRoIAlign(MultiScaleRoIAlignBody, eqx.Module):
                canonical_scale: float = 224.0, canonical_level: int = 4, eps: float = 1e-6,
                aligned: bool = False, mode: str = "avg", max_samples: IntOrSeq | None = None,
                data_format: str = "channels_first", implementation: str | None = None):
-    self.output_size = output_size if isinstance(output_size, int) else tuple(output_size)
-    self.sampling_ratio, self.canonical_scale = sampling_ratio, canonical_scale
-    self.canonical_level, self.eps, self.aligned, self.mode = canonical_level, eps, aligned, mode
-    self.max_samples = (max_samples if max_samples is None or isinstance(max_samples, int)
-                        else tuple(max_samples))
-    self.data_format, self.implementation = data_format, implementation
-    self._check_attributes()
+    init_layer(self, output_size=output_size, sampling_ratio=sampling_ratio,
+               canonical_scale=canonical_scale, canonical_level=canonical_level, eps=eps,
+               aligned=aligned, mode=mode, max_samples=max_samples, data_format=data_format,
+               implementation=implementation)
 
   def __call__(self, features: Any, boxes: Any, image_shapes: Any, *,
                key: Any = None) -> jax.Array:

@@ -30,7 +30,7 @@ from flax import nnx
 from jaxpool._src.checks import check_bool, check_divisor, check_norm
 from jaxpool.interop._args import flax_config
 from jaxpool.interop._layers import AvgPoolBody, LPPoolBody, MaxPoolBody, MinPoolBody
-from jaxpool.interop._roi import MultiScaleRoIAlignBody, RoIAlignBody, RoIPoolBody
+from jaxpool.interop._roi import MultiScaleRoIAlignBody, RoIAlignBody, RoIPoolBody, init_layer
 from jaxpool.interop.flax_linen import Padding, avg_pool, lp_pool, max_pool, min_pool
 
 __all__ = ["max_pool", "min_pool", "avg_pool", "lp_pool", "MaxPool", "MinPool", "AvgPool",
@@ -172,15 +172,9 @@ class RoIAlign(RoIAlignBody, nnx.Module):
                sampling_ratio: int = -1, aligned: bool = False, mode: str = "avg",
                max_samples: int | Sequence[int] | None = None,
                data_format: str = "channels_last", implementation: str | None = None):
-    self.output_size = output_size
-    self.spatial_scale = spatial_scale
-    self.sampling_ratio = sampling_ratio
-    self.aligned = aligned
-    self.mode = mode
-    self.max_samples = max_samples
-    self.data_format = data_format
-    self.implementation = implementation
-    self._check_attributes()
+    init_layer(self, output_size=output_size, spatial_scale=spatial_scale,
+               sampling_ratio=sampling_ratio, aligned=aligned, mode=mode, max_samples=max_samples,
+               data_format=data_format, implementation=implementation)
 
   def __call__(self, inputs: jax.typing.ArrayLike, boxes) -> jax.Array:
     return self._apply(inputs, boxes)
@@ -194,11 +188,8 @@ class RoIPool(RoIPoolBody, nnx.Module):
 
   def __init__(self, output_size: int | Sequence[int], *, spatial_scale: float = 1.0,
                data_format: str = "channels_last", implementation: str | None = None):
-    self.output_size = output_size
-    self.spatial_scale = spatial_scale
-    self.data_format = data_format
-    self.implementation = implementation
-    self._check_attributes()
+    init_layer(self, output_size=output_size, spatial_scale=spatial_scale,
+               data_format=data_format, implementation=implementation)
 
   def __call__(self, inputs: jax.typing.ArrayLike, boxes) -> jax.Array:
     return self._apply(inputs, boxes)
@@ -216,17 +207,10 @@ class MultiScaleRoIAlign(MultiScaleRoIAlignBody, nnx.Module):
                aligned: bool = False, mode: str = "avg",
                max_samples: int | Sequence[int] | None = None,
                data_format: str = "channels_last", implementation: str | None = None):
-    self.output_size = output_size
-    self.sampling_ratio = sampling_ratio
-    self.canonical_scale = canonical_scale
-    self.canonical_level = canonical_level
-    self.eps = eps
-    self.aligned = aligned
-    self.mode = mode
-    self.max_samples = max_samples
-    self.data_format = data_format
-    self.implementation = implementation
-    self._check_attributes()
+    init_layer(self, output_size=output_size, sampling_ratio=sampling_ratio,
+               canonical_scale=canonical_scale, canonical_level=canonical_level, eps=eps,
+               aligned=aligned, mode=mode, max_samples=max_samples, data_format=data_format,
+               implementation=implementation)
 
   def __call__(self, features, boxes, image_shapes) -> jax.Array:
     return self._apply(features, boxes, image_shapes)

@@ -39,6 +39,13 @@ BOX = np.array([[0, 1.0, 1.0, 4.0, 3.0]], np.float32)
      r"image indices.*box 0 has 0.5"),
     (jaxpool.roi_align, dict(boxes=np.array([[0, 0, 0, 1, 1.0], [0, np.nan, 0, 1, 1]])),
      ValueError, r"finite coordinates; box 1 has \[nan, 0.0, 1.0, 1.0\]"),
+    (jaxpool.roi_align, dict(x=np.ones((0, 5, 6, 3))), ValueError,
+     r"x must have at least one image and one channel; got shape \(0, 5, 6, 3\)"),
+    (jaxpool.roi_pool, dict(x=np.ones((2, 5, 6, 0))), ValueError,
+     r"x must have at least one image and one channel; got shape \(2, 5, 6, 0\)"),
+    (jaxpool.roi_align, dict(spatial_scale="a"), TypeError, r"spatial_scale must be a positive"),
+    (jaxpool.roi_align, dict(spatial_scale=np.float32(np.nan)), ValueError,
+     r"spatial_scale must be a positive finite number; got np.float32\(nan\)"),
 ])
 def test_bad_arguments(call, kwargs, error, match):
   args = dict(x=X, boxes=BOX, output_size=2)
@@ -73,3 +80,39 @@ def test_what_jit_cannot_check_has_a_documented_result(mode):
   np.testing.assert_array_equal(y[1:3], 0)
   np.testing.assert_array_equal(idx[1:], -1)
   assert np.isnan(y[3:]).all()
+
+
+P2, P3 = np.ones((1, 8, 8, 2), np.float32), np.ones((1, 4, 4, 2), np.float32)
+MBOX = [np.array([[0.0, 0.0, 8.0, 8.0]], np.float32)]
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(features=[P3, P2]), ValueError, r"features must be the levels finest first.*"
+     r"strictly decreasing; got scales \[0.25, 0.5\]"),
+    (dict(features=[P2, P2]), ValueError, r"got scales \[0.5, 0.5\]"),
+    (dict(image_shapes=[]), ValueError, r"image_shapes must hold the \(height, width\) of at"),
+    (dict(image_shapes=7), TypeError, r"image_shapes must be a sequence.*got 7"),
+    (dict(image_shapes=[(16, 0)]), ValueError, r"pairs of positive ints; got \(16, 0\)"),
+    (dict(eps="a"), TypeError, r"eps must be a finite number.*got 'a'"),
+    (dict(eps=float("nan")), ValueError, r"eps must be a finite number; got nan"),
+    (dict(features=[np.ones((0, 8, 8, 2))]), ValueError,
+     r"features\[0\] must have at least one image and one channel"),
+])
+def test_multi_scale_bad_arguments(kwargs, error, match):
+  args = dict(features=[P2, P3], boxes=MBOX, image_shapes=[(16, 16)])
+  args.update(kwargs)
+  with pytest.raises(error, match=match):
+    jaxpool.multi_scale_roi_align(args.pop("features"), args.pop("boxes"),
+                                  args.pop("image_shapes"), 2, **args)
+
+
+def test_number_forms_accepted():
+  """A concrete 0-d JAX array is a number as NumPy's scalars are; an array of image shapes is a
+  sequence of them."""
+  want = jaxpool.roi_align(X, BOX, 2, spatial_scale=0.5)
+  for scale in (np.float32(0.5), jnp.float32(0.5), jnp.asarray(0.5)):
+    np.testing.assert_array_equal(jaxpool.roi_align(X, BOX, 2, spatial_scale=scale), want)
+  want = jaxpool.multi_scale_roi_align([P2, P3], MBOX, [(16, 16)], 2)
+  for shapes in (np.array([[16, 16]]), jnp.array([[16, 16]])):
+    np.testing.assert_array_equal(jaxpool.multi_scale_roi_align([P2, P3], MBOX, shapes, 2),
+                                  want)

@@ -27,6 +27,11 @@ def test_layers_are_the_functions():
   # one example, as Equinox calls a layer under vmap
   one = eqx_layer(xc[1], BOXES[1:, 1:])
   np.testing.assert_array_equal(np.moveaxis(np.asarray(one), 1, -1), want[1:])
+
+
+@pytest.mark.slow
+def test_pool_layers_are_the_functions():
+  xc = np.moveaxis(X, -1, 1)
   pool = jaxpool.roi_pool(X, BOXES, 2)
   np.testing.assert_array_equal(jpl.RoIPool(2).apply({}, X, BOXES), pool)
   np.testing.assert_array_equal(jpn.RoIPool(2)(X, BOXES), pool)
@@ -50,6 +55,8 @@ def test_layers_are_the_functions():
     (lambda: jpe.RoIPool(2, data_format="NCHW"), r"data_format must be one of"),
     (lambda: jpn.MultiScaleRoIAlign(2, canonical_level=4.0), r"canonical_level must be an int"),
     (lambda: jpl.RoIPool((2, 2), implementation="cuda"), r"implementation must be one of"),
+    (lambda: jpe.MultiScaleRoIAlign(2, eps=float("nan")), r"eps must be a finite number"),
+    (lambda: jpl.MultiScaleRoIAlign(2, eps="a"), r"eps must be a finite number"),
 ])
 def test_attributes_checked_at_construction(make, match):
   with pytest.raises((TypeError, ValueError), match=match):
@@ -61,3 +68,10 @@ def test_equinox_layer_is_a_pytree_without_leaves():
   assert jax.tree_util.tree_leaves(layer) == []
   g = jax.grad(lambda b: layer(jnp.asarray(np.moveaxis(X, -1, 1)), b).sum())(BOXES)
   assert g.shape == BOXES.shape
+
+
+@pytest.mark.parametrize("make", [jpn.RoIAlign, jpe.RoIAlign, jpn.MultiScaleRoIAlign,
+                                  jpe.MultiScaleRoIAlign])
+def test_sequence_attributes_kept_as_tuples(make):
+  layer = make([2, 3], max_samples=[4, 5])
+  assert layer.output_size == (2, 3) and layer.max_samples == (4, 5)

@@ -102,3 +102,14 @@ def test_bfloat16(rng):
   assert y.dtype == jnp.bfloat16
   ry, _ = rref.roi_pool(np.asarray(x.astype(jnp.float32)), BOXES[:3], 2)
   np.testing.assert_array_equal(np.asarray(y, np.float32), ry)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_bin_of_only_nan_and_minus_inf(dtype):
+  """float32's lowest value; -inf in bfloat16 and float16 (which cannot hold it)."""
+  x = jnp.asarray(np.array([np.nan, -np.inf] * 8, np.float32).reshape(1, 4, 4, 1), dtype)
+  y, idx = jaxpool.roi_pool(x, np.array([[0, 0.0, 0.0, 3.0, 3.0]], np.float32), 2,
+                            return_indices=True)
+  want = -np.finfo(np.float32).max if dtype == jnp.float32 else -np.inf
+  np.testing.assert_array_equal(np.asarray(y, np.float32), want)
+  np.testing.assert_array_equal(idx, -1)

@@ -44,6 +44,9 @@ def check_maps(name: str, x: Any, data_format: Any) -> jax.Array:
     x = jnp.moveaxis(x, 1, -1)
   if 0 in x.shape[1:3]:
     raise ValueError(f"{name} must have a non-empty spatial plane; got shape {tuple(x.shape)}.")
+  if x.shape[0] == 0 or x.shape[3] == 0:
+    raise ValueError(f"{name} must have at least one image and one channel; got shape "
+                     f"{tuple(x.shape)} ({data_format}).")
   return x
 
 
@@ -118,12 +121,24 @@ def output_size_pair(value: Any) -> tuple[int, int]:
   return int_tuple("output_size", value, 2)  # type: ignore[return-value]
 
 
-def positive_scale(name: str, value: Any) -> float:
+def finite_number(name: str, value: Any, what: str = "a finite number") -> float:
+  """A static real number: a Python or NumPy int or float, or a concrete 0-d JAX array."""
+  if isinstance(value, jax.Array) and value.ndim == 0 and not isinstance(value, jax.core.Tracer):
+    if jnp.issubdtype(value.dtype, jnp.integer) or jnp.issubdtype(value.dtype, jnp.floating):
+      value = value.item()
   if isinstance(value, (bool, np.bool_)) or not isinstance(
       value, (int, float, np.integer, np.floating)):
-    raise TypeError(f"{name} must be a positive finite number; got {value!r}.")
+    raise TypeError(f"{name} must be {what} (a static Python or NumPy number, not traced); got "
+                    f"{value!r}.")
   v = float(value)
-  if not (v > 0 and math.isfinite(v)):
+  if not math.isfinite(v):
+    raise ValueError(f"{name} must be {what}; got {value!r}.")
+  return v
+
+
+def positive_scale(name: str, value: Any) -> float:
+  v = finite_number(name, value, "a positive finite number")
+  if not v > 0:
     raise ValueError(f"{name} must be a positive finite number; got {value!r}.")
   return v
 
@@ -149,8 +164,8 @@ _needed = jax.jit(lambda coords, scale, out: jnp.max(
 
 
 def sample_grid(sampling_ratio: int, cap: tuple[int, int] | None, coords: jax.Array,
-             scale: jax.Array, levels: tuple[Level, ...],
-             output_size: tuple[int, int]) -> tuple[int, int]:
+                scale: jax.Array, levels: tuple[Level, ...],
+                output_size: tuple[int, int]) -> tuple[int, int]:
   """The static sample grid ``(Sy, Sx)``: see ``roi_align``'s ``max_samples``."""
   if sampling_ratio > 0:
     return (sampling_ratio, sampling_ratio)
@@ -194,7 +209,8 @@ def roi_align(x: Any, boxes: Boxes, output_size: int | Sequence[int], *,
     max_samples: with ``sampling_ratio <= 0``, the most samples per bin along each axis (an int
       or ``(y, x)``), the static size of the sample grid. Default: enough for every box inside
       the feature map, ``ceil((H + 1) / ph)`` by ``ceil((W + 1) / pw)`` (outside ``jit``,
-      the smallest grid that gives the same result). A box needing more is sampled
+      the smallest grid that holds the boxes' samples: the same output and feature gradient,
+      bit for bit, the box gradient to rounding). A box needing more is sampled
       ``max_samples`` times per axis.
     data_format: ``"channels_last"`` or ``"channels_first"`` (torchvision's NCHW).
     implementation: ``None`` or ``"xla"`` (the Pallas backend has no ROI kernel yet).
@@ -231,7 +247,7 @@ def roi_align(x: Any, boxes: Boxes, output_size: int | Sequence[int], *,
   levels = (Level(N, H, W, scale, 0),)
   level = jnp.zeros(image.shape, jnp.int32)
   samples = sample_grid(ratio, cap, coords, jnp.full(image.shape, scale, jnp.float32), levels,
-                     output_size)
+                        output_size)
   cfg = AlignConfig(output_size, levels, ratio, samples, aligned, mode)
   backend = dispatch.choose(Op.ROI_ALIGN, implementation, x, None, caller="roi_align")
   y = backend.roi_align((x,), image, coords, level, cfg)
@@ -256,10 +272,10 @@ def roi_pool(x: Any, boxes: Boxes, output_size: int | Sequence[int], *,
   Returns:
     ``y`` ``(K, ph, pw, C)`` (or channels first), or ``(y, indices)``. Unlike
     :func:`max_pool`: the maximum starts from float32's lowest value under ``>``, so NaN never
-    wins and a bin of only NaN or -inf gives ``-3.4028235e38`` with index -1; an empty bin
-    (a box outside the map) gives 0 and index -1. Under ``jit``, a box whose image index is out
-    of range gives zeros (index -1), one with a NaN or infinite coordinate NaN (outside ``jit``
-    both raise).
+    wins and a bin of only NaN or -inf gives ``-3.4028235e38`` (``-inf`` in bfloat16 and
+    float16) with index -1; an empty bin (a box outside the map) gives 0 and index -1. Under
+    ``jit``, a box whose image index is out of range gives zeros (index -1), one with a NaN or
+    infinite coordinate NaN (outside ``jit`` both raise).
 
   The gradient goes to each bin's maximum (sums where bins overlap, deterministic); the boxes'
   gradient is zero (their coordinates are rounded).

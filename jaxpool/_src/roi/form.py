@@ -17,9 +17,18 @@ from the other three. Each is linear in each of its three operands, so its JVP i
 its transpose with respect to an operand ``u`` is the bind for ``wrt=u`` with the cotangent in the
 slot of the old ``wrt``: reverse, forward and higher order compose without ``custom_vjp``.
 
-The feature gradient is deterministic: the contributions are sorted by pixel (a stable sort),
-summed per pixel by a segmented scan in a fixed order, and read at unique positions; no scatter.
-Memory: the outputs times the samples per bin times 4 corners.
+A dead sample (padding past a box's sample count, outside ``[-1, size]``, or in an unusable
+box) has the corner indices -1 in ``iy``/``ix``: it reads pixel 0 but counts as nothing
+(``jnp.where``, not a product with 0, so a NaN or inf it reads, or a NaN cotangent, goes
+nowhere), and joins no pixel's sum in the feature gradient.
+
+The feature gradient is deterministic: one sample of every bin at a time, in row-major sample
+order, the contributions are sorted by pixel (a stable sort), summed per pixel by a segmented
+scan in a fixed order, read at unique positions and added to the running sum; no scatter. Dead
+samples add nothing, so the bits do not depend on the static sample grid (eager == jit).
+Memory: the forward and the feature gradient hold the outputs times 4 corners per step (one
+sample of every bin); the box gradient holds the outputs (without channels) times the samples
+per bin times 4.
 """
 
 from __future__ import annotations
@@ -43,17 +52,22 @@ def _names(wrt: str, has_taps: bool) -> tuple[str, ...]:
 # ----------------------------------------------------------------------------- implementations
 
 
-def _rows(base, stride, iy, ix):
-  """Flat rows of x: ``(K, ph, pw, Sy, Sx, 2, 2)``."""
-  r = base[:, None, None, None, None, None, None] + (
-      iy[:, :, None, :, None, :, None] * stride[:, None, None, None, None, None, None])
-  return r + ix[:, None, :, None, :, None, :]
-
-
-def _weights(wy, wx):
-  """``wy * wx`` per corner: ``(K, ph, pw, Sy, Sx, 2, 2)`` float32."""
-  return (wy[:, :, None, :, None, :, None].astype(F32)
-          * wx[:, None, :, None, :, None, :].astype(F32))
+def _sample_corners(s, base, stride, iy, ix, wy=None, wx=None):
+  """Sample ``s = sy * Sx + sx`` of every bin: its corners' flat rows of x, liveness and
+  (given ``wy``, ``wx``) weights ``wy * wx`` (float32), each ``(K, ph, pw, 2, 2)``."""
+  Sx = ix.shape[2]
+  sy, sx = s // Sx, s % Sx
+  r = lax.dynamic_index_in_dim(iy, sy, 2, keepdims=False)  # (K, ph, 2)
+  c = lax.dynamic_index_in_dim(ix, sx, 2, keepdims=False)  # (K, pw, 2)
+  rows = (base[:, None, None, None, None] + jnp.maximum(r, 0)[:, :, None, :, None] * stride[
+      :, None, None, None, None] + jnp.maximum(c, 0)[:, None, :, None, :])
+  live = (r >= 0)[:, :, None, :, None] & (c >= 0)[:, None, :, None, :]
+  if wy is None or wx is None:
+    return rows, live, None
+  u = lax.dynamic_index_in_dim(wy, sy, 2, keepdims=False).astype(F32)
+  t = lax.dynamic_index_in_dim(wx, sx, 2, keepdims=False).astype(F32)
+  w = u[:, :, None, :, None] * t[:, None, :, None, :]
+  return rows, live, w
 
 
 def _selected(taps, sy, sx):
@@ -64,7 +78,8 @@ def _selected(taps, sy, sx):
 
 
 def _max_parts(base, stride, iy, ix, taps, wy, wx):
-  """Max mode: per element and corner ``(K, ph, pw, C, 2, 2)``: flat element rows and weights."""
+  """Max mode: per element and corner ``(K, ph, pw, C, 2, 2)``: flat element rows, weights and
+  liveness (the selected sample is live there)."""
   K, ph, Sy, _ = iy.shape
   pw, Sx = ix.shape[1:3]
   C = taps.shape[-1]
@@ -74,28 +89,22 @@ def _max_parts(base, stride, iy, ix, taps, wy, wx):
   j = jnp.arange(pw)[None, None, :, None]
   ry, cy = iy[k, i, sy], wy[k, i, sy].astype(F32)  # (K, ph, pw, C, 2)
   rx, cx = ix[k, j, sx], wx[k, j, sx].astype(F32)
-  rows = (base[:, None, None, None, None, None] + ry[..., :, None] * stride[
-      :, None, None, None, None, None] + rx[..., None, :])
+  rows = (base[:, None, None, None, None, None] + jnp.maximum(ry, 0)[..., :, None] * stride[
+      :, None, None, None, None, None] + jnp.maximum(rx, 0)[..., None, :])
   elems = rows * C + jnp.arange(C)[None, None, None, :, None, None]
-  w = jnp.where(ok[..., None, None], cy[..., :, None] * cx[..., None, :], 0.0)
-  return elems, w, (sy, sx, ok)
+  live = ok[..., None, None] & (ry >= 0)[..., :, None] & (rx >= 0)[..., None, :]
+  return elems, cy[..., :, None] * cx[..., None, :], live
 
 
 def sample_value(s, base, stride, iy, ix, wy, wx, x):
   """The bilinear value of sample ``s = sy * Sx + sx`` of every bin: ``(K, ph, pw, C)``
   float32, its four corners added in the order of torchvision's kernel."""
-  Sx = ix.shape[2]
-  sy, sx = s // Sx, s % Sx
-  r = lax.dynamic_index_in_dim(iy, sy, 2, keepdims=False)  # (K, ph, 2)
-  c = lax.dynamic_index_in_dim(ix, sx, 2, keepdims=False)  # (K, pw, 2)
-  u = lax.dynamic_index_in_dim(wy, sy, 2, keepdims=False).astype(F32)
-  t = lax.dynamic_index_in_dim(wx, sx, 2, keepdims=False).astype(F32)
+  rows, live, w = _sample_corners(s, base, stride, iy, ix, wy, wx)
   v = None
   for a in (0, 1):
     for b in (0, 1):
-      rows = base[:, None, None] + r[:, :, None, a] * stride[:, None, None] + c[:, None, :, b]
-      g = jnp.take(x, rows, axis=0, mode="clip").astype(F32)
-      term = (u[:, :, None, a] * t[:, None, :, b])[..., None] * g
+      g = jnp.take(x, rows[..., a, b], axis=0, mode="clip").astype(F32)
+      term = jnp.where(live[..., a, b, None], w[..., a, b, None] * g, 0.0)
       v = term if v is None else v + term
   return v
 
@@ -106,10 +115,10 @@ def _forward(base, stride, iy, ix, taps, wy, wx, x, *, dtype):
   pw, Sx = ix.shape[1:3]
   C = x.shape[1]
   if taps is not None:
-    elems, w, _ = _max_parts(base, stride, iy, ix, taps, wy, wx)
+    elems, w, live = _max_parts(base, stride, iy, ix, taps, wy, wx)
     g = jnp.take(x.reshape(-1), elems, mode="clip").astype(F32)
-    v = w[..., 0, 0] * g[..., 0, 0] + w[..., 0, 1] * g[..., 0, 1]
-    v = v + w[..., 1, 0] * g[..., 1, 0] + w[..., 1, 1] * g[..., 1, 1]
+    t = jnp.where(live, w * g, 0.0)
+    v = t[..., 0, 0] + t[..., 0, 1] + t[..., 1, 0] + t[..., 1, 1]
     return v.astype(dtype)
 
   def body(s, acc):
@@ -119,18 +128,23 @@ def _forward(base, stride, iy, ix, taps, wy, wx, x, *, dtype):
   return acc.astype(dtype)
 
 
-def segment_sum_sorted(values: jax.Array, rows: jax.Array, num_rows: int) -> jax.Array:
-  """``out[p] = sum of values[m] where rows[m] == p``, ``(num_rows, C)``, deterministic.
+def segment_sum_sorted(values: jax.Array, rows: jax.Array, num_rows: int,
+                       into: jax.Array | None = None) -> jax.Array:
+  """``out[p] = into[p] + sum of values[m] where rows[m] == p``, ``(num_rows, C)``
+  (``into``: zeros by default; a row without entries keeps ``into``'s bits), deterministic.
 
   A stable sort of the rows, a segmented inclusive scan (Hillis-Steele: ``ceil(log2)`` of the
   longest run steps, each adding the partial sum ``2**t`` entries back within the segment, a
   fixed tree of additions), then each row's sum read at the last entry of its segment (a gather
   at unique positions): no scatter, no atomics.
-  ``values``: ``(M, C)`` float32; ``rows``: ``(M,)`` int32 in ``[0, num_rows)``.
+  ``values``: ``(M, C)`` float32; ``rows``: ``(M,)`` int32 in ``[0, num_rows]``: an entry at
+  ``num_rows`` (dead) sorts after every pixel and joins no sum.
   """
   C = values.shape[1]
+  if into is None:
+    into = jnp.zeros((num_rows, C), values.dtype)
   if values.shape[0] == 0 or num_rows == 0:
-    return jnp.zeros((num_rows, C), values.dtype)
+    return into
   order = jnp.argsort(rows, stable=True)
   keys = rows[order]
   vals = values[order]
@@ -147,28 +161,35 @@ def segment_sum_sorted(values: jax.Array, rows: jax.Array, num_rows: int) -> jax
 
   # As many steps as the longest run needs (ceil(log2(run))), not log2(M): a data-dependent
   # count, fine here (this implementation is never differentiated by JAX).
-  longest = jnp.max(idx - first) + 1
+  longest = jnp.max(jnp.where(keys < num_rows, idx - first, 0)) + 1
   steps = 32 - lax.clz((longest - 1).astype(jnp.int32))
   sums = lax.fori_loop(0, steps, step, vals)
   targets = jnp.arange(num_rows, dtype=keys.dtype)
   last = jnp.searchsorted(keys, targets, side="right") - 1
   safe = jnp.clip(last, 0, keys.shape[0] - 1)
   hit = (last >= 0) & (keys[safe] == targets)
-  return jnp.where(hit[:, None], sums[safe], 0.0)
+  return jnp.where(hit[:, None], into + sums[safe], into)
 
 
 def _feature_grad(base, stride, iy, ix, taps, wy, wx, ct, *, dtype, rows_out):
   """``dx = dF/dx``: (P, C)."""
   C = ct.shape[-1]
+  ctf = ct.astype(F32)
   if taps is not None:
-    elems, w, _ = _max_parts(base, stride, iy, ix, taps, wy, wx)
-    vals = (ct.astype(F32)[..., None, None] * w).reshape(-1, 1)
-    out = segment_sum_sorted(vals, elems.reshape(-1).astype(jnp.int32), rows_out * C)
+    elems, w, live = _max_parts(base, stride, iy, ix, taps, wy, wx)
+    vals = (ctf[..., None, None] * w).reshape(-1, 1)
+    keys = jnp.where(live, elems, rows_out * C).reshape(-1).astype(jnp.int32)
+    out = segment_sum_sorted(vals, keys, rows_out * C)
     return out.reshape(rows_out, C).astype(dtype)
-  rows = _rows(base, stride, iy, ix)  # (K, ph, pw, Sy, Sx, 2, 2)
-  w = _weights(wy, wx)
-  vals = ct.astype(F32)[:, :, :, None, None, None, None, :] * w[..., None]
-  out = segment_sum_sorted(vals.reshape(-1, C), rows.reshape(-1).astype(jnp.int32), rows_out)
+  Sy, Sx = iy.shape[2], ix.shape[2]
+
+  def body(s, out):  # one sample of every bin, in row-major sample order
+    rows, live, w = _sample_corners(s, base, stride, iy, ix, wy, wx)
+    vals = ctf[:, :, :, None, None, :] * w[..., None]  # (K, ph, pw, 2, 2, C)
+    keys = jnp.where(live, rows, rows_out).reshape(-1).astype(jnp.int32)
+    return segment_sum_sorted(vals.reshape(-1, C), keys, rows_out, into=out)
+
+  out = lax.fori_loop(0, Sy * Sx, body, jnp.zeros((rows_out, C), F32))
   return out.astype(dtype)
 
 
@@ -179,16 +200,12 @@ def _corner_dots(base, stride, iy, ix, taps, x, ct):
   ctf = ct.astype(F32)
 
   def one(s):
-    sy, sx = s // Sx, s % Sx
-    r = lax.dynamic_index_in_dim(iy, sy, 2, keepdims=False)
-    c = lax.dynamic_index_in_dim(ix, sx, 2, keepdims=False)
-    rows = (base[:, None, None, None, None] + r[:, :, None, :, None] * stride[
-        :, None, None, None, None] + c[:, None, :, None, :])  # (K, ph, pw, 2, 2)
+    rows, live, _ = _sample_corners(s, base, stride, iy, ix)
     g = jnp.take(x, rows, axis=0, mode="clip").astype(F32)  # (K, ph, pw, 2, 2, C)
     prod = ctf[:, :, :, None, None, :] * g
     if taps is not None:
       prod = jnp.where((taps == s)[:, :, :, None, None, :], prod, 0.0)
-    return prod.sum(-1)
+    return jnp.where(live, prod.sum(-1), 0.0)
 
   d = lax.map(one, jnp.arange(Sy * Sx))  # (S, K, ph, pw, 2, 2)
   d = d.reshape(Sy, Sx, K, ph, pw, 2, 2)

@@ -20,7 +20,8 @@ from jaxpool._src.api_args import DataFormat, Implementation
 from jaxpool._src.backend import Op
 from jaxpool._src.checks import check_bool, check_name, is_int
 from jaxpool._src.roi.api import (Boxes, Mode, check_elements, check_maps, check_sampling,
-                                  output_size_pair, positive_scale, sample_grid, split_boxes)
+                                  finite_number, output_size_pair, positive_scale, sample_grid,
+                                  split_boxes)
 from jaxpool._src.roi.plan import MODES, AlignConfig, Level
 from jaxpool._src.windows import DATA_FORMATS
 
@@ -29,15 +30,26 @@ def infer_scales(sizes: Sequence[Sequence[int]],
                  image_shapes: Sequence[Sequence[int]]) -> tuple[float, ...]:
   """torchvision's ``_setup_scales``: each level's scale, ``2 ** round(log2(map height /
   largest image height))`` (rounded half to even, as ``torch.round``)."""
-  if not image_shapes:
+  if isinstance(image_shapes, (np.ndarray, jax.Array)):
+    image_shapes = np.asarray(image_shapes).tolist()  # an (images, 2) array of ints
+  if isinstance(image_shapes, (str, bytes)) or not isinstance(image_shapes, Sequence):
+    raise TypeError(f"image_shapes must be a sequence of (height, width) pairs; got "
+                    f"{image_shapes!r}.")
+  if len(image_shapes) == 0:
     raise ValueError("image_shapes must hold the (height, width) of at least one image; got "
                      "an empty sequence.")
   for shape in image_shapes:
-    if len(shape) != 2 or not all(is_int(v) and v > 0 for v in shape):
+    if (not isinstance(shape, Sequence) or len(shape) != 2
+        or not all(is_int(v) and v > 0 for v in shape)):
       raise ValueError(f"image_shapes must hold (height, width) pairs of positive ints; got "
                        f"{shape!r}.")
   top = max(s[0] for s in image_shapes)
-  return tuple(float(2.0 ** float(np.round(np.log2(np.float32(h / top))))) for h, _ in sizes)
+  scales = tuple(float(2.0 ** float(np.round(np.log2(np.float32(h / top))))) for h, _ in sizes)
+  if any(a <= b for a, b in zip(scales, scales[1:])):
+    raise ValueError(f"features must be the levels finest first (P2, P3, ...), their inferred "
+                     f"scales strictly decreasing; got scales {list(scales)} (map heights "
+                     f"{[int(h) for h, _ in sizes]}, largest image height {top}).")
+  return scales
 
 
 def map_levels(coords: jax.Array, scales: tuple[float, ...], canonical_scale: float,
@@ -107,7 +119,7 @@ def multi_scale_roi_align(features: Sequence[Any], boxes: Boxes,
   canonical_scale = positive_scale("canonical_scale", canonical_scale)
   if not is_int(canonical_level):
     raise TypeError(f"canonical_level must be an int; got {canonical_level!r}.")
-  eps = float(eps)
+  eps = finite_number("eps", eps)
   scales = infer_scales([m.shape[1:3] for m in maps], image_shapes)
   image, coords = split_boxes(boxes, first.shape[0])
   levels, offset = [], 0

@@ -83,8 +83,9 @@ def _box_frame(levels, image, coords, level):
 
 
 def _axis(start, roi, n_out, cap, size, ok, ratio):
-  """One axis of the sample grid: corner indices and weights ``(K, n_out, cap, 2)``, and the
-  per-box sample count ``(K,)``."""
+  """One axis of the sample grid: corner indices (-1 for a dead sample: padding, outside
+  ``[-1, size]`` or an unusable box; form.py reads such a sample as nothing) and weights
+  ``(K, n_out, cap, 2)``, and the per-box sample count ``(K,)``."""
   bin_size = roi / n_out
   K = start.shape[0]
   if ratio > 0:
@@ -112,7 +113,8 @@ def _axis(start, roi, n_out, cap, size, ok, ratio):
   top = (size - 1)[:, None, None]
   low_i = jnp.clip(jnp.where(jnp.isfinite(low), low, 0.0), 0, top.astype(F32)).astype(I32)
   high_i = jnp.minimum(low_i + 1, top)
-  return jnp.stack([low_i, high_i], axis=-1), w, count
+  idx = jnp.where(live[..., None], jnp.stack([low_i, high_i], axis=-1), -1)  # -1: dead
+  return idx, w, count
 
 
 def align_plan(image: jax.Array, coords: jax.Array, level: jax.Array, cfg: AlignConfig):
