@@ -172,7 +172,9 @@ def torch_rows(feats, boxes, image, output_size, reps):
   tf = {f"p{i}": torch.tensor(np.asarray(f.astype(jnp.float32)), device="cuda").permute(
       0, 3, 1, 2).contiguous().to(dt).requires_grad_(True) for i, f in enumerate(feats)}
   b = np.asarray(boxes)
-  tb = [torch.tensor(b[b[:, 0] == i, 1:], device="cuda") for i in range(feats[0].shape[0])]
+  # (torchvision's kernels take boxes of the features' dtype)
+  tb = [torch.tensor(b[b[:, 0] == i, 1:], device="cuda").to(dt)
+        for i in range(feats[0].shape[0])]
   layer = MultiScaleRoIAlign(list(tf), output_size, 2)  # (torchvision's layer: aligned=False)
   shapes = [image] * feats[0].shape[0]
   sync = torch.cuda.synchronize
