@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
 import threading
 from collections.abc import Callable, Iterator
@@ -69,8 +70,10 @@ def _positive(kind: type) -> Callable[[str, Any], Any]:
       value = kind(str(raw).strip()) if isinstance(raw, str) else kind(raw)
     except (TypeError, ValueError):
       value = None
-    if value is None or isinstance(raw, bool) or value <= 0:
-      raise ValueError(f"{label} must be a positive {kind.__name__}, got {raw!r}")
+    if kind is int and isinstance(raw, float) and not raw.is_integer():
+      value = None  # (2.5 candidates is no count)
+    if (value is None or isinstance(raw, bool) or not math.isfinite(value) or value <= 0):
+      raise ValueError(f"{label} must be a positive, finite {kind.__name__}, got {raw!r}")
     return value
   return parse
 
@@ -175,15 +178,19 @@ def override(**values: Any) -> Iterator[None]:
     s = _setting(name)
     if value is not None:
       s.parse(_label(s), value)
+  missing = object()
   with _LOCK:
-    previous = dict(overrides)
+    previous = {name: overrides.get(name, missing) for name in values}
     overrides.update(values)
   try:
     yield
   finally:
-    with _LOCK:
-      overrides.clear()
-      overrides.update(previous)
+    with _LOCK:  # (each key back to its own value: other blocks' keys are left as they are)
+      for name, value in previous.items():
+        if value is missing:
+          overrides.pop(name, None)
+        else:
+          overrides[name] = value
 
 
 def table() -> str:

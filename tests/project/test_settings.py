@@ -67,7 +67,7 @@ def test_defaults_environment_and_overrides(monkeypatch):
 
 @pytest.mark.parametrize("name,value,message", [
     ("tune", "sometimes", r"JAXPOOL_TUNE must be one of .*'sometimes'"),
-    ("tune_budget_s", "-1", r"JAXPOOL_TUNE_BUDGET_S must be a positive float, got '-1'"),
+    ("tune_budget_s", "-1", r"JAXPOOL_TUNE_BUDGET_S must be a positive, finite float, got '-1'"),
     ("tune_max_candidates", "many", r"JAXPOOL_TUNE_MAX_CANDIDATES .*'many'"),
     ("tune_threads", "0", r"JAXPOOL_TUNE_THREADS .*'0'"),
     ("implementation", "triton", r"JAXPOOL_IMPLEMENTATION .*'triton'"),
@@ -97,3 +97,25 @@ def test_kernel_settings_and_unknown_names():
 def test_the_docs_show_the_settings_table():
   with open(os.path.join(ROOT, "docs", "tuning.md"), encoding="utf-8") as f:
     assert settings.table() in f.read()
+
+
+def test_overrides_of_two_blocks_interleaved_keep_each_others_values():
+  """A block that ends restores only its own settings: another block still inside keeps its
+  values (two threads' blocks interleave: A enters, B enters, A leaves, B leaves)."""
+  a = settings.override(tune="cached")
+  b = settings.override(tune_budget_s=3)
+  a.__enter__()
+  b.__enter__()
+  a.__exit__(None, None, None)
+  assert settings.get("tune_budget_s") == 3  # (B is still inside)
+  b.__exit__(None, None, None)
+  assert "tune" not in settings.overrides and "tune_budget_s" not in settings.overrides
+
+
+@pytest.mark.parametrize("name, value", [("tune_budget_s", float("nan")),
+                                         ("tune_budget_s", float("inf")),
+                                         ("tune_max_candidates", 2.5)])
+def test_numbers_that_are_no_count_or_budget_are_refused(name, value):
+  with pytest.raises(ValueError, match="must be a positive, finite"):
+    with settings.override(**{name: value}):
+      pass
