@@ -456,6 +456,17 @@ def large_windows() -> list[str]:
     rows.append(f"| {r['dtype']} | {r['case']} | {m['jaxpool_fwd']:.3f} | {m['xla_fwd']:.3f} | "
                 f"{s['fwd']:.2f}x | {m['jaxpool_fwd_grad']:.3f} | {m['xla_fwd_grad']:.3f} | "
                 f"{s['fwd_grad']:.2f}x | {fl['fwd_grad']:.2f} |")
+  cells = load("windows_gpu_h200.json")["cells"]
+  slow = sorted((c for c in cells if c["speedup"]["fwd_grad"] < 0.95),
+                key=lambda c: c["speedup"]["fwd_grad"])
+  fwd_ok = [c for c in cells if c["speedup"]["fwd"] >= 0.95]
+  lowest_fwd = min(cells, key=lambda c: c["speedup"]["fwd"])
+  name = lambda c: f"{c['window'][0]}x{c['window'][1]}/s{c['strides'][0]}"  # noqa: E731
+  rows += [f"faster than XLA in {len(cells) - len(slow)} of {len(cells)} cells",
+           f"slower in {len(slow)}",
+           ", ".join(f"{name(c)} {c['speedup']['fwd_grad']:.2f}x" for c in slow),
+           f"within 0.95x of XLA in {len(fwd_ok)} of {len(cells)} cells (lowest "
+           f"{name(lowest_fwd)} {lowest_fwd['speedup']['fwd']:.2f}x)"]
   return rows
 
 
