@@ -160,9 +160,17 @@ def test_pooling_nodes_call_the_functional_api(rng):
     ("SAME", (7,), ((1, 1),)),       # k=3, s=2: 4 outputs
     ("FULL", (7,), ((2, 2),)),       # k - 1 on both sides
     (((1, 0),), (7,), ((1, 0),)),
+    ("same", (7,), ((1, 1),)),       # any case, as the nodes and the ops take it
+    ("Full", (7,), ((2, 2),)),
+    ("same_lower", (8,), ((1, 0),)),
 ])
 def test_resolve_padding(policy, spatial, want):
   assert jg.resolve_padding(policy, spatial, (3,), (2,), (1,)) == want
+
+
+def test_resolve_padding_names_a_bad_policy():
+  with pytest.raises(ValueError, match=r"padding must be one of .* got 'ful'"):
+    jg.resolve_padding("ful", (7,), (3,), (2,), (1,))
 
 
 def test_full_padding_and_kernel_offset_semantics(rng):

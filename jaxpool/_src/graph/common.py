@@ -156,7 +156,8 @@ def check_padding(node: Node, padding: Any, n: int, policies: tuple[str, ...] = 
 def resolve_padding(policy: str | tuple[tuple[int, int], ...], in_spatial: Sequence[int],
                     window: Sequence[int], strides: Sequence[int], dilation: Sequence[int]
                     ) -> tuple[tuple[int, int], ...]:
-  """A padding policy as ``(lo, hi)`` pairs, one per spatial dim.
+  """A padding policy (in any case, as the nodes take it) as ``(lo, hi)`` pairs, one per
+  spatial dim.
 
   ``"VALID"``: none. ``"SAME"``: ``ceil(L / s)`` outputs, the odd element of padding at the end
   (ONNX SAME_UPPER, as :func:`jaxpool.max_pool`); ``"SAME_LOWER"`` (pooling nodes) puts it at
@@ -169,9 +170,9 @@ def resolve_padding(policy: str | tuple[tuple[int, int], ...], in_spatial: Seque
     ((1, 1),)
   """
   if isinstance(policy, str):
-    if policy not in POOL_PADDING_POLICIES:
-      raise ValueError(f"padding must be one of {POOL_PADDING_POLICIES} or (lo, hi) pairs; got "
-                       f"{policy!r}.")
+    policy = windows.padding_string(
+        policy, POOL_PADDING_POLICIES,
+        what=f"one of {POOL_PADDING_POLICIES} (in any case) or (lo, hi) pairs")
     return windows.resolve_string_padding(policy, in_spatial, window, strides, dilation)
   return tuple(policy)
 
