@@ -101,7 +101,8 @@ class Optimized:
     planner = Planner(self._implementation, self._fold_relu, self._cost)
     rules = planner.plan(closed.jaxpr, closed.consts, self._name)
     entry = _Entry(closed, rules, jax.tree.structure(out_shape),
-                   OptimizeReport(self._name, tuple(planner.findings)), tuple(written))
+                   OptimizeReport(self._name, tuple(planner.findings),
+                                  tuple(planner.notes)), tuple(written))
     if self._print:
       print(entry.report, flush=True)
     if key is not None and not any(is_tracer(c) for c in closed.consts):
