@@ -21,8 +21,7 @@ from jax.extend import core
 from jax.extend.core import primitives as prims
 
 from jaxpool._src import api, dtypes
-from jaxpool._src import relu_fold
-from jaxpool._src.platforms import device_kind
+from jaxpool._src import platforms, relu_fold
 from jaxpool._src.optimize import conv_layout
 from jaxpool._src.optimize.cost import kernels_by_default
 from jaxpool._src.optimize.dataflow import Dataflow, shape
@@ -116,7 +115,7 @@ def make_site(ctx: Context, g: Dataflow, i: int, op: str, lay: Layout, x, fused_
   return Site(op, full or lay.shape(shape(x)), str(x.aval.dtype), lay, fused_relu,
               ctx.implementation, kernels_by_default(ctx.implementation),
               producer(g, x), readers(g, g.eqns[i].outvars[0] if out is None else out),
-              device_kind())
+              platforms.device_kind())
 
 
 # ----------------------------------------------------------------------------- activations
