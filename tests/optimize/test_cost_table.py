@@ -244,3 +244,28 @@ def test_a_broken_table_names_its_file():
     cost_table.parse('{"format": 99, "cells": []}', "X.json")
   assert cost_table.load("No Such GPU") is None
   assert cost_table.table_name("NVIDIA H100 80GB HBM3") == "NVIDIA_H100_80GB_HBM3.json"
+
+
+# ----------------------------------------------------------------------------- the registry
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gpu_whole_window_forward_bits(dtype):
+  """What the registry would need before it sends a forward-only large window to one
+  ``lax.reduce_window`` where the table finds XLA's forward faster (it does not:
+  docs/large-windows.md, "Forward-only calls"): the same bits as jaxpool's separable forward
+  (one reduce_window a dim) on zeros of both signs, subnormals, infinities and NaN (as NaN)."""
+  import numpy as np
+  from core_strategies import assert_bitwise
+  if jax.default_backend() != "gpu":
+    pytest.skip("needs a GPU")
+  rng = np.random.default_rng(0)
+  vals = np.float32([-0.0, 0.0, 1e-40, -1e-40, 1.0, -1.0, np.nan, -np.inf, np.inf])
+  x = jnp.asarray(rng.choice(vals, (4, 40, 40, 8), p=[.3, .3, .08, .08, .08, .08, .02, .03, .03]))
+  x = x.astype(dtype)
+  for k, s in [(7, 1), (9, 2), (13, 13), (17, 8), (25, 25)]:
+    whole = jax.jit(pool(k, s))(x)
+    separable = jax.jit(lambda v, k=k, s=s: jaxpool.max_pool(v, (k, k), (s, s), "SAME",
+                                                             implementation="xla"))(x)
+    assert_bitwise(whole, separable, f"{k}x{k}/s{s} {dtype}")
