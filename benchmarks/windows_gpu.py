@@ -31,6 +31,11 @@ read, ``dx`` written; as a fraction of a copy at the device's copy bandwidth (``
 ``benchmarks/results/windows_gpu_<device>.json`` (``h200`` for an NVIDIA H200; ``--out``
 overrides). ``--quick``: tiny shapes, one window a part, strides 1 and k, few samples, no
 copy bandwidth (the byte floors are NaN): a smoke run on a CPU.
+
+The sweep's cells are ``jaxpool.optimize``'s measurements on this GPU: after a run, regenerate
+its cost table (``jaxpool/_src/optimize/cost_tables/<device kind>.json``; a test fails until
+it is) with ``python -m jaxpool._src.optimize.cost_table benchmarks/results/windows_gpu_h200.json``
+(docs/optimize.md, "Measured tables").
 """
 
 from __future__ import annotations
@@ -289,6 +294,9 @@ def _main(argv, defaults) -> int:
   with open(out, "w") as f:
     json.dump(result, f, indent=1)
   print(f"saved {out}")
+  if not a.quick and result["cells"]:
+    print(f"now regenerate jaxpool.optimize's cost table: python -m "
+          f"jaxpool._src.optimize.cost_table {os.path.relpath(out, ROOT)}")
   return 0
 
 

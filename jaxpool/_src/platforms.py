@@ -25,6 +25,12 @@ def platform() -> str:
   return name
 
 
+def device_kind() -> str:
+  """The kind of JAX's first device, e.g. ``"NVIDIA H200"`` or ``"cpu"``: device 0 of the
+  job, so every process of a multi-process job reads the same kind."""
+  return str(getattr(jax.devices()[0], "device_kind", ""))
+
+
 def pallas_kernels() -> str:
   """Which Pallas kernels run: ``"tpu"`` (Mosaic TPU) on a TPU, else ``"triton"``.
 

@@ -149,7 +149,8 @@ def check_wheel(wheel: Path):
     fail(f"the wheel carries {len(lab)} lab files: {lab[:10]}")
   for want in ("jaxpool/__init__.py", "jaxpool/py.typed",
                "jaxpool/_src/pallas/tuning/launch_tables/NVIDIA_H100_80GB_HBM3.json",
-               "jaxpool/_src/pallas/tuning/observations.json"):
+               "jaxpool/_src/pallas/tuning/observations.json",
+               "jaxpool/_src/optimize/cost_tables/NVIDIA_H200.json"):
     if want not in names:
       fail(f"the wheel lacks {want}")
   if not any(n.endswith(".dist-info/licenses/LICENSE") for n in names):

@@ -21,7 +21,7 @@ from jax.extend import core
 from jax.extend.core import primitives as prims
 
 from jaxpool._src import api, dtypes
-from jaxpool._src import relu_fold
+from jaxpool._src import platforms, relu_fold
 from jaxpool._src.optimize import conv_layout
 from jaxpool._src.optimize.cost import kernels_by_default
 from jaxpool._src.optimize.dataflow import Dataflow, shape
@@ -114,7 +114,8 @@ def make_site(ctx: Context, g: Dataflow, i: int, op: str, lay: Layout, x, fused_
   not ``x``'s; ``out``: the site's output, where it is not equation ``i``'s)."""
   return Site(op, full or lay.shape(shape(x)), str(x.aval.dtype), lay, fused_relu,
               ctx.implementation, kernels_by_default(ctx.implementation),
-              producer(g, x), readers(g, g.eqns[i].outvars[0] if out is None else out))
+              producer(g, x), readers(g, g.eqns[i].outvars[0] if out is None else out),
+              platforms.device_kind())
 
 
 # ----------------------------------------------------------------------------- activations

@@ -15,6 +15,7 @@ from jax.extend import core
 from jax.extend.core import primitives as prims
 
 from jaxpool._src.optimize import patterns, window_sums
+from jaxpool._src.optimize import cost as cost_model
 from jaxpool._src.optimize.cost import Cost, default_cost
 from jaxpool._src.optimize.dataflow import Dataflow
 from jaxpool._src.optimize.interpreter import HIGHER_ORDER, Rules, src_info
@@ -59,6 +60,7 @@ class Planner:
     self.fold_relu = fold_relu
     self.cost = cost
     self.findings: list[Finding] = []
+    self.notes: list[str] = []  # what the default cost model lacked measurements for
     self.scope = ""  # the layer path of the equation whose sub-jaxpr is being planned
 
   def note(self, where: str, eqn, replaced: bool, detail: str, op: str | None = None,
@@ -73,6 +75,10 @@ class Planner:
     (True), or the site and the equations it absorbs (a folded ReLU) stay XLA's and the report
     says why (False)."""
     reason = self.cost(site)
+    if self.cost is default_cost:
+      text = cost_model.note(site)
+      if text and text not in self.notes:
+        self.notes.append(text)
     if reason is not None:
       if not isinstance(reason, str):
         raise TypeError(f"a cost function must return None or a str (the reason XLA keeps the "

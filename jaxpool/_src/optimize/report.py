@@ -123,11 +123,14 @@ class OptimizeReport:
 
   ``str(report)`` (:meth:`table`) is an aligned table that fits 100 columns, a row a site:
   what, where, and what it became or why it was left alone. :meth:`long` gives a line a
-  site with the full source paths and the chain of calls.
+  site with the full source paths and the chain of calls. ``notes`` say what the default cost
+  model had no measurements for (``"no measurements for NVIDIA A100"``): those sites were
+  decided without a measured table; both forms print them under the headline.
   """
 
   function: str
   findings: tuple[Finding, ...]
+  notes: tuple[str, ...] = ()
 
   @property
   def replaced(self) -> tuple[Finding, ...]:
@@ -145,9 +148,12 @@ class OptimizeReport:
 
   def _headline(self) -> str:
     kept = len(self.left_to_xla)
-    return (f"jaxpool.optimize({self.function}): {len(self.replaced)} replaced, "
+    head = (f"jaxpool.optimize({self.function}): {len(self.replaced)} replaced, "
             f"{len(self.left_alone)} left alone"
             + (f" ({kept} of them left to XLA by the cost decision)" if kept else ""))
+    notes = [textwrap.fill(f"cost model: {n}", WIDTH, initial_indent="  ",
+                           subsequent_indent="    ") for n in self.notes]
+    return "\n".join([head, *notes])
 
   def table(self, width: int = WIDTH) -> str:
     """The report as an aligned table of ``width`` columns at most, a row a site."""

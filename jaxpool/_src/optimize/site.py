@@ -24,6 +24,9 @@ class Site:
     producer: the primitive that makes the input (through element-moving ops and
       conversions), e.g. ``"conv_general_dilated"``; ``""`` for an input of the function.
     readers: the primitives that read the output (through the same ops).
+    device_kind: the kind of JAX's first device (``jax.devices()[0].device_kind``, e.g.
+      ``"NVIDIA H200"``; the same in every process of a job), whose measured cost table
+      (:mod:`.cost_table`) the default cost model reads.
   """
 
   op: str
@@ -35,3 +38,4 @@ class Site:
   kernels: bool = False
   producer: str = ""
   readers: tuple[str, ...] = ()
+  device_kind: str = ""

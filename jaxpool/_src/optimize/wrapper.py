@@ -101,7 +101,8 @@ class Optimized:
     planner = Planner(self._implementation, self._fold_relu, self._cost)
     rules = planner.plan(closed.jaxpr, closed.consts, self._name)
     entry = _Entry(closed, rules, jax.tree.structure(out_shape),
-                   OptimizeReport(self._name, tuple(planner.findings)), tuple(written))
+                   OptimizeReport(self._name, tuple(planner.findings),
+                                  tuple(planner.notes)), tuple(written))
     if self._print:
       print(entry.report, flush=True)
     if key is not None and not any(is_tracer(c) for c in closed.consts):
@@ -152,9 +153,10 @@ def optimize(fn: Callable, *, implementation: api.Implementation = None, report:
     fold_relu: move a ReLU whose only reader is a max pool (and that pool's gradient) after
       the pool.
     cost: decides per recognised site whether jaxpool's call pays off: a function of the site
-      (op, shape, dtype, window, neighbours, whether the kernels run) that returns ``None``
-      (replace) or the reason XLA keeps it. ``None``: jaxpool's cost model (docs/optimize.md,
-      "Never slower"). It must give the same answer in every process of a job.
+      (op, shape, dtype, window, neighbours, whether the kernels run, the device kind) that
+      returns ``None`` (replace) or the reason XLA keeps it. ``None``: jaxpool's cost model,
+      with the measured table of this GPU kind where one ships (docs/optimize.md, "Never
+      slower"). It must give the same answer in every process of a job.
 
   Returns:
     An :class:`Optimized` function with ``fn``'s signature; ``.report(*args)`` returns the
