@@ -289,7 +289,7 @@ def sppf_loss(pool, k: int):
   def conv(h, w, b):  # YOLOv5's Conv: a convolution, its BatchNorm (folded: a bias) and SiLU
     y = lax.conv_general_dilated(h, w.astype(h.dtype), (1, 1), "VALID",
                                  dimension_numbers=("NHWC", "HWIO", "NHWC"))
-    return jax.nn.silu(y + b.astype(h.dtype))
+    return jax.nn.silu(y + b.astype(h.dtype).reshape(1, 1, 1, -1))
 
   def loss(params, x):
     h = conv(x, params["w1"], params["b1"])

@@ -186,8 +186,7 @@ def windows_sweep_figure(path, results=WINDOWS_RESULTS) -> list[str]:
   if not panels:
     return []
   norm = mcolors.LogNorm(vmin=1 / 16, vmax=16)  # (1 in the middle of the colour scale)
-  cmap = plt.get_cmap("RdBu").copy()
-  cmap.set_bad("#eeeeee")
+  cmap = plt.get_cmap("RdBu").with_extremes(bad="#eeeeee")
   fig, axes = plt.subplots(len(panels), 2, squeeze=False,
                            figsize=(9.5, 0.6 + 0.42 * sum(len(p["windows"]) + 2 for p in panels)),
                            gridspec_kw={"height_ratios": [len(p["windows"]) for p in panels]})
