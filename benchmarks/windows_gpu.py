@@ -13,16 +13,18 @@ file; the whole sweep takes about 10 minutes of GPU time, the issue's budget is 
 The time of a part: about 10 s to start (JAX, the copy bandwidth), about 0.6 s to compile each
 timed function (4 a cell), and per function and round 13 calls to warm up plus ``--reps``
 samples of at least 5 ms and at least ``--inner`` calls each: a function of T ms costs
-``rounds * (13 T + reps * max(5, inner * T))`` ms. On the H200 (29 Nov) the bfloat16 2-D sweep
-took 139 s (136 functions; by the formula 47 s of it timing, the 13 slow cells' reruns
-included, so about 0.6 s a function compiling) and the SPP part 40 s (32 functions, 15 s
-timing). The 2-D float32 part is estimated like the
-bfloat16 one; the 3-D parts at 16 cells each (64 functions, about 40 s compiling, 20-40 s
-timing: XLA's 3-D gradient at stride 1 runs a few ms); ``3d_target`` and ``sppf`` at 8
-functions each, compiled in a few seconds each (the SPPF step's convolutions are autotuned),
-timed in about 15 s (XLA's 7x7x7 gradient, some 15 ms a call in bfloat16, dominates).
+``rounds * (13 T + reps * max(5, inner * T))`` ms. Measured on the H200 (29 Nov): the bfloat16
+2-D sweep 139 s (136 functions; by the formula 47 s of it timing, reruns included, so about
+0.6 s a function compiling), the SPP part 40 s (32 functions, 15 s timing). Estimated: the 2-D
+float32 part like the bfloat16 one; the 3-D parts 16 cells each (64 functions, about 40 s
+compiling, 20-40 s timing: XLA's 3-D gradient at stride 1 should take a few ms a call);
+``3d_target`` and ``sppf`` 8 functions each, a few seconds each to compile (XLA autotunes the
+SPPF step's convolutions), about 15 s timing (XLA's 7x7x7 gradient, some 15 ms a call in
+bfloat16 by the SPP rows' scaling, dominates).
 Cheaper: ``--rounds 1`` halves the timing (not the compiles), ``--reps 9 --inner 3`` cuts the
-samples of slow functions by about 5x; a cell below 0.95x is still rerun.
+samples of slow functions by about 5x; a cell below 0.95x is still rerun. Several parts in one
+command share the start; the file is saved after each part, so a run cut short (``timeout``)
+keeps the parts it finished.
 
 The sweep (docs/large-windows.md): 2-D windows k x k for k in {1, 2, 3, 5, 7, 9, 13, 17, 25,
 31} on (16, 64, 64, 128) and 3-D windows k x k x k for k in {2, 3, 5, 7, 9} on (2, 32, 32, 32,
@@ -60,7 +62,8 @@ losses).
 ``JAXPOOL_TUNE`` defaults to ``cached`` (the shipped launch tables). Prints a table and saves
 ``benchmarks/results/windows_gpu_<device>.json`` (``h200`` for an NVIDIA H200; ``--out``
 overrides): ``cells`` (the sweep, by part), ``spp``, ``3d_target`` and ``sppf`` (rows), and
-``meta`` (the last run's settings and every part's seconds, ``part_seconds``). ``--quick``:
+``meta`` (the last run's settings; ``part_seconds``: each part's seconds, the start not
+counted, and its timer settings, kept across runs). ``--quick``:
 tiny shapes, one window a part, strides 1 and k, float32 only outside the sweep, few samples,
 no copy bandwidth (the byte floors are NaN), saved under ``build/benchmarks/``: a smoke run on
 a CPU. ``docs/make_figures.py`` draws the sweep's heat map from the JSON
@@ -369,7 +372,7 @@ def _main(argv, defaults) -> int:
   a = ap.parse_args(argv)
   parts = [p for p in a.parts.split(",") if p]
   bad = [p for p in parts if p not in PARTS]
-  if bad:
+  if bad or not parts:
     ap.error(f"unknown parts {bad}; choose from {', '.join(PARTS)}")
   if min(a.rounds, a.reps, a.inner) < 1:
     ap.error(f"--rounds, --reps and --inner must be at least 1, got {a.rounds}, {a.reps} and "
@@ -394,13 +397,12 @@ def _main(argv, defaults) -> int:
   if os.path.exists(out):
     with open(out) as f:
       result.update(json.load(f))
-  result["cells"] = [c for c in result["cells"] if c["part"] not in parts]
   part_seconds = dict(result.get("meta", {}).get("part_seconds", {}))
   timer = (f"best of {a.rounds} interleaved rounds, each the median of {pooling_gpu.REPS} "
            f"samples of at least {pooling_gpu.INNER} calls (pooling_gpu.time_jax); rows below "
            f"{SLOWER}x rerun once")
   t0 = time.time()
-  for part in parts:
+  for part in parts:  # (the file is saved after each part: a run cut short keeps those done)
     t_part = time.time()
     if part == "spp":
       result["spp"] = spp(d["spp_shape"], d["spp_windows"], copy_gbs, a.rounds)
@@ -410,23 +412,23 @@ def _main(argv, defaults) -> int:
       result[part] = sppf(d["sppf_shape"], d["sppf_window"], a.rounds)
     else:
       n = int(part[0])
-      result["cells"] += sweep(part, d[f"shape_{n}d"], d[f"windows_{n}d"], a.rounds)
+      cells = sweep(part, d[f"shape_{n}d"], d[f"windows_{n}d"], a.rounds)
+      result["cells"] = [c for c in result["cells"] if c["part"] != part] + cells
     part_seconds[part] = {"seconds": round(time.time() - t_part, 1), "timer": timer,
                           "time": time.strftime("%Y-%m-%d %H:%M:%S")}
     print(f"{part}: {part_seconds[part]['seconds']} s", flush=True)
-  result["meta"] = {"device": dev.device_kind, "jax": jax.__version__, "copy_GBps": copy_gbs,
-                    "tune": os.environ.get("JAXPOOL_TUNE"), "quick": a.quick,
-                    "time": time.strftime("%Y-%m-%d %H:%M:%S"),
-                    "seconds_this_run": round(time.time() - t0, 1),
-                    "timer": timer, "part_seconds": part_seconds}
+    result["meta"] = {"device": dev.device_kind, "jax": jax.__version__, "copy_GBps": copy_gbs,
+                      "tune": os.environ.get("JAXPOOL_TUNE"), "quick": a.quick,
+                      "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+                      "seconds_this_run": round(time.time() - t0, 1),
+                      "timer": timer, "part_seconds": part_seconds}
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    with open(out, "w") as f:
+      json.dump(result, f, indent=1)
   if result["cells"]:
     summary(result["cells"])
-  os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-  with open(out, "w") as f:
-    json.dump(result, f, indent=1)
   print(f"saved {out}")
   return 0
-
 
 if __name__ == "__main__":
   sys.exit(main())

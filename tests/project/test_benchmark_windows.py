@@ -90,6 +90,21 @@ def test_parts_merge_into_one_file(tmp_path):
   assert parts == ["2d_float32"] * 2 + ["3d_float32"] * 2, parts
 
 
+@pytest.mark.slow  # (about 5 s: the quick 3-D target)
+def test_a_run_cut_short_keeps_its_finished_parts(tmp_path, monkeypatch):
+  out = tmp_path / "windows.json"
+
+  def cut(*args):
+    raise KeyboardInterrupt  # (as a timeout's signal would stop the run)
+
+  monkeypatch.setattr(windows_cpu.windows_gpu, "sppf", cut)
+  with pytest.raises(KeyboardInterrupt):
+    windows_cpu.main(["--quick", "--parts", "3d_target,sppf", "--out", str(out)])
+  result = json.loads(out.read_text())
+  assert [r["case"] for r in result["3d_target"]] == ["pool 7x7x7"] and result["sppf"] == []
+  assert list(result["meta"]["part_seconds"]) == ["3d_target"]
+
+
 def test_unknown_part_is_refused():
   with pytest.raises(SystemExit):
     windows_cpu.main(["--quick", "--parts", "4d_float32"])
