@@ -187,8 +187,8 @@ def windows_sweep_figure(path, results=WINDOWS_RESULTS) -> list[str]:
     return []
   norm = mcolors.LogNorm(vmin=1 / 16, vmax=16)  # (1 in the middle of the colour scale)
   cmap = plt.get_cmap("RdBu").with_extremes(bad="#eeeeee")
-  fig, axes = plt.subplots(len(panels), 2, squeeze=False,
-                           figsize=(9.5, 0.6 + 0.42 * sum(len(p["windows"]) + 2 for p in panels)),
+  fig, axes = plt.subplots(len(panels), 2, squeeze=False, layout="constrained",
+                           figsize=(9.5, 0.5 + 0.4 * sum(len(p["windows"]) + 3 for p in panels)),
                            gridspec_kw={"height_ratios": [len(p["windows"]) for p in panels]})
   for row, panel in zip(axes, panels, strict=True):
     n = len(panel["shape"]) - 2
@@ -209,7 +209,7 @@ def windows_sweep_figure(path, results=WINDOWS_RESULTS) -> list[str]:
       ax.set_yticks(range(len(panel["windows"])),
                     ["x".join([str(k)] * n) for k in panel["windows"]], fontsize=8)
       ax.set_title(f"{panel['part']}, {title}\n{tuple(panel['shape'])}", fontsize=9)
-  bar = fig.colorbar(image, ax=axes, shrink=0.8, pad=0.02)
+  bar = fig.colorbar(image, ax=axes, shrink=0.8)
   bar.set_ticks([1 / 16, 1 / 4, 1, 4, 16], labels=["1/16", "1/4", "1", "4", "16"])
   bar.minorticks_off()
   bar.set_label("XLA's time / jaxpool's (above 1: jaxpool faster; bold: below 0.95)", fontsize=8)
