@@ -70,11 +70,14 @@ def test_quick_sweep_and_rows(tmp_path, monkeypatch):
   target = result["3d_target"][0]
   assert target["window"] == [7, 7, 7] and target["strides"] == [1, 1, 1]
   assert target["shape"] == [1, 8, 8, 8, 2] and target["served_by"] == "XLA"
+  assert target["target"] == {"fwd_grad_speedup_at_least": 5.0,
+                              "met": target["speedup"]["fwd_grad"] >= 5.0}
   # x (2 KiB of float32) read and y written; + the taps (int16 for 343 taps), dy, dx
   assert target["bytes"] == {"fwd": 2 * 4096, "fwd_grad": 2 * 4096 + 2 * 2048 + 2 * 4096}
   (step,) = result["sppf"]
   assert step["case"] == "SPPF step" and step["dtype"] == "float32" and step["window"] == [5, 5]
   _check_timed(step)
+  assert step["target"]["met"] == (step["speedup"]["fwd_grad"] >= 1.0)
   # the same model on both sides: max pools of equal values, so equal losses
   assert math.isclose(step["loss"]["jaxpool"], step["loss"]["xla"], rel_tol=1e-6)
   assert set(result["meta"]["part_seconds"]) == set(parts.split(","))
