@@ -1,13 +1,30 @@
 """Max pooling with small to large windows: jaxpool over ``lax.reduce_window``, cell by cell.
 
-Run on a GPU machine from the repository root (about 20 minutes of GPU time in all; ``--parts``
-runs it in pieces of a few minutes each, each adding its cells to the same JSON file)::
+Run on a GPU machine from the repository root, in parts (each adds its rows to the same JSON
+file; the whole sweep takes about 10 minutes of GPU time, the issue's budget is 20)::
 
-  export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=$PWD
-  python3 benchmarks/windows_gpu.py --parts 2d_float32
-  python3 benchmarks/windows_gpu.py --parts 2d_bfloat16
-  python3 benchmarks/windows_gpu.py --parts 3d_float32,3d_bfloat16
-  python3 benchmarks/windows_gpu.py --parts spp
+  export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=$PWD JAXPOOL_TUNE=cached
+  python3 benchmarks/windows_gpu.py --parts 2d_float32               # ~140 s
+  python3 benchmarks/windows_gpu.py --parts 2d_bfloat16              # 139 s (H200, 29 Nov)
+  python3 benchmarks/windows_gpu.py --parts 3d_float32,3d_bfloat16   # ~150 s
+  python3 benchmarks/windows_gpu.py --parts spp                      # 40 s (H200, 29 Nov)
+  python3 benchmarks/windows_gpu.py --parts 3d_target,sppf           # ~90 s
+
+The time of a part: about 10 s to start (JAX, the copy bandwidth), about 0.6 s to compile each
+timed function (4 a cell), and per function and round 13 calls to warm up plus ``--reps``
+samples of at least 5 ms and at least ``--inner`` calls each: a function of T ms costs
+``rounds * (13 T + reps * max(5, inner * T))`` ms. Measured on the H200 (29 Nov): the bfloat16
+2-D sweep 139 s (136 functions; by the formula 47 s of it timing, reruns included, so about
+0.6 s a function compiling), the SPP part 40 s (32 functions, 15 s timing). Estimated: the 2-D
+float32 part like the bfloat16 one; the 3-D parts 16 cells each (64 functions, about 40 s
+compiling, 20-40 s timing: XLA's 3-D gradient at stride 1 should take a few ms a call);
+``3d_target`` and ``sppf`` 8 functions each, a few seconds each to compile (XLA autotunes the
+SPPF step's convolutions), about 15 s timing (XLA's 7x7x7 gradient, some 15 ms a call in
+bfloat16 by the SPP rows' scaling, dominates).
+Cheaper: ``--rounds 1`` halves the timing (not the compiles), ``--reps 9 --inner 3`` cuts the
+samples of slow functions by about 5x; a cell below 0.95x is still rerun. Several parts in one
+command share the start; the file is saved after each part, so a run cut short (``timeout``)
+keeps the parts it finished.
 
 The sweep (docs/large-windows.md): 2-D windows k x k for k in {1, 2, 3, 5, 7, 9, 13, 17, 25,
 31} on (16, 64, 64, 128) and 3-D windows k x k x k for k in {2, 3, 5, 7, 9} on (2, 32, 32, 32,
@@ -18,7 +35,7 @@ GPU, the separable XLA path beyond) and of ``lax.reduce_window`` (whose gradient
 ``select_and_scatter``). The two run in interleaved rounds (``--rounds``, default 2; each
 round's time is the median of ``--reps`` samples, default 15, of ``pooling_gpu.py``'s timer:
 samples of at least 5 ms of calls); a cell below 0.95x is rerun once more before it counts, and
-the best median of each side is kept.
+the best median of each side is kept. The same rule times every row of the other parts.
 
 The ``spp`` part: the SPP block of YOLOv3-SPP on (16, 40, 40, 512), windows 5, 9 and 13, stride
 1, ``"SAME"``, float32 and bfloat16, each pool alone and the block (the three pools and the
@@ -27,10 +44,30 @@ concatenation), forward and forward + gradient, with the byte floor: forward ``x
 read, ``dx`` written; as a fraction of a copy at the device's copy bandwidth (``x + 1`` on
 1 GiB; ``of_floor`` = floor time / measured time).
 
+The ``3d_target`` part: a 7x7x7 stride-1 ``"SAME"`` max pool on (2, 64, 64, 64, 32), float32
+and bfloat16, forward and forward + gradient against ``lax.reduce_window`` (and
+``select_and_scatter``), with the same byte floors (the issue's target: forward + gradient at
+least 5x XLA).
+
+The ``sppf`` part: a YOLOv5-style SPPF block's training step on (16, 40, 40, 512): a 1x1
+convolution C -> C/2 (bias, SiLU: YOLOv5's Conv with its BatchNorm folded in), three chained
+5x5 stride-1 ``"SAME"`` max pools, the concatenation of the four tensors (2C), a 1x1
+convolution 2C -> C (bias, SiLU), the mean square of the output as the loss. ``fwd`` is the
+jitted loss, ``fwd_grad`` the jitted ``value_and_grad`` with respect to the parameters and the
+input, as ``models_gpu.py`` times a training step; the parameters are float32, cast to the
+row's dtype (float32 or bfloat16) inside the step, the input is in that dtype. The same model
+runs with ``jaxpool.max_pool`` and with ``lax.reduce_window`` as its pool (the row keeps both
+losses).
+
 ``JAXPOOL_TUNE`` defaults to ``cached`` (the shipped launch tables). Prints a table and saves
 ``benchmarks/results/windows_gpu_<device>.json`` (``h200`` for an NVIDIA H200; ``--out``
-overrides). ``--quick``: tiny shapes, one window a part, strides 1 and k, few samples, no
-copy bandwidth (the byte floors are NaN): a smoke run on a CPU.
+overrides): ``cells`` (the sweep, by part), ``spp``, ``3d_target`` and ``sppf`` (rows), and
+``meta`` (the last run's settings; ``part_seconds``: each part's seconds, the start not
+counted, and its timer settings, kept across runs). ``--quick``:
+tiny shapes, one window a part, strides 1 and k, float32 only outside the sweep, few samples,
+no copy bandwidth (the byte floors are NaN), saved under ``build/benchmarks/``: a smoke run on
+a CPU. ``docs/make_figures.py`` draws the sweep's heat map from the JSON
+(docs/img/windows_sweep_h200.png).
 
 The sweep's cells are ``jaxpool.optimize``'s measurements on this GPU: after a run, regenerate
 its cost table (``jaxpool/_src/optimize/cost_tables/<device kind>.json``; a test fails until
@@ -44,7 +81,6 @@ import argparse
 import json
 import math
 import os
-import re
 import sys
 import time
 
@@ -61,6 +97,7 @@ import jaxpool  # noqa: E402
 import pooling_gpu  # noqa: E402
 from jaxpool._src import dispatch  # noqa: E402
 from jaxpool._src.windows import make_geometry, taps_dtype  # noqa: E402
+from result_path import device_tag, result_path  # noqa: E402
 
 WINDOWS_2D = (1, 2, 3, 5, 7, 9, 13, 17, 25, 31)
 WINDOWS_3D = (2, 3, 5, 7, 9)
@@ -68,10 +105,18 @@ SHAPE_2D = (16, 64, 64, 128)
 SHAPE_3D = (2, 32, 32, 32, 64)
 SPP_SHAPE = (16, 40, 40, 512)
 SPP_WINDOWS = (5, 9, 13)
+TARGET_3D_SHAPE = (2, 64, 64, 64, 32)
+TARGET_3D_WINDOW = 7
+SPPF_SHAPE = (16, 40, 40, 512)
+SPPF_WINDOW = 5
+# The issue's targets: forward + gradient at least 5x XLA (3-D); a training step faster (SPPF).
+TARGET_SPEEDUP = {"3d_target": 5.0, "sppf": 1.0}
 DTYPES = ("float32", "bfloat16")
-PARTS = tuple(f"{n}d_{dt}" for n in (2, 3) for dt in DTYPES) + ("spp",)
+SWEEP_PARTS = tuple(f"{n}d_{dt}" for n in (2, 3) for dt in DTYPES)
+ROW_PARTS = ("spp", "3d_target", "sppf")  # (each a list of rows under its own key)
+PARTS = SWEEP_PARTS + ROW_PARTS
 SLOWER = 0.95  # a cell below this ratio is rerun once before it counts
-QUICK = False  # (--quick: strides 1 and k only, float32 only in the SPP part)
+QUICK = False  # (--quick: strides 1 and k only, float32 only in the row parts)
 
 
 def strides_for(k: int) -> list[int]:
@@ -116,16 +161,24 @@ def interleaved(fns: dict, args: dict, rounds: int) -> dict[str, float]:
 
 
 def time_cell(x, dy, window, strides, rounds: int) -> dict:
-  """One cell: forward and forward + gradient of jaxpool and of XLA; ``speedup`` is XLA's time
-  over jaxpool's (above 1: jaxpool faster)."""
-  fns = {
-      "jaxpool_fwd": jax.jit(lambda a: jaxpool_max(a, window, strides)),
-      "xla_fwd": jax.jit(lambda a: xla_max(a, window, strides)),
-      "jaxpool_fwd_grad": with_grad(lambda a: jaxpool_max(a, window, strides)),
-      "xla_fwd_grad": with_grad(lambda a: xla_max(a, window, strides)),
-  }
+  """One cell: forward and forward + gradient of jaxpool and of XLA (``timed``)."""
+  return timed_pair(lambda a: jaxpool_max(a, window, strides),
+                    lambda a: xla_max(a, window, strides), x, dy, rounds)
+
+
+def timed_pair(jp_fn, xla_fn, x, dy, rounds: int) -> dict:
+  """``jp_fn`` and ``xla_fn`` (``x -> y``), forward and forward + gradient for ``dy``."""
+  fns = {"jaxpool_fwd": jax.jit(jp_fn), "xla_fwd": jax.jit(xla_fn),
+         "jaxpool_fwd_grad": with_grad(jp_fn), "xla_fwd_grad": with_grad(xla_fn)}
   args = {"jaxpool_fwd": (x,), "xla_fwd": (x,), "jaxpool_fwd_grad": (x, dy),
           "xla_fwd_grad": (x, dy)}
+  return timed(fns, args, rounds)
+
+
+def timed(fns: dict, args: dict, rounds: int) -> dict:
+  """Times ``fns`` (``jaxpool_fwd``, ``xla_fwd``, ``jaxpool_fwd_grad``, ``xla_fwd_grad``) on
+  their ``args`` in interleaved rounds; a mode below ``SLOWER`` runs its pair's rounds again and
+  keeps each side's best. ``speedup`` is XLA's time over jaxpool's (above 1: jaxpool faster)."""
   ms = interleaved(fns, args, rounds)
   reran = []
   for mode in ("fwd", "fwd_grad"):
@@ -164,14 +217,41 @@ def sweep(part: str, shape, windows, rounds: int) -> list[dict]:
   return rows
 
 
+def floor_row(x, windows, timing: dict, copy_gbs: float) -> dict:
+  """The byte floors of ``len(windows)`` stride-1 ``"SAME"`` pools of ``x`` (module docstring),
+  with ``timing`` (``timed``'s) and the fraction of its floor each of jaxpool's times reaches."""
+  nx = x.nbytes
+  # per pool: x read, y written; + taps written; dy, taps read; dx written
+  ntaps = sum(x.size * np.dtype(taps_dtype(math.prod(w))).itemsize for w in windows)
+  fwd_bytes = nx + len(windows) * nx
+  grad_bytes = fwd_bytes + ntaps + len(windows) * nx + ntaps + nx
+  floor = {"fwd": fwd_bytes / copy_gbs / 1e6, "fwd_grad": grad_bytes / copy_gbs / 1e6}
+  ms = timing["ms"]
+  return {"dtype": str(x.dtype), "shape": list(x.shape), **timing,
+          "bytes": {"fwd": fwd_bytes, "fwd_grad": grad_bytes}, "floor_ms": floor,
+          "of_floor": {m: floor[m] / ms[f"jaxpool_{m}"] for m in floor}}
+
+
+def print_floor_row(part: str, row: dict) -> None:
+  ms, sp, floor, of = row["ms"], row["speedup"], row["floor_ms"], row["of_floor"]
+  print(f"{part} {row['dtype']:9s} {row['case']:10s} fwd {ms['jaxpool_fwd']:7.3f} ms (XLA "
+        f"{ms['xla_fwd']:7.3f}, {sp['fwd']:5.2f}x; floor {floor['fwd']:.3f}, {of['fwd']:.2f} of "
+        f"it)  fwd+grad {ms['jaxpool_fwd_grad']:7.3f} ms (XLA {ms['xla_fwd_grad']:7.3f}, "
+        f"{sp['fwd_grad']:5.2f}x; floor {floor['fwd_grad']:.3f}, {of['fwd_grad']:.2f} of it)"
+        + (f"  reran {','.join(row['reran'])}" if row["reran"] else ""), flush=True)
+
+
+def row_dtypes() -> tuple[str, ...]:
+  return DTYPES[:1] if QUICK else DTYPES
+
+
 def spp(shape, windows, copy_gbs: float, rounds: int) -> list[dict]:
   """Each SPP pool alone and the block, with their byte floors (module docstring)."""
   rows = []
-  for dt in DTYPES[:1] if QUICK else DTYPES:
+  for dt in row_dtypes():
     dtype = jnp.dtype(dt)
     x = jax.random.normal(jax.random.key(7), shape, jnp.float32).astype(dtype)
     dy = jax.random.normal(jax.random.key(8), shape, jnp.float32).astype(dtype)
-    nx = x.nbytes
     cases = [(f"pool {k}x{k}", lambda a, k=k: jaxpool_max(a, (k, k), (1, 1)),
               lambda a, k=k: xla_max(a, (k, k), (1, 1)), [k]) for k in windows]
     block = lambda pool: (lambda a: jnp.concatenate(
@@ -179,36 +259,93 @@ def spp(shape, windows, copy_gbs: float, rounds: int) -> list[dict]:
     cases.append(("SPP block", block(jaxpool_max), block(xla_max), list(windows)))
     for name, jp_fn, xla_fn, ks in cases:
       block_dy = dy if len(ks) == 1 else jnp.concatenate([dy] * (len(ks) + 1), axis=-1)
-      fns = {"jaxpool_fwd": jax.jit(jp_fn), "xla_fwd": jax.jit(xla_fn),
-             "jaxpool_fwd_grad": with_grad(jp_fn), "xla_fwd_grad": with_grad(xla_fn)}
-      args = {"jaxpool_fwd": (x,), "xla_fwd": (x,), "jaxpool_fwd_grad": (x, block_dy),
-              "xla_fwd_grad": (x, block_dy)}
-      ms = interleaved(fns, args, rounds)
-      # per pool: x read, y written; + taps written; dy, taps read; dx written
-      ntaps = sum(nx // dtype.itemsize * np.dtype(taps_dtype(k * k)).itemsize for k in ks)
-      fwd_bytes = nx + len(ks) * nx
-      grad_bytes = fwd_bytes + ntaps + len(ks) * nx + ntaps + nx
-      floor = {"fwd": fwd_bytes / copy_gbs / 1e6, "fwd_grad": grad_bytes / copy_gbs / 1e6}
-      row = {"case": name, "dtype": dt, "shape": list(shape), "ms": ms,
-             "bytes": {"fwd": fwd_bytes, "fwd_grad": grad_bytes}, "floor_ms": floor,
-             "of_floor": {m: floor[m] / ms[f"jaxpool_{m}"] for m in floor},
-             "speedup": {m: ms[f"xla_{m}"] / ms[f"jaxpool_{m}"] for m in floor}}
+      timing = timed_pair(jp_fn, xla_fn, x, block_dy, rounds)
+      row = {"case": name, **floor_row(x, [(k, k) for k in ks], timing, copy_gbs)}
       rows.append(row)
-      print(f"spp {dt:9s} {name:10s} fwd {ms['jaxpool_fwd']:7.3f} ms (XLA {ms['xla_fwd']:7.3f},"
-            f" {row['speedup']['fwd']:5.2f}x; floor {floor['fwd']:.3f}, "
-            f"{row['of_floor']['fwd']:.2f} of it)  fwd+grad {ms['jaxpool_fwd_grad']:7.3f} ms "
-            f"(XLA {ms['xla_fwd_grad']:7.3f}, {row['speedup']['fwd_grad']:5.2f}x; floor "
-            f"{floor['fwd_grad']:.3f}, {row['of_floor']['fwd_grad']:.2f} of it)", flush=True)
+      print_floor_row("spp", row)
   return rows
 
 
-def device_name() -> str:
-  """``h200`` for "NVIDIA H200", ``cpu`` on a CPU: the device's last word, lower case."""
-  dev = jax.devices()[0]
-  if dev.platform == "cpu":
-    return "cpu"
-  words = re.findall(r"[A-Za-z0-9]+", dev.device_kind)
-  return (words[1] if len(words) > 1 and words[0].upper() == "NVIDIA" else words[-1]).lower()
+def target_3d(shape, k: int, copy_gbs: float, rounds: int) -> list[dict]:
+  """The issue's 3-D target: a k x k x k stride-1 ``"SAME"`` max pool, with its byte floor."""
+  window, strides = (k,) * 3, (1,) * 3
+  rows = []
+  for dt in row_dtypes():
+    dtype = jnp.dtype(dt)
+    x = jax.random.normal(jax.random.key(9), shape, jnp.float32).astype(dtype)
+    dy = jax.random.normal(jax.random.key(10), shape, jnp.float32).astype(dtype)
+    timing = timed_pair(lambda a: jaxpool_max(a, window, strides),
+                        lambda a: xla_max(a, window, strides), x, dy, rounds)
+    row = {"case": f"pool {k}x{k}x{k}", "window": list(window), "strides": list(strides),
+           "served_by": served_by(x, window, strides), **floor_row(x, [window], timing, copy_gbs),
+           "target": target("3d_target", timing)}
+    rows.append(row)
+    print_floor_row("3d_target", row)
+    print(f"  target: forward + gradient at least {TARGET_SPEEDUP['3d_target']}x XLA: "
+          f"{'met' if row['target']['met'] else 'NOT met'}", flush=True)
+  return rows
+
+
+def target(part: str, timing: dict) -> dict:
+  """Whether ``timing``'s forward + gradient meets the part's ``TARGET_SPEEDUP``."""
+  return {"fwd_grad_speedup_at_least": TARGET_SPEEDUP[part],
+          "met": timing["speedup"]["fwd_grad"] >= TARGET_SPEEDUP[part]}
+
+
+def sppf_params(key, channels: int) -> dict:
+  """The SPPF block's two 1x1 convolutions (HWIO) and biases, float32."""
+  hidden = channels // 2
+  k1, k2, k3, k4 = jax.random.split(key, 4)
+  return {"w1": jax.random.normal(k1, (1, 1, channels, hidden)) / math.sqrt(channels),
+          "b1": 0.1 * jax.random.normal(k2, (hidden,)),
+          "w2": jax.random.normal(k3, (1, 1, 4 * hidden, channels)) / math.sqrt(4 * hidden),
+          "b2": 0.1 * jax.random.normal(k4, (channels,))}
+
+
+def sppf_loss(pool, k: int):
+  """``(params, x) -> loss`` of YOLOv5's SPPF block with ``pool`` as its k x k stride-1 max
+  pool; computes in ``x``'s dtype, the loss in float32."""
+  def conv(h, w, b):  # YOLOv5's Conv: a convolution, its BatchNorm (folded: a bias) and SiLU
+    y = lax.conv_general_dilated(h, w.astype(h.dtype), (1, 1), "VALID",
+                                 dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    return jax.nn.silu(y + b.astype(h.dtype).reshape(1, 1, 1, -1))
+
+  def loss(params, x):
+    h = conv(x, params["w1"], params["b1"])
+    p1 = pool(h, (k, k), (1, 1))
+    p2 = pool(p1, (k, k), (1, 1))
+    p3 = pool(p2, (k, k), (1, 1))
+    y = conv(jnp.concatenate([h, p1, p2, p3], axis=-1), params["w2"], params["b2"])
+    return jnp.mean(jnp.square(y.astype(jnp.float32)))
+  return loss
+
+
+def sppf(shape, k: int, rounds: int) -> list[dict]:
+  """The SPPF block's training step with jaxpool's and XLA's pools (module docstring)."""
+  rows = []
+  params = sppf_params(jax.random.key(11), shape[-1])
+  for dt in row_dtypes():
+    x = jax.random.normal(jax.random.key(12), shape, jnp.float32).astype(dt)
+    losses = {"jaxpool": sppf_loss(jaxpool_max, k), "xla": sppf_loss(xla_max, k)}
+    fns, args = {}, {}
+    for side, loss in losses.items():
+      fns[f"{side}_fwd"] = jax.jit(loss)
+      fns[f"{side}_fwd_grad"] = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+      args[f"{side}_fwd"] = args[f"{side}_fwd_grad"] = (params, x)
+    timing = timed(fns, args, rounds)
+    row = {"case": "SPPF step", "dtype": dt, "shape": list(shape), "window": [k, k],
+           **timing, "target": target("sppf", timing),
+           "loss": {side: float(fns[f"{side}_fwd"](params, x)) for side in losses}}
+    rows.append(row)
+    ms, sp = row["ms"], row["speedup"]
+    print(f"sppf {dt:9s} {k}x{k} x3  forward {ms['jaxpool_fwd']:7.3f} ms (XLA "
+          f"{ms['xla_fwd']:7.3f}, {sp['fwd']:5.2f}x)  training step {ms['jaxpool_fwd_grad']:7.3f}"
+          f" ms (XLA {ms['xla_fwd_grad']:7.3f}, {sp['fwd_grad']:5.2f}x)  loss "
+          f"{row['loss']['jaxpool']:.6g} (XLA {row['loss']['xla']:.6g})"
+          + (f"  reran {','.join(row['reran'])}" if row["reran"] else "")
+          + f"; target (faster than XLA's step) {'met' if row['target']['met'] else 'NOT met'}",
+          flush=True)
+  return rows
 
 
 def summary(cells: list[dict]) -> None:
@@ -234,71 +371,85 @@ def main(argv=None, *, defaults=None) -> int:
 
 def _main(argv, defaults) -> int:
   d = dict(windows_2d=WINDOWS_2D, windows_3d=WINDOWS_3D, shape_2d=SHAPE_2D, shape_3d=SHAPE_3D,
-           spp_shape=SPP_SHAPE, spp_windows=SPP_WINDOWS, script="windows_gpu")
+           spp_shape=SPP_SHAPE, spp_windows=SPP_WINDOWS, target_3d_shape=TARGET_3D_SHAPE,
+           target_3d_window=TARGET_3D_WINDOW, sppf_shape=SPPF_SHAPE, sppf_window=SPPF_WINDOW,
+           script="windows_gpu")
   d.update(defaults or {})
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--parts", default=",".join(PARTS),
                   help=f"comma-separated, of {', '.join(PARTS)} (default: all)")
   ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds a cell")
   ap.add_argument("--reps", type=int, default=15, help="samples a median (each at least 5 ms "
-                  "of calls and 10 calls)")
+                  "of calls and --inner calls)")
+  ap.add_argument("--inner", type=int, default=pooling_gpu.INNER,
+                  help="at least this many calls a sample (default %(default)s; 3 makes the "
+                  "slow functions' samples cheaper)")
   ap.add_argument("--quick", action="store_true", help="tiny shapes, few windows and samples")
   ap.add_argument("--out", default=None, help="the JSON file (default: benchmarks/results/"
                   f"{d['script']}_<device>.json); cells of other parts already there are kept")
   a = ap.parse_args(argv)
   parts = [p for p in a.parts.split(",") if p]
   bad = [p for p in parts if p not in PARTS]
-  if bad:
+  if bad or not parts:
     ap.error(f"unknown parts {bad}; choose from {', '.join(PARTS)}")
-  if a.rounds < 1 or a.reps < 1:
-    ap.error(f"--rounds and --reps must be at least 1, got {a.rounds} and {a.reps}")
-  pooling_gpu.REPS = a.reps
+  if min(a.rounds, a.reps, a.inner) < 1:
+    ap.error(f"--rounds, --reps and --inner must be at least 1, got {a.rounds}, {a.reps} and "
+             f"{a.inner}")
+  pooling_gpu.REPS, pooling_gpu.INNER = a.reps, a.inner
   global QUICK
   QUICK = a.quick
   if a.quick:
     d.update(windows_2d=(7,), windows_3d=(4,), shape_2d=(2, 12, 12, 4),
-             shape_3d=(1, 6, 6, 6, 2), spp_shape=(1, 13, 13, 4), spp_windows=(5, 9))
+             shape_3d=(1, 6, 6, 6, 2), spp_shape=(1, 13, 13, 4), spp_windows=(5, 9),
+             target_3d_shape=(1, 8, 8, 8, 2), sppf_shape=(1, 8, 8, 8))
     pooling_gpu.REPS, pooling_gpu.SAMPLE_MS, pooling_gpu.INNER = 3, 0.0, 2
     a.rounds = 1
   dev = jax.devices()[0]
-  out = a.out or os.path.join(ROOT, "benchmarks", "results",
-                              f"{d['script']}_{device_name()}"
-                              f"{'_quick' if a.quick else ''}.json")
+  out = a.out or result_path(d["script"], device_tag(dev.device_kind), quick=a.quick)
   print(f"device {dev.device_kind}; jax {jax.__version__}; JAXPOOL_TUNE="
         f"{os.environ.get('JAXPOOL_TUNE')}; parts {parts}", flush=True)
   copy_gbs = pooling_gpu.copy_bandwidth() if not a.quick else float("nan")
   if not a.quick:
     print(f"copy bandwidth (x + 1, 1 GiB f32, read + write): {copy_gbs:.0f} GB/s", flush=True)
-  result = {"cells": [], "spp": []}
+  result: dict = {"cells": [], **{part: [] for part in ROW_PARTS}}
   if os.path.exists(out):
     with open(out) as f:
       result.update(json.load(f))
-  result["cells"] = [c for c in result["cells"] if c["part"] not in parts]
+  part_seconds = dict(result.get("meta", {}).get("part_seconds", {}))
+  timer = (f"best of {a.rounds} interleaved rounds, each the median of {pooling_gpu.REPS} "
+           f"samples of at least {pooling_gpu.INNER} calls (pooling_gpu.time_jax); rows below "
+           f"{SLOWER}x rerun once")
   t0 = time.time()
-  for part in parts:
+  for part in parts:  # (the file is saved after each part: a run cut short keeps those done)
+    t_part = time.time()
     if part == "spp":
       result["spp"] = spp(d["spp_shape"], d["spp_windows"], copy_gbs, a.rounds)
+    elif part == "3d_target":
+      result[part] = target_3d(d["target_3d_shape"], d["target_3d_window"], copy_gbs, a.rounds)
+    elif part == "sppf":
+      result[part] = sppf(d["sppf_shape"], d["sppf_window"], a.rounds)
     else:
       n = int(part[0])
-      result["cells"] += sweep(part, d[f"shape_{n}d"], d[f"windows_{n}d"], a.rounds)
-  result["meta"] = {"device": dev.device_kind, "jax": jax.__version__, "copy_GBps": copy_gbs,
-                    "tune": os.environ.get("JAXPOOL_TUNE"), "quick": a.quick,
-                    "time": time.strftime("%Y-%m-%d %H:%M:%S"),
-                    "seconds_this_run": round(time.time() - t0, 1),
-                    "timer": f"best of {a.rounds} interleaved rounds, each the median of "
-                             f"{pooling_gpu.REPS} samples (pooling_gpu.time_jax); cells below "
-                             f"{SLOWER}x rerun once"}
+      cells = sweep(part, d[f"shape_{n}d"], d[f"windows_{n}d"], a.rounds)
+      result["cells"] = [c for c in result["cells"] if c["part"] != part] + cells
+    part_seconds[part] = {"seconds": round(time.time() - t_part, 1), "timer": timer,
+                          "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+    print(f"{part}: {part_seconds[part]['seconds']} s", flush=True)
+    result["meta"] = {"device": dev.device_kind, "jax": jax.__version__, "copy_GBps": copy_gbs,
+                      "tune": os.environ.get("JAXPOOL_TUNE"), "quick": a.quick,
+                      "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+                      "seconds_this_run": round(time.time() - t0, 1),
+                      "timer": timer, "part_seconds": part_seconds}
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    with open(out, "w") as f:
+      json.dump(result, f, indent=1)
   if result["cells"]:
     summary(result["cells"])
-  os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-  with open(out, "w") as f:
-    json.dump(result, f, indent=1)
   print(f"saved {out}")
   if not a.quick and result["cells"]:
     print(f"now regenerate jaxpool.optimize's cost table: python -m "
           f"jaxpool._src.optimize.cost_table {os.path.relpath(out, ROOT)}")
   return 0
-
 
 if __name__ == "__main__":
   sys.exit(main())

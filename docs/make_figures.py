@@ -1,13 +1,19 @@
-"""Draws the pictures of docs/semantics.md from jaxpool's own outputs.
+"""Draws the pictures of docs/semantics.md from jaxpool's own outputs, and the heat map of
+docs/large-windows.md from the windows sweep's results.
 
-  .venv/bin/python docs/make_figures.py      # writes docs/img/{windows,padding,ties}.png
+  .venv/bin/python docs/make_figures.py      # writes docs/img/{windows,padding,ties}.png and
+                                             # docs/img/windows_sweep_h200.png
+  .venv/bin/python docs/make_figures.py windows_sweep   # only the heat map
 
-Every number drawn is computed here by jaxpool (nothing typed in by hand but the inputs).
+Every number drawn is computed here by jaxpool (nothing typed in by hand but the inputs) or
+read from benchmarks/results/windows_gpu_h200.json.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import sys
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -17,12 +23,18 @@ import matplotlib  # noqa: E402
 import numpy as np  # noqa: E402
 
 matplotlib.use("Agg")
+import matplotlib.colors as mcolors  # noqa: E402
 import matplotlib.patches as mpatches  # noqa: E402
 import matplotlib.pyplot as plt  # noqa: E402
 
 import jaxpool  # noqa: E402
 
 IMG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "img")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WINDOWS_RESULTS = os.path.join(ROOT, "benchmarks", "results", "windows_gpu_h200.json")
+SWEEP_PARTS = ("2d_float32", "2d_bfloat16", "3d_float32", "3d_bfloat16")
+STRIDE_CLASSES = ("1", "2", "k // 2", "k")
+MODES = (("fwd", "forward"), ("fwd_grad", "forward + gradient"))
 COLORS = ["tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown"]
 
 
@@ -135,13 +147,95 @@ def ties_figure(path):
   plt.close(fig)
 
 
-def main():
+def stride_classes(k: int) -> tuple[int, ...]:
+  """The stride of each class of ``STRIDE_CLASSES`` for window ``k`` (at least 1)."""
+  return tuple(max(1, s) for s in (1, 2, k // 2, k))
+
+
+def sweep_panels(result: dict) -> list[dict]:
+  """One panel per sweep part present in ``result`` (windows_gpu.py's JSON), in
+  ``SWEEP_PARTS`` order: its windows (rows), and per mode the speed-ups (jaxpool over XLA:
+  XLA's time over jaxpool's) and strides by stride class (columns), NaN where no cell. A cell
+  whose stride falls in two classes (5x5 at stride 2: ``2`` and ``k // 2``) fills both."""
+  cells = result.get("cells", [])
+  panels = []
+  for part in [p for p in SWEEP_PARTS if any(c["part"] == p for c in cells)]:
+    mine = [c for c in cells if c["part"] == part]
+    windows = sorted({c["window"][0] for c in mine})
+    speedup = {m: np.full((len(windows), len(STRIDE_CLASSES)), np.nan) for m, _ in MODES}
+    strides = np.zeros((len(windows), len(STRIDE_CLASSES)), int)
+    for c in mine:
+      k, s = c["window"][0], c["strides"][0]
+      for j, s_class in enumerate(stride_classes(k)):
+        if s == s_class:
+          strides[windows.index(k), j] = s
+          for m, _ in MODES:
+            speedup[m][windows.index(k), j] = c["speedup"][m]
+    panels.append({"part": part, "shape": mine[0]["shape"], "windows": windows,
+                   "speedup": speedup, "strides": strides})
+  return panels
+
+
+def windows_sweep_figure(path, results=WINDOWS_RESULTS) -> list[str]:
+  """The sweep's heat map: jaxpool over XLA per cell, forward and forward + gradient side by
+  side, one row of panels per part present in ``results``; returns the parts drawn (none:
+  nothing written)."""
+  with open(results) as f:
+    result = json.load(f)
+  panels = sweep_panels(result)
+  if not panels:
+    return []
+  norm = mcolors.LogNorm(vmin=1 / 16, vmax=16)  # (1 in the middle of the colour scale)
+  cmap = plt.get_cmap("RdBu").with_extremes(bad="#eeeeee")
+  fig, axes = plt.subplots(len(panels), 2, squeeze=False, layout="constrained",
+                           figsize=(9.5, 0.5 + 0.4 * sum(len(p["windows"]) + 3 for p in panels)),
+                           gridspec_kw={"height_ratios": [len(p["windows"]) for p in panels]})
+  for row, panel in zip(axes, panels, strict=True):
+    n = len(panel["shape"]) - 2
+    for ax, (mode, title) in zip(row, MODES, strict=True):
+      values = panel["speedup"][mode]
+      image = ax.imshow(np.ma.masked_invalid(values), cmap=cmap, norm=norm, aspect="auto")
+      for i in range(len(panel["windows"])):
+        for j in range(len(STRIDE_CLASSES)):
+          v = values[i, j]
+          if np.isnan(v):
+            continue
+          slow = v < 0.95
+          ax.text(j, i, f"{v:.2f}x  s{panel['strides'][i, j]}", ha="center", va="center",
+                  fontsize=7.5, fontweight="bold" if slow else "normal",
+                  color="white" if abs(np.log2(v)) > 2.5 else "black")
+      ax.set_xticks(range(len(STRIDE_CLASSES)), [f"stride {c}" for c in STRIDE_CLASSES],
+                    fontsize=8)
+      ax.set_yticks(range(len(panel["windows"])),
+                    ["x".join([str(k)] * n) for k in panel["windows"]], fontsize=8)
+      ax.set_title(f"{panel['part']}, {title}\n{tuple(panel['shape'])}", fontsize=9)
+  bar = fig.colorbar(image, ax=axes, shrink=0.8)
+  bar.set_ticks([1 / 16, 1 / 4, 1, 4, 16], labels=["1/16", "1/4", "1", "4", "16"])
+  bar.minorticks_off()
+  bar.set_label("XLA's time / jaxpool's (above 1: jaxpool faster; bold: below 0.95)", fontsize=8)
+  meta = result.get("meta", {})
+  fig.suptitle(f"max_pool against lax.reduce_window, {meta.get('device', '?')}, "
+               f"JAX {meta.get('jax', '?')}", fontsize=10)
+  fig.savefig(path, dpi=110, bbox_inches="tight")
+  plt.close(fig)
+  return [p["part"] for p in panels]
+
+
+FIGURES = {"windows": windows_figure, "padding": padding_figure, "ties": ties_figure,
+           "windows_sweep_h200": windows_sweep_figure}
+
+
+def main(argv=None):
+  """Writes the figures named in ``argv`` (``windows_sweep`` for the heat map), else all."""
+  names = list(sys.argv[1:] if argv is None else argv) or list(FIGURES)
+  names = ["windows_sweep_h200" if n == "windows_sweep" else n for n in names]
+  unknown = [n for n in names if n not in FIGURES]
+  if unknown:
+    raise SystemExit(f"unknown figures {unknown}; choose from {', '.join(FIGURES)}")
   os.makedirs(IMG, exist_ok=True)
-  windows_figure(os.path.join(IMG, "windows.png"))
-  padding_figure(os.path.join(IMG, "padding.png"))
-  ties_figure(os.path.join(IMG, "ties.png"))
-  print("wrote", ", ".join(os.path.join("docs/img", f) for f in
-                           ("windows.png", "padding.png", "ties.png")))
+  for name in names:
+    FIGURES[name](os.path.join(IMG, f"{name}.png"))
+  print("wrote", ", ".join(f"docs/img/{n}.png" for n in names))
 
 
 if __name__ == "__main__":
