@@ -15,7 +15,7 @@ window, strides and dilation; and the same GPU kind. A level's mean (the log tim
 best, capped at :data:`CAP`, less the heuristic's) is pulled towards the broader level's by
 :data:`WEIGHT` observations' worth, so a level with few observations changes little and a
 form never observed keeps the heuristic's rating, 0. :func:`choose` takes the candidate whose
-form rates least (the heuristic on ties). How close this comes to a tuned launch, on keys and
+form rates least, the heuristic unless another rates :data:`MARGIN` (1%) below it. How close this comes to a tuned launch, on keys and
 geometries held out of the fit (:func:`cross_validate`): docs/tuning.md.
 """
 
@@ -40,6 +40,7 @@ OBSERVATIONS = "observations.json"
 HEURISTIC = "+0+0+0"  # the heuristic's own form
 CAP = math.log(1.5)  # a candidate's log time over the best counts as at most this
 WEIGHT = 3.0  # how many observations a level's mean is pulled towards the broader level's with
+MARGIN = math.log(1.01)  # how much faster than the heuristic's another form must rate
 # The levels of likeness, broadest first: the parts of a key (:func:`_parts`) and the GPU kind
 # ("device") that an observed key shares with the key chosen for.
 LEVELS = (("pass", "layout"), ("pass", "layout", "dims"),
@@ -153,14 +154,21 @@ def scores(key: str, device_kind: str,
   return score
 
 
+def _pick(forms: Sequence[str], score: Mapping[str, float]) -> int:
+  """The index of the form in ``forms`` that rates least, another than the heuristic's only
+  where it rates :data:`MARGIN` below it (the earlier on ties)."""
+  return min(range(len(forms)), key=lambda i: (
+      score.get(forms[i], 0.0) + (0.0 if forms[i] == HEURISTIC else MARGIN), i))
+
+
 def choose(key: str, device_kind: str, heuristic: Launch, cands: Sequence[Launch],
            observations: Iterable[Mapping[str, Any]] | None = None) -> Launch:
   """The model's launch for ``key`` among ``cands`` (the tuner's candidates, the heuristic
-  first): the one whose form rates least (:func:`scores`; on ties the earlier), so the
-  heuristic where no observation favours another form."""
+  first): the one whose form rates least (:func:`scores`), the heuristic unless another form
+  rates :data:`MARGIN` (1%) faster; so the heuristic where no observation favours another."""
   score = scores(key, device_kind, observations)
   order = list(dict.fromkeys([Launch.of(heuristic), *map(Launch.of, cands)]))
-  return min(order, key=lambda c: (score.get(form(c, heuristic), 0.0), order.index(c)))
+  return order[_pick([form(c, heuristic) for c in order], score)]
 
 
 # ------------------------------------------------------------------ how well it chooses
@@ -189,7 +197,8 @@ def cross_validate(observations: Sequence[Mapping[str, Any]], held_out: str = "g
     fit = [p for p, h in zip(observations, groups, strict=True) if h != g]
     score = scores(o["key"], o["device"], fit)
     times = o["times"]
-    chosen = min(times, key=lambda f: (score.get(f, 0.0), f != HEURISTIC, f))
+    forms = sorted(times, key=lambda f: (f != HEURISTIC, f))
+    chosen = forms[_pick(forms, score)]
     out.append({"device": o["device"], "key": o["key"], "model": math.exp(times[chosen]),
                 "heuristic": math.exp(times[HEURISTIC])})
   return out
