@@ -15,13 +15,13 @@ window, strides and dilation; and the same GPU kind. A level's mean (the log tim
 best, capped at :data:`CAP`, less the heuristic's) is pulled towards the broader level's by
 :data:`WEIGHT` observations' worth, so a level with few observations changes little and a
 form never observed keeps the heuristic's rating, 0. :func:`choose` takes the candidate whose
-form rates least, the heuristic unless another rates :data:`MARGIN` (1%) below it. How close this comes to a tuned launch, on keys and
-geometries held out of the fit (:func:`cross_validate`): docs/tuning.md.
+form rates least, the heuristic unless another rates :data:`MARGIN` (1%) below it. How close
+this comes to a tuned launch, on keys and geometries held out of the fit
+(:func:`cross_validate`): docs/tuning.md.
 """
 
 from __future__ import annotations
 
-import argparse
 import collections
 import functools
 import importlib.resources
@@ -224,6 +224,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   observations from tuning reports (default: those the shipped file was made from, under
   ``benchmarks/results/``; run from the repository's root), then prints how the model chooses
   on keys and geometries held out of the fit."""
+  import argparse  # (only here: the package's import stays lean)
   ap = argparse.ArgumentParser(prog="python -m jaxpool._src.pallas.tuning.model",
                                description=main.__doc__.split("\n")[0] if main.__doc__ else "")
   ap.add_argument("reports", nargs="*", help="tuning reports (python -m jaxpool.tune --json)")
