@@ -159,18 +159,20 @@ H200, H100 = "NVIDIA H200", "NVIDIA H100 80GB HBM3"
 # dilation only; the heuristic where none) on the same data: by key 104 of 146 and 34 of 36, by
 # geometry the heuristic's, 87 and 33.
 HELD_OUT = {("key", H200): (146, 105, 87), ("key", H100): (36, 36, 33),
-            ("geometry", H200): (146, 109, 87), ("geometry", H100): (36, 32, 33)}
+            ("geometry", H200): (146, 109, 87), ("geometry", H100): (36, 32, 33),
+            ("gpu", H200): (146, 92, 87), ("gpu", H100): (36, 36, 33)}
 
 
 @pytest.fixture(scope="module")
 def held_out():
   obs = _observations()
-  return {kind: model.summary(model.cross_validate(obs, kind)) for kind in ("key", "geometry")}
+  return {kind: model.summary(model.cross_validate(obs, kind))
+          for kind in ("key", "geometry", "gpu")}
 
 
 def test_the_model_on_held_out_keys_and_geometries(held_out):
-  """Each key held out of the fit (on both GPUs), and each geometry (layout, window, strides
-  and dilation: every op, dtype, size and GPU of it), in turn."""
+  """Each key held out of the fit (on both GPUs), each geometry (layout, window, strides and
+  dilation: every op, dtype, size and GPU of it), and each GPU's data, in turn."""
   for (kind, device), (keys, model_within, heuristic_within) in HELD_OUT.items():
     s = held_out[kind][device]
     assert (s["keys"], s["model_within"], s["heuristic_within"]) == \
@@ -185,10 +187,11 @@ def test_the_model_on_held_out_keys_and_geometries(held_out):
 def test_the_docs_quote_the_held_out_figures(held_out):
   with open(os.path.join(ROOT, "docs", "tuning.md"), encoding="utf-8") as f:
     page = " ".join(f.read().split())
-  for kind in ("key", "geometry"):
+  for kind in ("key", "geometry", "gpu"):
     for device, s in held_out[kind].items():
       gpu = device.split()[1]
-      row = (f"| {kind} | {gpu} | {s['keys']} | {s['model_within']} | "
+      label = "GPU" if kind == "gpu" else kind
+      row = (f"| {label} | {gpu} | {s['keys']} | {s['model_within']} | "
              f"{s['heuristic_within']} | {s['model_mean']:.3f} | {s['heuristic_mean']:.3f} |")
       assert row in page, row
 
@@ -230,6 +233,8 @@ def test_parts():
   assert model._parts("max_fwd|float32|channels_last|k1x1x1s2x1x1d1x1x1w8l8S")["dims"] == 3
   with pytest.raises(ValueError, match="geometry"):
     model._parts("max_fwd|float32|channels_last|w8l8S")
+  with pytest.raises(ValueError, match="held out must be"):
+    model.held_out_group("op", {"key": "max_fwd|float32|channels_last|k1x1x2s1x1x2d1x1x1"})
 
 
 def test_a_form_needs_a_margin_over_the_heuristic():

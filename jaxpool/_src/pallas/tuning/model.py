@@ -177,13 +177,16 @@ def choose(key: str, device_kind: str, heuristic: Launch, cands: Sequence[Launch
 def held_out_group(kind: str, observation: Mapping[str, Any]) -> str:
   """What :func:`cross_validate` holds out together: ``"key"``, one key on every GPU;
   ``"geometry"``, every key of one layout, window, strides and dilation (every op, dtype, size
-  and GPU): a geometry the data do not hold, as a new shape usually is."""
+  and GPU): a geometry the data do not hold, as a new shape usually is; ``"gpu"``, every key
+  of one GPU kind: a GPU the data do not hold (``JAXPOOL_TUNE_TABLE=foreign``)."""
   if kind == "key":
     return observation["key"]
+  if kind == "gpu":
+    return observation["device"]
   if kind == "geometry":
     parts = _parts(observation["key"])
     return f"{parts['layout']}|{parts['geometry']}"
-  raise ValueError(f"held out must be 'key' or 'geometry', got {kind!r}")
+  raise ValueError(f"held out must be 'key', 'geometry' or 'gpu', got {kind!r}")
 
 
 def cross_validate(observations: Sequence[Mapping[str, Any]], held_out: str = "geometry"
@@ -223,7 +226,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   """``python -m jaxpool._src.pallas.tuning.model [REPORT ...]``: rebuilds the shipped
   observations from tuning reports (default: those the shipped file was made from, under
   ``benchmarks/results/``; run from the repository's root), then prints how the model chooses
-  on keys and geometries held out of the fit."""
+  on keys, geometries and GPUs held out of the fit."""
   import argparse  # (only here: the package's import stays lean)
   ap = argparse.ArgumentParser(prog="python -m jaxpool._src.pallas.tuning.model",
                                description=main.__doc__.split("\n")[0] if main.__doc__ else "")
@@ -243,7 +246,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     obs = json.load(f)["observations"]
   print("held out  GPU                        keys  model within 5%  heuristic within 5%  "
         "mean over best (model, heuristic)")
-  for kind in ("key", "geometry"):
+  for kind in ("key", "geometry", "gpu"):
     for device, s in summary(cross_validate(obs, kind)).items():
       print(f"{kind:9s} {device:26s} {s['keys']:4d}  {s['model_within']:4d} "
             f"({s['model_within'] / s['keys']:4.0%})      {s['heuristic_within']:4d} "
