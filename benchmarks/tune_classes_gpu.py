@@ -10,7 +10,9 @@ checks stay out of the fit. Windows of more than 32 taps are left out (no kernel
 Run on a GPU machine from the repository root (a few minutes)::
 
   python3 benchmarks/tune_classes_gpu.py            # tunes, saves the report
-  python3 -m jaxpool._src.pallas.tuning.model       # (see there: rebuilds observations.json)
+  python3 -m jaxpool._src.pallas.tuning.model benchmarks/results/tune_*.json
+                                                    # rebuilds observations.json from the
+                                                    # reports, prints the cross-validation
 
 Saves ``benchmarks/results/tune_classes_<device>.json``, a ``python -m jaxpool.tune --json``
 report (rows with every candidate's time); ``--print`` lists the cases and stops.

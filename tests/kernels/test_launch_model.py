@@ -4,14 +4,15 @@ table or the launch model (``tuning/model.py``), never from tuning; tuning runs 
 the fake-CUDA harness of test_tuning.py (``config.platform`` patched, a tuner of a fake GPU).
 
 The launch model against the committed tuning data (``benchmarks/results/tune_*.json``): its
-choice on keys held out of the fit, against the best measured candidate of each.
+choice on keys and on geometries held out of the fit, against the best measured candidate of
+each (the figures docs/tuning.md quotes), and on shapes of benchmarks/first_call_gpu.py that no
+observation holds.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 
 import jax
@@ -25,8 +26,8 @@ from jaxpool._src.pallas.tuning import model
 from jaxpool._src.pallas.tuning import tuner as tuning
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-REPORTS = [os.path.join(ROOT, "benchmarks", "results", f"tune_{gpu}.json")
-           for gpu in ("h200", "h100")]
+REPORTS = [os.path.join(ROOT, "benchmarks", "results", f"tune_{name}.json")
+           for name in ("h200", "h100", "classes_h200")]
 ENV = {"jaxpool": "0.1.0", "jax": "0.10.2", "jaxlib": "0.10.2", "device_kind": "NVIDIA H200",
        "platform_version": "cuda 12080", "driver": "570.00"}
 SHAPE = (2, 9, 11, 6)
@@ -151,77 +152,104 @@ def _observations():
   return obs
 
 
-def _reports():
-  rows = []
-  for path in REPORTS:
-    with open(path, encoding="utf-8") as f:
-      data = json.load(f)
-    rows += [(data["env"]["device_kind"], r) for r in data["rows"] if r.get("times_ms")]
-  return rows
+H200, H100 = "NVIDIA H200", "NVIDIA H100 80GB HBM3"
+# How many keys the model's choice (and the heuristic) brings within 5% of the best measured
+# candidate, each key held out of the fit with its group (``model.cross_validate``): what
+# docs/tuning.md quotes. The model of 66c763d (the neighbours of one window, strides and
+# dilation only; the heuristic where none) on the same data: by key 104 of 146 and 34 of 36, by
+# geometry the heuristic's, 87 and 33.
+HELD_OUT = {("key", H200): (146, 105, 87), ("key", H100): (36, 36, 33),
+            ("geometry", H200): (146, 109, 87), ("geometry", H100): (36, 32, 33),
+            ("gpu", H200): (146, 92, 87), ("gpu", H100): (36, 36, 33)}
 
 
-def _held_out_ratios(held_out):
-  """For each measured key: the model's choice's time over the best candidate's, fitted on the
-  observations ``held_out(row, obs)`` leaves in."""
+@pytest.fixture(scope="module")
+def held_out():
   obs = _observations()
-  out = {}
-  for device, row in _reports():
-    times = row["times_ms"]
-    names = list(times)
-    heuristic = model._parse(names[0])
-    cands = [config.Launch.of(model._parse(n)) for n in names]
-    fit = [o for o in obs if not held_out(row, o)]
-    choice = model.choose(row["key"], device, config.Launch.of(heuristic), cands, fit)
-    out[(device, row["key"])] = times[tuning.launch_name(choice)] / min(times.values())
-  return out
+  return {kind: model.summary(model.cross_validate(obs, kind))
+          for kind in ("key", "geometry", "gpu")}
 
 
-# The keys held out by key (on both GPUs) where the model's choice is more than 5% from the
-# best measured candidate, with what it measured (the data hold 4 geometries; a neighbour of a
-# key is the same geometry's other dtypes, ops and GPU).
-KNOWN_MISSES = {
-    ("NVIDIA H200", "argmax_fwd|float32|channels_last|k3x3x3s2x2x2d1x1x1w32l64M"): 1.137,
-    ("NVIDIA H100 80GB HBM3", "max_fwd|float32|channels_last|k3x3x3s2x2x2d1x1x1w32l64M"): 1.081,
-    ("NVIDIA H100 80GB HBM3", "max_bwd|float32|channels_first|k1x3x3s1x2x2d1x1x1w64l1024L"):
-        1.066,
-    ("NVIDIA H200", "max_bwd|float32|channels_first|k1x3x3s1x2x2d1x1x1w64l1024L"): 1.057,
-}
+def test_the_model_on_held_out_keys_and_geometries(held_out):
+  """Each key held out of the fit (on both GPUs), each geometry (layout, window, strides and
+  dilation: every op, dtype, size and GPU of it), and each GPU's data, in turn."""
+  for (kind, device), (keys, model_within, heuristic_within) in HELD_OUT.items():
+    s = held_out[kind][device]
+    assert (s["keys"], s["model_within"], s["heuristic_within"]) == \
+        (keys, model_within, heuristic_within), (kind, device)
+  # A geometry that no observation holds, on the H200: 3 in 4 keys within 5%, the mean 4% over
+  # the best (the heuristic: 3 in 5, 6%).
+  s = held_out["geometry"][H200]
+  assert s["model_within"] / s["keys"] >= 0.74 and s["model_mean"] < 1.045
+  assert s["heuristic_mean"] > 1.06
 
 
-def test_the_model_on_held_out_keys():
-  """Each key is held out (on both GPUs) of the fit in turn: the model's launch is within 5%
-  of the best measured candidate on 68 of the 72 keys, the 4 others as measured
-  (:data:`KNOWN_MISSES`); the heuristic misses 5% on 20 of them."""
-  ratios = _held_out_ratios(lambda row, o: o["key"] == row["key"])
-  assert len(ratios) == 72
-  misses = {k: round(v, 3) for k, v in ratios.items() if v > 1.05}
-  assert misses.keys() == KNOWN_MISSES.keys()
-  for k, v in misses.items():
-    assert v == pytest.approx(KNOWN_MISSES[k], abs=0.002)
-  assert sum(ratios.values()) / len(ratios) < 1.0126
-  heuristic = [r["times_ms"][next(iter(r["times_ms"]))] / min(r["times_ms"].values())
-               for _, r in _reports()]
-  assert sum(h > 1.05 for h in heuristic) == 20
+def test_the_docs_quote_the_held_out_figures(held_out):
+  with open(os.path.join(ROOT, "docs", "tuning.md"), encoding="utf-8") as f:
+    page = " ".join(f.read().split())
+  for kind in ("key", "geometry", "gpu"):
+    for device, s in held_out[kind].items():
+      gpu = device.split()[1]
+      label = "GPU" if kind == "gpu" else kind
+      row = (f"| {label} | {gpu} | {s['keys']} | {s['model_within']} | "
+             f"{s['heuristic_within']} | {s['model_mean']:.3f} | {s['heuristic_mean']:.3f} |")
+      assert row in page, row
 
 
-def test_the_model_on_held_out_geometries_is_no_worse_than_the_heuristic():
-  """A geometry (window, strides, layout) that no observation shares: the heuristic."""
-  ratios = _held_out_ratios(
-      lambda row, o: model._parts(o["key"])["window"] == model._parts(row["key"])["window"]
-      and model._parts(o["key"])["layout"] == model._parts(row["key"])["layout"])
-  heuristic = {(d, r["key"]): r["times_ms"][next(iter(r["times_ms"]))]
-               / min(r["times_ms"].values()) for d, r in _reports()}
-  assert ratios == heuristic
+# Shapes of benchmarks/first_call_gpu.py (seed 48) that no observation holds, where the default
+# launch ran slowest against a tuned one on an H200 (benchmarks/results/first_call_gpu_h200.json):
+# the tuned forward's launch. Fails at dc9163b^ (the heuristic: no observation of these windows
+# and strides).
+FIRST_CALL = [
+    # (3, 256, 127, 151) bfloat16 channels_first 3x3/(1, 2): 1.45x slower by default, the
+    # forward in blocks of 1 x 4 rows of half the heuristic's tile when tuned.
+    ((3, 256, 127, 151), (3, 3), (1, 2), "channels_first", jnp.bfloat16, (32, 8, 8, 1, 4)),
+    ((4, 256, 113, 153), (2, 3), (1, 1), "channels_first", jnp.bfloat16, (32, 8, 8, 1, 4)),
+    # (128, 90, 143, 16) float32 channels_last 2x4/(1, 2): 1.31x, blocks of 1 x 2 rows.
+    ((128, 90, 143, 16), (2, 4), (1, 2), "channels_last", jnp.float32, (8, 16, 2, 1, 2)),
+]
 
 
-def test_the_shipped_observations_are_the_committed_reports():
+@pytest.mark.parametrize("shape,window,strides,layout,dtype,tuned", FIRST_CALL)
+def test_the_model_on_first_call_shapes(fake_cuda, shape, window, strides, layout, dtype, tuned):
+  geom = windows.make_geometry(shape, window, strides, data_format=layout)
+  launch = triton.launch_for("argmax_fwd", shape, dtype, geom, interpret=False)
+  assert fake_cuda.records[-1].source == "model"
+  assert launch == tuned
+
+
+def test_the_shipped_observations_are_the_committed_reports(tmp_path):
   assert list(model.shipped_observations()) == json.loads(json.dumps(_observations()))
+  # (``python -m jaxpool._src.pallas.tuning.model REPORT...`` rebuilds them)
+  out = tmp_path / "observations.json"
+  assert model.main([*REPORTS, "--out", str(out)]) == 0
+  assert json.loads(out.read_text())["observations"] == list(model.shipped_observations())
+
+
+def test_parts():
+  parts = model._parts("max_bwd|float16|channels_first|k1x1x3s1x1x2d1x1x1w256l512M")
+  assert (parts["pass"], parts["dims"], parts["geometry"]) == ("bwd", 1, "k1x1x3s1x1x2d1x1x1")
+  assert model._parts("avg_fwd|float32|channels_last|k1x3x3s1x2x2d1x1x1w64l64L/pad")["dims"] == 2
+  assert model._parts("max_fwd|float32|channels_last|k1x1x1s2x1x1d1x1x1w8l8S")["dims"] == 3
+  with pytest.raises(ValueError, match="geometry"):
+    model._parts("max_fwd|float32|channels_last|w8l8S")
+  with pytest.raises(ValueError, match="held out must be"):
+    model.held_out_group("op", {"key": "max_fwd|float32|channels_last|k1x1x2s1x1x2d1x1x1"})
+
+
+def test_a_form_needs_a_margin_over_the_heuristic():
+  """Another form than the heuristic's is chosen only where it rates 1% faster."""
+  key = "max_fwd|float32|channels_last|k1x3x3s1x2x2d1x1x1w64l64L"
+  h = config.Launch(8, 64, 8)
+  cands = [h, config.Launch(16, 64, 8)]
+  for gain, chosen in ((0.005, h), (0.05, cands[1])):
+    obs = [{"device": "A", "key": key, "times": {"+0+0+0": gain, "+1+0+0": 0.0}}] * 4
+    assert model.choose(key, "A", h, cands, obs) == chosen
 
 
 def test_form():
   assert model.form((8, 32, 4), (8, 64, 8)) == "+0-1-1"
   assert model.form((16, 64, 8, 0, 2), (8, 64, 8)) == "+1+0+0/0x2"
-  assert math.isclose(model.PRIOR, 0.03)
 
 
 def test_the_table_setting(fake_cuda, monkeypatch):

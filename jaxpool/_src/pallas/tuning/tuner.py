@@ -51,7 +51,6 @@ import dataclasses
 import logging
 import math
 import os
-import statistics
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -150,6 +149,7 @@ def time_ms(fn: Callable[..., Any], args: tuple, *, samples: int = 1,
   """The median over ``samples`` samples of ``fn(*args)``'s time (ms), after two warm-up calls;
   each sample at least one call and about ``sample_ms`` of them back to back, then blocks until
   done. (The tuner takes one sample a candidate a round, :data:`ROUNDS` rounds.)"""
+  import statistics  # (here: only tuning needs it, not a first call's import)
   jax.block_until_ready(fn(*args))
   t0 = time.perf_counter()
   jax.block_until_ready(fn(*args))
