@@ -441,7 +441,7 @@ def first_call() -> list[str]:
   return [f"ran {sum(f < 0.85 for f in fractions)} of {len(fractions)} kernel rows below 0.85 of "
           f"the copy bandwidth ({min(fractions):.2f}-{max(fractions):.2f})",
           f"was at most {fc['max_overhead_s_up_to_9_taps']:.2f} s for windows of up to 9 taps "
-          f"({fc['cases_up_to_9_taps_over_0.5_s']} case just over 0.5 s), "
+          f"({fc['cases_up_to_9_taps_over_0.5_s']} of them over 0.5 s), "
           f"up to {max(over):.2f} s for larger ones",
           f"within 5% of a tuned launch in "
           f"{fc['cases'] - fc['cases_default_over_tuned_above_1.05']} of {fc['cases']} cases, and "
