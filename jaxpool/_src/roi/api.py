@@ -249,7 +249,8 @@ def roi_align(x: Any, boxes: Boxes, output_size: int | Sequence[int], *,
   samples = sample_grid(ratio, cap, coords, jnp.full(image.shape, scale, jnp.float32), levels,
                         output_size)
   cfg = AlignConfig(output_size, levels, ratio, samples, aligned, mode)
-  backend = dispatch.choose(Op.ROI_ALIGN, implementation, x, None, caller="roi_align")
+  backend = dispatch.choose(Op.ROI_ALIGN, implementation, x, None, caller="roi_align",
+                            config=cfg)
   y = backend.roi_align((x,), image, coords, level, cfg)
   return jnp.moveaxis(y, -1, 1) if data_format == "channels_first" else y
 
@@ -295,7 +296,8 @@ def roi_pool(x: Any, boxes: Boxes, output_size: int | Sequence[int], *,
   image, coords = split_boxes(boxes, x.shape[0])
   N, H, W, _ = x.shape
   cfg = PoolConfig(output_size, Level(N, H, W, scale, 0))
-  backend = dispatch.choose(Op.ROI_POOL, implementation, x, None, caller="roi_pool")
+  backend = dispatch.choose(Op.ROI_POOL, implementation, x, None, caller="roi_pool",
+                            config=cfg)
   y, indices = backend.roi_pool(x, image, coords.astype(jnp.float32), cfg)
   if data_format == "channels_first":
     y, indices = jnp.moveaxis(y, -1, 1), jnp.moveaxis(indices, -1, 1)
