@@ -45,7 +45,7 @@ def _boxes(rng, k, n=N, lo=-2.0, hi=10.0):
                    np.maximum(pts[:, 0], pts[:, 2]), np.maximum(pts[:, 1], pts[:, 3])], 1)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _vjp_fn(implementation, kw):
   """``(y, dx, dboxes)`` of roi_align under one jit."""
   kw = dict(kw)

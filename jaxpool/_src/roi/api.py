@@ -213,7 +213,9 @@ def roi_align(x: Any, boxes: Boxes, output_size: int | Sequence[int], *,
       bit for bit, the box gradient to rounding). A box needing more is sampled
       ``max_samples`` times per axis.
     data_format: ``"channels_last"`` or ``"channels_first"`` (torchvision's NCHW).
-    implementation: ``None`` or ``"xla"`` (the Pallas backend has no ROI kernel yet).
+    implementation: ``None`` (on an NVIDIA GPU, ``mode="avg"`` runs the Pallas Triton
+      kernels, the rest the XLA path), ``"pallas"`` (the kernels; a ValueError for what they
+      do not serve) or ``"xla"``: docs/roi.md, "Where it runs".
 
   Returns:
     ``(K, ph, pw, C)`` (``(K, C, ph, pw)`` channels first), in ``x``'s dtype. A sample outside

@@ -248,7 +248,7 @@ def define(name: str, impl, batch) -> jex_core.Primitive:
   the XLA path's; the GPU kernels define another (``kernels.py``) with the same rules."""
   prim = jex_core.Primitive(name)
 
-  @functools.lru_cache(maxsize=None)
+  @functools.cache
   def jitted(params):
     return jax.jit(functools.partial(impl, **dict(params)))
 
