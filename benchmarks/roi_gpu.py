@@ -10,8 +10,8 @@ regions per image, output 7x7 (box head) and 14x14 (mask head), ``sampling_ratio
   kernels, ``jaxpool_default_backend`` says which) and on the XLA path (``jaxpool_xla``,
   ``implementation="xla"``), and how far apart the two are; of the plain ``jnp`` baseline
   below (bilinear gathers of the four corners from the levels' concatenated table, the gradient
-  by JAX's autodiff: a scatter-add); and of torchvision's CUDA ``MultiScaleRoIAlign`` (NCHW) where torch imports with
-  CUDA;
+  by JAX's autodiff: a scatter-add); and of torchvision's CUDA ``MultiScaleRoIAlign`` (NCHW)
+  where torch imports with CUDA;
 - the fraction of the copy bandwidth (``x + 1`` over 1 GiB, bytes read plus written) over the
   bytes each pass must move: ``fwd`` reads the features once and writes the outputs
   (``|x| + |y|``); ``fwd+dx`` adds reading the cotangent and writing the feature gradient
