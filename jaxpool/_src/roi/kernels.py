@@ -12,7 +12,8 @@ mapped ``roi_align`` runs on XLA.
 :func:`unsupported` is the rule the registry asks (``pallas/backend.py``): the kernels serve
 ``roi_align`` and ``multi_scale_roi_align`` with ``mode="avg"`` in float32, bfloat16 and
 float16 (a static sample grid: ``sampling_ratio > 0``, or the ``max_samples`` grid of the
-adaptive count, whose padding samples are dead); ``mode="max"`` and ``roi_pool`` run on XLA.
+adaptive count, whose padding samples are dead), maps not split over an Explicit mesh;
+``mode="max"`` and ``roi_pool`` run on XLA.
 """
 
 from __future__ import annotations
@@ -53,6 +54,10 @@ def unsupported(x: jax.Array, config: Any) -> str | None:
             f"path")
   if np.dtype(x.dtype) not in _DTYPES:
     return f"the ROI align kernels take float32, bfloat16 and float16, not {np.dtype(x.dtype)}"
+  spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None)
+  if spec is not None and any(p is not None for p in spec):
+    return ("the ROI align kernels take maps that are not split over an Explicit mesh (the "
+            "XLA path serves them)")
   pixels = sum(lv.images * lv.height * lv.width for lv in config.levels)
   if pixels * int(x.shape[-1]) > MAX_ELEMENTS:
     return f"the feature maps have over {MAX_ELEMENTS} elements (the kernels index in int32)"

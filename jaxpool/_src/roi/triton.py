@@ -215,8 +215,14 @@ def _grad_kernel(start_ref, order_ref, ext_ref, iy_ref, ix_ref, wy_ref, wx_ref, 
             on = cols == ix_ref[at]
             B = B + jnp.where(on, wx_ref[at], 0.0)
             hit_b = hit_b | on
-        ct = load(ct_ref, lane.tile((kk * ph + i) * pw + j)).astype(F32)
-        return acc + jnp.where(hit_b[:, None], (A * B)[:, None] * ct[None, :], 0.0)
+
+        def add(acc):
+          ct = load(ct_ref, lane.tile((kk * ph + i) * pw + j)).astype(F32)
+          return acc + jnp.where(hit_b[:, None], (A * B)[:, None] * ct[None, :], 0.0)
+
+        # (A bin off the tile adds nothing. Triton lowers no reduce_or: the max of 0/1.)
+        touches = jnp.max(jnp.where(hit_b, 1, 0)) > 0
+        return lax.cond(touches, add, lambda acc: acc, acc)
 
       return lax.fori_loop(0, pw, one, acc)
 
@@ -233,7 +239,10 @@ def _grad_kernel(start_ref, order_ref, ext_ref, iy_ref, ix_ref, wy_ref, wx_ref, 
     return lax.cond(hit, add, lambda acc: acc, acc)
 
   acc = jnp.zeros((block_cols, block_lanes), F32)
-  acc = lax.fori_loop(start_ref[plane], start_ref[plane + 1], box, acc)
+  first, last = start_ref[plane], start_ref[plane + 1]
+  if not interpret:  # a block past the level's width stores nothing: no box to visit
+    last = jnp.where(col0 < width, last, first)  # (interpret mode stores its clamped copy)
+  acc = lax.fori_loop(first, last, box, acc)
   rows = offset + (n * height + r) * width + cols
   lane.store(o_ref, rows, acc.astype(o_ref.dtype), raw < width)
 
