@@ -164,13 +164,28 @@ def test_the_registry_rule(monkeypatch):
   assert "TPU" in dispatch.PALLAS_TPU.supports(dispatch.Op.ROI_ALIGN, x, None, None, avg)
 
 
-def test_kernels_lower_for_cuda():
+def test_long_sample_loops_skip_dead_samples(rng):
+  """A sample grid longer than ``triton.UNROLL`` is a loop that skips dead samples (the
+  adaptive count's padding, samples outside the map): the same bits as the XLA path."""
+  x = rng.standard_normal((N, H, W, C)).astype(np.float32)
+  boxes = np.concatenate([_boxes(rng, 3, hi=16.0), EDGE[[0, 4, 6]]])
+  kw = dict(output_size=(2, 1), spatial_scale=0.8, sampling_ratio=-1, max_samples=(5, 7),
+            aligned=False)
+  dy = rng.standard_normal((len(boxes), 2, 1, C)).astype(np.float32)
+  ours, xla = _both(x, boxes, dy, **kw)
+  _compare(ours, xla)
+  ry, rdx, _ = rref.roi_align(x, boxes, dy=dy, **kw)
+  np.testing.assert_allclose(ours[1], rdx, **TOL)
+
+
+@pytest.mark.parametrize("samples", [(2, 2), (5, 6)])
+def test_kernels_lower_for_cuda(samples):
   """Pallas' Triton lowering accepts both kernels (Triton's compiler, on a GPU, is not run):
   channels not a multiple of the block, a rectangular grid, bfloat16."""
   from jaxpool._src.roi import triton
   from jaxpool._src.roi.plan import align_plan
   levels = (Level(2, 10, 15, 0.5, 0),)
-  cfg = AlignConfig((3, 5), levels, 2, (2, 2), True, "avg")
+  cfg = AlignConfig((3, 5), levels, 2, samples, True, "avg")
   K, rows = 4, 300
 
   def f(coords, x, ct):

@@ -98,6 +98,27 @@ def _call_kwargs(interpret: bool) -> dict:
   return {"compiler_params": plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=1)}
 
 
+# A sample loop of at most this many steps is unrolled; a longer one (the adaptive count's
+# ``max_samples`` grid) is a loop that skips dead samples (padding past a box's count, outside
+# the map) without loading. A dead sample adds exact zeros, and a sum that starts at +0 is
+# never -0, so skipping it keeps the bits.
+UNROLL = 4
+
+
+def _over(n: int, body, carry, alive):
+  """``body(s, carry)`` for ``s`` in ``range(n)``: unrolled, or a loop skipping the steps
+  where ``alive(s)`` is false."""
+  if n <= UNROLL:
+    for s in range(n):
+      carry = body(s, carry)
+    return carry
+
+  def step(s, carry):
+    return lax.cond(alive(s), functools.partial(body, s), lambda c: c, carry)
+
+  return lax.fori_loop(0, n, step, carry)
+
+
 # ----------------------------------------------------------------------------- forward
 
 
@@ -113,22 +134,35 @@ def _forward_kernel(base_ref, stride_ref, iy_ref, ix_ref, wy_ref, wx_ref, x_ref,
   col_mask = None if pw == block_cols else cols < pw
   j = jnp.minimum(cols, pw - 1)
   base, stride = base_ref[k], stride_ref[k]
-  acc = jnp.zeros((block_cols, block_lanes), F32)
-  for sy in range(sy_n):
-    for sx in range(sx_n):
+
+  def row_sample(sy, acc):
+    at_y = [((k * ph + i) * sy_n + sy) * 2 + a for a in (0, 1)]
+    r = [iy_ref[at] for at in at_y]
+    u = [wy_ref[at] for at in at_y]
+
+    def col_sample(sx, acc):
+      at_x = [((k * pw + j) * sx_n + sx) * 2 + b for b in (0, 1)]
+      c = [load(ix_ref, (at,)) for at in at_x]
+      t = [load(wx_ref, (at,)) for at in at_x]
       v = None
       for a in (0, 1):
-        at_y = ((k * ph + i) * sy_n + sy) * 2 + a
-        r, u = iy_ref[at_y], wy_ref[at_y]
         for b in (0, 1):
-          at_x = ((k * pw + j) * sx_n + sx) * 2 + b
-          c, t = load(ix_ref, (at_x,)), load(wx_ref, (at_x,))
-          rows = base + jnp.maximum(r, 0) * stride + jnp.maximum(c, 0)
+          rows = base + jnp.maximum(r[a], 0) * stride + jnp.maximum(c[b], 0)
           g = load(x_ref, lane.tile(rows)).astype(F32)
-          live = (r >= 0) & (c >= 0)
-          term = jnp.where(live[:, None], (u * t)[:, None] * g, 0.0)
+          live = (r[a] >= 0) & (c[b] >= 0)
+          term = jnp.where(live[:, None], (u[a] * t[b])[:, None] * g, 0.0)
           v = term if v is None else v + term
-      acc = acc + v
+      return acc + v
+
+    def col_alive(sx):
+      return jnp.max(load(ix_ref, (((k * pw + j) * sx_n + sx) * 2,))) >= 0
+
+    return _over(sx_n, col_sample, acc, col_alive)
+
+  def row_alive(sy):
+    return iy_ref[((k * ph + i) * sy_n + sy) * 2] >= 0
+
+  acc = _over(sy_n, row_sample, jnp.zeros((block_cols, block_lanes), F32), row_alive)
   lane.store(o_ref, (k * ph + i) * pw + j, acc, col_mask)
 
 
@@ -197,24 +231,32 @@ def _grad_kernel(start_ref, order_ref, ext_ref, iy_ref, ix_ref, wy_ref, wx_ref, 
 
   def bin_row(kk, i, acc):
     """Bin row ``i`` of box ``kk``: its weight on row ``r`` and its bins' terms."""
-    A, hit_a = jnp.float32(0.0), jnp.bool_(False)
-    for sy in range(sy_n):
+    def y_sample(sy, carry):
+      A, hit_a = carry
       for a in (0, 1):
         at = ((kk * ph + i) * sy_n + sy) * 2 + a
         on = iy_ref[at] == r
         A = A + jnp.where(on, wy_ref[at], 0.0)
         hit_a = hit_a | on
+      return A, hit_a
+
+    A, hit_a = _over(sy_n, y_sample, (jnp.float32(0.0), jnp.bool_(False)),
+                     lambda sy: iy_ref[((kk * ph + i) * sy_n + sy) * 2] >= 0)
 
     def bins(acc):
       def one(j, acc):
-        B = jnp.zeros((block_cols,), F32)
-        hit_b = jnp.zeros((block_cols,), jnp.bool_)
-        for sx in range(sx_n):
+        def x_sample(sx, carry):
+          B, hit_b = carry
           for b in (0, 1):
             at = ((kk * pw + j) * sx_n + sx) * 2 + b
             on = cols == ix_ref[at]
             B = B + jnp.where(on, wx_ref[at], 0.0)
             hit_b = hit_b | on
+          return B, hit_b
+
+        B, hit_b = _over(sx_n, x_sample, (jnp.zeros((block_cols,), F32),
+                                          jnp.zeros((block_cols,), jnp.bool_)),
+                         lambda sx: ix_ref[((kk * pw + j) * sx_n + sx) * 2] >= 0)
 
         def add(acc):
           ct = load(ct_ref, lane.tile((kk * ph + i) * pw + j)).astype(F32)
