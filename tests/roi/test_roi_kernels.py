@@ -178,10 +178,11 @@ def test_long_sample_loops_skip_dead_samples(rng):
   np.testing.assert_allclose(ours[1], rdx, **TOL)
 
 
-@pytest.mark.parametrize("samples", [(2, 2), (5, 6)])
-def test_kernels_lower_for_cuda(samples):
+@pytest.mark.parametrize("samples,channels", [((2, 2), 256), ((5, 6), 5)])
+def test_kernels_lower_for_cuda(samples, channels):
   """Pallas' Triton lowering accepts both kernels (Triton's compiler, on a GPU, is not run):
-  channels not a multiple of the block, a rectangular grid, bfloat16."""
+  whole channel blocks (contiguous slices) and a partial one (clamped lanes), unrolled and
+  looped sample grids, a rectangular grid, bfloat16."""
   from jaxpool._src.roi import triton
   from jaxpool._src.roi.plan import align_plan
   levels = (Level(2, 10, 15, 0.5, 0),)
@@ -198,8 +199,8 @@ def test_kernels_lower_for_cuda(samples):
     return y, g
 
   args = (jax.ShapeDtypeStruct((K, 4), jnp.float32),
-          jax.ShapeDtypeStruct((rows, 5), jnp.bfloat16),
-          jax.ShapeDtypeStruct((K, 3, 5, 5), jnp.bfloat16))
+          jax.ShapeDtypeStruct((rows, channels), jnp.bfloat16),
+          jax.ShapeDtypeStruct((K, 3, 5, channels), jnp.bfloat16))
   text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   assert text.count("xla.gpu.triton") >= 2
 
