@@ -242,19 +242,31 @@ def test_low_precision(rng, dtype):
 
 @pytest.mark.slow
 def test_vmap_and_forward_mode(rng):
-  """vmap runs on the XLA path (the kernels' batching rule); jvp and the second order go
-  through the kernels' primitive."""
+  """vmap runs the kernels once on the whole batch (the mapped axis folds into the boxes and
+  copies of the feature table); jvp and the second order go through the kernels' primitive."""
   x = rng.standard_normal((N, H, W, C)).astype(np.float32)
   boxes = jnp.asarray(_boxes(rng, 4))
-  f = {impl: functools.partial(jaxpool.roi_align, output_size=2, sampling_ratio=2,
+  f = {impl: functools.partial(jaxpool.roi_align, output_size=(2, 3), sampling_ratio=2,
                                implementation=impl) for impl in ("pallas", "xla")}
-  xs = np.stack([x, 2 * x])
-  np.testing.assert_array_equal(jax.vmap(lambda v: f["pallas"](v, boxes))(xs),
-                                jax.vmap(lambda v: f["xla"](v, boxes))(xs))
+  xs = np.stack([x, 2 * x + 1, -x])
+  dys = rng.standard_normal((3, 4, 2, 3, C)).astype(np.float32)
+
+  def fwd_grad(impl):
+    def one(v, dy):
+      y, vjp = jax.vjp(lambda u: f[impl](u, boxes), v)
+      return y, vjp(dy)[0]
+    return jax.jit(jax.vmap(one))
+
+  assert "jaxpool_roi_form_kernels" in str(jax.make_jaxpr(fwd_grad("pallas"))(xs, dys))
+  (y, g), (ry, rg) = fwd_grad("pallas")(xs, dys), fwd_grad("xla")(xs, dys)
+  np.testing.assert_array_equal(y, ry)
+  np.testing.assert_allclose(g, rg, **TOL)
+  bs = jnp.stack([boxes, boxes + 0.5])  # the boxes mapped, the maps not
+  np.testing.assert_array_equal(jax.vmap(lambda b: f["pallas"](x, b))(bs),
+                                jax.vmap(lambda b: f["xla"](x, b))(bs))
   t = rng.standard_normal(x.shape).astype(np.float32)
-  for impl in ("pallas", "xla"):
-    _, dy = jax.jvp(lambda v, i=impl: f[i](v, boxes), (x,), (t,))
-    np.testing.assert_allclose(dy, jax.jvp(lambda v: f["xla"](v, boxes), (x,), (t,))[1], **TOL)
+  _, dy = jax.jvp(lambda v: f["pallas"](v, boxes), (x,), (t,))
+  np.testing.assert_allclose(dy, jax.jvp(lambda v: f["xla"](v, boxes), (x,), (t,))[1], **TOL)
   hess = {impl: jax.grad(lambda b, i=impl: jnp.sum(
       jax.grad(lambda v: jnp.sum(f[i](v, b) ** 2))(x) ** 2))(boxes) for impl in f}
   np.testing.assert_allclose(hess["pallas"], hess["xla"], rtol=1e-4, atol=1e-4)

@@ -241,11 +241,12 @@ def _impl(*operands, wrt, has_taps, dtype, rows):
 # ----------------------------------------------------------------------------- the primitive
 
 
-def define(name: str, impl, batch) -> jex_core.Primitive:
+def define(name: str, impl, widen=None) -> jex_core.Primitive:
   """A primitive of the form: ``impl(*operands, wrt, has_taps, dtype, rows, **extra)``
-  evaluates and lowers it, ``batch`` is its batching rule, and its JVP and transpose are the
-  rules of this module (binding the same primitive, ``extra`` passed on). ``roi_form_p`` is
-  the XLA path's; the GPU kernels define another (``kernels.py``) with the same rules."""
+  evaluates and lowers it; its JVP, transpose and batching rules are this module's, binding
+  the same primitive with ``extra`` passed on (under ``vmap``, ``widen(extra, copies)``: see
+  ``_batch``). ``roi_form_p`` is the XLA path's; the GPU kernels define another
+  (``kernels.py``) with the same rules."""
   prim = jex_core.Primitive(name)
 
   @functools.cache
@@ -257,7 +258,7 @@ def define(name: str, impl, batch) -> jex_core.Primitive:
   mlir.register_lowering(prim, mlir.lower_fun(impl, multiple_results=False))
   ad.primitive_jvps[prim] = functools.partial(_jvp, prim)
   ad.primitive_transposes[prim] = functools.partial(_transpose, prim)
-  batching.primitive_batchers[prim] = batch
+  batching.primitive_batchers[prim] = functools.partial(_batch, prim, widen)
   return prim
 
 
@@ -325,12 +326,11 @@ def _transpose(prim, ct_out, *operands, wrt, has_taps, dtype, rows, **extra):
   return [result if n == u else None for n in names]
 
 
-def batch(args, dims, *, wrt, has_taps, dtype, rows, **extra):
+def _batch(prim, widen, args, dims, *, wrt, has_taps, dtype, rows, **extra):
   """A mapped axis folds into the boxes (and the feature table's rows): the boxes of different
-  batch elements never meet, and ``base`` moves each element's boxes to its own table. The
-  batched call is ``roi_form_p``'s (the XLA path) whatever primitive was mapped: the GPU
-  kernels' primitive (``kernels.py``) runs on XLA under ``vmap`` (``extra`` dropped)."""
-  del extra
+  batch elements never meet, and ``base`` moves each element's boxes to its own table, one
+  copy of the table per element. ``widen(extra, copies)`` gives the primitive's own params for
+  a table of ``copies`` copies of the one it had (1: the table is not batched)."""
   names = _names(wrt, has_taps)
   size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
   ops = {}
@@ -353,12 +353,14 @@ def batch(args, dims, *, wrt, has_taps, dtype, rows, **extra):
   if x_batched:
     shift = jnp.repeat(jnp.arange(size, dtype=ops["base"].dtype) * table_rows, K)
     ops["base"] = ops["base"] + shift
-  out = roi_form_p.bind(*(ops[n] for n in names), wrt=wrt, has_taps=has_taps, dtype=dtype,
-                        rows=rows * size if wrt == "x" else rows)
+  if widen is not None:
+    extra = widen(extra, size if x_batched else 1)
+  out = prim.bind(*(ops[n] for n in names), wrt=wrt, has_taps=has_taps, dtype=dtype,
+                  rows=rows * size if wrt == "x" else rows, **extra)
   return out.reshape(size, out.shape[0] // size, *out.shape[1:]), 0
 
 
-roi_form_p = define("jaxpool_roi_form", _impl, batch)
+roi_form_p = define("jaxpool_roi_form", _impl)
 
 # What another primitive of the form (``kernels.py``) reuses: the operand names and the XLA
 # implementation of every derivative.

@@ -6,8 +6,8 @@ second primitive of the form, ``roi_kernel_p`` (``form.define``: the same JVP an
 rules), whose other derivatives, the box gradient's parts ``wy`` and ``wx``, run on the XLA
 path's implementation. So ``jax.grad`` through :func:`roi_align` runs the forward kernel, the
 feature-gradient kernel and XLA's box gradient; forward mode and higher orders compose the
-same way. Under ``vmap`` the primitive's batching rule binds the XLA path's primitive: a
-mapped ``roi_align`` runs on XLA.
+same way. Under ``vmap`` the mapped axis folds into the boxes and the feature table (one copy
+of the table per element, ``KernelOptions.copies``): the kernels run once on the whole batch.
 
 :func:`unsupported` is the rule the registry asks (``pallas/backend.py``): the kernels serve
 ``roi_align`` and ``multi_scale_roi_align`` with ``mode="avg"`` in float32, bfloat16 and
@@ -38,10 +38,17 @@ MAX_ELEMENTS = 2**31 - 1  # the kernels index in int32
 @dataclasses.dataclass(frozen=True)
 class KernelOptions:
   """The kernels' static params: the feature table's levels (where each image lies, for the
-  gradient's tiles) and interpret mode (on a CPU)."""
+  gradient's tiles), how many copies of them the table holds one after the other (``vmap``
+  folds its axis into the table), and interpret mode (on a CPU)."""
 
   levels: tuple[Level, ...]
   interpret: bool
+  copies: int = 1
+
+
+def _widen(extra, copies: int):
+  kernel = extra["kernel"]
+  return dict(extra, kernel=dataclasses.replace(kernel, copies=kernel.copies * copies))
 
 
 def unsupported(x: jax.Array, config: Any) -> str | None:
@@ -67,21 +74,22 @@ def unsupported(x: jax.Array, config: Any) -> str | None:
 def _impl(*operands, wrt, has_taps, dtype, rows, kernel: KernelOptions):
   names = form.operand_names(wrt, has_taps)
   ops = dict(zip(names, operands))
-  table_rows = sum(lv.images * lv.height * lv.width for lv in kernel.levels)
-  served = not has_taps and (wrt == "ct" or (wrt == "x" and rows == table_rows))
-  if not served:  # the box gradient's parts (and anything else) on the XLA path
+  table_rows = kernel.copies * sum(lv.images * lv.height * lv.width for lv in kernel.levels)
+  if has_taps or wrt not in ("ct", "x"):  # the box gradient's parts on the XLA path
     return form.evaluate(*operands, wrt=wrt, has_taps=has_taps, dtype=dtype, rows=rows)
   from jaxpool._src.roi import triton  # (Pallas, imported when a kernel is traced)
+  if wrt == "x" and rows != table_rows:
+    raise AssertionError(f"a feature table of {rows} rows for {kernel}")
   if wrt == "ct":
     y = triton.forward(ops["base"], ops["stride"], ops["iy"], ops["ix"], ops["wy"], ops["wx"],
                        ops["x"], interpret=kernel.interpret)
     return y.astype(dtype)
   return triton.feature_grad(ops["base"], ops["iy"], ops["ix"], ops["wy"], ops["wx"],
-                             ops["ct"], levels=kernel.levels, rows=rows, dtype=jnp.dtype(dtype),
-                             interpret=kernel.interpret)
+                             ops["ct"], levels=kernel.levels, copies=kernel.copies, rows=rows,
+                             dtype=jnp.dtype(dtype), interpret=kernel.interpret)
 
 
-roi_kernel_p = form.define("jaxpool_roi_form_kernels", _impl, form.batch)
+roi_kernel_p = form.define("jaxpool_roi_form_kernels", _impl, _widen)
 
 
 def _roi_align(maps, image, coords, level, cfg: AlignConfig, interpret: bool) -> jax.Array:

@@ -196,13 +196,16 @@ def forward(base, stride, iy, ix, wy, wx, x, *, interpret: bool) -> jax.Array:
 # ----------------------------------------------------------------------------- feature gradient
 
 
-def _planes(levels) -> tuple[tuple[int, int, int, int, int], ...]:
-  """Per level: (first global pixel row, first plane, height, width, first table row)."""
+def _planes(levels, copies: int) -> tuple[tuple[int, int, int, int, int], ...]:
+  """Per level of each copy of the table: (first global pixel row, first plane, height,
+  width, first table row)."""
   out, row, plane = [], 0, 0
-  for lv in levels:
-    out.append((row, plane, lv.height, lv.width, lv.offset))
-    row += lv.images * lv.height
-    plane += lv.images
+  table = sum(lv.images * lv.height * lv.width for lv in levels)
+  for copy in range(copies):
+    for lv in levels:
+      out.append((row, plane, lv.height, lv.width, copy * table + lv.offset))
+      row += lv.images * lv.height
+      plane += lv.images
   return tuple(out)
 
 
@@ -299,23 +302,26 @@ def _extents(idx) -> jax.Array:
   return jnp.stack([lo, hi], axis=1)
 
 
-def feature_grad(base, iy, ix, wy, wx, ct, *, levels, rows: int, dtype,
-                 interpret: bool) -> jax.Array:
+def feature_grad(base, iy, ix, wy, wx, ct, *, levels, rows: int, dtype, interpret: bool,
+                 copies: int = 1) -> jax.Array:
   """``form.bind("x")`` of the average: the feature gradient ``(rows, C)`` in ``dtype``, for
-  the table of ``levels`` (``plan.Level``: where each level's images lie in the table)."""
+  the table of ``copies`` copies of ``levels`` (``plan.Level``: where each level's images lie
+  in the table)."""
   K, ph, sy_n, _ = iy.shape
   pw, sx_n = ix.shape[1:3]
   C = ct.shape[-1]
-  planes = _planes(levels)
-  total_rows = sum(lv.images * lv.height for lv in levels)
-  assert rows == sum(lv.images * lv.height * lv.width for lv in levels), (rows, levels)
+  planes = _planes(levels, copies)
+  total_rows = copies * sum(lv.images * lv.height for lv in levels)
+  table = sum(lv.images * lv.height * lv.width for lv in levels)
+  assert rows == copies * table, (rows, copies, levels)
   if K == 0:
     return jnp.zeros((rows, C), dtype)
   # The boxes grouped by image (level, image), in ascending box index within each: a stable
   # sort by ``base``, the image's first table row (increasing with the image's plane number).
   order = jnp.argsort(base, stable=True).astype(I32)
-  firsts = np.asarray([lv.offset + n * lv.height * lv.width
-                       for lv in levels for n in range(lv.images)], np.int32)
+  firsts = np.asarray([copy * table + lv.offset + n * lv.height * lv.width
+                       for copy in range(copies) for lv in levels for n in range(lv.images)],
+                      np.int32)
   start = jnp.searchsorted(base[order], jnp.asarray(firsts), side="left").astype(I32)
   start = jnp.concatenate([start, jnp.full((1,), K, I32)])
   ext = jnp.concatenate([_extents(iy), _extents(ix)], axis=1).reshape(-1).astype(I32)
