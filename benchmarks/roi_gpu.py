@@ -6,10 +6,12 @@ regions per image, output 7x7 (box head) and 14x14 (mask head), ``sampling_ratio
 ``MultiScaleRoIAlign``'s mapping. For each case:
 
 - ``fwd`` and ``fwd+dx`` (the forward and the feature gradient, ``jax.vjp``) of
-  ``jaxpool.multi_scale_roi_align``; of the plain ``jnp`` baseline below (bilinear gathers of the
-  four corners from the levels' concatenated table, the gradient by JAX's autodiff: a
-  scatter-add); and of torchvision's CUDA ``MultiScaleRoIAlign`` (NCHW) where torch imports with
-  CUDA;
+  ``jaxpool.multi_scale_roi_align`` by default (``jaxpool``: on an NVIDIA GPU the Pallas Triton
+  kernels, ``jaxpool_default_backend`` says which) and on the XLA path (``jaxpool_xla``,
+  ``implementation="xla"``), and how far apart the two are; of the plain ``jnp`` baseline
+  below (bilinear gathers of the four corners from the levels' concatenated table, the gradient
+  by JAX's autodiff: a scatter-add); and of torchvision's CUDA ``MultiScaleRoIAlign`` (NCHW)
+  where torch imports with CUDA;
 - the fraction of the copy bandwidth (``x + 1`` over 1 GiB, bytes read plus written) over the
   bytes each pass must move: ``fwd`` reads the features once and writes the outputs
   (``|x| + |y|``); ``fwd+dx`` adds reading the cotangent and writing the feature gradient
@@ -40,6 +42,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jaxpool  # noqa: E402
+from jaxpool._src import dispatch  # noqa: E402
+from jaxpool._src.roi.plan import AlignConfig, Level  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from result_path import device_tag, result_path  # noqa: E402
@@ -200,20 +204,35 @@ def torch_rows(feats, boxes, image, output_size, reps):
   return out
 
 
+def _config(feats, output_size):
+  """The static configuration of the benchmark's call, for the registry's choice."""
+  levels, offset = [], 0
+  for f, s in zip(feats, STRIDES):
+    levels.append(Level(f.shape[0], f.shape[1], f.shape[2], 1.0 / s, offset))
+    offset += f.shape[0] * f.shape[1] * f.shape[2]
+  return AlignConfig(tuple(output_size), tuple(levels), 2, (2, 2), True, "avg")
+
+
 def run_case(feats, boxes, image, output_size, copy_gbs, reps):
   scales = tuple(1.0 / s for s in STRIDES)
   batch = feats[0].shape[0]
   shapes = [image] * batch
   ours = lambda fs, b: jaxpool.multi_scale_roi_align(fs, b, shapes, output_size,
                                                      sampling_ratio=2, aligned=True)
+  on_xla = lambda fs, b: jaxpool.multi_scale_roi_align(fs, b, shapes, output_size,
+                                                       sampling_ratio=2, aligned=True,
+                                                       implementation="xla")
   plain = lambda fs, b: plain_multi_scale_roi_align(fs, b, scales, output_size, 2, True)
   y = jax.jit(ours)(feats, boxes)
   dy = jnp.asarray(np.random.default_rng(1).standard_normal(y.shape), y.dtype)
   nx = sum(f.size * f.dtype.itemsize for f in feats)
   ny = y.size * y.dtype.itemsize
   bytes_moved = {"fwd": nx + ny, "fwd+dx": 2 * nx + 2 * ny}
-  rows = {}
-  for name, f in (("jaxpool", ours), ("plain_jnp", plain)):
+  rows = {"jaxpool_default_backend": dispatch.choose(
+      "roi_align", None, feats[0], None,
+      config=_config(feats, output_size)).label}
+  grads = {}
+  for name, f in (("jaxpool", ours), ("jaxpool_xla", on_xla), ("plain_jnp", plain)):
     fwd = jax.jit(f)
 
     def fwd_dx(fs, b, g, f=f):
@@ -231,7 +250,13 @@ def run_case(feats, boxes, image, output_size, copy_gbs, reps):
                 "peak_bytes": None if peak is None else peak[1]}
     r["same_bits_10_runs"] = same_bits(fb, (feats, boxes, dy), RUNS_SAME_BITS)
     rows[name] = r
+    grads[name] = fb(feats, boxes, dy)
   yp = jax.jit(plain)(feats, boxes)
+  (yd, gd), (yx, gx) = grads["jaxpool"], grads["jaxpool_xla"]
+  rows["max_abs_diff_default_vs_xla"] = {
+      "y": float(jnp.max(jnp.abs(yd.astype(jnp.float32) - yx.astype(jnp.float32)))),
+      "dx": max(float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
+                for a, b in zip(gd, gx))}
   rows["max_abs_diff_vs_plain"] = float(jnp.max(jnp.abs(y.astype(jnp.float32)
                                                         - yp.astype(jnp.float32))))
   try:
@@ -240,6 +265,8 @@ def run_case(feats, boxes, image, output_size, copy_gbs, reps):
     rows["torchvision"] = {"skipped": f"{type(e).__name__}: {str(e).splitlines()[0]}"}
   rows["speedup_fwd+dx_vs_plain"] = (rows["plain_jnp"]["fwd+dx"]["ms"]
                                      / rows["jaxpool"]["fwd+dx"]["ms"])
+  rows["speedup_fwd+dx_vs_xla_path"] = (rows["jaxpool_xla"]["fwd+dx"]["ms"]
+                                        / rows["jaxpool"]["fwd+dx"]["ms"])
   return rows
 
 
@@ -269,11 +296,14 @@ def main():
               "image": list(image), "channels": channels, "regions": batch * per_image,
               "rows": rows}
       results.append(case)
-      j, p = rows["jaxpool"], rows["plain_jnp"]
-      print(f"{case['dtype']:9s} {out}: jaxpool fwd {j['fwd']['ms']:.3f} ms "
+      j, p, xp = rows["jaxpool"], rows["plain_jnp"], rows["jaxpool_xla"]
+      print(f"{case['dtype']:9s} {out}: jaxpool ({rows['jaxpool_default_backend']}) "
+            f"fwd {j['fwd']['ms']:.3f} ms "
             f"({j['fwd']['of_copy']:.2f} of copy), fwd+dx {j['fwd+dx']['ms']:.3f} ms "
             f"({j['fwd+dx']['of_copy']:.2f}); plain jnp fwd+dx {p['fwd+dx']['ms']:.3f} ms "
-            f"(x{rows['speedup_fwd+dx_vs_plain']:.1f}); peak/io {j['fwd+dx']['peak_over_io']}; "
+            f"(x{rows['speedup_fwd+dx_vs_plain']:.1f}); XLA path fwd {xp['fwd']['ms']:.3f}, "
+            f"fwd+dx {xp['fwd+dx']['ms']:.3f} ms; default vs XLA "
+            f"{rows['max_abs_diff_default_vs_xla']}; peak/io {j['fwd+dx']['peak_over_io']}; "
             f"same bits {j['same_bits_10_runs']} (plain {p['same_bits_10_runs']}); "
             f"torchvision {rows['torchvision']}", flush=True)
   path = args.out or result_path(__file__, device_tag(dev.device_kind), quick=args.quick)

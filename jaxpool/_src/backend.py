@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import abc
 import enum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import jax
 
@@ -59,7 +59,7 @@ class Backend(abc.ABC):
 
   @abc.abstractmethod
   def supports(self, op: Op, x: jax.Array, geom: Geometry | None,
-               mask: jax.Array | None = None) -> str | None:
+               mask: jax.Array | None = None, config: Any = None) -> str | None:
     """None when the backend serves ``op`` for this call, else the reason it does not.
 
     Args:
@@ -67,6 +67,8 @@ class Backend(abc.ABC):
       x: the op's array operand (``dy`` for :attr:`Op.MAX_POOL_GRAD_FROM_TAPS`).
       geom: the call's geometry (None for :attr:`Op.ADAPTIVE_POOL` and :attr:`Op.GLOBAL_POOL`).
       mask: None, or the mask of a masked call.
+      config: the static configuration of an op without a geometry (ROI pooling's
+        ``AlignConfig`` or ``PoolConfig``), else None.
     """
 
   @abc.abstractmethod

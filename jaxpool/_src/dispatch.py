@@ -72,7 +72,8 @@ def pallas_by_default() -> bool:
 
 
 def choose(op: Op | str, implementation: Any, x: jax.Array, geom: Geometry | None,
-           mask: jax.Array | None = None, *, caller: str | None = None) -> Backend:
+           mask: jax.Array | None = None, *, caller: str | None = None,
+           config: Any = None) -> Backend:
   """The backend that serves ``op`` for this call.
 
   Args:
@@ -82,6 +83,8 @@ def choose(op: Op | str, implementation: Any, x: jax.Array, geom: Geometry | Non
     geom: the call's geometry (None for adaptive bins and global pooling).
     mask: None, or the mask of a masked call.
     caller: the public function that refusals name (default: the op).
+    config: an op's static configuration where it has no geometry (ROI pooling's), which the
+      backends' ``supports`` read.
 
   Raises:
     ValueError: ``implementation`` is not one of ``None``, ``"xla"``, ``"pallas"``, or names a
@@ -93,7 +96,7 @@ def choose(op: Op | str, implementation: Any, x: jax.Array, geom: Geometry | Non
     implementation = default_implementation()
   if implementation is not None:
     backend = named(implementation)
-    reason = backend.supports(op, x, geom, mask)
+    reason = backend.supports(op, x, geom, mask, config)
     if reason is not None:
       raise ValueError(
           f"implementation={implementation!r} cannot serve {caller or op.value} for this call "
@@ -102,6 +105,6 @@ def choose(op: Op | str, implementation: Any, x: jax.Array, geom: Geometry | Non
     return backend
   where = platform()
   for backend in candidates():
-    if backend.not_default(where) is None and backend.supports(op, x, geom, mask) is None:
+    if backend.not_default(where) is None and backend.supports(op, x, geom, mask, config) is None:
       return backend
   raise AssertionError("the XLA backend serves every call")

@@ -7,6 +7,8 @@ A ``mask`` (masked pooling) is served here only: the max pool is the shared rule
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 
 from jaxpool._src import adaptive_xla, autodiff, xla
@@ -42,7 +44,7 @@ class XlaBackend(Backend):
   label = "XLA"
 
   def supports(self, op: Op, x: jax.Array, geom: Geometry | None,
-               mask: jax.Array | None = None) -> str | None:
+               mask: jax.Array | None = None, config: Any = None) -> str | None:
     if mask is not None and op is Op.LP_POOL:
       return "lp_pool takes no mask"  # (the public lp_pool has no mask argument)
     return None

@@ -15,6 +15,8 @@ under every kind of mesh and inside ``shard_map``.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 
 from jaxpool._src import platforms
@@ -27,6 +29,13 @@ def _ops():
   """The Pallas ops module (imported on first use)."""
   from jaxpool._src.pallas import ops
   return ops
+
+
+def _roi():
+  """ROI align's kernels (``roi/kernels.py``, which imports Pallas only when a kernel is
+  traced)."""
+  from jaxpool._src.roi import kernels
+  return kernels
 
 
 def _interpret() -> bool:
@@ -48,9 +57,13 @@ class PallasBackend(Backend):
     self.label = label
 
   def supports(self, op: Op, x: jax.Array, geom: Geometry | None,
-               mask: jax.Array | None = None) -> str | None:
+               mask: jax.Array | None = None, config: Any = None) -> str | None:
     if mask is not None:
       return "the Pallas kernels take no mask (masked pooling runs on XLA's tap loops)"
+    if op in (Op.ROI_ALIGN, Op.ROI_POOL):
+      if self.kernels != "triton":
+        return f"there is no {self.label} kernel for {op.value}"
+      return _roi().unsupported(x, config)
     if geom is None:  # adaptive bins and global pooling: no fixed window
       return f"there is no Pallas kernel for {op.value}"
     try:
@@ -96,6 +109,11 @@ class PallasBackend(Backend):
     assert mask is None
     return _ops().avg_pool(x, geom, interpret=_interpret(), count_include_pad=count_include_pad,
                            divisor_override=divisor_override, kernels=self.kernels)
+
+  def roi_align(self, maps: tuple[jax.Array, ...], image: jax.Array, coords: jax.Array,
+                level: jax.Array, config: Any) -> jax.Array:
+    assert self.kernels == "triton"  # (supports refuses the TPU kernels)
+    return _roi().roi_align(maps, image, coords, level, config, interpret=_interpret())
 
 
 PALLAS_TRITON = PallasBackend("triton", "Pallas Triton")

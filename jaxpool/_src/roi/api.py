@@ -213,7 +213,9 @@ def roi_align(x: Any, boxes: Boxes, output_size: int | Sequence[int], *,
       bit for bit, the box gradient to rounding). A box needing more is sampled
       ``max_samples`` times per axis.
     data_format: ``"channels_last"`` or ``"channels_first"`` (torchvision's NCHW).
-    implementation: ``None`` or ``"xla"`` (the Pallas backend has no ROI kernel yet).
+    implementation: ``None`` (on an NVIDIA GPU, ``mode="avg"`` runs the Pallas Triton
+      kernels, the rest the XLA path), ``"pallas"`` (the kernels; a ValueError for what they
+      do not serve) or ``"xla"``: docs/roi.md, "Where it runs".
 
   Returns:
     ``(K, ph, pw, C)`` (``(K, C, ph, pw)`` channels first), in ``x``'s dtype. A sample outside
@@ -249,7 +251,8 @@ def roi_align(x: Any, boxes: Boxes, output_size: int | Sequence[int], *,
   samples = sample_grid(ratio, cap, coords, jnp.full(image.shape, scale, jnp.float32), levels,
                         output_size)
   cfg = AlignConfig(output_size, levels, ratio, samples, aligned, mode)
-  backend = dispatch.choose(Op.ROI_ALIGN, implementation, x, None, caller="roi_align")
+  backend = dispatch.choose(Op.ROI_ALIGN, implementation, x, None, caller="roi_align",
+                            config=cfg)
   y = backend.roi_align((x,), image, coords, level, cfg)
   return jnp.moveaxis(y, -1, 1) if data_format == "channels_first" else y
 
@@ -295,7 +298,8 @@ def roi_pool(x: Any, boxes: Boxes, output_size: int | Sequence[int], *,
   image, coords = split_boxes(boxes, x.shape[0])
   N, H, W, _ = x.shape
   cfg = PoolConfig(output_size, Level(N, H, W, scale, 0))
-  backend = dispatch.choose(Op.ROI_POOL, implementation, x, None, caller="roi_pool")
+  backend = dispatch.choose(Op.ROI_POOL, implementation, x, None, caller="roi_pool",
+                            config=cfg)
   y, indices = backend.roi_pool(x, image, coords.astype(jnp.float32), cfg)
   if data_format == "channels_first":
     y, indices = jnp.moveaxis(y, -1, 1), jnp.moveaxis(indices, -1, 1)

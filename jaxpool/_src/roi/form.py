@@ -33,6 +33,8 @@ per bin times 4.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -238,9 +240,26 @@ def _impl(*operands, wrt, has_taps, dtype, rows):
 
 # ----------------------------------------------------------------------------- the primitive
 
-roi_form_p = jex_core.Primitive("jaxpool_roi_form")
-_impl_jit = jax.jit(_impl, static_argnames=("wrt", "has_taps", "dtype", "rows"))
-roi_form_p.def_impl(lambda *operands, **params: _impl_jit(*operands, **params))
+
+def define(name: str, impl, widen=None) -> jex_core.Primitive:
+  """A primitive of the form: ``impl(*operands, wrt, has_taps, dtype, rows, **extra)``
+  evaluates and lowers it; its JVP, transpose and batching rules are this module's, binding
+  the same primitive with ``extra`` passed on (under ``vmap``, ``widen(extra, copies)``: see
+  ``_batch``). ``roi_form_p`` is the XLA path's; the GPU kernels define another
+  (``kernels.py``) with the same rules."""
+  prim = jex_core.Primitive(name)
+
+  @functools.cache
+  def jitted(params):
+    return jax.jit(functools.partial(impl, **dict(params)))
+
+  prim.def_impl(lambda *operands, **params: jitted(tuple(sorted(params.items())))(*operands))
+  prim.def_abstract_eval(_abstract_eval)
+  mlir.register_lowering(prim, mlir.lower_fun(impl, multiple_results=False))
+  ad.primitive_jvps[prim] = functools.partial(_jvp, prim)
+  ad.primitive_transposes[prim] = functools.partial(_transpose, prim)
+  batching.primitive_batchers[prim] = functools.partial(_batch, prim, widen)
+  return prim
 
 
 def _shape(ops, wrt, rows):
@@ -252,42 +271,45 @@ def _shape(ops, wrt, rows):
   return ops["iy" if wrt == "wy" else "ix"].shape
 
 
-def _abstract_eval(*avals, wrt, has_taps, dtype, rows):
+def _abstract_eval(*avals, wrt, has_taps, dtype, rows, **extra):
   ops = dict(zip(_names(wrt, has_taps), avals))
   like = next(ops[s] for s in SLOTS if s in ops)
   return like.update(shape=_shape(ops, wrt, rows), dtype=jnp.dtype(dtype), weak_type=False)
 
 
-roi_form_p.def_abstract_eval(_abstract_eval)
-mlir.register_lowering(roi_form_p, mlir.lower_fun(_impl, multiple_results=False))
-
-
 def bind(wrt: str, *, base, stride, iy, ix, taps=None, dtype, rows=0, **slots):
   """``dF/d(wrt)`` from the other three slots (keyword arguments ``wy``, ``wx``, ``x``, ``ct``)."""
+  return bind_to(roi_form_p, wrt, base=base, stride=stride, iy=iy, ix=ix, taps=taps,
+                 dtype=dtype, rows=rows, **slots)
+
+
+def bind_to(prim, wrt: str, *, base, stride, iy, ix, taps=None, dtype, rows=0, extra=None,
+            **slots):
+  """:func:`bind` for a primitive of :func:`define` (``extra``: its own static params)."""
   names = _names(wrt, taps is not None)
   given = dict(base=base, stride=stride, iy=iy, ix=ix, taps=taps, **slots)
-  return roi_form_p.bind(*(given[n] for n in names), wrt=wrt, has_taps=taps is not None,
-                         dtype=jnp.dtype(dtype).name, rows=int(rows))
+  return prim.bind(*(given[n] for n in names), wrt=wrt, has_taps=taps is not None,
+                   dtype=jnp.dtype(dtype).name, rows=int(rows), **(extra or {}))
 
 
-def _jvp(primals, tangents, *, wrt, has_taps, dtype, rows):
+def _jvp(prim, primals, tangents, *, wrt, has_taps, **params):
   names = _names(wrt, has_taps)
-  params = dict(wrt=wrt, has_taps=has_taps, dtype=dtype, rows=rows)
-  out = roi_form_p.bind(*primals, **params)
+  params = dict(wrt=wrt, has_taps=has_taps, **params)
+  out = prim.bind(*primals, **params)
   total = None
   for n, (name, t) in enumerate(zip(names, tangents)):
     if name not in SLOTS or type(t) is ad.Zero:
       continue
     args = list(primals)
     args[n] = t
-    term = roi_form_p.bind(*args, **params)
+    term = prim.bind(*args, **params)
     total = term if total is None else total + term
   if total is None:
     return out, ad.Zero.from_primal_value(out)
   return out, total
 
 
-def _transpose(ct_out, *operands, wrt, has_taps, dtype, rows):
+def _transpose(prim, ct_out, *operands, wrt, has_taps, dtype, rows, **extra):
   names = _names(wrt, has_taps)
   ops = dict(zip(names, operands))
   undefined = [n for n in names if ad.is_undefined_primal(ops[n])]
@@ -299,18 +321,16 @@ def _transpose(ct_out, *operands, wrt, has_taps, dtype, rows):
   new = {n: v for n, v in ops.items() if n != u}
   new[wrt] = ct_out
   out_rows = aval.shape[0] if u == "x" else 0
-  result = roi_form_p.bind(*(new[n] for n in _names(u, has_taps)), wrt=u, has_taps=has_taps,
-                           dtype=aval.dtype.name, rows=out_rows)
+  result = prim.bind(*(new[n] for n in _names(u, has_taps)), wrt=u, has_taps=has_taps,
+                     dtype=aval.dtype.name, rows=out_rows, **extra)
   return [result if n == u else None for n in names]
 
 
-ad.primitive_jvps[roi_form_p] = _jvp
-ad.primitive_transposes[roi_form_p] = _transpose
-
-
-def _batch(args, dims, *, wrt, has_taps, dtype, rows):
+def _batch(prim, widen, args, dims, *, wrt, has_taps, dtype, rows, **extra):
   """A mapped axis folds into the boxes (and the feature table's rows): the boxes of different
-  batch elements never meet, and ``base`` moves each element's boxes to its own table."""
+  batch elements never meet, and ``base`` moves each element's boxes to its own table, one
+  copy of the table per element. ``widen(extra, copies)`` gives the primitive's own params for
+  a table of ``copies`` copies of the one it had (1: the table is not batched)."""
   names = _names(wrt, has_taps)
   size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
   ops = {}
@@ -333,9 +353,16 @@ def _batch(args, dims, *, wrt, has_taps, dtype, rows):
   if x_batched:
     shift = jnp.repeat(jnp.arange(size, dtype=ops["base"].dtype) * table_rows, K)
     ops["base"] = ops["base"] + shift
-  out = roi_form_p.bind(*(ops[n] for n in names), wrt=wrt, has_taps=has_taps, dtype=dtype,
-                        rows=rows * size if wrt == "x" else rows)
+  if widen is not None:
+    extra = widen(extra, size if x_batched else 1)
+  out = prim.bind(*(ops[n] for n in names), wrt=wrt, has_taps=has_taps, dtype=dtype,
+                  rows=rows * size if wrt == "x" else rows, **extra)
   return out.reshape(size, out.shape[0] // size, *out.shape[1:]), 0
 
 
-batching.primitive_batchers[roi_form_p] = _batch
+roi_form_p = define("jaxpool_roi_form", _impl)
+
+# What another primitive of the form (``kernels.py``) reuses: the operand names and the XLA
+# implementation of every derivative.
+operand_names = _names
+evaluate = _impl

@@ -131,6 +131,6 @@ def multi_scale_roi_align(features: Sequence[Any], boxes: Boxes,
   samples = sample_grid(ratio, cap, coords, scale, tuple(levels), output_size)
   cfg = AlignConfig(output_size, tuple(levels), ratio, samples, aligned, mode)
   backend = dispatch.choose(Op.ROI_ALIGN, implementation, first, None,
-                            caller="multi_scale_roi_align")
+                            caller="multi_scale_roi_align", config=cfg)
   y = backend.roi_align(maps, image, coords, level, cfg)
   return jnp.moveaxis(y, -1, 1) if data_format == "channels_first" else y

@@ -51,12 +51,14 @@ def _align_taps(ops, counts, x):
 
 
 def roi_align(maps: tuple[jax.Array, ...], image: jax.Array, coords: jax.Array,
-              level: jax.Array, cfg: AlignConfig) -> jax.Array:
+              level: jax.Array, cfg: AlignConfig, bind=form.bind) -> jax.Array:
   """``(K, ph, pw, C)`` in the maps' dtype.
 
   Args:
     maps: the feature maps, ``(N, H_l, W_l, C)`` each (``cfg.levels`` describes them).
     image: ``(K,)`` int32; coords: ``(K, 4)`` float32; level: ``(K,)`` int32.
+    bind: how the average's sampled sum is bound (``form.bind``; the GPU kernels' primitive
+      in ``kernels.py``).
   """
   x = flat_table(maps)
   ops, count, counts, finite = align_plan(image, coords, level, cfg)
@@ -64,7 +66,7 @@ def roi_align(maps: tuple[jax.Array, ...], image: jax.Array, coords: jax.Array,
     taps = _align_taps(ops, counts, x)
     y = form.bind("ct", **ops, taps=taps, x=x, dtype=F32)
   else:
-    y = form.bind("ct", **ops, x=x, dtype=F32) / count[:, None, None, None]
+    y = bind("ct", **ops, x=x, dtype=F32) / count[:, None, None, None]
   y = jnp.where(finite[:, None, None, None], y, jnp.nan)
   return y.astype(x.dtype)
 

@@ -1,0 +1,109 @@
+"""ROI align on the GPU kernels (``triton.py``), as the registry's Pallas Triton backend runs it.
+
+The kernels compute two of the form's four derivatives (``form.py``) for the average: the
+forward (``wrt="ct"``) and the feature gradient (``wrt="x"``). They are the implementation of a
+second primitive of the form, ``roi_kernel_p`` (``form.define``: the same JVP and transpose
+rules), whose other derivatives, the box gradient's parts ``wy`` and ``wx``, run on the XLA
+path's implementation. So ``jax.grad`` through :func:`roi_align` runs the forward kernel, the
+feature-gradient kernel and XLA's box gradient; forward mode and higher orders compose the
+same way. Under ``vmap`` the mapped axis folds into the boxes and the feature table (one copy
+of the table per element, ``KernelOptions.copies``): the kernels run once on the whole batch.
+
+:func:`unsupported` is the rule the registry asks (``pallas/backend.py``): the kernels serve
+``roi_align`` and ``multi_scale_roi_align`` with ``mode="avg"`` in float32, bfloat16 and
+float16 (a static sample grid: ``sampling_ratio > 0``, or the ``max_samples`` grid of the
+adaptive count, whose padding samples are dead), maps not split over an Explicit mesh;
+``mode="max"`` and ``roi_pool`` run on XLA.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxpool._src.roi import form
+from jaxpool._src.roi import xla as roi_xla
+from jaxpool._src.roi.plan import AlignConfig, Level
+
+_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(np.float16))
+MAX_ELEMENTS = 2**31 - 1  # the kernels index in int32
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelOptions:
+  """The kernels' static params: the feature table's levels (where each image lies, for the
+  gradient's tiles), how many copies of them the table holds one after the other (``vmap``
+  folds its axis into the table), and interpret mode (on a CPU)."""
+
+  levels: tuple[Level, ...]
+  interpret: bool
+  copies: int = 1
+
+
+def _widen(extra, copies: int):
+  kernel = extra["kernel"]
+  return dict(extra, kernel=dataclasses.replace(kernel, copies=kernel.copies * copies))
+
+
+def unsupported(x: jax.Array, config: Any) -> str | None:
+  """Why the ROI kernels cannot serve a call (None: they can). ``x``: the (first) feature map,
+  channels last; ``config``: the call's ``AlignConfig`` (None or a ``PoolConfig``: roi_pool)."""
+  if not isinstance(config, AlignConfig):
+    return "there is no Pallas kernel for roi_pool"
+  if config.mode != "avg":
+    return (f"the ROI align kernels average the samples; mode={config.mode!r} runs on the XLA "
+            f"path")
+  if np.dtype(x.dtype) not in _DTYPES:
+    return f"the ROI align kernels take float32, bfloat16 and float16, not {np.dtype(x.dtype)}"
+  spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None)
+  if spec is not None and any(p is not None for p in spec):
+    return ("the ROI align kernels take maps that are not split over an Explicit mesh (the "
+            "XLA path serves them)")
+  pixels = sum(lv.images * lv.height * lv.width for lv in config.levels)
+  if pixels * int(x.shape[-1]) > MAX_ELEMENTS:
+    return f"the feature maps have over {MAX_ELEMENTS} elements (the kernels index in int32)"
+  return None
+
+
+def _impl(*operands, wrt, has_taps, dtype, rows, kernel: KernelOptions):
+  names = form.operand_names(wrt, has_taps)
+  ops = dict(zip(names, operands))
+  table_rows = kernel.copies * sum(lv.images * lv.height * lv.width for lv in kernel.levels)
+  if has_taps or wrt not in ("ct", "x"):  # the box gradient's parts on the XLA path
+    return form.evaluate(*operands, wrt=wrt, has_taps=has_taps, dtype=dtype, rows=rows)
+  from jaxpool._src.roi import triton  # (Pallas, imported when a kernel is traced)
+  if wrt == "x" and rows != table_rows:
+    raise AssertionError(f"a feature table of {rows} rows for {kernel}")
+  if wrt == "ct":
+    y = triton.forward(ops["base"], ops["stride"], ops["iy"], ops["ix"], ops["wy"], ops["wx"],
+                       ops["x"], interpret=kernel.interpret)
+    return y.astype(dtype)
+  return triton.feature_grad(ops["base"], ops["iy"], ops["ix"], ops["wy"], ops["wx"],
+                             ops["ct"], levels=kernel.levels, copies=kernel.copies, rows=rows,
+                             dtype=jnp.dtype(dtype), interpret=kernel.interpret)
+
+
+roi_kernel_p = form.define("jaxpool_roi_form_kernels", _impl, _widen)
+
+
+def _roi_align(maps, image, coords, level, cfg: AlignConfig, interpret: bool) -> jax.Array:
+  bind = functools.partial(form.bind_to, roi_kernel_p,
+                           extra=dict(kernel=KernelOptions(cfg.levels, interpret)))
+  return roi_xla.roi_align(maps, image, coords, level, cfg, bind=bind)
+
+
+_roi_align_jit = jax.jit(_roi_align, static_argnums=(4, 5))
+
+
+def roi_align(maps: tuple[jax.Array, ...], image: jax.Array, coords: jax.Array,
+              level: jax.Array, cfg: AlignConfig, *, interpret: bool) -> jax.Array:
+  """The XLA path's ``roi_align`` (``xla.py``) with the average's sampled sum and its feature
+  gradient on the kernels: ``(K, ph, pw, C)``."""
+  assert cfg.mode == "avg" and math.prod(cfg.output_size) > 0
+  return _roi_align_jit(maps, image, coords, level, cfg, interpret)

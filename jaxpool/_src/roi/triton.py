@@ -1,0 +1,343 @@
+"""ROI align's GPU kernels (Pallas Triton): the averaged sampled sum and its feature gradient.
+
+Both kernels take the plan of ``plan.py`` (per box and axis: the corner indices ``iy``, ``ix``
+``(K, n_out, S, 2)``, -1 for a dead sample, and the corner weights ``wy``, ``wx``), flattened,
+and the flat feature table ``(P, C)`` (channels last: a pixel's channels are contiguous), so
+they compute exactly the form of ``form.py`` (what ``form.bind("ct")`` and ``form.bind("x")``
+give), in float32, without atomics. Every load and store stays in bounds: corner indices and
+channels are clamped, and the values at clamped columns and channels are computed again and
+stored masked (compiled) or stored again with the same bits (interpret mode, where a masked
+store could restore an old value).
+
+**Forward** (:func:`forward`): one program per (box ``k``, bin row ``i``, block of
+``block_lanes`` channels), the bin row's ``pw`` bins as a ``(cols, lanes)`` tile. For each
+sample in row-major order ``(sy, sx)``, the four corners are gathered as channel vectors and
+added in torchvision's order ``(0, 0), (0, 1), (1, 0), (1, 1)``, each ``where(live, (wy * wx) *
+x, 0)``; the sample's value is added to the running sum: the order of the XLA path's
+``form._forward``.
+
+**Feature gradient** (:func:`feature_grad`): one program per (pixel row of one image of one
+level, block of ``block_cols`` columns, block of channels); the program owns its tile of
+pixels, writes it once, and nothing else writes it. It loops over the boxes of its image
+(level) in a fixed order, ascending box index (a stable sort of the boxes by image, computed
+outside the kernel), skipping a box whose live corner rows do not hold the program's row or
+whose live corner columns miss its columns (scalar tests on the box's extents). Average ROI
+align is separable per box: the contribution of box ``k`` to pixel ``(r, c)`` is ``sum_{i, j}
+A[i, r] B[j, c] ct[k, i, j]`` with ``A[i, r] = sum of wy[k, i, sy, a] where iy[k, i, sy, a] ==
+r`` (``sy`` then ``a`` ascending; ``B`` likewise). Per pixel, in float32 from 0: the boxes in
+ascending order, in each box the bin rows ``i`` ascending (those with a corner on the row),
+the bins ``j`` ascending, each term ``where(hit, (A * B) * ct, 0)`` (``hit``: a live corner of
+the bin lies on the pixel, so a NaN cotangent reaches exactly the pixels the XLA path's does).
+The same bits on every run; equal to the XLA path's sorted sum to float32 rounding (a
+different order of the same terms).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+
+from jaxpool._src.pallas.calls import out_struct
+from jaxpool._src.pallas.triton.tile import load, plgpu
+
+F32 = jnp.float32
+I32 = jnp.int32
+NUM_WARPS = 4
+# A forward tile is (bins of a row, rounded up to a power of two) x lanes elements, at most
+# this many; the gradient's tile is GRAD_COLS columns x at most GRAD_LANES lanes.
+FWD_TILE = 4096
+FWD_LANES = 256
+GRAD_COLS = 16
+GRAD_LANES = 128
+
+
+def _pow2(n: int) -> int:
+  return 1 << max(0, (int(n) - 1).bit_length())
+
+
+class _Lanes:
+  """A program's block of channels: an index (a ``pl.ds`` slice when compiled and whole, else
+  clamped indices) and the mask of the real ones (None: all are)."""
+
+  def __init__(self, block: int, lanes: int, lane_block, interpret: bool):
+    raw = lane_block * block + jnp.arange(block, dtype=I32)
+    exact = lanes % block == 0
+    self.index: Any = (pl.ds(lane_block * block, block) if exact and not interpret
+                       else jnp.minimum(raw, lanes - 1))
+    self.mask = None if exact else raw < lanes
+    self.interpret = interpret
+
+  def tile(self, rows):
+    """The indexer of ``rows`` ``(n,)`` (or a scalar row) x these lanes."""
+    if jnp.ndim(rows) == 0 or isinstance(self.index, pl.Slice):
+      return (rows, self.index)
+    return (rows[:, None], self.index[None, :])
+
+  def store(self, ref, rows, value, row_mask=None):
+    where = self.tile(rows)
+    if self.interpret:
+      ref[where] = value
+      return
+    mask = None if row_mask is None else row_mask[:, None]
+    if self.mask is not None:
+      mask = self.mask[None, :] if mask is None else mask & self.mask[None, :]
+    assert plgpu is not None
+    plgpu.store(ref.at[where], value, mask=mask)
+
+
+def _call_kwargs(interpret: bool) -> dict:
+  if interpret or plgpu is None:
+    return {}
+  return {"compiler_params": plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=1)}
+
+
+# A sample loop of at most this many steps is unrolled; a longer one (the adaptive count's
+# ``max_samples`` grid) is a loop that skips dead samples (padding past a box's count, outside
+# the map) without loading. A dead sample adds exact zeros, and a sum that starts at +0 is
+# never -0, so skipping it keeps the bits.
+UNROLL = 4
+
+
+def _over(n: int, body, carry, alive):
+  """``body(s, carry)`` for ``s`` in ``range(n)``: unrolled, or a loop skipping the steps
+  where ``alive(s)`` is false."""
+  if n <= UNROLL:
+    for s in range(n):
+      carry = body(s, carry)
+    return carry
+
+  def step(s, carry):
+    return lax.cond(alive(s), functools.partial(body, s), lambda c: c, carry)
+
+  return lax.fori_loop(0, n, step, carry)
+
+
+# ----------------------------------------------------------------------------- forward
+
+
+def _forward_kernel(base_ref, stride_ref, iy_ref, ix_ref, wy_ref, wx_ref, x_ref, o_ref, *,
+                    ph, pw, sy_n, sx_n, lanes, block_cols, block_lanes, interpret):
+  n_lb = pl.cdiv(lanes, block_lanes)
+  pid = pl.program_id(0)
+  lb = pid % n_lb
+  ki = pid // n_lb
+  k, i = ki // ph, ki % ph
+  lane = _Lanes(block_lanes, lanes, lb, interpret)
+  cols = jnp.arange(block_cols, dtype=I32)
+  col_mask = None if pw == block_cols else cols < pw
+  j = jnp.minimum(cols, pw - 1)
+  base, stride = base_ref[k], stride_ref[k]
+
+  def row_sample(sy, acc):
+    at_y = [((k * ph + i) * sy_n + sy) * 2 + a for a in (0, 1)]
+    r = [iy_ref[at] for at in at_y]
+    u = [wy_ref[at] for at in at_y]
+
+    def col_sample(sx, acc):
+      at_x = [((k * pw + j) * sx_n + sx) * 2 + b for b in (0, 1)]
+      c = [load(ix_ref, (at,)) for at in at_x]
+      t = [load(wx_ref, (at,)) for at in at_x]
+      v = None
+      for a in (0, 1):
+        for b in (0, 1):
+          rows = base + jnp.maximum(r[a], 0) * stride + jnp.maximum(c[b], 0)
+          g = load(x_ref, lane.tile(rows)).astype(F32)
+          live = (r[a] >= 0) & (c[b] >= 0)
+          term = jnp.where(live[:, None], (u[a] * t[b])[:, None] * g, 0.0)
+          v = term if v is None else v + term
+      return acc + v
+
+    def col_alive(sx):
+      return jnp.max(load(ix_ref, (((k * pw + j) * sx_n + sx) * 2,))) >= 0
+
+    return _over(sx_n, col_sample, acc, col_alive)
+
+  def row_alive(sy):
+    return iy_ref[((k * ph + i) * sy_n + sy) * 2] >= 0
+
+  acc = _over(sy_n, row_sample, jnp.zeros((block_cols, block_lanes), F32), row_alive)
+  lane.store(o_ref, (k * ph + i) * pw + j, acc, col_mask)
+
+
+def forward(base, stride, iy, ix, wy, wx, x, *, interpret: bool) -> jax.Array:
+  """``form.bind("ct")`` of the average: ``(K, ph, pw, C)`` float32 sums (not yet divided by
+  the sample count). ``x``: the flat table ``(P, C)``; the rest as ``plan.align_plan``'s."""
+  K, ph, sy_n, _ = iy.shape
+  pw, sx_n = ix.shape[1:3]
+  C = x.shape[1]
+  if K == 0:
+    return jnp.zeros((0, ph, pw, C), F32)
+  block_cols = _pow2(pw)
+  block_lanes = min(_pow2(C), FWD_LANES, max(16, FWD_TILE // block_cols))
+  kernel = functools.partial(_forward_kernel, ph=ph, pw=pw, sy_n=sy_n, sx_n=sx_n, lanes=C,
+                             block_cols=block_cols, block_lanes=block_lanes,
+                             interpret=interpret)
+  grid = (K * ph * pl.cdiv(C, block_lanes),)
+  n_out = K * ph * pw * C
+  out = pl.pallas_call(
+      kernel, out_shape=out_struct((K * ph * pw, C), F32, x), grid=grid, interpret=interpret,
+      name="jaxpool_roi_align_fwd",
+      cost_estimate=pl.CostEstimate(flops=8 * n_out * sy_n * sx_n, transcendentals=0,
+                                    bytes_accessed=4 * n_out * (1 + 4 * sy_n * sx_n)),
+      **_call_kwargs(interpret))(
+          base.astype(I32), stride.astype(I32), iy.reshape(-1).astype(I32),
+          ix.reshape(-1).astype(I32), wy.reshape(-1).astype(F32), wx.reshape(-1).astype(F32),
+          x)
+  return out.reshape(K, ph, pw, C)
+
+
+# ----------------------------------------------------------------------------- feature gradient
+
+
+def _planes(levels, copies: int) -> tuple[tuple[int, int, int, int, int], ...]:
+  """Per level of each copy of the table: (first global pixel row, first plane, height,
+  width, first table row)."""
+  out, row, plane = [], 0, 0
+  table = sum(lv.images * lv.height * lv.width for lv in levels)
+  for copy in range(copies):
+    for lv in levels:
+      out.append((row, plane, lv.height, lv.width, copy * table + lv.offset))
+      row += lv.images * lv.height
+      plane += lv.images
+  return tuple(out)
+
+
+def _grad_kernel(start_ref, order_ref, ext_ref, iy_ref, ix_ref, wy_ref, wx_ref, ct_ref, o_ref,
+                 *, planes, ph, pw, sy_n, sx_n, lanes, col_blocks, block_cols, block_lanes,
+                 interpret):
+  n_lb = pl.cdiv(lanes, block_lanes)
+  pid = pl.program_id(0)
+  lb = pid % n_lb
+  cb = (pid // n_lb) % col_blocks
+  g = pid // (n_lb * col_blocks)  # the global pixel row
+  first_row, first_plane, height, width, offset = (jnp.int32(v) for v in planes[0])
+  for p in planes[1:]:  # this row's level (static: a few levels)
+    later = g >= p[0]
+    first_row, first_plane, height, width, offset = (
+        jnp.where(later, jnp.int32(new), old)
+        for new, old in zip(p, (first_row, first_plane, height, width, offset)))
+  local = g - first_row
+  n, r = local // height, local % height
+  plane = first_plane + n
+  lane = _Lanes(block_lanes, lanes, lb, interpret)
+  col0 = cb * block_cols
+  raw = col0 + jnp.arange(block_cols, dtype=I32)
+  cols = jnp.minimum(raw, width - 1)
+  col_last = jnp.minimum(col0 + block_cols, width) - 1
+
+  def bin_row(kk, i, acc):
+    """Bin row ``i`` of box ``kk``: its weight on row ``r`` and its bins' terms."""
+    def y_sample(sy, carry):
+      A, hit_a = carry
+      for a in (0, 1):
+        at = ((kk * ph + i) * sy_n + sy) * 2 + a
+        on = iy_ref[at] == r
+        A = A + jnp.where(on, wy_ref[at], 0.0)
+        hit_a = hit_a | on
+      return A, hit_a
+
+    A, hit_a = _over(sy_n, y_sample, (jnp.float32(0.0), jnp.bool_(False)),
+                     lambda sy: iy_ref[((kk * ph + i) * sy_n + sy) * 2] >= 0)
+
+    def bins(acc):
+      def one(j, acc):
+        def x_sample(sx, carry):
+          B, hit_b = carry
+          for b in (0, 1):
+            at = ((kk * pw + j) * sx_n + sx) * 2 + b
+            on = cols == ix_ref[at]
+            B = B + jnp.where(on, wx_ref[at], 0.0)
+            hit_b = hit_b | on
+          return B, hit_b
+
+        B, hit_b = _over(sx_n, x_sample, (jnp.zeros((block_cols,), F32),
+                                          jnp.zeros((block_cols,), jnp.bool_)),
+                         lambda sx: ix_ref[((kk * pw + j) * sx_n + sx) * 2] >= 0)
+
+        def add(acc):
+          ct = load(ct_ref, lane.tile((kk * ph + i) * pw + j)).astype(F32)
+          return acc + jnp.where(hit_b[:, None], (A * B)[:, None] * ct[None, :], 0.0)
+
+        # (A bin off the tile adds nothing. Triton lowers no reduce_or: the max of 0/1.)
+        touches = jnp.max(jnp.where(hit_b, 1, 0)) > 0
+        return lax.cond(touches, add, lambda acc: acc, acc)
+
+      return lax.fori_loop(0, pw, one, acc)
+
+    return lax.cond(hit_a, bins, lambda acc: acc, acc)
+
+  def box(t, acc):
+    kk = order_ref[t]
+    hit = ((ext_ref[4 * kk] <= r) & (r <= ext_ref[4 * kk + 1])
+           & (ext_ref[4 * kk + 2] <= col_last) & (ext_ref[4 * kk + 3] >= col0))
+
+    def add(acc):
+      return lax.fori_loop(0, ph, functools.partial(bin_row, kk), acc)
+
+    return lax.cond(hit, add, lambda acc: acc, acc)
+
+  acc = jnp.zeros((block_cols, block_lanes), F32)
+  first, last = start_ref[plane], start_ref[plane + 1]
+  if not interpret:  # a block past the level's width stores nothing: no box to visit
+    last = jnp.where(col0 < width, last, first)  # (interpret mode stores its clamped copy)
+  acc = lax.fori_loop(first, last, box, acc)
+  rows = offset + (n * height + r) * width + cols
+  lane.store(o_ref, rows, acc.astype(o_ref.dtype), raw < width)
+
+
+def _extents(idx) -> jax.Array:
+  """Per box: the lowest and highest live corner index along an axis ``(K, 2)`` (an empty
+  range, ``(2**30, -1)``, when none is live)."""
+  flat = idx.reshape(idx.shape[0], -1)
+  live = flat >= 0
+  lo = jnp.min(jnp.where(live, flat, 2**30), axis=1, initial=2**30)
+  hi = jnp.max(jnp.where(live, flat, -1), axis=1, initial=-1)
+  return jnp.stack([lo, hi], axis=1)
+
+
+def feature_grad(base, iy, ix, wy, wx, ct, *, levels, rows: int, dtype, interpret: bool,
+                 copies: int = 1) -> jax.Array:
+  """``form.bind("x")`` of the average: the feature gradient ``(rows, C)`` in ``dtype``, for
+  the table of ``copies`` copies of ``levels`` (``plan.Level``: where each level's images lie
+  in the table)."""
+  K, ph, sy_n, _ = iy.shape
+  pw, sx_n = ix.shape[1:3]
+  C = ct.shape[-1]
+  planes = _planes(levels, copies)
+  total_rows = copies * sum(lv.images * lv.height for lv in levels)
+  table = sum(lv.images * lv.height * lv.width for lv in levels)
+  assert rows == copies * table, (rows, copies, levels)
+  if K == 0:
+    return jnp.zeros((rows, C), dtype)
+  # The boxes grouped by image (level, image), in ascending box index within each: a stable
+  # sort by ``base``, the image's first table row (increasing with the image's plane number).
+  order = jnp.argsort(base, stable=True).astype(I32)
+  firsts = np.asarray([copy * table + lv.offset + n * lv.height * lv.width
+                       for copy in range(copies) for lv in levels for n in range(lv.images)],
+                      np.int32)
+  start = jnp.searchsorted(base[order], jnp.asarray(firsts), side="left").astype(I32)
+  start = jnp.concatenate([start, jnp.full((1,), K, I32)])
+  ext = jnp.concatenate([_extents(iy), _extents(ix)], axis=1).reshape(-1).astype(I32)
+  block_cols = min(GRAD_COLS, _pow2(max(lv.width for lv in levels)))
+  block_lanes = min(_pow2(C), GRAD_LANES)
+  col_blocks = pl.cdiv(max(lv.width for lv in levels), block_cols)
+  kernel = functools.partial(_grad_kernel, planes=planes, ph=ph, pw=pw, sy_n=sy_n, sx_n=sx_n,
+                             lanes=C, col_blocks=col_blocks, block_cols=block_cols,
+                             block_lanes=block_lanes, interpret=interpret)
+  grid = (total_rows * col_blocks * pl.cdiv(C, block_lanes),)
+  n_ct = math.prod(ct.shape)
+  return pl.pallas_call(
+      kernel, out_shape=out_struct((rows, C), dtype, ct), grid=grid, interpret=interpret,
+      name="jaxpool_roi_align_bwd",
+      cost_estimate=pl.CostEstimate(flops=4 * n_ct * sy_n * sx_n, transcendentals=0,
+                                    bytes_accessed=4 * (n_ct * 2 * sy_n + rows * C)),
+      **_call_kwargs(interpret))(
+          start, order, ext, iy.reshape(-1).astype(I32), ix.reshape(-1).astype(I32),
+          wy.reshape(-1).astype(F32), wx.reshape(-1).astype(F32), ct.reshape(K * ph * pw, C))

@@ -1,0 +1,364 @@
+"""ROI align's GPU kernels (``jaxpool/_src/roi/triton.py``) in interpret mode on the CPU: the
+forward and the feature gradient against the XLA path and the NumPy reference
+(tests/support/roi_reference.py), the same bits on a second run, several levels, the
+registry's rule (what runs where), and Triton lowering; compiled on a GPU (``-m gpu``) against
+the XLA path and torchvision.
+
+Tolerances. The forward kernel adds the same float32 terms in the XLA path's order (each
+sample's four corners in torchvision's order, the samples row-major), so in interpret mode on
+the CPU it has the XLA path's bits; compiled, Triton may contract a multiply and an add into
+one rounding. The feature gradient adds each pixel's terms in another order than the XLA
+path's sorted sum (docs/roi.md, "Where it runs"), so the two agree to float32 rounding of sums
+of a few terms of size ~1: ``rtol = atol = 1e-5`` here. The box gradient runs on the XLA path
+either way: the same bits in interpret mode. Compiled (the GPU tests), sums over hundreds of
+boxes fused differently: ``1e-4``.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import roi_reference as rref
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import jaxpool
+from jaxpool._src import dispatch
+from jaxpool._src.roi.plan import AlignConfig, Level, PoolConfig
+
+N, H, W, C = 2, 7, 9, 3
+TOL = dict(rtol=1e-5, atol=1e-5)
+GPU_TOL = dict(rtol=1e-4, atol=1e-4)  # compiled: many boxes' sums per pixel, fused differently
+
+# Boxes over every edge: outside the map, zero and negative size, one pixel, the whole map,
+# the clamp bands, and a box of an image index past the table (under jit: zeros).
+EDGE = np.array([
+    [0, 20.0, 20.0, 30.0, 25.0], [1, 3.0, 2.0, 3.0, 2.0], [0, 5.0, 4.0, 2.0, 1.0],
+    [1, 2.0, 3.0, 3.0, 4.0], [0, 0.0, 0.0, 9.0, 7.0], [1, 6.3, 4.2, 9.8, 7.9],
+    [0, -1.7, -0.6, 2.2, 1.9]], np.float32)
+
+
+def _boxes(rng, k, n=N, lo=-2.0, hi=10.0):
+  pts = rng.uniform(lo, hi, (k, 4)).astype(np.float32)
+  return np.stack([rng.integers(0, n, k).astype(np.float32),
+                   np.minimum(pts[:, 0], pts[:, 2]), np.minimum(pts[:, 1], pts[:, 3]),
+                   np.maximum(pts[:, 0], pts[:, 2]), np.maximum(pts[:, 1], pts[:, 3])], 1)
+
+
+@functools.cache
+def _vjp_fn(implementation, kw):
+  """``(y, dx, dboxes)`` of roi_align under one jit."""
+  kw = dict(kw)
+
+  @jax.jit
+  def go(x, boxes, dy):
+    f = lambda v, b: jaxpool.roi_align(v, b, implementation=implementation, **kw)
+    y, vjp = jax.vjp(f, x, boxes)
+    return (y, *vjp(dy))
+
+  return go
+
+
+def _both(x, boxes, dy, **kw):
+  key = tuple(sorted(kw.items()))
+  return _vjp_fn("pallas", key)(x, boxes, dy), _vjp_fn("xla", key)(x, boxes, dy)
+
+
+def _compare(ours, xla, exact=True):
+  """``exact``: in interpret mode, the forward and the box gradient have the XLA path's bits
+  (compiled, the programs around them fuse differently: float32 rounding)."""
+  (y, dx, db), (ry, rdx, rdb) = ours, xla
+  check = np.testing.assert_array_equal if exact else functools.partial(
+      np.testing.assert_allclose, rtol=1e-4, atol=1e-4)
+  check(y, ry)
+  np.testing.assert_allclose(dx, rdx, **(TOL if exact else GPU_TOL))
+  check(db, rdb)
+
+
+KW = dict(output_size=(3, 2), spatial_scale=0.9, sampling_ratio=2, aligned=True)
+
+
+@pytest.fixture(scope="module")
+def case():
+  rng = np.random.default_rng(50)
+  x = rng.standard_normal((N, H, W, C)).astype(np.float32)
+  boxes = np.concatenate([_boxes(rng, 6), EDGE])
+  dy = rng.standard_normal((len(boxes), 3, 2, C)).astype(np.float32)
+  return x, boxes, dy, _both(x, boxes, dy, **KW)
+
+
+def test_kernels_match_the_xla_path(case):
+  x, boxes, dy, (ours, xla) = case
+  assert np.abs(np.asarray(ours[1])).max() > 0  # (the gradient reaches pixels)
+  _compare(ours, xla)
+
+
+def test_kernels_match_the_reference(case):
+  x, boxes, dy, (ours, _) = case
+  ry, rdx, _ = rref.roi_align(x, boxes, dy=dy, **KW)
+  np.testing.assert_allclose(ours[0], ry, **TOL)
+  np.testing.assert_allclose(ours[1], rdx, **TOL)
+
+
+def test_kernels_give_the_same_bits_twice(case):
+  x, boxes, dy, (ours, _) = case
+  again = _vjp_fn("pallas", tuple(sorted(KW.items())))(x, boxes, dy)
+  for a, b in zip(ours, again):
+    assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+
+
+def test_nan_cotangent_reaches_the_pixels_the_xla_path_reaches(case):
+  """A NaN in one bin's cotangent spreads to that bin's live corners only (a pixel the bin
+  does not sample stays finite), as on the XLA path."""
+  x, boxes, dy, _ = case
+  dy = dy.copy()
+  dy[0, 1, 1, :] = np.nan
+  ours, xla = _both(x, boxes, dy, **KW)
+  np.testing.assert_array_equal(np.isnan(ours[1]), np.isnan(xla[1]))
+  assert 0 < np.isnan(ours[1]).sum() < ours[1].size
+
+
+@pytest.mark.slow
+def test_levels_and_images_without_boxes():
+  """multi_scale_roi_align over two levels: each gradient tile finds the boxes of its own
+  level and image; the second image has none on the coarse level."""
+  rng = np.random.default_rng(7)
+  p2 = rng.standard_normal((2, 8, 12, 4)).astype(np.float32)
+  p3 = rng.standard_normal((2, 4, 6, 4)).astype(np.float32)
+  boxes = np.array([[0, 1.0, 2.0, 9.0, 12.0], [1, 3.0, 1.0, 20.0, 14.0],
+                    [0, 0.0, 0.0, 47.0, 31.0], [0, 5.5, 6.5, 30.0, 29.0]], np.float32)
+
+  def run(impl):
+    f = lambda fs: jaxpool.multi_scale_roi_align(fs, boxes, [(32, 48)] * 2, (2, 3),
+                                                 canonical_scale=24.0, aligned=True,
+                                                 implementation=impl)
+    y, vjp = jax.vjp(f, [p2, p3])
+    return y, vjp(jnp.ones_like(y) + jnp.arange(y.size).reshape(y.shape) / y.size)[0]
+
+  (y, (g2, g3)), (ry, (r2, r3)) = run("pallas"), run("xla")
+  np.testing.assert_array_equal(y, ry)
+  np.testing.assert_allclose(g2, r2, **TOL)
+  np.testing.assert_allclose(g3, r3, **TOL)
+  assert np.abs(g3).max() > 0 and np.abs(g2).max() > 0
+
+
+def test_the_registry_rule(monkeypatch):
+  """On an NVIDIA GPU, implementation=None runs the kernels for mode="avg" and the XLA path for
+  mode="max" and roi_pool; implementation="pallas" refuses those, naming why."""
+  x = jnp.ones((1, 4, 4, 2))
+  lv = (Level(1, 4, 4, 1.0, 0),)
+  avg = AlignConfig((2, 2), lv, 2, (2, 2), True, "avg")
+  mx = AlignConfig((2, 2), lv, 2, (2, 2), True, "max")
+  pool = PoolConfig((2, 2), lv[0])
+  monkeypatch.delenv(dispatch.ENV, raising=False)
+  for where, expected in (("cuda", "pallas"), ("cpu", "xla")):
+    monkeypatch.setattr(dispatch, "platform", lambda w=where: w)
+    assert dispatch.choose("roi_align", None, x, None, config=avg).name == expected
+    assert dispatch.choose("roi_align", None, x, None, config=mx).name == "xla"
+    assert dispatch.choose("roi_pool", None, x, None, config=pool).name == "xla"
+  with pytest.raises(ValueError, match="mode='max' runs on the XLA path"):
+    jaxpool.roi_align(x, jnp.array([[0, 0., 0., 2., 2.]]), 2, mode="max",
+                      implementation="pallas")
+  with pytest.raises(ValueError, match="no Pallas kernel for roi_pool"):
+    jaxpool.roi_pool(x, jnp.array([[0, 0., 0., 2., 2.]]), 2, implementation="pallas")
+  assert "TPU" in dispatch.PALLAS_TPU.supports(dispatch.Op.ROI_ALIGN, x, None, None, avg)
+
+
+def test_long_sample_loops_skip_dead_samples(rng):
+  """A sample grid longer than ``triton.UNROLL`` is a loop that skips dead samples (the
+  adaptive count's padding, samples outside the map): the same bits as the XLA path."""
+  x = rng.standard_normal((N, H, W, C)).astype(np.float32)
+  boxes = np.concatenate([_boxes(rng, 3, hi=16.0), EDGE[[0, 4, 6]]])
+  kw = dict(output_size=(2, 1), spatial_scale=0.8, sampling_ratio=-1, max_samples=(5, 7),
+            aligned=False)
+  dy = rng.standard_normal((len(boxes), 2, 1, C)).astype(np.float32)
+  ours, xla = _both(x, boxes, dy, **kw)
+  _compare(ours, xla)
+  ry, rdx, _ = rref.roi_align(x, boxes, dy=dy, **kw)
+  np.testing.assert_allclose(ours[1], rdx, **TOL)
+
+
+@pytest.mark.parametrize("samples,channels", [((2, 2), 256), ((5, 6), 5)])
+def test_kernels_lower_for_cuda(samples, channels):
+  """Pallas' Triton lowering accepts both kernels (Triton's compiler, on a GPU, is not run):
+  whole channel blocks (contiguous slices) and a partial one (clamped lanes), unrolled and
+  looped sample grids, a rectangular grid, bfloat16."""
+  from jaxpool._src.roi import triton
+  from jaxpool._src.roi.plan import align_plan
+  levels = (Level(2, 10, 15, 0.5, 0),)
+  cfg = AlignConfig((3, 5), levels, 2, samples, True, "avg")
+  K, rows = 4, 300
+
+  def f(coords, x, ct):
+    image = jnp.zeros(K, jnp.int32)
+    ops, _, _, _ = align_plan(image, coords, jnp.zeros(K, jnp.int32), cfg)
+    y = triton.forward(ops["base"], ops["stride"], ops["iy"], ops["ix"], ops["wy"], ops["wx"],
+                       x, interpret=False)
+    g = triton.feature_grad(ops["base"], ops["iy"], ops["ix"], ops["wy"], ops["wx"], ct,
+                            levels=levels, rows=rows, dtype=jnp.dtype(x.dtype), interpret=False)
+    return y, g
+
+  args = (jax.ShapeDtypeStruct((K, 4), jnp.float32),
+          jax.ShapeDtypeStruct((rows, channels), jnp.bfloat16),
+          jax.ShapeDtypeStruct((K, 3, 5, channels), jnp.bfloat16))
+  text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert text.count("xla.gpu.triton") >= 2
+
+
+# ----------------------------------------------------------------------------- slow tier
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sampling_ratio,max_samples,aligned", [
+    (-1, None, False), (0, 3, True), (1, None, False)])
+def test_sampling_forms(rng, sampling_ratio, max_samples, aligned):
+  x = rng.standard_normal((N, H, W, C)).astype(np.float32)
+  boxes = np.concatenate([_boxes(rng, 5, hi=14.0), EDGE])
+  kw = dict(output_size=(2, 3), spatial_scale=0.7, sampling_ratio=sampling_ratio,
+            max_samples=max_samples, aligned=aligned)
+  dy = rng.standard_normal((len(boxes), 2, 3, C)).astype(np.float32)
+  ours, xla = _both(x, boxes, dy, **kw)
+  _compare(ours, xla)
+  ry, rdx, _ = rref.roi_align(x, boxes, dy=dy, **kw)
+  np.testing.assert_allclose(ours[0], ry, **TOL)
+  np.testing.assert_allclose(ours[1], rdx, **TOL)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_low_precision(rng, dtype):
+  """16-bit maps: float32 sums, one rounding to the dtype at the end (the gradient's sums in
+  another order: a last-bit difference of the dtype)."""
+  x = jnp.asarray(rng.standard_normal((N, H, W, C)), dtype)
+  boxes = np.concatenate([_boxes(rng, 6), EDGE])
+  dy = jnp.asarray(rng.standard_normal((len(boxes), 3, 2, C)), dtype)
+  (y, dx, _), (ry, rdx, _) = _both(x, boxes, dy, **KW)
+  assert y.dtype == dx.dtype == dtype
+  np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(ry, np.float32))
+  eps = float(jnp.finfo(dtype).eps)
+  np.testing.assert_allclose(np.asarray(dx, np.float32), np.asarray(rdx, np.float32),
+                             rtol=2 * eps, atol=2 * eps)
+
+
+@pytest.mark.slow
+def test_vmap_and_forward_mode(rng):
+  """vmap runs the kernels once on the whole batch (the mapped axis folds into the boxes and
+  copies of the feature table); jvp and the second order go through the kernels' primitive."""
+  x = rng.standard_normal((N, H, W, C)).astype(np.float32)
+  boxes = jnp.asarray(_boxes(rng, 4))
+  f = {impl: functools.partial(jaxpool.roi_align, output_size=(2, 3), sampling_ratio=2,
+                               implementation=impl) for impl in ("pallas", "xla")}
+  xs = np.stack([x, 2 * x + 1, -x])
+  dys = rng.standard_normal((3, 4, 2, 3, C)).astype(np.float32)
+
+  def fwd_grad(impl):
+    def one(v, dy):
+      y, vjp = jax.vjp(lambda u: f[impl](u, boxes), v)
+      return y, vjp(dy)[0]
+    return jax.jit(jax.vmap(one))
+
+  assert "jaxpool_roi_form_kernels" in str(jax.make_jaxpr(fwd_grad("pallas"))(xs, dys))
+  (y, g), (ry, rg) = fwd_grad("pallas")(xs, dys), fwd_grad("xla")(xs, dys)
+  np.testing.assert_array_equal(y, ry)
+  np.testing.assert_allclose(g, rg, **TOL)
+  bs = jnp.stack([boxes, boxes + 0.5])  # the boxes mapped, the maps not
+  np.testing.assert_array_equal(jax.vmap(lambda b: f["pallas"](x, b))(bs),
+                                jax.vmap(lambda b: f["xla"](x, b))(bs))
+  t = rng.standard_normal(x.shape).astype(np.float32)
+  _, dy = jax.jvp(lambda v: f["pallas"](v, boxes), (x,), (t,))
+  np.testing.assert_allclose(dy, jax.jvp(lambda v: f["xla"](v, boxes), (x,), (t,))[1], **TOL)
+  hess = {impl: jax.grad(lambda b, i=impl: jnp.sum(
+      jax.grad(lambda v: jnp.sum(f[i](v, b) ** 2))(x) ** 2))(boxes) for impl in f}
+  np.testing.assert_allclose(hess["pallas"], hess["xla"], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.slow
+@settings(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck))
+@given(seed=st.integers(0, 2**31 - 1), ph=st.integers(1, 4), pw=st.integers(1, 4),
+       ratio=st.sampled_from([-1, 1, 2, 3]), aligned=st.booleans(),
+       scale=st.sampled_from([0.5, 1.0, 1.3]), k=st.integers(0, 6))
+def test_random_configs(seed, ph, pw, ratio, aligned, scale, k):
+  rng = np.random.default_rng(seed)
+  x = rng.standard_normal((N, 5, 6, 2)).astype(np.float32)
+  boxes = _boxes(rng, k, hi=9.0) if k else np.zeros((0, 5), np.float32)
+  kw = dict(output_size=(ph, pw), spatial_scale=scale, sampling_ratio=ratio, aligned=aligned,
+            max_samples=4)
+  dy = rng.standard_normal((k, ph, pw, 2)).astype(np.float32)
+  _compare(*_both(x, boxes, dy, **kw))
+
+
+# ----------------------------------------------------------------------------- GPU tier
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("output_size", [(7, 7), (14, 14)])
+def test_gpu_kernels_match_xla_and_torchvision(output_size):
+  """Compiled on an NVIDIA GPU: against the XLA path (and torchvision's CUDA roi_align where
+  it imports), float32 rounding; the same bits on a second run."""
+  if jax.default_backend() != "gpu":
+    pytest.skip("needs a GPU")
+  rng = np.random.default_rng(3)
+  x = rng.standard_normal((2, 50, 76, 256)).astype(np.float32)
+  side = np.exp(rng.uniform(np.log(2), np.log(60), (300, 2)))
+  x1, y1 = rng.uniform(-4, 76 - side[:, 0] / 2), rng.uniform(-4, 50 - side[:, 1] / 2)
+  boxes = np.stack([rng.integers(0, 2, 300), x1, y1, x1 + side[:, 0], y1 + side[:, 1]],
+                   1).astype(np.float32)
+  kw = dict(output_size=output_size, spatial_scale=1.0, sampling_ratio=2, aligned=True)
+  dy = rng.standard_normal((300, *output_size, 256)).astype(np.float32)
+  ours, xla = _both(x, boxes, dy, **kw)
+  _compare(ours, xla, exact=False)
+  again = _vjp_fn("pallas", tuple(sorted(kw.items())))(x, boxes, dy)
+  assert all(np.asarray(a).tobytes() == np.asarray(b).tobytes() for a, b in zip(ours, again))
+  try:
+    import torch
+    from torchvision.ops import roi_align as tv_roi_align
+  except ImportError:
+    return
+  if not torch.cuda.is_available():
+    return
+  tx = torch.tensor(x, device="cuda").permute(0, 3, 1, 2).contiguous().requires_grad_(True)
+  ty = tv_roi_align(tx, torch.tensor(boxes, device="cuda"), output_size, 1.0, 2, True)
+  ty.backward(torch.tensor(dy, device="cuda").permute(0, 3, 1, 2))
+  np.testing.assert_allclose(ours[0], ty.detach().permute(0, 2, 3, 1).cpu().numpy(),
+                             **GPU_TOL)
+  np.testing.assert_allclose(ours[1], tx.grad.permute(0, 2, 3, 1).cpu().numpy(), rtol=1e-4,
+                             atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_gpu_multi_scale_matches_xla(dtype):
+  """Compiled: multi_scale_roi_align over four levels (each gradient tile finds its level's
+  and image's boxes), the default (the kernels) against the XLA path, and the same bits on a
+  second run."""
+  if jax.default_backend() != "gpu":
+    pytest.skip("needs a GPU")
+  rng = np.random.default_rng(4)
+  image = (256, 384)
+  feats = [jnp.asarray(rng.standard_normal((2, image[0] // s, image[1] // s, 64)), dtype)
+           for s in (4, 8, 16, 32)]
+  side = np.exp(rng.uniform(np.log(8), np.log(256), (256, 2)))
+  x1, y1 = rng.uniform(0, image[1] - side[:, 0]), rng.uniform(0, image[0] - side[:, 1])
+  boxes = jnp.asarray(np.stack([np.repeat([0, 1], 128), x1, y1, x1 + side[:, 0],
+                                y1 + side[:, 1]], 1).astype(np.float32))
+  dy = jnp.asarray(rng.standard_normal((256, 7, 7, 64)), dtype)
+
+  def run(impl):
+    @jax.jit
+    def go(fs, dy):
+      f = lambda v: jaxpool.multi_scale_roi_align(v, boxes, [image] * 2, 7, aligned=True,
+                                                  implementation=impl)
+      y, vjp = jax.vjp(f, fs)
+      return y, vjp(dy)[0]
+    return go(feats, dy)
+
+  (y, g), (ry, rg) = run(None), run("xla")
+  tol = GPU_TOL if dtype == jnp.float32 else dict(rtol=2e-2, atol=2e-2)
+  np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(ry, np.float32), **tol)
+  for a, b in zip(g, rg):
+    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), **tol)
+  y2, g2 = run(None)
+  assert all(np.asarray(a).tobytes() == np.asarray(b).tobytes()
+             for a, b in zip(jax.tree.leaves((y, g)), jax.tree.leaves((y2, g2))))
