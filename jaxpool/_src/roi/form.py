@@ -128,47 +128,83 @@ def _forward(base, stride, iy, ix, taps, wy, wx, x, *, dtype):
   return acc.astype(dtype)
 
 
-def segment_sum_sorted(values: jax.Array, rows: jax.Array, num_rows: int,
-                       into: jax.Array | None = None) -> jax.Array:
-  """``out[p] = into[p] + sum of values[m] where rows[m] == p``, ``(num_rows, C)``
-  (``into``: zeros by default; a row without entries keeps ``into``'s bits), deterministic.
+# One step of the feature gradient's sorted sum holds the contributions of a group of channels
+# (twice: the scan's two buffers): a sixteenth of them all (4 corners x the outputs / 16), or
+# GROUP_FLOOR bytes if that is more.
+GROUPS = 16
+GROUP_FLOOR = 1 << 20
 
-  A stable sort of the rows, a segmented inclusive scan (Hillis-Steele: ``ceil(log2)`` of the
-  longest run steps, each adding the partial sum ``2**t`` entries back within the segment, a
-  fixed tree of additions), then each row's sum read at the last entry of its segment (a gather
-  at unique positions): no scatter, no atomics.
-  ``values``: ``(M, C)`` float32; ``rows``: ``(M,)`` int32 in ``[0, num_rows]``: an entry at
-  ``num_rows`` (dead) sorts after every pixel and joins no sum.
+
+def channel_group(entries: int, channels: int) -> int:
+  """The channels summed per step: the largest divisor of ``channels`` whose ``entries`` x
+  group float32 values fit in ``max(GROUP_FLOOR, all / GROUPS)`` bytes, at least 1. Each
+  channel's sum is its own additions in its own order whatever the group, so the bits do not
+  depend on it."""
+  budget = max(GROUP_FLOOR, 4 * entries * channels // GROUPS)
+  fit = max(1, budget // max(4 * entries, 1))
+  return max(d for d in range(1, channels + 1) if channels % d == 0 and d <= fit)
+
+
+def sorted_sum(take, rows: jax.Array, num_rows: int, into: jax.Array,
+               group: int | None = None) -> jax.Array:
+  """``out[p, c] = into[p, c] + sum of v[m, c] where rows[m] == p`` (``(num_rows, C)``),
+  deterministic, with ``v`` never whole: ``take(order, c0, n)`` gives ``v[order, c0:c0 + n]``
+  (float32 ``(M, n)``, ``order`` a permutation of the ``M`` entries).
+
+  A stable sort of the rows, then for each group of ``n`` channels (``channel_group``): a
+  segmented inclusive scan of the sorted values (Hillis-Steele: ``ceil(log2)`` of the longest
+  run steps, each adding the partial sum ``2**t`` entries back within the segment, a fixed
+  tree of additions), each row's sum read at the last entry of its segment (a gather at
+  unique positions) and added to the group's columns of ``into`` (in place): no scatter, no
+  atomics. ``rows``: ``(M,)`` int32 in ``[0, num_rows]``: an entry at ``num_rows`` (dead)
+  sorts after every pixel and joins no sum. Memory: ``into`` and a few ``(M, n)`` arrays.
   """
-  C = values.shape[1]
-  if into is None:
-    into = jnp.zeros((num_rows, C), values.dtype)
-  if values.shape[0] == 0 or num_rows == 0:
+  M = rows.shape[0]
+  C = into.shape[1]
+  if M == 0 or num_rows == 0:
     return into
-  order = jnp.argsort(rows, stable=True)
+  n = channel_group(M, C) if group is None else group
+  order = jnp.argsort(rows, stable=True).astype(jnp.int32)
   keys = rows[order]
-  vals = values[order]
-  M = keys.shape[0]
   idx = jnp.arange(M, dtype=jnp.int32)
   starts = jnp.concatenate([jnp.ones((1,), bool), keys[1:] != keys[:-1]])
   first = lax.cummax(jnp.where(starts, idx, 0))  # where each entry's segment starts
-  zeros = jnp.zeros_like(vals)
-
-  def step(t, v):  # Hillis-Steele: add the partial sum 2**t entries back, inside the segment
-    d = jnp.left_shift(jnp.int32(1), t)
-    shifted = lax.dynamic_slice_in_dim(jnp.concatenate([zeros, v]), M - d, M)
-    return v + jnp.where((idx - d >= first)[:, None], shifted, 0.0)
-
   # As many steps as the longest run needs (ceil(log2(run))), not log2(M): a data-dependent
   # count, fine here (this implementation is never differentiated by JAX).
   longest = jnp.max(jnp.where(keys < num_rows, idx - first, 0)) + 1
   steps = 32 - lax.clz((longest - 1).astype(jnp.int32))
-  sums = lax.fori_loop(0, steps, step, vals)
   targets = jnp.arange(num_rows, dtype=keys.dtype)
-  last = jnp.searchsorted(keys, targets, side="right") - 1
-  safe = jnp.clip(last, 0, keys.shape[0] - 1)
+  last = jnp.searchsorted(keys, targets, side="right") - 1  # each row's segment's last entry
+  safe = jnp.clip(last, 0, M - 1)
   hit = (last >= 0) & (keys[safe] == targets)
-  return jnp.where(hit[:, None], into + sums[safe], into)
+
+  def group_sum(g, out):
+    vals = take(order, g * n, n)
+    zeros = jnp.zeros_like(vals)
+
+    def step(t, v):  # Hillis-Steele: add the partial sum 2**t entries back, in the segment
+      d = jnp.left_shift(jnp.int32(1), t)
+      shifted = lax.dynamic_slice_in_dim(jnp.concatenate([zeros, v]), M - d, M)
+      return v + jnp.where((idx - d >= first)[:, None], shifted, 0.0)
+
+    sums = lax.fori_loop(0, steps, step, vals)
+    col = lax.dynamic_slice_in_dim(out, g * n, n, axis=1)
+    col = jnp.where(hit[:, None], col + sums[safe], col)
+    return lax.dynamic_update_slice_in_dim(out, col, g * n, axis=1)
+
+  return lax.fori_loop(0, C // n, group_sum, into)
+
+
+def segment_sum_sorted(values: jax.Array, rows: jax.Array, num_rows: int,
+                       into: jax.Array | None = None) -> jax.Array:
+  """``sorted_sum`` of the entries ``values`` ``(M, C)`` float32."""
+  if into is None:
+    into = jnp.zeros((num_rows, values.shape[1]), values.dtype)
+
+  def take(order, c0, n):
+    return lax.dynamic_slice_in_dim(values, c0, n, axis=1)[order]
+
+  return sorted_sum(take, rows, num_rows, into)
 
 
 def _feature_grad(base, stride, iy, ix, taps, wy, wx, ct, *, dtype, rows_out):
@@ -182,12 +218,18 @@ def _feature_grad(base, stride, iy, ix, taps, wy, wx, ct, *, dtype, rows_out):
     out = segment_sum_sorted(vals, keys, rows_out * C)
     return out.reshape(rows_out, C).astype(dtype)
   Sy, Sx = iy.shape[2], ix.shape[2]
+  flat_ct = ct.reshape(-1, C)  # one row per bin
 
   def body(s, out):  # one sample of every bin, in row-major sample order
     rows, live, w = _sample_corners(s, base, stride, iy, ix, wy, wx)
-    vals = ctf[:, :, :, None, None, :] * w[..., None]  # (K, ph, pw, 2, 2, C)
     keys = jnp.where(live, rows, rows_out).reshape(-1).astype(jnp.int32)
-    return segment_sum_sorted(vals.reshape(-1, C), keys, rows_out, into=out)
+    w = w.reshape(-1)  # (bins x 4 corners,)
+
+    def take(order, c0, n):  # the contributions ct[bin, c] * w[bin, corner], sorted
+      part = lax.dynamic_slice_in_dim(flat_ct, c0, n, axis=1)
+      return part[order // 4].astype(F32) * w[order][:, None]
+
+    return sorted_sum(take, keys, rows_out, out)
 
   out = lax.fori_loop(0, Sy * Sx, body, jnp.zeros((rows_out, C), F32))
   return out.astype(dtype)
