@@ -266,7 +266,10 @@ def _wx_grad(base, stride, iy, ix, taps, wy, x, ct, *, dtype):
   return out.astype(dtype)  # (K, pw, Sx, 2)
 
 
-def _impl(*operands, wrt, has_taps, dtype, rows):
+def _impl(*operands, wrt, has_taps, dtype, rows, batched=False):
+  if batched:  # a leading batch axis on every operand: each element on its own (see _batch)
+    return jax.vmap(lambda *o: _impl(*o, wrt=wrt, has_taps=has_taps, dtype=dtype,
+                                     rows=rows))(*operands)
   ops = dict(zip(_names(wrt, has_taps), operands))
   res = (ops["base"], ops["stride"], ops["iy"], ops["ix"], ops.get("taps"))
   if wrt == "ct":
@@ -281,7 +284,7 @@ def _impl(*operands, wrt, has_taps, dtype, rows):
 # ----------------------------------------------------------------------------- the primitive
 
 roi_form_p = jex_core.Primitive("jaxpool_roi_form")
-_impl_jit = jax.jit(_impl, static_argnames=("wrt", "has_taps", "dtype", "rows"))
+_impl_jit = jax.jit(_impl, static_argnames=("wrt", "has_taps", "dtype", "rows", "batched"))
 roi_form_p.def_impl(lambda *operands, **params: _impl_jit(*operands, **params))
 
 
@@ -294,27 +297,34 @@ def _shape(ops, wrt, rows):
   return ops["iy" if wrt == "wy" else "ix"].shape
 
 
-def _abstract_eval(*avals, wrt, has_taps, dtype, rows):
+def _abstract_eval(*avals, wrt, has_taps, dtype, rows, batched=False):
   ops = dict(zip(_names(wrt, has_taps), avals))
   like = next(ops[s] for s in SLOTS if s in ops)
-  return like.update(shape=_shape(ops, wrt, rows), dtype=jnp.dtype(dtype), weak_type=False)
+  if batched:
+    one = {n: a.update(shape=a.shape[1:]) for n, a in ops.items()}
+    shape = (like.shape[0], *_shape(one, wrt, rows))
+  else:
+    shape = _shape(ops, wrt, rows)
+  return like.update(shape=shape, dtype=jnp.dtype(dtype), weak_type=False)
 
 
 roi_form_p.def_abstract_eval(_abstract_eval)
 mlir.register_lowering(roi_form_p, mlir.lower_fun(_impl, multiple_results=False))
 
 
-def bind(wrt: str, *, base, stride, iy, ix, taps=None, dtype, rows=0, **slots):
-  """``dF/d(wrt)`` from the other three slots (keyword arguments ``wy``, ``wx``, ``x``, ``ct``)."""
+def bind(wrt: str, *, base, stride, iy, ix, taps=None, dtype, rows=0, batched=False, **slots):
+  """``dF/d(wrt)`` from the other three slots (keyword arguments ``wy``, ``wx``, ``x``, ``ct``).
+  ``batched``: every operand has a leading batch axis, each element computed on its own (its
+  boxes on its own table ``x`` ``(B, P, C)``)."""
   names = _names(wrt, taps is not None)
   given = dict(base=base, stride=stride, iy=iy, ix=ix, taps=taps, **slots)
   return roi_form_p.bind(*(given[n] for n in names), wrt=wrt, has_taps=taps is not None,
-                         dtype=jnp.dtype(dtype).name, rows=int(rows))
+                         dtype=jnp.dtype(dtype).name, rows=int(rows), batched=bool(batched))
 
 
-def _jvp(primals, tangents, *, wrt, has_taps, dtype, rows):
+def _jvp(primals, tangents, *, wrt, has_taps, dtype, rows, batched=False):
   names = _names(wrt, has_taps)
-  params = dict(wrt=wrt, has_taps=has_taps, dtype=dtype, rows=rows)
+  params = dict(wrt=wrt, has_taps=has_taps, dtype=dtype, rows=rows, batched=batched)
   out = roi_form_p.bind(*primals, **params)
   total = None
   for n, (name, t) in enumerate(zip(names, tangents)):
@@ -329,7 +339,7 @@ def _jvp(primals, tangents, *, wrt, has_taps, dtype, rows):
   return out, total
 
 
-def _transpose(ct_out, *operands, wrt, has_taps, dtype, rows):
+def _transpose(ct_out, *operands, wrt, has_taps, dtype, rows, batched=False):
   names = _names(wrt, has_taps)
   ops = dict(zip(names, operands))
   undefined = [n for n in names if ad.is_undefined_primal(ops[n])]
@@ -340,9 +350,9 @@ def _transpose(ct_out, *operands, wrt, has_taps, dtype, rows):
     return [ad.Zero(aval) if n == u else None for n in names]
   new = {n: v for n, v in ops.items() if n != u}
   new[wrt] = ct_out
-  out_rows = aval.shape[0] if u == "x" else 0
+  out_rows = aval.shape[int(batched)] if u == "x" else 0
   result = roi_form_p.bind(*(new[n] for n in _names(u, has_taps)), wrt=u, has_taps=has_taps,
-                           dtype=aval.dtype.name, rows=out_rows)
+                           dtype=aval.dtype.name, rows=out_rows, batched=batched)
   return [result if n == u else None for n in names]
 
 
@@ -350,33 +360,32 @@ ad.primitive_jvps[roi_form_p] = _jvp
 ad.primitive_transposes[roi_form_p] = _transpose
 
 
-def _batch(args, dims, *, wrt, has_taps, dtype, rows):
-  """A mapped axis folds into the boxes (and the feature table's rows): the boxes of different
-  batch elements never meet, and ``base`` moves each element's boxes to its own table."""
+def _batch(args, dims, *, wrt, has_taps, dtype, rows, batched=False):
+  """A mapped axis with the features (each batch element its own table: ``x`` mapped, or the
+  feature gradient) stays an axis: the bind ``batched=True`` runs each element on its own (a
+  ``vmap`` of the implementation, whose gathers and sorts keep the axis, so XLA's partitioner
+  splits them over a mesh axis that splits the batch, with no collective). With one table for
+  all, the mapped axis folds into the boxes: the boxes of different batch elements never meet.
+  Either way each pixel's contributions come in the same order: the same bits."""
   names = _names(wrt, has_taps)
   size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+  x_mapped = any(n == "x" and d is not None for n, d in zip(names, dims))
+  if batched or x_mapped or wrt == "x":
+    ops = [jnp.broadcast_to(a, (size, *a.shape)) if d is None else jnp.moveaxis(a, d, 0)
+           for a, d in zip(args, dims)]
+    if batched:  # the new axis joins the existing one
+      ops = [a.reshape(size * a.shape[1], *a.shape[2:]) for a in ops]
+    out = roi_form_p.bind(*ops, wrt=wrt, has_taps=has_taps, dtype=dtype, rows=rows,
+                          batched=True)
+    return (out.reshape(size, out.shape[0] // size, *out.shape[1:]) if batched else out), 0
   ops = {}
-  x_batched = wrt == "x"
-  table_rows = rows
   for name, a, d in zip(names, args, dims):
-    if name == "x":
-      if d is not None:
-        a = jnp.moveaxis(a, d, 0)
-        x_batched = True
-        table_rows = a.shape[1]
-        a = a.reshape(size * a.shape[1], a.shape[2])
-      else:
-        table_rows = a.shape[0]
-    else:
+    if name != "x":
       a = jnp.broadcast_to(a, (size, *a.shape)) if d is None else jnp.moveaxis(a, d, 0)
       a = a.reshape(size * a.shape[1], *a.shape[2:])
     ops[name] = a
-  K = ops["base"].shape[0] // size
-  if x_batched:
-    shift = jnp.repeat(jnp.arange(size, dtype=ops["base"].dtype) * table_rows, K)
-    ops["base"] = ops["base"] + shift
   out = roi_form_p.bind(*(ops[n] for n in names), wrt=wrt, has_taps=has_taps, dtype=dtype,
-                        rows=rows * size if wrt == "x" else rows)
+                        rows=rows)
   return out.reshape(size, out.shape[0] // size, *out.shape[1:]), 0
 
 

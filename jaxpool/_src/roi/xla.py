@@ -8,6 +8,7 @@ Every function here takes checked arguments; the public functions (``api.py``) c
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -58,6 +59,8 @@ def roi_align(maps: tuple[jax.Array, ...], image: jax.Array, coords: jax.Array,
     maps: the feature maps, ``(N, H_l, W_l, C)`` each (``cfg.levels`` describes them).
     image: ``(K,)`` int32; coords: ``(K, 4)`` float32; level: ``(K,)`` int32.
   """
+  if cfg.per_image:
+    return _per_image(maps[0], image, coords, level, cfg)
   x = flat_table(maps)
   ops, count, counts, finite = align_plan(image, coords, level, cfg)
   if cfg.mode == "max":
@@ -65,6 +68,29 @@ def roi_align(maps: tuple[jax.Array, ...], image: jax.Array, coords: jax.Array,
     y = form.bind("ct", **ops, taps=taps, x=x, dtype=F32)
   else:
     y = form.bind("ct", **ops, x=x, dtype=F32) / count[:, None, None, None]
+  y = jnp.where(finite[:, None, None, None], y, jnp.nan)
+  return y.astype(x.dtype)
+
+
+def _per_image(x, image, coords, level, cfg):
+  """``cfg.per_image = K``: the plan of every box as in the flat form (the same bits), then the
+  batch kept as an axis (``form``'s ``batched`` binds: each image's boxes on its own table), so
+  that XLA's partitioner splits the program with a batch-sharded ``x``, with no collective."""
+  N, H, W, C = x.shape
+  K = cfg.per_image
+  one = dataclasses.replace(cfg, levels=(dataclasses.replace(cfg.levels[0], images=1),))
+  own = jnp.where(image >= 0, 0, -1)  # each box's image is its row of the batch
+  ops, count, counts, finite = align_plan(own, coords, level, one)
+  ops = {k: v.reshape(N, K, *v.shape[1:]) for k, v in ops.items()}
+  table = x.reshape(N, H * W, C)
+  if cfg.mode == "max":
+    taps = jax.vmap(_align_taps)(ops, tuple(c.reshape(N, K) for c in counts), table)
+    y = form.bind("ct", **ops, taps=taps, x=table, dtype=F32, batched=True)
+  else:
+    y = form.bind("ct", **ops, x=table, dtype=F32, batched=True)
+  y = y.reshape(N * K, *y.shape[2:])
+  if cfg.mode != "max":
+    y = y / count[:, None, None, None]
   y = jnp.where(finite[:, None, None, None], y, jnp.nan)
   return y.astype(x.dtype)
 
