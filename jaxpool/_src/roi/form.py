@@ -52,6 +52,26 @@ def _names(wrt: str, has_taps: bool) -> tuple[str, ...]:
 # ----------------------------------------------------------------------------- implementations
 
 
+def _varying_axes(a) -> set:
+  t = jax.typeof(a)
+  mat = getattr(t, "mat", None)  # JAX 0.10: ManualAxisType; before it, the set ``vma``
+  return set(mat.varying) if mat is not None else set(getattr(t, "vma", ()))
+
+
+def varying(init, *like):
+  """``init`` (a loop's first carry) marked as varying over the manual mesh axes that ``like``
+  vary over, as the loop's body makes it (inside ``shard_map`` with ``check_vma``)."""
+  axes: set = set()
+  for a in like:
+    axes |= _varying_axes(a)
+
+  def mark(v):
+    more = tuple(sorted(axes - _varying_axes(v)))
+    return lax.pcast(v, more, to="varying") if more else v
+
+  return jax.tree.map(mark, init)
+
+
 def _sample_corners(s, base, stride, iy, ix, wy=None, wx=None):
   """Sample ``s = sy * Sx + sx`` of every bin: its corners' flat rows of x, liveness and
   (given ``wy``, ``wx``) weights ``wy * wx`` (float32), each ``(K, ph, pw, 2, 2)``."""
@@ -124,7 +144,8 @@ def _forward(base, stride, iy, ix, taps, wy, wx, x, *, dtype):
   def body(s, acc):
     return acc + sample_value(s, base, stride, iy, ix, wy, wx, x)
 
-  acc = lax.fori_loop(0, Sy * Sx, body, jnp.zeros((K, ph, pw, C), F32))
+  acc = lax.fori_loop(0, Sy * Sx, body,
+                      varying(jnp.zeros((K, ph, pw, C), F32), base, stride, iy, ix, wy, wx, x))
   return acc.astype(dtype)
 
 
@@ -192,14 +213,14 @@ def sorted_sum(take, rows: jax.Array, num_rows: int, into: jax.Array,
     col = jnp.where(hit[:, None], col + sums[safe], col)
     return lax.dynamic_update_slice_in_dim(out, col, g * n, axis=1)
 
-  return lax.fori_loop(0, C // n, group_sum, into)
+  return lax.fori_loop(0, C // n, group_sum, varying(into, rows))
 
 
 def segment_sum_sorted(values: jax.Array, rows: jax.Array, num_rows: int,
                        into: jax.Array | None = None) -> jax.Array:
   """``sorted_sum`` of the entries ``values`` ``(M, C)`` float32."""
   if into is None:
-    into = jnp.zeros((num_rows, values.shape[1]), values.dtype)
+    into = varying(jnp.zeros((num_rows, values.shape[1]), values.dtype), values, rows)
 
   def take(order, c0, n):
     return lax.dynamic_slice_in_dim(values, c0, n, axis=1)[order]
@@ -231,8 +252,24 @@ def _feature_grad(base, stride, iy, ix, taps, wy, wx, ct, *, dtype, rows_out):
 
     return sorted_sum(take, keys, rows_out, out)
 
-  out = lax.fori_loop(0, Sy * Sx, body, jnp.zeros((rows_out, C), F32))
+  out = lax.fori_loop(0, Sy * Sx, body,
+                      varying(jnp.zeros((rows_out, C), F32), base, stride, iy, ix, wy, wx, ct))
   return out.astype(dtype)
+
+
+def tree_sum(a: jax.Array, axes: tuple[int, ...]) -> jax.Array:
+  """``a.sum(axes)`` as a fixed tree of elementwise additions (halves added, an odd last entry
+  carried): the same bits whatever the other dims' sizes, which XLA's reductions do not
+  promise (a batch axis more, or fewer boxes on a device, moved the box gradient's last bit)."""
+  keep = [d for d in range(a.ndim) if d not in axes]
+  a = jnp.transpose(a, (*keep, *axes))
+  a = a.reshape(*a.shape[:len(keep)], -1)
+  while a.shape[-1] > 1:
+    n = a.shape[-1]
+    h = n // 2
+    pair = a[..., :h] + a[..., h:2 * h]
+    a = jnp.concatenate([pair, a[..., 2 * h:]], axis=-1) if n % 2 else pair
+  return a[..., 0] if a.shape[-1] else jnp.zeros(a.shape[:-1], a.dtype)
 
 
 def _corner_dots(base, stride, iy, ix, taps, x, ct):
@@ -247,7 +284,7 @@ def _corner_dots(base, stride, iy, ix, taps, x, ct):
     prod = ctf[:, :, :, None, None, :] * g
     if taps is not None:
       prod = jnp.where((taps == s)[:, :, :, None, None, :], prod, 0.0)
-    return jnp.where(live, prod.sum(-1), 0.0)
+    return jnp.where(live, tree_sum(prod, (prod.ndim - 1,)), 0.0)
 
   d = lax.map(one, jnp.arange(Sy * Sx))  # (S, K, ph, pw, 2, 2)
   d = d.reshape(Sy, Sx, K, ph, pw, 2, 2)
@@ -256,13 +293,13 @@ def _corner_dots(base, stride, iy, ix, taps, x, ct):
 
 def _wy_grad(base, stride, iy, ix, taps, wx, x, ct, *, dtype):
   d = _corner_dots(base, stride, iy, ix, taps, x, ct)
-  out = (d * wx.astype(F32)[:, None, :, None, :, None, :]).sum(axis=(2, 4, 6))
+  out = tree_sum(d * wx.astype(F32)[:, None, :, None, :, None, :], (2, 4, 6))
   return out.astype(dtype)  # (K, ph, Sy, 2)
 
 
 def _wx_grad(base, stride, iy, ix, taps, wy, x, ct, *, dtype):
   d = _corner_dots(base, stride, iy, ix, taps, x, ct)
-  out = (d * wy.astype(F32)[:, :, None, :, None, :, None]).sum(axis=(1, 3, 5))
+  out = tree_sum(d * wy.astype(F32)[:, :, None, :, None, :, None], (1, 3, 5))
   return out.astype(dtype)  # (K, pw, Sx, 2)
 
 

@@ -47,8 +47,16 @@ def _align_taps(ops, counts, x):
     better = real & ((arg < 0) | (v > best) | (jnp.isnan(v) & ~jnp.isnan(best)))
     return jnp.where(better, v, best), jnp.where(better, s, arg)
 
-  init = (jnp.zeros((K, ph, pw, C), F32), jnp.full((K, ph, pw, C), -1, jnp.int32))
+  init = form.varying((jnp.zeros((K, ph, pw, C), F32), jnp.full((K, ph, pw, C), -1, jnp.int32)),
+                      x, *ops.values(), *counts)
   return lax.fori_loop(0, Sy * Sx, body, init)[1]
+
+
+def _inverse(count: jax.Array) -> jax.Array:
+  """``1 / count`` per box, shaped to multiply ``(K, ph, pw, C)``: the mean as a product with
+  it (the gradient too), not a division, which XLA turns into this product in some programs
+  only (a sharded program kept the division: the last bit of the feature gradient moved)."""
+  return (1.0 / count)[:, None, None, None]
 
 
 def roi_align(maps: tuple[jax.Array, ...], image: jax.Array, coords: jax.Array,
@@ -67,7 +75,7 @@ def roi_align(maps: tuple[jax.Array, ...], image: jax.Array, coords: jax.Array,
     taps = _align_taps(ops, counts, x)
     y = form.bind("ct", **ops, taps=taps, x=x, dtype=F32)
   else:
-    y = form.bind("ct", **ops, x=x, dtype=F32) / count[:, None, None, None]
+    y = form.bind("ct", **ops, x=x, dtype=F32) * _inverse(count)
   y = jnp.where(finite[:, None, None, None], y, jnp.nan)
   return y.astype(x.dtype)
 
@@ -90,7 +98,7 @@ def _per_image(x, image, coords, level, cfg):
     y = form.bind("ct", **ops, x=table, dtype=F32, batched=True)
   y = y.reshape(N * K, *y.shape[2:])
   if cfg.mode != "max":
-    y = y / count[:, None, None, None]
+    y = y * _inverse(count)
   y = jnp.where(finite[:, None, None, None], y, jnp.nan)
   return y.astype(x.dtype)
 
@@ -146,7 +154,8 @@ def _pool_argmax(x, bins, base, width):
     better = inside[..., None] & (v > best)
     return jnp.where(better, v, best), jnp.where(better, r[..., None], arg)
 
-  init = (jnp.full((K, ph, pw, C), POOL_FLOOR, F32), jnp.full((K, ph, pw, C), -1, jnp.int32))
+  init = form.varying((jnp.full((K, ph, pw, C), POOL_FLOOR, F32),
+                       jnp.full((K, ph, pw, C), -1, jnp.int32)), x, hs, he, ws, we, base, width)
   return lax.fori_loop(0, ey * ex, body, init)[1]
 
 
