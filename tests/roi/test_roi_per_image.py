@@ -5,7 +5,6 @@ here); bad masks and boxes raise. The split over a batch-sharded mesh is in
 tests/sharding/test_roi_sharding.py."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 import roi_reference as rref

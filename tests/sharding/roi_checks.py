@@ -22,7 +22,6 @@ import re
 import sys
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -96,15 +95,14 @@ def main() -> int:
                                    out_specs=(spec, spec, spec)))
       compiled = fn.lower(*args).compile()
       got = compiled(*args)
-      differ = [int((np.asarray(a) != np.asarray(b)).sum()) for a, b in zip(got, one)]
+      differ = [int((np.asarray(a) != np.asarray(b)).sum()) for a, b in zip(got, one, strict=True)]
       same = not any(differ)
       split = all(len({str(s.index) for s in g.addressable_shards}) == 8 for g in got)
       moved = collectives(compiled)
       ok = same and split and not moved
       ok_all &= ok
-      print(json.dumps({"name": f"{how}/{name}", "ok": ok,
-                        "detail": {"elements_differing": differ, "split": split, "collectives": moved}}),
-            flush=True)
+      detail = {"elements_differing": differ, "split": split, "collectives": moved}
+      print(json.dumps({"name": f"{how}/{name}", "ok": ok, "detail": detail}), flush=True)
   return 0 if ok_all else 1
 
 
