@@ -117,3 +117,20 @@ def test_bad_masks_and_boxes(rng):
   y = jax.jit(lambda b: jaxpool.roi_align(x, b, 2, mask=mask, sampling_ratio=2))(bad)
   assert np.isnan(np.asarray(y)[0, 0]).all()
   assert np.isfinite(np.asarray(y)[1:]).all()
+
+
+@pytest.mark.slow
+def test_jvp_is_the_transpose_of_the_vjp_and_second_order_runs(rng):
+  x, boxes, mask, _, _ = _case(rng)
+  boxes = np.where(mask[..., None], boxes, 1.0).astype(np.float32)
+  f = lambda v, b: jaxpool.roi_align(v, b, 2, sampling_ratio=2, mask=mask)
+  tx = rng.standard_normal(x.shape).astype(np.float32)
+  tb = rng.standard_normal(boxes.shape).astype(np.float32)
+  y, ty = jax.jvp(f, (x, boxes), (tx, tb))
+  g = rng.standard_normal(y.shape).astype(np.float32)
+  dx, db = jax.vjp(f, x, boxes)[1](g)
+  lhs = float(np.sum(np.asarray(ty, np.float64) * g))
+  rhs = float(np.sum(np.asarray(dx, np.float64) * tx) + np.sum(np.asarray(db, np.float64) * tb))
+  assert abs(lhs - rhs) < 1e-4 * max(1.0, abs(lhs))
+  h = jax.hessian(lambda b: (f(x, b) ** 2).sum())(boxes)
+  assert h.shape == (*boxes.shape, *boxes.shape) and np.isfinite(h).all()
