@@ -26,9 +26,14 @@ The feature gradient is deterministic: one sample of every bin at a time, in row
 order, the contributions are sorted by pixel (a stable sort), summed per pixel by a segmented
 scan in a fixed order, read at unique positions and added to the running sum; no scatter. Dead
 samples add nothing, so the bits do not depend on the static sample grid (eager == jit).
-Memory: the forward and the feature gradient hold the outputs times 4 corners per step (one
-sample of every bin); the box gradient holds the outputs (without channels) times the samples
-per bin times 4.
+Memory: the forward holds the outputs; the feature gradient, per step, a group of channels of
+the contributions of one sample of every bin (``channel_group``: a sixteenth of 4 corners x the
+outputs); the box gradient the outputs (without channels) times the samples per bin times 4,
+its sums fixed trees (``tree_sum``), so that a box's bits do not depend on the other boxes.
+
+``batched=True`` (the per-image form, and ``vmap`` with the features mapped): every operand
+has a leading batch axis, each element computed on its own by a ``vmap`` of the implementation,
+whose gathers and sorts keep the axis (XLA's partitioner splits them with the batch).
 """
 
 from __future__ import annotations
