@@ -329,3 +329,25 @@ def test_gradient_memory_is_bounded():
   boxes = jax.ShapeDtypeStruct((8, 5), jnp.float32)
   grad = jax.jit(jax.grad(lambda v, b: jaxpool.roi_align(v, b, 7).sum(), argnums=(0, 1)))
   assert grad.lower(x, boxes).compile().memory_analysis().temp_size_in_bytes < 16e6
+
+
+def test_gradient_peak_memory_is_at_most_twice_the_inputs_and_outputs():
+  """benchmarks/roi_gpu.py's measure (XLA's memory analysis of the forward and the feature
+  gradient of multi_scale_roi_align: arguments, outputs and temporaries over arguments and
+  outputs) on its shapes scaled down (P2-P5 of 2 images of 100x152, 64 channels, 64 boxes per
+  image, 14x14): 1.86 with the channel groups of the sorted sum, 5.24 before (the contributions
+  of a sample of every bin, 4 corners x the outputs, sorted whole). Compiled, not run."""
+  sizes = [(25, 38), (13, 19), (7, 10), (4, 5)]
+  fs = [jax.ShapeDtypeStruct((2, h, w, 64), jnp.float32) for h, w in sizes]
+  boxes = jax.ShapeDtypeStruct((128, 5), jnp.float32)
+  dy = jax.ShapeDtypeStruct((128, 14, 14, 64), jnp.float32)
+  f = lambda fs, b: jaxpool.multi_scale_roi_align(fs, b, [(100, 152)] * 2, 14,
+                                                  sampling_ratio=2, aligned=True)
+
+  def fwd_dx(fs, b, g):
+    y, vjp = jax.vjp(lambda v: f(v, b), fs)
+    return y, vjp(g)[0]
+
+  m = jax.jit(fwd_dx).lower(fs, boxes, dy).compile().memory_analysis()
+  io = m.argument_size_in_bytes + m.output_size_in_bytes
+  assert (io + m.temp_size_in_bytes) / io <= 2.0, m

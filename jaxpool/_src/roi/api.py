@@ -21,6 +21,7 @@ from jaxpool._src.api_args import DataFormat, Implementation, as_array
 from jaxpool._src.backend import Op
 from jaxpool._src.checks import check_bool, check_name, int_tuple, is_int
 from jaxpool._src.dtypes import check_dtype
+from jaxpool._src.roi import batched
 from jaxpool._src.roi.plan import MODES, AlignConfig, Level, PoolConfig
 from jaxpool._src.windows import DATA_FORMATS
 
@@ -189,7 +190,7 @@ def roi_align(x: Any, boxes: Boxes, output_size: int | Sequence[int], *,
               spatial_scale: float = 1.0, sampling_ratio: int = -1, aligned: bool = False,
               mode: Mode = "avg", max_samples: int | Sequence[int] | None = None,
               data_format: DataFormat = "channels_last",
-              implementation: Implementation = None) -> jax.Array:
+              implementation: Implementation = None, mask: Any = None) -> jax.Array:
   """ROI align (Mask R-CNN): each box of a feature map pooled into ``output_size`` bins by
   bilinear sampling, with torchvision's semantics and gradients for the features and the boxes.
 
@@ -197,7 +198,9 @@ def roi_align(x: Any, boxes: Boxes, output_size: int | Sequence[int], *,
     x: ``(N, H, W, C)`` (``channels_last``) or ``(N, C, H, W)`` (``channels_first``); float32,
       bfloat16 or float16, sampled and summed in float32 (so is float64, in this version).
     boxes: ``(K, 5)`` rows ``(image, x1, y1, x2, y2)`` or a list of ``N`` arrays ``(K_i, 4)``
-      of ``(x1, y1, x2, y2)``, one per image, in input-image coordinates.
+      of ``(x1, y1, x2, y2)``, one per image, in input-image coordinates; or ``(N, K, 4)``:
+      ``boxes[b, k]`` pools image ``b`` (per-image proposals, padded to ``K``; see ``mask``),
+      the form that splits over a batch-sharded mesh with the features (docs/roi.md).
     output_size: ``(ph, pw)`` bins (an int for a square grid).
     spatial_scale: map coordinates per box coordinate (1/16 for a stride-16 map).
     sampling_ratio: samples per bin along each axis; ``<= 0``: ``ceil(roi_size / output_size)``
@@ -216,10 +219,14 @@ def roi_align(x: Any, boxes: Boxes, output_size: int | Sequence[int], *,
     implementation: ``None`` (on an NVIDIA GPU, ``mode="avg"`` runs the Pallas Triton
       kernels, the rest the XLA path), ``"pallas"`` (the kernels; a ValueError for what they
       do not serve) or ``"xla"``: docs/roi.md, "Where it runs".
+    mask: with ``(N, K, 4)`` boxes, an ``(N, K)`` bool array: False marks a padding row, whose
+      output is zeros with zero gradients, whatever its coordinates (default: all True).
 
   Returns:
-    ``(K, ph, pw, C)`` (``(K, C, ph, pw)`` channels first), in ``x``'s dtype. A sample outside
-    ``[-1, H] x [-1, W]`` counts as 0; a bin without samples gives 0. Under ``jit``, a box
+    ``(K, ph, pw, C)`` (``(K, C, ph, pw)`` channels first), in ``x``'s dtype; ``(N, K, ph, pw,
+    C)`` (``(N, K, C, ph, pw)``) for ``(N, K, 4)`` boxes, the values and gradients of the
+    ``(K, 5)`` form with the same boxes, bit for bit. A sample outside ``[-1, H] x [-1, W]``
+    counts as 0; a bin without samples gives 0. Under ``jit``, a box
     whose image index is out of range gives zeros and a box with a NaN or infinite
     coordinate gives NaN, neither with a gradient (outside ``jit``, both raise).
 
@@ -244,17 +251,25 @@ def roi_align(x: Any, boxes: Boxes, output_size: int | Sequence[int], *,
   check_name("mode", mode, MODES)
   if mode == "max":
     check_elements("x", x.size)
-  image, coords = split_boxes(boxes, x.shape[0])
+  per_image = batched.per_image(boxes, mask)
+  if per_image:
+    parts = batched.split(boxes, mask, x.shape[0])
+    image, coords = batched.flat(*parts)
+  else:
+    image, coords = split_boxes(boxes, x.shape[0])
   N, H, W, _ = x.shape
   levels = (Level(N, H, W, scale, 0),)
   level = jnp.zeros(image.shape, jnp.int32)
   samples = sample_grid(ratio, cap, coords, jnp.full(image.shape, scale, jnp.float32), levels,
                         output_size)
-  cfg = AlignConfig(output_size, levels, ratio, samples, aligned, mode)
+  cfg = AlignConfig(output_size, levels, ratio, samples, aligned, mode,
+                    parts[1].shape[1] if per_image else 0)
   backend = dispatch.choose(Op.ROI_ALIGN, implementation, x, None, caller="roi_align",
                             config=cfg)
   y = backend.roi_align((x,), image, coords, level, cfg)
-  return jnp.moveaxis(y, -1, 1) if data_format == "channels_first" else y
+  if per_image:
+    y = batched.unflat(y, parts[1])
+  return jnp.moveaxis(y, -1, -3) if data_format == "channels_first" else y
 
 
 # ----------------------------------------------------------------------------- roi_pool

@@ -26,9 +26,14 @@ The feature gradient is deterministic: one sample of every bin at a time, in row
 order, the contributions are sorted by pixel (a stable sort), summed per pixel by a segmented
 scan in a fixed order, read at unique positions and added to the running sum; no scatter. Dead
 samples add nothing, so the bits do not depend on the static sample grid (eager == jit).
-Memory: the forward and the feature gradient hold the outputs times 4 corners per step (one
-sample of every bin); the box gradient holds the outputs (without channels) times the samples
-per bin times 4.
+Memory: the forward holds the outputs; the feature gradient, per step, a group of channels of
+the contributions of one sample of every bin (``channel_group``: a sixteenth of 4 corners x the
+outputs); the box gradient the outputs (without channels) times the samples per bin times 4,
+its sums fixed trees (``tree_sum``), so that a box's bits do not depend on the other boxes.
+
+``batched=True`` (the per-image form, and ``vmap`` with the features mapped): every operand
+has a leading batch axis, each element computed on its own by a ``vmap`` of the implementation,
+whose gathers and sorts keep the axis (XLA's partitioner splits them with the batch).
 """
 
 from __future__ import annotations
@@ -52,6 +57,26 @@ def _names(wrt: str, has_taps: bool) -> tuple[str, ...]:
 
 
 # ----------------------------------------------------------------------------- implementations
+
+
+def _varying_axes(a) -> set:
+  t = jax.typeof(a)
+  mat = getattr(t, "mat", None)  # JAX 0.10: ManualAxisType; before it, the set ``vma``
+  return set(mat.varying) if mat is not None else set(getattr(t, "vma", ()))
+
+
+def varying(init, *like):
+  """``init`` (a loop's first carry) marked as varying over the manual mesh axes that ``like``
+  vary over, as the loop's body makes it (inside ``shard_map`` with ``check_vma``)."""
+  axes: set = set()
+  for a in like:
+    axes |= _varying_axes(a)
+
+  def mark(v):
+    more = tuple(sorted(axes - _varying_axes(v)))
+    return lax.pcast(v, more, to="varying") if more else v
+
+  return jax.tree.map(mark, init)
 
 
 def _sample_corners(s, base, stride, iy, ix, wy=None, wx=None):
@@ -126,51 +151,88 @@ def _forward(base, stride, iy, ix, taps, wy, wx, x, *, dtype):
   def body(s, acc):
     return acc + sample_value(s, base, stride, iy, ix, wy, wx, x)
 
-  acc = lax.fori_loop(0, Sy * Sx, body, jnp.zeros((K, ph, pw, C), F32))
+  acc = lax.fori_loop(0, Sy * Sx, body,
+                      varying(jnp.zeros((K, ph, pw, C), F32), base, stride, iy, ix, wy, wx, x))
   return acc.astype(dtype)
 
 
-def segment_sum_sorted(values: jax.Array, rows: jax.Array, num_rows: int,
-                       into: jax.Array | None = None) -> jax.Array:
-  """``out[p] = into[p] + sum of values[m] where rows[m] == p``, ``(num_rows, C)``
-  (``into``: zeros by default; a row without entries keeps ``into``'s bits), deterministic.
+# One step of the feature gradient's sorted sum holds the contributions of a group of channels
+# (twice: the scan's two buffers): a sixteenth of them all (4 corners x the outputs / 16), or
+# GROUP_FLOOR bytes if that is more.
+GROUPS = 16
+GROUP_FLOOR = 1 << 20
 
-  A stable sort of the rows, a segmented inclusive scan (Hillis-Steele: ``ceil(log2)`` of the
-  longest run steps, each adding the partial sum ``2**t`` entries back within the segment, a
-  fixed tree of additions), then each row's sum read at the last entry of its segment (a gather
-  at unique positions): no scatter, no atomics.
-  ``values``: ``(M, C)`` float32; ``rows``: ``(M,)`` int32 in ``[0, num_rows]``: an entry at
-  ``num_rows`` (dead) sorts after every pixel and joins no sum.
+
+def channel_group(entries: int, channels: int) -> int:
+  """The channels summed per step: the largest divisor of ``channels`` whose ``entries`` x
+  group float32 values fit in ``max(GROUP_FLOOR, all / GROUPS)`` bytes, at least 1. Each
+  channel's sum is its own additions in its own order whatever the group, so the bits do not
+  depend on it."""
+  budget = max(GROUP_FLOOR, 4 * entries * channels // GROUPS)
+  fit = max(1, budget // max(4 * entries, 1))
+  return max(d for d in range(1, channels + 1) if channels % d == 0 and d <= fit)
+
+
+def sorted_sum(take, rows: jax.Array, num_rows: int, into: jax.Array,
+               group: int | None = None) -> jax.Array:
+  """``out[p, c] = into[p, c] + sum of v[m, c] where rows[m] == p`` (``(num_rows, C)``),
+  deterministic, with ``v`` never whole: ``take(order, c0, n)`` gives ``v[order, c0:c0 + n]``
+  (float32 ``(M, n)``, ``order`` a permutation of the ``M`` entries).
+
+  A stable sort of the rows, then for each group of ``n`` channels (``channel_group``): a
+  segmented inclusive scan of the sorted values (Hillis-Steele: ``ceil(log2)`` of the longest
+  run steps, each adding the partial sum ``2**t`` entries back within the segment, a fixed
+  tree of additions), each row's sum read at the last entry of its segment (a gather at
+  unique positions) and added to the group's columns of ``into`` (in place): no scatter, no
+  atomics. ``rows``: ``(M,)`` int32 in ``[0, num_rows]``: an entry at ``num_rows`` (dead)
+  sorts after every pixel and joins no sum. Memory: ``into`` and a few ``(M, n)`` arrays.
   """
-  C = values.shape[1]
-  if into is None:
-    into = jnp.zeros((num_rows, C), values.dtype)
-  if values.shape[0] == 0 or num_rows == 0:
+  M = rows.shape[0]
+  C = into.shape[1]
+  if M == 0 or num_rows == 0:
     return into
-  order = jnp.argsort(rows, stable=True)
+  n = channel_group(M, C) if group is None else group
+  order = jnp.argsort(rows, stable=True).astype(jnp.int32)
   keys = rows[order]
-  vals = values[order]
-  M = keys.shape[0]
   idx = jnp.arange(M, dtype=jnp.int32)
   starts = jnp.concatenate([jnp.ones((1,), bool), keys[1:] != keys[:-1]])
   first = lax.cummax(jnp.where(starts, idx, 0))  # where each entry's segment starts
-  zeros = jnp.zeros_like(vals)
-
-  def step(t, v):  # Hillis-Steele: add the partial sum 2**t entries back, inside the segment
-    d = jnp.left_shift(jnp.int32(1), t)
-    shifted = lax.dynamic_slice_in_dim(jnp.concatenate([zeros, v]), M - d, M)
-    return v + jnp.where((idx - d >= first)[:, None], shifted, 0.0)
-
   # As many steps as the longest run needs (ceil(log2(run))), not log2(M): a data-dependent
   # count, fine here (this implementation is never differentiated by JAX).
   longest = jnp.max(jnp.where(keys < num_rows, idx - first, 0)) + 1
   steps = 32 - lax.clz((longest - 1).astype(jnp.int32))
-  sums = lax.fori_loop(0, steps, step, vals)
   targets = jnp.arange(num_rows, dtype=keys.dtype)
-  last = jnp.searchsorted(keys, targets, side="right") - 1
-  safe = jnp.clip(last, 0, keys.shape[0] - 1)
+  last = jnp.searchsorted(keys, targets, side="right") - 1  # each row's segment's last entry
+  safe = jnp.clip(last, 0, M - 1)
   hit = (last >= 0) & (keys[safe] == targets)
-  return jnp.where(hit[:, None], into + sums[safe], into)
+
+  def group_sum(g, out):
+    vals = take(order, g * n, n)
+    zeros = jnp.zeros_like(vals)
+
+    def step(t, v):  # Hillis-Steele: add the partial sum 2**t entries back, in the segment
+      d = jnp.left_shift(jnp.int32(1), t)
+      shifted = lax.dynamic_slice_in_dim(jnp.concatenate([zeros, v]), M - d, M)
+      return v + jnp.where((idx - d >= first)[:, None], shifted, 0.0)
+
+    sums = lax.fori_loop(0, steps, step, vals)
+    col = lax.dynamic_slice_in_dim(out, g * n, n, axis=1)
+    col = jnp.where(hit[:, None], col + sums[safe], col)
+    return lax.dynamic_update_slice_in_dim(out, col, g * n, axis=1)
+
+  return lax.fori_loop(0, C // n, group_sum, varying(into, rows))
+
+
+def segment_sum_sorted(values: jax.Array, rows: jax.Array, num_rows: int,
+                       into: jax.Array | None = None) -> jax.Array:
+  """``sorted_sum`` of the entries ``values`` ``(M, C)`` float32."""
+  if into is None:
+    into = varying(jnp.zeros((num_rows, values.shape[1]), values.dtype), values, rows)
+
+  def take(order, c0, n):
+    return lax.dynamic_slice_in_dim(values, c0, n, axis=1)[order]
+
+  return sorted_sum(take, rows, num_rows, into)
 
 
 def _feature_grad(base, stride, iy, ix, taps, wy, wx, ct, *, dtype, rows_out):
@@ -184,15 +246,37 @@ def _feature_grad(base, stride, iy, ix, taps, wy, wx, ct, *, dtype, rows_out):
     out = segment_sum_sorted(vals, keys, rows_out * C)
     return out.reshape(rows_out, C).astype(dtype)
   Sy, Sx = iy.shape[2], ix.shape[2]
+  flat_ct = ct.reshape(-1, C)  # one row per bin
 
   def body(s, out):  # one sample of every bin, in row-major sample order
     rows, live, w = _sample_corners(s, base, stride, iy, ix, wy, wx)
-    vals = ctf[:, :, :, None, None, :] * w[..., None]  # (K, ph, pw, 2, 2, C)
     keys = jnp.where(live, rows, rows_out).reshape(-1).astype(jnp.int32)
-    return segment_sum_sorted(vals.reshape(-1, C), keys, rows_out, into=out)
+    w = w.reshape(-1)  # (bins x 4 corners,)
 
-  out = lax.fori_loop(0, Sy * Sx, body, jnp.zeros((rows_out, C), F32))
+    def take(order, c0, n):  # the contributions ct[bin, c] * w[bin, corner], sorted
+      part = lax.dynamic_slice_in_dim(flat_ct, c0, n, axis=1)
+      return part[order // 4].astype(F32) * w[order][:, None]
+
+    return sorted_sum(take, keys, rows_out, out)
+
+  out = lax.fori_loop(0, Sy * Sx, body,
+                      varying(jnp.zeros((rows_out, C), F32), base, stride, iy, ix, wy, wx, ct))
   return out.astype(dtype)
+
+
+def tree_sum(a: jax.Array, axes: tuple[int, ...]) -> jax.Array:
+  """``a.sum(axes)`` as a fixed tree of elementwise additions (halves added, an odd last entry
+  carried): the same bits whatever the other dims' sizes, which XLA's reductions do not
+  promise (a batch axis more, or fewer boxes on a device, moved the box gradient's last bit)."""
+  keep = [d for d in range(a.ndim) if d not in axes]
+  a = jnp.transpose(a, (*keep, *axes))
+  a = a.reshape(*a.shape[:len(keep)], -1)
+  while a.shape[-1] > 1:
+    n = a.shape[-1]
+    h = n // 2
+    pair = a[..., :h] + a[..., h:2 * h]
+    a = jnp.concatenate([pair, a[..., 2 * h:]], axis=-1) if n % 2 else pair
+  return a[..., 0] if a.shape[-1] else jnp.zeros(a.shape[:-1], a.dtype)
 
 
 def _corner_dots(base, stride, iy, ix, taps, x, ct):
@@ -207,7 +291,7 @@ def _corner_dots(base, stride, iy, ix, taps, x, ct):
     prod = ctf[:, :, :, None, None, :] * g
     if taps is not None:
       prod = jnp.where((taps == s)[:, :, :, None, None, :], prod, 0.0)
-    return jnp.where(live, prod.sum(-1), 0.0)
+    return jnp.where(live, tree_sum(prod, (prod.ndim - 1,)), 0.0)
 
   d = lax.map(one, jnp.arange(Sy * Sx))  # (S, K, ph, pw, 2, 2)
   d = d.reshape(Sy, Sx, K, ph, pw, 2, 2)
@@ -216,17 +300,20 @@ def _corner_dots(base, stride, iy, ix, taps, x, ct):
 
 def _wy_grad(base, stride, iy, ix, taps, wx, x, ct, *, dtype):
   d = _corner_dots(base, stride, iy, ix, taps, x, ct)
-  out = (d * wx.astype(F32)[:, None, :, None, :, None, :]).sum(axis=(2, 4, 6))
+  out = tree_sum(d * wx.astype(F32)[:, None, :, None, :, None, :], (2, 4, 6))
   return out.astype(dtype)  # (K, ph, Sy, 2)
 
 
 def _wx_grad(base, stride, iy, ix, taps, wy, x, ct, *, dtype):
   d = _corner_dots(base, stride, iy, ix, taps, x, ct)
-  out = (d * wy.astype(F32)[:, :, None, :, None, :, None]).sum(axis=(1, 3, 5))
+  out = tree_sum(d * wy.astype(F32)[:, :, None, :, None, :, None], (1, 3, 5))
   return out.astype(dtype)  # (K, pw, Sx, 2)
 
 
-def _impl(*operands, wrt, has_taps, dtype, rows):
+def _impl(*operands, wrt, has_taps, dtype, rows, batched=False):
+  if batched:  # a leading batch axis on every operand: each element on its own (see _batch)
+    return jax.vmap(lambda *o: _impl(*o, wrt=wrt, has_taps=has_taps, dtype=dtype,
+                                     rows=rows))(*operands)
   ops = dict(zip(_names(wrt, has_taps), operands))
   res = (ops["base"], ops["stride"], ops["iy"], ops["ix"], ops.get("taps"))
   if wrt == "ct":
@@ -244,8 +331,10 @@ def _impl(*operands, wrt, has_taps, dtype, rows):
 def define(name: str, impl, widen=None) -> jex_core.Primitive:
   """A primitive of the form: ``impl(*operands, wrt, has_taps, dtype, rows, **extra)``
   evaluates and lowers it; its JVP, transpose and batching rules are this module's, binding
-  the same primitive with ``extra`` passed on (under ``vmap``, ``widen(extra, copies)``: see
-  ``_batch``). ``roi_form_p`` is the XLA path's; the GPU kernels define another
+  the same primitive with ``extra`` passed on. Under ``vmap`` (``_batch``): with ``widen``
+  (``widen(extra, copies)``), the mapped axis always folds into the boxes, one copy of the
+  table per element; without it (the XLA path), a mapped feature table stays an axis
+  (``batched=True``). ``roi_form_p`` is the XLA path's; the GPU kernels define another
   (``kernels.py``) with the same rules."""
   prim = jex_core.Primitive(name)
 
@@ -258,7 +347,8 @@ def define(name: str, impl, widen=None) -> jex_core.Primitive:
   mlir.register_lowering(prim, mlir.lower_fun(impl, multiple_results=False))
   ad.primitive_jvps[prim] = functools.partial(_jvp, prim)
   ad.primitive_transposes[prim] = functools.partial(_transpose, prim)
-  batching.primitive_batchers[prim] = functools.partial(_batch, prim, widen)
+  batching.primitive_batchers[prim] = functools.partial(
+      _batch_folded if widen is not None else _batch, prim, widen)
   return prim
 
 
@@ -271,16 +361,23 @@ def _shape(ops, wrt, rows):
   return ops["iy" if wrt == "wy" else "ix"].shape
 
 
-def _abstract_eval(*avals, wrt, has_taps, dtype, rows, **extra):
+def _abstract_eval(*avals, wrt, has_taps, dtype, rows, batched=False, **extra):
   ops = dict(zip(_names(wrt, has_taps), avals))
   like = next(ops[s] for s in SLOTS if s in ops)
-  return like.update(shape=_shape(ops, wrt, rows), dtype=jnp.dtype(dtype), weak_type=False)
+  if batched:
+    one = {n: a.update(shape=a.shape[1:]) for n, a in ops.items()}
+    shape = (like.shape[0], *_shape(one, wrt, rows))
+  else:
+    shape = _shape(ops, wrt, rows)
+  return like.update(shape=shape, dtype=jnp.dtype(dtype), weak_type=False)
 
 
-def bind(wrt: str, *, base, stride, iy, ix, taps=None, dtype, rows=0, **slots):
-  """``dF/d(wrt)`` from the other three slots (keyword arguments ``wy``, ``wx``, ``x``, ``ct``)."""
+def bind(wrt: str, *, base, stride, iy, ix, taps=None, dtype, rows=0, batched=False, **slots):
+  """``dF/d(wrt)`` from the other three slots (keyword arguments ``wy``, ``wx``, ``x``, ``ct``).
+  ``batched``: every operand has a leading batch axis, each element computed on its own (its
+  boxes on its own table ``x`` ``(B, P, C)``)."""
   return bind_to(roi_form_p, wrt, base=base, stride=stride, iy=iy, ix=ix, taps=taps,
-                 dtype=dtype, rows=rows, **slots)
+                 dtype=dtype, rows=rows, extra={"batched": bool(batched)}, **slots)
 
 
 def bind_to(prim, wrt: str, *, base, stride, iy, ix, taps=None, dtype, rows=0, extra=None,
@@ -320,13 +417,35 @@ def _transpose(prim, ct_out, *operands, wrt, has_taps, dtype, rows, **extra):
     return [ad.Zero(aval) if n == u else None for n in names]
   new = {n: v for n, v in ops.items() if n != u}
   new[wrt] = ct_out
-  out_rows = aval.shape[0] if u == "x" else 0
+  out_rows = aval.shape[int(bool(extra.get("batched")))] if u == "x" else 0
   result = prim.bind(*(new[n] for n in _names(u, has_taps)), wrt=u, has_taps=has_taps,
                      dtype=aval.dtype.name, rows=out_rows, **extra)
   return [result if n == u else None for n in names]
 
 
-def _batch(prim, widen, args, dims, *, wrt, has_taps, dtype, rows, **extra):
+def _batch(prim, widen, args, dims, *, wrt, has_taps, dtype, rows, batched=False):
+  """The XLA path's rule. A mapped axis with the features (each batch element its own table:
+  ``x`` mapped, or the feature gradient) stays an axis: the bind ``batched=True`` runs each
+  element on its own (a ``vmap`` of the implementation, whose gathers and sorts keep the axis,
+  so XLA's partitioner splits them over a mesh axis that splits the batch, with no
+  collective). With one table for all, the mapped axis folds into the boxes
+  (:func:`_batch_folded`). Either way each pixel's contributions come in the same order: the
+  same bits."""
+  names = _names(wrt, has_taps)
+  size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+  x_mapped = any(n == "x" and d is not None for n, d in zip(names, dims))
+  if not (batched or x_mapped or wrt == "x"):
+    return _batch_folded(prim, widen, args, dims, wrt=wrt, has_taps=has_taps, dtype=dtype,
+                         rows=rows, batched=False)
+  ops = [jnp.broadcast_to(a, (size, *a.shape)) if d is None else jnp.moveaxis(a, d, 0)
+         for a, d in zip(args, dims, strict=True)]
+  if batched:  # the new axis joins the existing one
+    ops = [a.reshape(size * a.shape[1], *a.shape[2:]) for a in ops]
+  out = prim.bind(*ops, wrt=wrt, has_taps=has_taps, dtype=dtype, rows=rows, batched=True)
+  return (out.reshape(size, out.shape[0] // size, *out.shape[1:]) if batched else out), 0
+
+
+def _batch_folded(prim, widen, args, dims, *, wrt, has_taps, dtype, rows, **extra):
   """A mapped axis folds into the boxes (and the feature table's rows): the boxes of different
   batch elements never meet, and ``base`` moves each element's boxes to its own table, one
   copy of the table per element. ``widen(extra, copies)`` gives the primitive's own params for

@@ -45,6 +45,11 @@ class AlignConfig:
   ``samples``: the sample grid per bin ``(Sy, Sx)`` that the arrays hold: ``sampling_ratio``
   when it is positive, else the ``max_samples`` bound (the per-box count
   ``min(ceil(roi / out), bound)`` is masked inside it).
+
+  ``per_image``: 0, or ``K`` when the boxes come ``K`` per image in order (``roi_align``'s
+  ``(N, K, 4)`` form, one level): box ``r`` belongs to image ``r // K`` or is padding (image
+  index -1). A backend may ignore it (the image indices say the same); the XLA path then keeps
+  the batch as an axis of its own, which a batch-sharded mesh splits.
   """
 
   output_size: tuple[int, int]
@@ -53,6 +58,7 @@ class AlignConfig:
   samples: tuple[int, int]
   aligned: bool
   mode: str
+  per_image: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

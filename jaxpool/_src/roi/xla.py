@@ -8,6 +8,7 @@ Every function here takes checked arguments; the public functions (``api.py``) c
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -46,8 +47,16 @@ def _align_taps(ops, counts, x):
     better = real & ((arg < 0) | (v > best) | (jnp.isnan(v) & ~jnp.isnan(best)))
     return jnp.where(better, v, best), jnp.where(better, s, arg)
 
-  init = (jnp.zeros((K, ph, pw, C), F32), jnp.full((K, ph, pw, C), -1, jnp.int32))
+  init = form.varying((jnp.zeros((K, ph, pw, C), F32), jnp.full((K, ph, pw, C), -1, jnp.int32)),
+                      x, *ops.values(), *counts)
   return lax.fori_loop(0, Sy * Sx, body, init)[1]
+
+
+def _inverse(count: jax.Array) -> jax.Array:
+  """``1 / count`` per box, shaped to multiply ``(K, ph, pw, C)``: the mean as a product with
+  it (the gradient too), not a division, which XLA turns into this product in some programs
+  only (a sharded program kept the division: the last bit of the feature gradient moved)."""
+  return (1.0 / count)[:, None, None, None]
 
 
 def roi_align(maps: tuple[jax.Array, ...], image: jax.Array, coords: jax.Array,
@@ -60,13 +69,38 @@ def roi_align(maps: tuple[jax.Array, ...], image: jax.Array, coords: jax.Array,
     bind: how the average's sampled sum is bound (``form.bind``; the GPU kernels' primitive
       in ``kernels.py``).
   """
+  if cfg.per_image:
+    return _per_image(maps[0], image, coords, level, cfg)
   x = flat_table(maps)
   ops, count, counts, finite = align_plan(image, coords, level, cfg)
   if cfg.mode == "max":
     taps = _align_taps(ops, counts, x)
     y = form.bind("ct", **ops, taps=taps, x=x, dtype=F32)
   else:
-    y = bind("ct", **ops, x=x, dtype=F32) / count[:, None, None, None]
+    y = bind("ct", **ops, x=x, dtype=F32) * _inverse(count)
+  y = jnp.where(finite[:, None, None, None], y, jnp.nan)
+  return y.astype(x.dtype)
+
+
+def _per_image(x, image, coords, level, cfg):
+  """``cfg.per_image = K``: the plan of every box as in the flat form (the same bits), then the
+  batch kept as an axis (``form``'s ``batched`` binds: each image's boxes on its own table), so
+  that XLA's partitioner splits the program with a batch-sharded ``x``, with no collective."""
+  N, H, W, C = x.shape
+  K = cfg.per_image
+  one = dataclasses.replace(cfg, levels=(dataclasses.replace(cfg.levels[0], images=1),))
+  own = jnp.where(image >= 0, 0, -1)  # each box's image is its row of the batch
+  ops, count, counts, finite = align_plan(own, coords, level, one)
+  ops = {k: v.reshape(N, K, *v.shape[1:]) for k, v in ops.items()}
+  table = x.reshape(N, H * W, C)
+  if cfg.mode == "max":
+    taps = jax.vmap(_align_taps)(ops, tuple(c.reshape(N, K) for c in counts), table)
+    y = form.bind("ct", **ops, taps=taps, x=table, dtype=F32, batched=True)
+  else:
+    y = form.bind("ct", **ops, x=table, dtype=F32, batched=True)
+  y = y.reshape(N * K, *y.shape[2:])
+  if cfg.mode != "max":
+    y = y * _inverse(count)
   y = jnp.where(finite[:, None, None, None], y, jnp.nan)
   return y.astype(x.dtype)
 
@@ -122,7 +156,8 @@ def _pool_argmax(x, bins, base, width):
     better = inside[..., None] & (v > best)
     return jnp.where(better, v, best), jnp.where(better, r[..., None], arg)
 
-  init = (jnp.full((K, ph, pw, C), POOL_FLOOR, F32), jnp.full((K, ph, pw, C), -1, jnp.int32))
+  init = form.varying((jnp.full((K, ph, pw, C), POOL_FLOOR, F32),
+                       jnp.full((K, ph, pw, C), -1, jnp.int32)), x, hs, he, ws, we, base, width)
   return lax.fori_loop(0, ey * ex, body, init)[1]
 
 

@@ -1,0 +1,110 @@
+"""``roi_align``'s per-image form on a batch-sharded mesh, against one device.
+
+Run it in its own process with 8 CPU devices (tests/sharding/test_roi_sharding.py does)::
+
+  XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/sharding/roi_checks.py
+
+Features ``(8, H, W, C)``, boxes ``(8, K, 4)`` and their mask ``(8, K)`` split along the batch
+over a mesh axis of 8 devices: under ``jit`` (``NamedSharding`` inputs) and under ``shard_map``;
+the forward and the gradients for the features and the boxes (average and max over the samples,
+fixed and adaptive sampling). Each check prints one JSON line ``{"name": ..., "ok": bool,
+"detail": ...}`` and asserts that the results equal one device's bit for bit, stay split along
+the batch, and that the compiled program has no collective at all (no all-gather of the
+features, no all-reduce, all-to-all or collective-permute). With ``--before-fix`` it checks the
+flat ``(K, 5)`` form of the same boxes instead, which the partitioner cannot split (the
+features are gathered): the check can fail.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxpool
+
+COLLECTIVES = ("all-gather", "all-reduce", "all-to-all", "collective-permute",
+               "reduce-scatter")
+
+
+def collectives(compiled) -> list[str]:
+  """The compiled program's collectives, each as ``"op shape"``, but for an all-reduce of a
+  scalar (a batched loop's condition: whether any image's loop goes on)."""
+  found = set()
+  for line in compiled.as_text().splitlines():
+    for c in COLLECTIVES:
+      m = re.search(rf"= (\S+) {c}(-start)?\(", line)
+      if m and not (c == "all-reduce" and m.group(1) in ("pred[]", "s32[]")):
+        found.add(f"{c} {m.group(1)}")
+  return sorted(found)
+
+
+def case(rng, B=8, K=6, H=13, W=11, C=4):
+  x = rng.standard_normal((B, H, W, C)).astype(np.float32)
+  xy = rng.uniform(-2, 12, (B, K, 2))
+  wh = rng.uniform(0.5, 8, (B, K, 2))
+  boxes = np.concatenate([xy, xy + wh], -1).astype(np.float32)
+  mask = rng.uniform(size=(B, K)) < 0.7
+  boxes[~mask] = np.nan  # padding rows: any value
+  return x, boxes, mask
+
+
+def main() -> int:
+  flat_form = "--before-fix" in sys.argv
+  devices = jax.devices()
+  assert len(devices) >= 8, f"needs 8 devices, got {len(devices)}"
+  mesh = jax.sharding.Mesh(np.array(devices[:8]), ("b",))
+  rng = np.random.default_rng(0)
+  x, boxes, mask = case(rng)
+  live = np.argwhere(mask)
+  rows = np.concatenate([live[:, :1], boxes[live[:, 0], live[:, 1]]], 1).astype(np.float32)
+  ok_all = True
+  for name, kw in (("avg_ratio2", dict(sampling_ratio=2)),
+                   ("avg_adaptive", dict(sampling_ratio=-1, max_samples=4, aligned=True)),
+                   ("max_ratio2", dict(sampling_ratio=2, mode="max"))):
+    def pool(v, b, m, kw=kw):
+      if flat_form:
+        return jaxpool.roi_align(v, b, (3, 2), spatial_scale=0.9, **kw)
+      return jaxpool.roi_align(v, b, (3, 2), spatial_scale=0.9, mask=m, **kw)
+
+    def fwd_grad(v, b, m, g, pool=pool):
+      y, vjp = jax.vjp(lambda v, b: pool(v, b, m), v, b)
+      return (y, *vjp(g))
+
+    b_in = rows if flat_form else boxes
+    g = rng.standard_normal((len(rows), 3, 2, 4) if flat_form else (8, 6, 3, 2, 4))
+    g = g.astype(np.float32)
+    one = jax.jit(fwd_grad)(x, b_in, mask, g)
+    spec = P("b")
+    shard = NamedSharding(mesh, spec)
+    rows_shard = NamedSharding(mesh, P(None)) if flat_form else shard  # (K, 5): not per image
+    args = (jax.device_put(x, shard), jax.device_put(b_in, rows_shard),
+            jax.device_put(mask, shard), jax.device_put(g, rows_shard))
+    for how in ("jit", "shard_map"):
+      if how == "jit":
+        fn = jax.jit(fwd_grad)
+      else:
+        if flat_form:
+          continue
+        fn = jax.jit(jax.shard_map(fwd_grad, mesh=mesh, in_specs=(spec,) * 4,
+                                   out_specs=(spec, spec, spec)))
+      compiled = fn.lower(*args).compile()
+      got = compiled(*args)
+      differ = [int((np.asarray(a) != np.asarray(b)).sum()) for a, b in zip(got, one, strict=True)]
+      same = not any(differ)
+      split = all(len({str(s.index) for s in g.addressable_shards}) == 8 for g in got)
+      moved = collectives(compiled)
+      ok = same and split and not moved
+      ok_all &= ok
+      detail = {"elements_differing": differ, "split": split, "collectives": moved}
+      print(json.dumps({"name": f"{how}/{name}", "ok": ok, "detail": detail}), flush=True)
+  return 0 if ok_all else 1
+
+
+if __name__ == "__main__":
+  sys.exit(main())
