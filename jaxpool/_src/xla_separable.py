@@ -305,6 +305,10 @@ def scatter_to_taps(taps: jax.Array, ct: jax.Array, geom: Geometry) -> jax.Array
   ``O(ceil(k * d / s))`` work per element instead of ``O(k)``. A longer stage (a loop over its
   taps) keeps JAX's transpose of the loop (its trips' grouping of the sums).
   """
+  if explicit_sharding(ct) is not None or explicit_sharding(taps) is not None:
+    # (a cotangent sharded where its tangent was not, under ``linearize``: JAX's transpose)
+    like = jax.ShapeDtypeStruct(input_shape(ct.shape, geom), ct.dtype)
+    return jax.linear_transpose(lambda v: _gather(v, taps, geom), like)(ct)[0]
   parts = _routed(taps, geom)
   g = ct
   for i in range(geom.nspatial):
@@ -360,6 +364,9 @@ def _window_sum_transpose(ct: jax.Array, geom: Geometry) -> jax.Array:
   """The transpose of :func:`window_sum`, the first spatial dim first: by stride phase up to
   ``UNROLL_SUM_TAPS`` taps a dim (each element adds its phase's taps in descending order, as
   :func:`scatter_to_taps`: the bits of JAX's own transpose), a loop's transpose beyond."""
+  if explicit_sharding(ct) is not None:  # (as in scatter_to_taps)
+    like = jax.ShapeDtypeStruct(input_shape(ct.shape, geom), ct.dtype)
+    return jax.linear_transpose(lambda v: _window_sum(v, geom), like)(ct)[0]
   for i in range(geom.nspatial):
     if geom.window[i] <= UNROLL_SUM_TAPS:
       ct = _by_phase(ct, geom, i, lambda a, ct=ct: ct, lax.add, 0, ct.dtype,
