@@ -171,8 +171,8 @@ def _by_phase(like: jax.Array, geom: Geometry, i: int, term, combine, fill, dtyp
   tap ``a`` of window ``b - (a * d) // s`` lands exactly when ``(a * d) % s == r``. So phase
   ``r``'s plane (``b`` over the blocks) combines, over those taps in descending order, ``term(a)``
   (output-sized) shifted by ``(a * d) // s`` blocks (``fill`` outside the windows): the taps of
-  one phase, ``ceil(k * d / s)`` at most, not all ``k`` at input resolution. The planes are
-  interleaved and cropped to the input (of ``dtype``, the terms').
+  one phase, ``ceil(k * gcd(d, s) / s)`` at most, not all ``k`` at input resolution. The planes
+  are interleaved and cropped to the input (of ``dtype``, the terms').
 
   ``fix_zero``: the sum of a phase that leaves out some taps turns ``-0.0`` into ``+0.0``, as
   adding the left-out taps' ``+0.0`` would (the only bits a ``+0.0`` term can change).
