@@ -5,7 +5,8 @@ average pooling on tie-rich, NaN, infinite and signed-zero inputs); the separabl
 form forced on the same geometries (the same bits); the gradient's summation order against a
 NumPy model of the documented rule (docs/semantics.md, "Large windows"); forward mode and second
 order; and the work: the taps a program visits grow with the window's size per dim, not with its
-taps (counted in the jaxpr, loop trips included).
+taps (counted in the jaxpr, loop trips included), and the gradient adds only the taps of each
+element's stride phase.
 """
 
 from __future__ import annotations
