@@ -42,7 +42,8 @@ def window_sum_linear(t: jax.Array, geom: Geometry) -> jax.Array:
   It is linear in ``t`` and built from pad, slice and add, so JAX transposes it into pads that
   XLA fuses into one gather-like pass: several times faster than the transpose of
   ``reduce_window`` (a padded reduce-window over the dilated cotangent), and deterministic. A
-  separable window (more than ``SEPARABLE_TAPS`` taps) sums one dim at a time.
+  separable window (more than ``SEPARABLE_TAPS`` taps) sums one dim at a time, with a transpose
+  of its own by stride phase (the same bits as JAX's).
   """
   if xla_taps.is_separable(geom):
     return xla_separable.window_sum(t, geom)

@@ -18,11 +18,21 @@ alone. Every window that picks an element of a given input row at a given output
 it through the same row maximum (the row's window part is the same whichever window reads it),
 so each window's taps can be routed, one dim at a time, to an intermediate array at input
 resolution in that dim (:func:`_route`); the gather then reads ``t`` along W, then H, then D,
-each a loop over that dim's taps with slices and selects, and JAX transposes it into pads and
-adds (no scatter with duplicates). Each input element's gradient sums, for each stage from the
-first spatial dim to the last, the cotangents that reach it in descending tap order of that dim
-(docs/semantics.md, "Large windows"). This order is not the direct form's, so the choice of form
-depends on the geometry only: the Pallas kernels serve at most ``SEPARABLE_TAPS`` taps.
+each a loop over that dim's taps with slices and selects (no scatter with duplicates). Each
+input element's gradient sums, for each stage from the first spatial dim to the last, the
+cotangents that reach it in descending tap order of that dim (docs/semantics.md, "Large
+windows"). This order is not the direct form's, so the choice of form depends on the geometry
+only: the Pallas kernels serve at most ``SEPARABLE_TAPS`` taps.
+
+The gather is a pair of jaxpool primitives (``linear.LinearPair``) whose transpose,
+:func:`scatter_to_taps`, is written by stride phase: along a dim of stride ``s``, the input
+elements of one phase (``p + lo = b * s + r``) are reached only by the taps ``a`` with
+``a * d % s == r``, each from an output-sized, shifted array, so a stage adds
+``ceil(k * gcd(d, s) / s)`` terms an element, not ``k`` (JAX's own transpose of the gather adds
+one full-size array per tap, ``+0.0`` off the element's phase: the phase form turns a ``-0.0``
+sum into ``+0.0`` where it leaves taps out, which gives the same bits). The routing runs by
+phase the same way. A dim of more than ``UNROLL_TAPS`` taps keeps its loop and JAX's transpose of
+it.
 
 Average pooling's sums (and their tangents) run the same way, one dim at a time, in the
 accumulator dtype; their rounding differs from the direct sums' within float32 rounding.
@@ -38,8 +48,11 @@ import numpy as np
 from jax import lax
 
 from jaxpool._src.dtypes import beats, lowest
+from jaxpool._src.linear import LinearPair
 from jaxpool._src.windows import Geometry, tap_valid_1d, taps_dtype
-from jaxpool._src.xla_taps import SEPARABLE_TAPS, UNROLL_SUM_TAPS, fold_taps, is_separable
+from jaxpool._src.xla_taps import (SEPARABLE_TAPS, UNROLL_SUM_TAPS, UNROLL_TAPS,
+                                   explicit_sharding, fold_taps, input_shape,
+                                   is_separable)
 
 __all__ = ["SEPARABLE_TAPS", "gather_at_taps", "is_separable", "max_pool_taps", "window_sum"]
 
@@ -151,16 +164,63 @@ def max_pool_taps(x: jax.Array, geom: Geometry,
   return v, part
 
 
+def _by_phase(like: jax.Array, geom: Geometry, i: int, term, combine, fill, dtype, *,
+              fix_zero: bool = False) -> jax.Array:
+  """An array at input resolution along spatial dim ``i`` (``like``: at output resolution), built
+  by stride phase: input position ``p`` lies at padded position ``p + lo = b * s + r``, where
+  tap ``a`` of window ``b - (a * d) // s`` lands exactly when ``(a * d) % s == r``. So phase
+  ``r``'s plane (``b`` over the blocks) combines, over those taps in descending order, ``term(a)``
+  (output-sized) shifted by ``(a * d) // s`` blocks (``fill`` outside the windows): the taps of
+  one phase, ``ceil(k * gcd(d, s) / s)`` at most, not all ``k`` at input resolution. The planes
+  are interleaved and cropped to the input (of ``dtype``, the terms').
+
+  ``fix_zero``: the sum of a phase that leaves out some taps turns ``-0.0`` into ``+0.0``, as
+  adding the left-out taps' ``+0.0`` would (the only bits a ``+0.0`` term can change).
+  """
+  ax, k, s, d, lo, _, out = _stage(geom, i, like.ndim)
+  L = geom.in_spatial[i]
+  blocks = L if s == 1 else -(-(lo + L) // s)
+  shift = -lo if s == 1 else 0  # (stride 1: crop while shifting)
+  fillv = np.array(fill, dtype)
+  planes = []
+  for r in range(s):
+    taps = [a for a in reversed(range(k)) if (a * d) % s == r]
+    acc = None
+    for a in taps:
+      q = (a * d) // s + shift
+      cfg = [(0, 0, 0)] * like.ndim
+      cfg[ax] = (q, blocks - out - q, 0)  # negative ends crop
+      v = lax.pad(term(a), fillv, cfg)
+      acc = v if acc is None else combine(acc, v)
+    if acc is None:
+      shape = list(like.shape)
+      shape[ax] = blocks
+      acc = _full(like, fill, dtype, shape)
+    elif fix_zero and len(taps) < k:
+      # (a select: XLA would fold away an added zero)
+      acc = jnp.where(acc == 0, jnp.zeros((), acc.dtype), acc)
+    planes.append(acc)
+  if s == 1:
+    return planes[0]
+  shape = list(planes[0].shape)
+  shape[ax] = blocks * s
+  merged = jnp.stack(planes, axis=ax + 1).reshape(shape)
+  return lax.slice_in_dim(merged, lo, lo + L, axis=ax)
+
+
 def _route(ti: jax.Array, rem: jax.Array, geom: Geometry, i: int) -> jax.Array:
   """``rem`` moved from output to input resolution along spatial dim ``i``: at each input
   position the ``rem`` of the windows whose tap ``ti`` lands there (they agree: module
   docstring), ``-1`` where none does."""
   ax, k, s, d, lo, hi, out = _stage(geom, i, ti.ndim)
+  neg = np.array(-1, rem.dtype)
+  if k <= UNROLL_TAPS and explicit_sharding(ti) is None:
+    return _by_phase(ti, geom, i, lambda a: jnp.where(ti == a, rem, neg), jnp.maximum, -1,
+                     rem.dtype)
   L = geom.in_spatial[i]
   size = (out - 1) * s + 1
   shape = list(ti.shape)
   shape[ax] = L
-  neg = np.array(-1, rem.dtype)
 
   def step(a, acc):
     sel = jnp.where(ti == a, rem, neg)
@@ -185,51 +245,141 @@ def gather_at_taps(t: jax.Array, taps: jax.Array, geom: Geometry) -> jax.Array:
   """``t`` at each window's winner (``taps`` as :func:`max_pool_taps` gives them), zero where
   ``taps < 0``: the stages run backwards, linear in ``t`` (module docstring).
 
-  Rematerialised as a whole: reverse mode keeps the taps, not the routed taps or the selects'
-  masks, and its transpose recomputes them.
+  A pair of jaxpool primitives (:data:`GATHER`): its transpose, the gradient, is
+  :func:`scatter_to_taps`; reverse mode keeps the taps only, and the transpose recomputes the
+  routed taps from them. Under Explicit mesh axes (where the phase form's reshapes would need a
+  sharding of their own) the gather is rematerialised as a whole and JAX transposes it.
   """
+  if explicit_sharding(taps) is None and explicit_sharding(t) is None:
+    return GATHER.forward(taps, t, geom=geom)
   return _remat_gather(t, taps, geom)
 
 
-def _gather(t: jax.Array, taps: jax.Array, geom: Geometry) -> jax.Array:
-  """:func:`gather_at_taps`'s computation.
-
-  ``parts[i]`` holds, at input resolution in the dims before ``i`` and output resolution in the
-  others, the offset of each winner among the taps of dims ``i`` and after; ``t`` is then read
-  along the last dim, then the one before, each through that dim's taps.
-  """
-  n = geom.nspatial
-  inner = [math.prod(geom.window[i + 1:]) for i in range(n)]
+def _routed(taps: jax.Array, geom: Geometry) -> list[jax.Array]:
+  """``parts[i]``: at input resolution in the dims before ``i`` and output resolution in the
+  others, the offset of each winner among the taps of dims ``i`` and after."""
+  inner = [math.prod(geom.window[i + 1:]) for i in range(geom.nspatial)]
   p = taps.astype(taps_dtype(geom.num_taps))  # (every offset fits: the forward's dtype)
   parts = [p]
-  for i in range(n - 1):
+  for i in range(geom.nspatial - 1):
     # (-1 // inner == -1: a window with no winner stays without one)
     p = _route(p // inner[i], jnp.where(p >= 0, p % inner[i], -1), geom, i)
     parts.append(p)
+  return [part // n for part, n in zip(parts, inner, strict=True)]
+
+
+def _gather_stage(g: jax.Array, ti: jax.Array, geom: Geometry, i: int) -> jax.Array:
+  """Stage ``i`` of the gather: ``g`` (input resolution along dim ``i``) read at each window's
+  tap ``ti`` of that dim, a fold over its taps."""
+  ax, k, s, d, lo, hi, out = _stage(geom, i, g.ndim)
+  gp = _pad_axis(g, ax, lo, hi, 0)
+
+  def step(a, acc):
+    return jnp.where(ti == a, _take(gp, ax, a * d, out, s), acc)
+
+  return _fold(k, step, lambda: _full(ti, 0, g.dtype))
+
+
+def _gather(t: jax.Array, taps: jax.Array, geom: Geometry) -> jax.Array:
+  """:func:`gather_at_taps`'s computation: ``t`` read along the last dim, then the one before,
+  each through that dim's taps."""
+  parts = _routed(taps, geom)
   g = t
-  for i in reversed(range(n)):
-    ax, k, s, d, lo, hi, out = _stage(geom, i, t.ndim)
-    ti = parts[i] // inner[i]
-    gp = _pad_axis(g, ax, lo, hi, 0)
-
-    def step(a, acc, ax=ax, s=s, d=d, out=out, ti=ti, gp=gp):
-      return jnp.where(ti == a, _take(gp, ax, a * d, out, s), acc)
-
-    g = _fold(k, step, lambda ti=ti: _full(ti, 0, t.dtype))
+  for i in reversed(range(geom.nspatial)):
+    g = _gather_stage(g, parts[i], geom, i)
   return g
 
 
 _remat_gather = jax.checkpoint(_gather, static_argnums=(2,), prevent_cse=False)
 
 
+def scatter_to_taps(taps: jax.Array, ct: jax.Array, geom: Geometry) -> jax.Array:
+  """The transpose of :func:`gather_at_taps` (the gradient): the stages in reverse, the first
+  spatial dim first, each moving the partial sums from output to input resolution along its
+  dim.
+
+  A stage of at most ``UNROLL_TAPS`` taps runs by stride phase (:func:`_by_phase`): each input
+  element adds the terms of its phase's taps only, in descending tap order, where JAX's own
+  transpose of the stage adds one full-size term per tap (``+0.0`` off the element's phase),
+  then turns a ``-0.0`` sum into ``+0.0`` as those terms would: the same bits, in
+  ``O(ceil(k * d / s))`` work per element instead of ``O(k)``. A longer stage (a loop over its
+  taps) keeps JAX's transpose of the loop (its trips' grouping of the sums).
+  """
+  if explicit_sharding(ct) is not None or explicit_sharding(taps) is not None:
+    # (a cotangent sharded where its tangent was not, under ``linearize``: JAX's transpose)
+    like = jax.ShapeDtypeStruct(input_shape(ct.shape, geom), ct.dtype)
+    return jax.linear_transpose(lambda v: _gather(v, taps, geom), like)(ct)[0]
+  parts = _routed(taps, geom)
+  g = ct
+  for i in range(geom.nspatial):
+    ti = parts[i]
+    if geom.window[i] <= UNROLL_TAPS:
+      zero = np.array(0, g.dtype)
+      g = _by_phase(ti, geom, i, lambda a, g=g, ti=ti, zero=zero: jnp.where(ti == a, g, zero),
+                    lax.add, 0, g.dtype, fix_zero=True)
+    else:
+      like = jax.ShapeDtypeStruct(_input_shape_1d(g.shape, geom, i), g.dtype)
+      g = jax.linear_transpose(lambda v, ti=ti, i=i: _gather_stage(v, ti, geom, i), like)(g)[0]
+  return g
+
+
+def _input_shape_1d(shape: tuple[int, ...], geom: Geometry, i: int) -> tuple[int, ...]:
+  out = list(shape)
+  out[geom.spatial_axes(len(shape))[i]] = geom.in_spatial[i]
+  return tuple(out)
+
+
+GATHER = LinearPair(
+    "xla_separable_gather",
+    lambda taps, t, *, geom: _gather(t, taps, geom),
+    lambda taps, ct, *, geom: scatter_to_taps(taps, ct, geom),
+    lambda taps_shape, t_shape, **_: taps_shape,
+    lambda taps_shape, ct_shape, *, geom: input_shape(ct_shape, geom))
+
+
 def window_sum(t: jax.Array, geom: Geometry) -> jax.Array:
   """Each window's sum of real elements, one dim at a time, each a fixed-order sum of tap
-  slices (linear in ``t``: for tangents; JAX transposes it into pads and adds)."""
+  slices (linear in ``t``: for tangents). A pair of jaxpool primitives (:data:`WINDOW_SUM`)
+  whose transpose adds by stride phase (:func:`_window_sum_transpose`); under Explicit mesh
+  axes JAX transposes the sums into pads and adds."""
+  if explicit_sharding(t) is None:
+    return WINDOW_SUM.forward(t, geom=geom)
+  return _window_sum(t, geom)
+
+
+def _sum_stage(t: jax.Array, geom: Geometry, i: int) -> jax.Array:
+  ax, k, s, d, lo, hi, out = _stage(geom, i, t.ndim)
+  tp = _pad_axis(t, ax, lo, hi, 0)
+  return _fold(k, lambda a, acc: acc + _take(tp, ax, a * d, out, s),
+               lambda: _take(tp, ax, 0, out, s), start=1, limit=UNROLL_SUM_TAPS)
+
+
+def _window_sum(t: jax.Array, geom: Geometry) -> jax.Array:
   for i in reversed(range(geom.nspatial)):
-    ax, k, s, d, lo, hi, out = _stage(geom, i, t.ndim)
-    tp = _pad_axis(t, ax, lo, hi, 0)
-    t = _fold(k, lambda a, acc, ax=ax, s=s, d=d, out=out, tp=tp: acc + _take(tp, ax, a * d,
-                                                                            out, s),
-              lambda ax=ax, s=s, out=out, tp=tp: _take(tp, ax, 0, out, s), start=1,
-              limit=UNROLL_SUM_TAPS)
+    t = _sum_stage(t, geom, i)
   return t
+
+
+def _window_sum_transpose(ct: jax.Array, geom: Geometry) -> jax.Array:
+  """The transpose of :func:`window_sum`, the first spatial dim first: by stride phase up to
+  ``UNROLL_SUM_TAPS`` taps a dim (each element adds its phase's taps in descending order, as
+  :func:`scatter_to_taps`: the bits of JAX's own transpose), a loop's transpose beyond."""
+  if explicit_sharding(ct) is not None:  # (as in scatter_to_taps)
+    like = jax.ShapeDtypeStruct(input_shape(ct.shape, geom), ct.dtype)
+    return jax.linear_transpose(lambda v: _window_sum(v, geom), like)(ct)[0]
+  for i in range(geom.nspatial):
+    if geom.window[i] <= UNROLL_SUM_TAPS:
+      ct = _by_phase(ct, geom, i, lambda a, ct=ct: ct, lax.add, 0, ct.dtype,
+                     fix_zero=True)
+    else:
+      like = jax.ShapeDtypeStruct(_input_shape_1d(ct.shape, geom, i), ct.dtype)
+      ct = jax.linear_transpose(lambda v, i=i: _sum_stage(v, geom, i), like)(ct)[0]
+  return ct
+
+
+WINDOW_SUM = LinearPair(
+    "xla_separable_window_sum",
+    lambda t, *, geom: _window_sum(t, geom),
+    lambda ct, *, geom: _window_sum_transpose(ct, geom),
+    lambda t_shape, *, geom: geom.output_shape(t_shape),
+    lambda ct_shape, *, geom: input_shape(ct_shape, geom))

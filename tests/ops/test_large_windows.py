@@ -5,7 +5,8 @@ average pooling on tie-rich, NaN, infinite and signed-zero inputs); the separabl
 form forced on the same geometries (the same bits); the gradient's summation order against a
 NumPy model of the documented rule (docs/semantics.md, "Large windows"); forward mode and second
 order; and the work: the taps a program visits grow with the window's size per dim, not with its
-taps (counted in the jaxpr, loop trips included).
+taps (counted in the jaxpr, loop trips included), and the gradient adds only the taps of each
+element's stride phase.
 """
 
 from __future__ import annotations
@@ -246,6 +247,11 @@ def _order_model(taps, dy, geom):
     pytest.param(((6, 7, 8), (3, 4, 3), (1, 2, 1), 1, (1, 1, 2), False), marks=slow),
     pytest.param(((40,), (33,), (1,), 3, None, False), marks=slow),
     ((90,), (66,), (1,), ((10, 10),), None, False),  # a loop: trips of 8 taps
+    ((30, 29), (7, 6), (4, 6), ((3, 2), (0, 5)), (2, 1), True),  # strides >= k / 2, ceil mode
+    ((25, 27), (5, 9), (5, 9), "SAME", None, False),  # stride k: one tap per element
+    pytest.param(((23, 26), (6, 7), (3, 9), 2, (2, 3), True), marks=slow),  # strides past k
+    pytest.param(((9, 10, 11), (4, 3, 4), (2, 3, 4), 1, (1, 2, 1), True), marks=slow),
+    pytest.param(((100,), (70,), (30,), 12, None, True), marks=slow),  # a loop at stride 30
 ])
 def test_gradient_sums_in_the_documented_order(case, rng):
   spatial, window, strides, padding, dilation, ceil_mode = case
@@ -339,18 +345,29 @@ def test_the_kernels_take_no_separable_window():
 # ------------------------------------------------------------------------------ work
 
 
-def _work(jaxpr, prims=("slice", "dynamic_slice")) -> int:
-  """Equations of ``prims`` a run of ``jaxpr`` executes: loop bodies times their trips."""
+def _inner(eqn):
+  """The jaxprs an equation runs: its sub-jaxprs, and a jaxpool primitive's implementation
+  (linear.LinearPair: the separable gather and its transpose) traced on its operands."""
+  if eqn.primitive.name.startswith("jaxpool_"):
+    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in eqn.invars]
+    yield jax.make_jaxpr(lambda *a: eqn.primitive.impl(*a, **eqn.params))(*avals).jaxpr
+  for param in eqn.params.values():
+    for sub in param if isinstance(param, (tuple, list)) else (param,):
+      inner = getattr(sub, "jaxpr", sub)
+      if hasattr(inner, "eqns"):
+        yield inner
+
+
+def _work(jaxpr, prims=("slice", "dynamic_slice", "pad"), weigh=None) -> int:
+  """Equations of ``prims`` a run of ``jaxpr`` executes (``weigh(eqn)`` each; default 1): loop
+  bodies times their trips, jaxpool's primitives through their implementations."""
   total = 0
   for eqn in jaxpr.eqns:
     trips = eqn.params.get("length", 1) if eqn.primitive.name == "scan" else 1
     if eqn.primitive.name in prims:
-      total += 1
-    for param in eqn.params.values():
-      for sub in param if isinstance(param, (tuple, list)) else (param,):
-        inner = getattr(sub, "jaxpr", sub)
-        if hasattr(inner, "eqns"):
-          total += trips * _work(inner, prims)
+      total += 1 if weigh is None else weigh(eqn)
+    for inner in _inner(eqn):
+      total += trips * _work(inner, prims, weigh)
   return total
 
 
@@ -371,6 +388,42 @@ def test_taps_visited_grow_with_the_window_size_not_its_taps():
   assert s31 / s13 < 31 / 13 * 1.15, (s13, s31)
   # past UNROLL_TAPS per dim the stages are loops: the program stops growing
   assert size(200) < size(66) * 1.1
+
+
+def _float_elements(eqn) -> int:
+  aval = eqn.outvars[0].aval
+  return math.prod(aval.shape) if jnp.issubdtype(aval.dtype, jnp.floating) else 0
+
+
+@pytest.mark.parametrize("shape, window, strides, dilation", [
+    ((1, 52, 52, 1), (13, 13), (13, 13), (1, 1)),
+    ((1, 64, 64, 1), (17, 17), (8, 8), (1, 1)),
+    ((1, 40, 41, 1), (7, 9), (3, 4), (2, 1)),
+    ((1, 120, 1), (40,), (40,), (1,)),
+])
+def test_gradient_adds_the_taps_of_one_stride_phase(shape, window, strides, dilation):
+  """Along a dim of ``k`` taps at stride ``s`` and dilation ``d``, an input element is reached
+  by at most ``ceil(k * g / s)`` taps (``g = gcd(d, s)``): those of its stride phase. The
+  gradient adds only those, so its float additions (elements written, transpose included) stay
+  within that bound per stage; a stage adding one full-size term per tap (the transpose JAX
+  derives) does ``k - 1`` additions per element whatever the stride (12 at 13x13/s13)."""
+  geom = make_geometry(shape, window, strides, "SAME", dilation, False, "channels_last")
+  assert xla_taps.is_separable(geom)
+  x = jnp.zeros(shape, jnp.float32)
+  dy = jnp.zeros(jp.max_pool(x, window, strides, "SAME", dilation=dilation).shape, jnp.float32)
+  f = lambda v: jax.vjp(lambda u: jp.max_pool(u, window, strides, "SAME", dilation=dilation),
+                        v)[1](dy)[0]
+  adds = _work(jax.make_jaxpr(f)(x).jaxpr, ("add", "add_any"), _float_elements)
+  bound = 0
+  for i, (k, s, d) in enumerate(zip(window, strides, dilation, strict=True)):
+    per_phase = -(-k * math.gcd(d, s) // s)
+    assert max(sum((a * d) % s == r for a in range(k)) for r in range(s)) == per_phase
+    blocks = -(-(geom.padding[i][0] + geom.in_spatial[i]) // s) * s
+    rest = math.prod(geom.in_spatial[:i]) * math.prod(geom.out_spatial[i + 1:])
+    bound += (per_phase - 1) * blocks * rest
+  assert adds <= bound, (adds, bound)
+  if all(s >= k for k, s in zip(window, strides, strict=True)):
+    assert adds == 0
 
 
 def test_the_separable_forward_is_a_reduce_window_per_dim():
