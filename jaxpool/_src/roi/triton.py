@@ -56,6 +56,7 @@ FWD_TILE = 4096
 FWD_LANES = 256
 GRAD_COLS = 16
 GRAD_LANES = 128
+GRAD_BAND = 4  # the rows of a band whose boxes the gradient lists (at least)
 
 
 def _pow2(n: int) -> int:
@@ -196,43 +197,44 @@ def forward(base, stride, iy, ix, wy, wx, x, *, interpret: bool) -> jax.Array:
 # ----------------------------------------------------------------------------- feature gradient
 
 
-def _planes(levels, copies: int) -> tuple[tuple[int, int, int, int, int], ...]:
-  """Per level of each copy of the table: (first global pixel row, first plane, height,
-  width, first table row)."""
-  out, row, plane = [], 0, 0
+def _planes(levels, copies: int, band: int) -> tuple[tuple[int, ...], ...]:
+  """Per level of each copy of the table: (first global pixel row, height, width, first table
+  row, first band, bands per image)."""
+  out, row, first_band = [], 0, 0
   table = sum(lv.images * lv.height * lv.width for lv in levels)
   for copy in range(copies):
     for lv in levels:
-      out.append((row, plane, lv.height, lv.width, copy * table + lv.offset))
+      per_image = -(-lv.height // band)
+      out.append((row, lv.height, lv.width, copy * table + lv.offset, first_band, per_image))
       row += lv.images * lv.height
-      plane += lv.images
+      first_band += lv.images * per_image
   return tuple(out)
 
 
-def _grad_kernel(start_ref, order_ref, ext_ref, iy_ref, ix_ref, wy_ref, wx_ref, ct_ref, o_ref,
-                 *, planes, ph, pw, sy_n, sx_n, lanes, col_blocks, block_cols, block_lanes,
-                 interpret):
+def _grad_kernel(count_ref, list_ref, ext_ref, rext_ref, cext_ref, iy_ref, ix_ref, wy_ref,
+                 wx_ref, ct_ref, o_ref, *, planes, band_rows, n_boxes, ph, pw, sy_n, sx_n,
+                 lanes, col_blocks, block_cols, block_lanes, interpret):
   n_lb = pl.cdiv(lanes, block_lanes)
   pid = pl.program_id(0)
   lb = pid % n_lb
   cb = (pid // n_lb) % col_blocks
   g = pid // (n_lb * col_blocks)  # the global pixel row
-  first_row, first_plane, height, width, offset = (jnp.int32(v) for v in planes[0])
+  first_row, height, width, offset, first_band, per_image = (jnp.int32(v) for v in planes[0])
   for p in planes[1:]:  # this row's level (static: a few levels)
     later = g >= p[0]
-    first_row, first_plane, height, width, offset = (
-        jnp.where(later, jnp.int32(new), old)
-        for new, old in zip(p, (first_row, first_plane, height, width, offset)))
+    first_row, height, width, offset, first_band, per_image = (
+        jnp.where(later, jnp.int32(new), old) for new, old in
+        zip(p, (first_row, height, width, offset, first_band, per_image)))
   local = g - first_row
   n, r = local // height, local % height
-  plane = first_plane + n
+  band = first_band + n * per_image + r // band_rows
   lane = _Lanes(block_lanes, lanes, lb, interpret)
   col0 = cb * block_cols
   raw = col0 + jnp.arange(block_cols, dtype=I32)
   cols = jnp.minimum(raw, width - 1)
   col_last = jnp.minimum(col0 + block_cols, width) - 1
 
-  def bin_row(kk, i, acc):
+  def bin_row(kk, j_first, j_last, i, acc):
     """Bin row ``i`` of box ``kk``: its weight on row ``r`` and its bins' terms."""
     def y_sample(sy, carry):
       A, hit_a = carry
@@ -260,46 +262,92 @@ def _grad_kernel(start_ref, order_ref, ext_ref, iy_ref, ix_ref, wy_ref, wx_ref, 
         B, hit_b = _over(sx_n, x_sample, (jnp.zeros((block_cols,), F32),
                                           jnp.zeros((block_cols,), jnp.bool_)),
                          lambda sx: ix_ref[((kk * pw + j) * sx_n + sx) * 2] >= 0)
+        ct = load(ct_ref, lane.tile((kk * ph + i) * pw + j)).astype(F32)
+        # (A bin with no live corner on the tile adds exact zeros: no change, the sum never
+        # being -0.)
+        return acc + jnp.where(hit_b[:, None], (A * B)[:, None] * ct[None, :], 0.0)
 
-        def add(acc):
-          ct = load(ct_ref, lane.tile((kk * ph + i) * pw + j)).astype(F32)
-          return acc + jnp.where(hit_b[:, None], (A * B)[:, None] * ct[None, :], 0.0)
-
-        # (A bin off the tile adds nothing. Triton lowers no reduce_or: the max of 0/1.)
-        touches = jnp.max(jnp.where(hit_b, 1, 0)) > 0
-        return lax.cond(touches, add, lambda acc: acc, acc)
-
-      return lax.fori_loop(0, pw, one, acc)
+      return lax.fori_loop(j_first, j_last + 1, one, acc)
 
     return lax.cond(hit_a, bins, lambda acc: acc, acc)
 
   def box(t, acc):
-    kk = order_ref[t]
+    kk = list_ref[band * n_boxes + t]
     hit = ((ext_ref[4 * kk] <= r) & (r <= ext_ref[4 * kk + 1])
            & (ext_ref[4 * kk + 2] <= col_last) & (ext_ref[4 * kk + 3] >= col0))
 
     def add(acc):
-      return lax.fori_loop(0, ph, functools.partial(bin_row, kk), acc)
+      def col_range(j, carry):  # the bins whose live corner columns meet the tile's
+        lo, hi = carry
+        on = ((cext_ref[2 * (kk * pw + j)] <= col_last)
+              & (cext_ref[2 * (kk * pw + j) + 1] >= col0))
+        return jnp.where(on, jnp.minimum(lo, j), lo), jnp.where(on, j, hi)
+
+      j_first, j_last = lax.fori_loop(0, pw, col_range, (jnp.int32(pw), jnp.int32(-1)))
+
+      def row(i, acc):  # a bin row whose live corner rows span row r
+        on = (rext_ref[2 * (kk * ph + i)] <= r) & (rext_ref[2 * (kk * ph + i) + 1] >= r)
+        return lax.cond(on, functools.partial(bin_row, kk, j_first, j_last, i),
+                        lambda acc: acc, acc)
+
+      return lax.fori_loop(0, ph, row, acc)
 
     return lax.cond(hit, add, lambda acc: acc, acc)
 
   acc = jnp.zeros((block_cols, block_lanes), F32)
-  first, last = start_ref[plane], start_ref[plane + 1]
+  last = count_ref[band]
   if not interpret:  # a block past the level's width stores nothing: no box to visit
-    last = jnp.where(col0 < width, last, first)  # (interpret mode stores its clamped copy)
-  acc = lax.fori_loop(first, last, box, acc)
+    last = jnp.where(col0 < width, last, 0)  # (interpret mode stores its clamped copy)
+  acc = lax.fori_loop(0, last, box, acc)
   rows = offset + (n * height + r) * width + cols
   lane.store(o_ref, rows, acc.astype(o_ref.dtype), raw < width)
 
 
-def _extents(idx) -> jax.Array:
-  """Per box: the lowest and highest live corner index along an axis ``(K, 2)`` (an empty
-  range, ``(2**30, -1)``, when none is live)."""
-  flat = idx.reshape(idx.shape[0], -1)
+def _extents(idx, axes: int) -> jax.Array:
+  """The lowest and highest live corner index along an axis, over the last ``axes`` axes of
+  ``idx`` ``(..., 2)`` (an empty range, ``(2**30, -1)``, where none is live)."""
+  flat = idx.reshape(*idx.shape[:idx.ndim - axes], -1)
   live = flat >= 0
-  lo = jnp.min(jnp.where(live, flat, 2**30), axis=1, initial=2**30)
-  hi = jnp.max(jnp.where(live, flat, -1), axis=1, initial=-1)
-  return jnp.stack([lo, hi], axis=1)
+  lo = jnp.min(jnp.where(live, flat, 2**30), axis=-1, initial=2**30)
+  hi = jnp.max(jnp.where(live, flat, -1), axis=-1, initial=-1)
+  return jnp.stack([lo, hi], axis=-1)
+
+
+def _band_rows(levels, copies: int, K: int, budget: int) -> int:
+  """The rows of a band (a power of two, from ``GRAD_BAND``): the smallest whose box lists,
+  ``bands x K`` entries, fit ``budget`` (or one band per image)."""
+  band, tallest = GRAD_BAND, max(lv.height for lv in levels)
+  while band < tallest:
+    bands = copies * sum(lv.images * -(-lv.height // band) for lv in levels)
+    if bands * K <= budget:
+      break
+    band *= 2
+  return band
+
+
+def _box_lists(base, ext, levels, copies: int, band: int):
+  """Per band (of ``band`` rows of one image of one level; ``_planes``' numbering): how many
+  boxes meet it and their indices, ascending, ``(bands,)`` and ``(bands * K,)``: a box meets a
+  band when it samples that image (level) and its live corner rows meet the band's rows."""
+  table = sum(lv.images * lv.height * lv.width for lv in levels)
+  firsts, plane, lo, hi = [], [], [], []
+  for copy in range(copies):
+    for lv in levels:
+      for n in range(lv.images):
+        firsts.append(copy * table + lv.offset + n * lv.height * lv.width)
+        for q in range(-(-lv.height // band)):
+          plane.append(len(firsts) - 1)
+          lo.append(q * band)
+          hi.append(min(lv.height, (q + 1) * band) - 1)
+  # A box's image (level): the last whose first table row is at most its own (as the rows
+  # of its samples lie there).
+  box_plane = jnp.searchsorted(jnp.asarray(np.asarray(firsts, np.int32)), base,
+                               side="right").astype(I32) - 1
+  meets = ((box_plane[None, :] == jnp.asarray(np.asarray(plane, np.int32))[:, None])
+           & (ext[None, :, 0] <= jnp.asarray(np.asarray(hi, np.int32))[:, None])
+           & (ext[None, :, 1] >= jnp.asarray(np.asarray(lo, np.int32))[:, None]))
+  lists = jnp.argsort(~meets, axis=1, stable=True).astype(I32)
+  return jnp.sum(meets, axis=1, dtype=I32), lists.reshape(-1)
 
 
 def feature_grad(base, iy, ix, wy, wx, ct, *, levels, rows: int, dtype, interpret: bool,
@@ -310,27 +358,24 @@ def feature_grad(base, iy, ix, wy, wx, ct, *, levels, rows: int, dtype, interpre
   K, ph, sy_n, _ = iy.shape
   pw, sx_n = ix.shape[1:3]
   C = ct.shape[-1]
-  planes = _planes(levels, copies)
   total_rows = copies * sum(lv.images * lv.height for lv in levels)
   table = sum(lv.images * lv.height * lv.width for lv in levels)
   assert rows == copies * table, (rows, copies, levels)
   if K == 0:
     return jnp.zeros((rows, C), dtype)
-  # The boxes grouped by image (level, image), in ascending box index within each: a stable
-  # sort by ``base``, the image's first table row (increasing with the image's plane number).
-  order = jnp.argsort(base, stable=True).astype(I32)
-  firsts = np.asarray([copy * table + lv.offset + n * lv.height * lv.width
-                       for copy in range(copies) for lv in levels for n in range(lv.images)],
-                      np.int32)
-  start = jnp.searchsorted(base[order], jnp.asarray(firsts), side="left").astype(I32)
-  start = jnp.concatenate([start, jnp.full((1,), K, I32)])
-  ext = jnp.concatenate([_extents(iy), _extents(ix)], axis=1).reshape(-1).astype(I32)
+  band = _band_rows(levels, copies, K, max(2**20, K * ph * pw * C // 4))
+  planes = _planes(levels, copies, band)
+  rext, cext = _extents(iy, 2), _extents(ix, 2)  # (K, ph, 2), (K, pw, 2)
+  ext_y, ext_x = _extents(iy, 3), _extents(ix, 3)  # (K, 2)
+  count, lists = _box_lists(base, ext_y, levels, copies, band)
+  ext = jnp.concatenate([ext_y, ext_x], axis=1).reshape(-1).astype(I32)
   block_cols = min(GRAD_COLS, _pow2(max(lv.width for lv in levels)))
   block_lanes = min(_pow2(C), GRAD_LANES)
   col_blocks = pl.cdiv(max(lv.width for lv in levels), block_cols)
-  kernel = functools.partial(_grad_kernel, planes=planes, ph=ph, pw=pw, sy_n=sy_n, sx_n=sx_n,
-                             lanes=C, col_blocks=col_blocks, block_cols=block_cols,
-                             block_lanes=block_lanes, interpret=interpret)
+  kernel = functools.partial(_grad_kernel, planes=planes, band_rows=band, n_boxes=K, ph=ph,
+                             pw=pw, sy_n=sy_n, sx_n=sx_n, lanes=C, col_blocks=col_blocks,
+                             block_cols=block_cols, block_lanes=block_lanes,
+                             interpret=interpret)
   grid = (total_rows * col_blocks * pl.cdiv(C, block_lanes),)
   n_ct = math.prod(ct.shape)
   return pl.pallas_call(
@@ -339,5 +384,6 @@ def feature_grad(base, iy, ix, wy, wx, ct, *, levels, rows: int, dtype, interpre
       cost_estimate=pl.CostEstimate(flops=4 * n_ct * sy_n * sx_n, transcendentals=0,
                                     bytes_accessed=4 * (n_ct * 2 * sy_n + rows * C)),
       **_call_kwargs(interpret))(
-          start, order, ext, iy.reshape(-1).astype(I32), ix.reshape(-1).astype(I32),
-          wy.reshape(-1).astype(F32), wx.reshape(-1).astype(F32), ct.reshape(K * ph * pw, C))
+          count, lists, ext, rext.reshape(-1).astype(I32), cext.reshape(-1).astype(I32),
+          iy.reshape(-1).astype(I32), ix.reshape(-1).astype(I32), wy.reshape(-1).astype(F32),
+          wx.reshape(-1).astype(F32), ct.reshape(K * ph * pw, C))
