@@ -120,6 +120,28 @@ def test_nan_cotangent_reaches_the_pixels_the_xla_path_reaches(case):
   assert 0 < np.isnan(ours[1]).sum() < ours[1].size
 
 
+def test_a_level_narrower_than_a_column_block_of_the_widest():
+  """The gradient's column blocks span the widest level; on a narrower level a whole block
+  past its width stores nothing compiled and its last real block again in interpret mode (it
+  once stored zeros there, over the last column's gradient)."""
+  rng = np.random.default_rng(11)
+  p2 = rng.standard_normal((1, 4, 40, 2)).astype(np.float32)
+  p3 = rng.standard_normal((1, 2, 20, 2)).astype(np.float32)
+  boxes = np.array([[0, 2.0, 2.0, 10.0, 10.0], [0, 100.0, 0.0, 160.0, 16.0]], np.float32)
+
+  def run(impl):
+    f = lambda fs: jaxpool.multi_scale_roi_align(fs, boxes, [(16, 160)], (2, 2),
+                                                 canonical_scale=32.0, aligned=True,
+                                                 implementation=impl)
+    y, vjp = jax.vjp(f, [p2, p3])
+    return vjp(jnp.ones_like(y))[0]
+
+  (g2, g3), (r2, r3) = run("pallas"), run("xla")
+  assert np.abs(r3[0, :, -1]).max() > 0 and np.abs(r2).max() > 0
+  np.testing.assert_allclose(g2, r2, **TOL)
+  np.testing.assert_allclose(g3, r3, **TOL)
+
+
 @pytest.mark.slow
 def test_levels_and_images_without_boxes():
   """multi_scale_roi_align over two levels: each gradient tile finds the boxes of its own

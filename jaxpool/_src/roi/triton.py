@@ -56,7 +56,9 @@ FWD_TILE = 4096
 FWD_LANES = 256
 GRAD_COLS = 16
 GRAD_LANES = 128
+GRAD_ROWS = 2  # the gradient's tile: GRAD_ROWS pixel rows x GRAD_COLS columns x lanes
 GRAD_BAND = 4  # the rows of a band whose boxes the gradient lists (at least)
+GRAD_WARPS = 4
 
 
 def _pow2(n: int) -> int:
@@ -93,10 +95,10 @@ class _Lanes:
     plgpu.store(ref.at[where], value, mask=mask)
 
 
-def _call_kwargs(interpret: bool) -> dict:
+def _call_kwargs(interpret: bool, warps: int = NUM_WARPS) -> dict:
   if interpret or plgpu is None:
     return {}
-  return {"compiler_params": plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=1)}
+  return {"compiler_params": plgpu.CompilerParams(num_warps=warps, num_stages=1)}
 
 
 # A sample loop of at most this many steps is unrolled; a longer one (the adaptive count's
@@ -197,83 +199,89 @@ def forward(base, stride, iy, ix, wy, wx, x, *, interpret: bool) -> jax.Array:
 # ----------------------------------------------------------------------------- feature gradient
 
 
-def _planes(levels, copies: int, band: int) -> tuple[tuple[int, ...], ...]:
-  """Per level of each copy of the table: (first global pixel row, height, width, first table
-  row, first band, bands per image)."""
-  out, row, first_band = [], 0, 0
+def _planes(levels, copies: int, band: int, group: int) -> tuple[tuple[int, ...], ...]:
+  """Per level of each copy of the table: (first row group, height, width, first table row,
+  first band, bands per image, row groups per image); a row group is ``group`` pixel rows of
+  one image, a band ``band`` rows (a multiple of ``group``)."""
+  out, first_group, first_band = [], 0, 0
   table = sum(lv.images * lv.height * lv.width for lv in levels)
   for copy in range(copies):
     for lv in levels:
-      per_image = -(-lv.height // band)
-      out.append((row, lv.height, lv.width, copy * table + lv.offset, first_band, per_image))
-      row += lv.images * lv.height
-      first_band += lv.images * per_image
+      bands, groups = -(-lv.height // band), -(-lv.height // group)
+      out.append((first_group, lv.height, lv.width, copy * table + lv.offset, first_band,
+                  bands, groups))
+      first_group += lv.images * groups
+      first_band += lv.images * bands
   return tuple(out)
 
 
 def _grad_kernel(count_ref, list_ref, ext_ref, rext_ref, cext_ref, iy_ref, ix_ref, wy_ref,
                  wx_ref, ct_ref, o_ref, *, planes, band_rows, n_boxes, ph, pw, sy_n, sx_n,
-                 lanes, col_blocks, block_cols, block_lanes, interpret):
+                 lanes, col_blocks, block_rows, block_cols, block_lanes, interpret):
   n_lb = pl.cdiv(lanes, block_lanes)
   pid = pl.program_id(0)
   lb = pid % n_lb
   cb = (pid // n_lb) % col_blocks
-  g = pid // (n_lb * col_blocks)  # the global pixel row
-  first_row, height, width, offset, first_band, per_image = (jnp.int32(v) for v in planes[0])
-  for p in planes[1:]:  # this row's level (static: a few levels)
+  g = pid // (n_lb * col_blocks)  # the global row group
+  first_group, height, width, offset, first_band, bands, groups = (
+      jnp.int32(v) for v in planes[0])
+  for p in planes[1:]:  # this group's level (static: a few levels)
     later = g >= p[0]
-    first_row, height, width, offset, first_band, per_image = (
+    first_group, height, width, offset, first_band, bands, groups = (
         jnp.where(later, jnp.int32(new), old) for new, old in
-        zip(p, (first_row, height, width, offset, first_band, per_image)))
-  local = g - first_row
-  n, r = local // height, local % height
-  band = first_band + n * per_image + r // band_rows
-  lane = _Lanes(block_lanes, lanes, lb, interpret)
+        zip(p, (first_group, height, width, offset, first_band, bands, groups)))
+  local = g - first_group
+  n, row0 = local // groups, (local % groups) * block_rows
+  band = first_band + n * bands + row0 // band_rows
+  row_last = jnp.minimum(row0 + block_rows, height) - 1
   col0 = cb * block_cols
-  raw = col0 + jnp.arange(block_cols, dtype=I32)
-  cols = jnp.minimum(raw, width - 1)
+  if interpret:  # a block past the level's width computes and stores its last block again
+    col0 = jnp.minimum(col0, (width - 1) // block_cols * block_cols)
   col_last = jnp.minimum(col0 + block_cols, width) - 1
+  lane = _Lanes(block_lanes, lanes, lb, interpret)
+  # The tile's pixels, row-major: (rows x cols) of them, clamped into the map (a clamped
+  # pixel computes its clamp's value again and is stored masked or with the same bits).
+  at = jnp.arange(block_rows * block_cols, dtype=I32)
+  raw_r, raw_c = row0 + at // block_cols, col0 + at % block_cols
+  r, c = jnp.minimum(raw_r, height - 1), jnp.minimum(raw_c, width - 1)
 
   def bin_row(kk, j_first, j_last, i, acc):
-    """Bin row ``i`` of box ``kk``: its weight on row ``r`` and its bins' terms."""
+    """Bin row ``i`` of box ``kk``: its weight on each pixel's row and its bins' terms."""
     def y_sample(sy, carry):
       A, hit_a = carry
       for a in (0, 1):
         at = ((kk * ph + i) * sy_n + sy) * 2 + a
-        on = iy_ref[at] == r
+        on = r == iy_ref[at]
         A = A + jnp.where(on, wy_ref[at], 0.0)
         hit_a = hit_a | on
       return A, hit_a
 
-    A, hit_a = _over(sy_n, y_sample, (jnp.float32(0.0), jnp.bool_(False)),
+    zeros = (jnp.zeros(r.shape, F32), jnp.zeros(r.shape, jnp.bool_))
+    A, hit_a = _over(sy_n, y_sample, zeros,
                      lambda sy: iy_ref[((kk * ph + i) * sy_n + sy) * 2] >= 0)
 
-    def bins(acc):
-      def one(j, acc):
-        def x_sample(sx, carry):
-          B, hit_b = carry
-          for b in (0, 1):
-            at = ((kk * pw + j) * sx_n + sx) * 2 + b
-            on = cols == ix_ref[at]
-            B = B + jnp.where(on, wx_ref[at], 0.0)
-            hit_b = hit_b | on
-          return B, hit_b
+    def one(j, acc):
+      def x_sample(sx, carry):
+        B, hit_b = carry
+        for b in (0, 1):
+          at = ((kk * pw + j) * sx_n + sx) * 2 + b
+          on = c == ix_ref[at]
+          B = B + jnp.where(on, wx_ref[at], 0.0)
+          hit_b = hit_b | on
+        return B, hit_b
 
-        B, hit_b = _over(sx_n, x_sample, (jnp.zeros((block_cols,), F32),
-                                          jnp.zeros((block_cols,), jnp.bool_)),
-                         lambda sx: ix_ref[((kk * pw + j) * sx_n + sx) * 2] >= 0)
-        ct = load(ct_ref, lane.tile((kk * ph + i) * pw + j)).astype(F32)
-        # (A bin with no live corner on the tile adds exact zeros: no change, the sum never
-        # being -0.)
-        return acc + jnp.where(hit_b[:, None], (A * B)[:, None] * ct[None, :], 0.0)
+      B, hit_b = _over(sx_n, x_sample, zeros,
+                       lambda sx: ix_ref[((kk * pw + j) * sx_n + sx) * 2] >= 0)
+      ct = load(ct_ref, lane.tile((kk * ph + i) * pw + j)).astype(F32)
+      # (A pixel that no live corner of the bin lies on adds an exact zero: no change, the
+      # sum never being -0.)
+      return acc + jnp.where((hit_a & hit_b)[:, None], (A * B)[:, None] * ct[None, :], 0.0)
 
-      return lax.fori_loop(j_first, j_last + 1, one, acc)
-
-    return lax.cond(hit_a, bins, lambda acc: acc, acc)
+    return lax.fori_loop(j_first, j_last + 1, one, acc)
 
   def box(t, acc):
     kk = list_ref[band * n_boxes + t]
-    hit = ((ext_ref[4 * kk] <= r) & (r <= ext_ref[4 * kk + 1])
+    hit = ((ext_ref[4 * kk] <= row_last) & (ext_ref[4 * kk + 1] >= row0)
            & (ext_ref[4 * kk + 2] <= col_last) & (ext_ref[4 * kk + 3] >= col0))
 
     def add(acc):
@@ -285,8 +293,9 @@ def _grad_kernel(count_ref, list_ref, ext_ref, rext_ref, cext_ref, iy_ref, ix_re
 
       j_first, j_last = lax.fori_loop(0, pw, col_range, (jnp.int32(pw), jnp.int32(-1)))
 
-      def row(i, acc):  # a bin row whose live corner rows span row r
-        on = (rext_ref[2 * (kk * ph + i)] <= r) & (rext_ref[2 * (kk * ph + i) + 1] >= r)
+      def row(i, acc):  # a bin row whose live corner rows meet the tile's
+        on = ((rext_ref[2 * (kk * ph + i)] <= row_last)
+              & (rext_ref[2 * (kk * ph + i) + 1] >= row0))
         return lax.cond(on, functools.partial(bin_row, kk, j_first, j_last, i),
                         lambda acc: acc, acc)
 
@@ -294,13 +303,13 @@ def _grad_kernel(count_ref, list_ref, ext_ref, rext_ref, cext_ref, iy_ref, ix_re
 
     return lax.cond(hit, add, lambda acc: acc, acc)
 
-  acc = jnp.zeros((block_cols, block_lanes), F32)
+  acc = jnp.zeros((block_rows * block_cols, block_lanes), F32)
   last = count_ref[band]
   if not interpret:  # a block past the level's width stores nothing: no box to visit
-    last = jnp.where(col0 < width, last, 0)  # (interpret mode stores its clamped copy)
+    last = jnp.where(col0 < width, last, 0)
   acc = lax.fori_loop(0, last, box, acc)
-  rows = offset + (n * height + r) * width + cols
-  lane.store(o_ref, rows, acc.astype(o_ref.dtype), raw < width)
+  lane.store(o_ref, offset + (n * height + r) * width + c, acc.astype(o_ref.dtype),
+             (raw_r < height) & (raw_c < width))
 
 
 def _extents(idx, axes: int) -> jax.Array:
@@ -316,7 +325,7 @@ def _extents(idx, axes: int) -> jax.Array:
 def _band_rows(levels, copies: int, K: int, budget: int) -> int:
   """The rows of a band (a power of two, from ``GRAD_BAND``): the smallest whose box lists,
   ``bands x K`` entries, fit ``budget`` (or one band per image)."""
-  band, tallest = GRAD_BAND, max(lv.height for lv in levels)
+  band, tallest = max(GRAD_BAND, GRAD_ROWS), max(lv.height for lv in levels)
   while band < tallest:
     bands = copies * sum(lv.images * -(-lv.height // band) for lv in levels)
     if bands * K <= budget:
@@ -358,13 +367,13 @@ def feature_grad(base, iy, ix, wy, wx, ct, *, levels, rows: int, dtype, interpre
   K, ph, sy_n, _ = iy.shape
   pw, sx_n = ix.shape[1:3]
   C = ct.shape[-1]
-  total_rows = copies * sum(lv.images * lv.height for lv in levels)
   table = sum(lv.images * lv.height * lv.width for lv in levels)
   assert rows == copies * table, (rows, copies, levels)
   if K == 0:
     return jnp.zeros((rows, C), dtype)
   band = _band_rows(levels, copies, K, max(2**20, K * ph * pw * C // 4))
-  planes = _planes(levels, copies, band)
+  block_rows = GRAD_ROWS
+  planes = _planes(levels, copies, band, block_rows)
   rext, cext = _extents(iy, 2), _extents(ix, 2)  # (K, ph, 2), (K, pw, 2)
   ext_y, ext_x = _extents(iy, 3), _extents(ix, 3)  # (K, 2)
   count, lists = _box_lists(base, ext_y, levels, copies, band)
@@ -374,16 +383,17 @@ def feature_grad(base, iy, ix, wy, wx, ct, *, levels, rows: int, dtype, interpre
   col_blocks = pl.cdiv(max(lv.width for lv in levels), block_cols)
   kernel = functools.partial(_grad_kernel, planes=planes, band_rows=band, n_boxes=K, ph=ph,
                              pw=pw, sy_n=sy_n, sx_n=sx_n, lanes=C, col_blocks=col_blocks,
-                             block_cols=block_cols, block_lanes=block_lanes,
-                             interpret=interpret)
-  grid = (total_rows * col_blocks * pl.cdiv(C, block_lanes),)
+                             block_rows=block_rows, block_cols=block_cols,
+                             block_lanes=block_lanes, interpret=interpret)
+  groups = copies * sum(lv.images * -(-lv.height // block_rows) for lv in levels)
+  grid = (groups * col_blocks * pl.cdiv(C, block_lanes),)
   n_ct = math.prod(ct.shape)
   return pl.pallas_call(
       kernel, out_shape=out_struct((rows, C), dtype, ct), grid=grid, interpret=interpret,
       name="jaxpool_roi_align_bwd",
       cost_estimate=pl.CostEstimate(flops=4 * n_ct * sy_n * sx_n, transcendentals=0,
                                     bytes_accessed=4 * (n_ct * 2 * sy_n + rows * C)),
-      **_call_kwargs(interpret))(
+      **_call_kwargs(interpret, GRAD_WARPS))(
           count, lists, ext, rext.reshape(-1).astype(I32), cext.reshape(-1).astype(I32),
           iy.reshape(-1).astype(I32), ix.reshape(-1).astype(I32), wy.reshape(-1).astype(F32),
           wx.reshape(-1).astype(F32), ct.reshape(K * ph * pw, C))
