@@ -1,0 +1,105 @@
+"""The ROI align feature-gradient kernel's tile on Mask R-CNN's shapes: which tile is fastest.
+
+``triton.py``'s gradient programs each own a tile of ``GRAD_ROWS`` pixel rows x ``GRAD_COLS``
+columns x ``GRAD_LANES`` channels of one image of one level (``GRAD_WARPS`` warps), and visit
+the boxes listed for their band of ``GRAD_BAND`` rows. This script times ``fwd`` and ``fwd+dx``
+of ``jaxpool.multi_scale_roi_align`` on the kernels (interpreted on a CPU) for a few tiles
+(the shapes of ``roi_gpu.py``: FPN P2-P5 of 2 images of 800x1216, 256 channels, 512 regions
+per image, 7x7 and 14x14, ``sampling_ratio=2``, ``aligned=True``), their difference being the
+gradient's part, and checks that every tile gives the same bits as the first (each pixel
+adds the same terms in the same order, whatever the tile).
+
+    python benchmarks/roi_tiles_gpu.py            # on the GPU machine
+    python benchmarks/roi_tiles_gpu.py --quick    # small shapes, any device
+
+Writes ``benchmarks/results/roi_tiles_gpu_<device>.json`` (``--quick``: ``build/benchmarks``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jaxpool  # noqa: E402
+from jaxpool._src.roi import triton  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from result_path import device_tag, result_path  # noqa: E402
+from roi_gpu import make_case, time_jax  # noqa: E402
+
+# (GRAD_ROWS, GRAD_COLS, GRAD_LANES, GRAD_WARPS, GRAD_BAND); the first is the default.
+TILES = [(triton.GRAD_ROWS, triton.GRAD_COLS, triton.GRAD_LANES, triton.GRAD_WARPS,
+          triton.GRAD_BAND),
+         (1, 16, 128, 4, 4), (1, 16, 128, 4, 1), (2, 16, 128, 4, 2), (4, 16, 128, 4, 4),
+         (4, 16, 128, 8, 4), (2, 32, 128, 4, 4), (2, 32, 128, 8, 4), (2, 16, 256, 8, 4),
+         (4, 8, 256, 8, 4), (8, 16, 128, 8, 8), (2, 16, 64, 2, 4), (4, 16, 64, 4, 4),
+         (2, 16, 128, 4, 16)]
+NAMES = ("GRAD_ROWS", "GRAD_COLS", "GRAD_LANES", "GRAD_WARPS", "GRAD_BAND")
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--quick", action="store_true", help="small shapes, any device")
+  ap.add_argument("--out", help="the JSON's path (default: benchmarks/results/roi_tiles_...)")
+  args = ap.parse_args()
+  dev = jax.devices()[0]
+  if args.quick:
+    batch, image, channels, per_image, sizes, dtypes, reps = 1, (64, 96), 8, 8, [(7, 7)], \
+        [jnp.float32], 2
+    tiles = TILES[:3]
+  else:
+    batch, image, channels, per_image, sizes, dtypes, reps = 2, (800, 1216), 256, 512, \
+        [(7, 7), (14, 14)], [jnp.float32, jnp.bfloat16], 10
+    tiles = TILES
+  defaults = {n: getattr(triton, n) for n in NAMES}
+  rng = np.random.default_rng(0)
+  results = []
+  for dtype in dtypes:
+    feats, boxes = make_case(rng, batch, image, channels, per_image, dtype)
+    shapes = [image] * batch
+    for out in sizes:
+      f = lambda fs, b, out=out, shapes=shapes: jaxpool.multi_scale_roi_align(
+          fs, b, shapes, out, sampling_ratio=2, aligned=True, implementation="pallas")
+      y = jax.jit(f)(feats, boxes)
+      dy = jnp.asarray(np.random.default_rng(1).standard_normal(y.shape), y.dtype)
+      first, rows = None, []
+      for tile in tiles:
+        for n, v in zip(NAMES, tile, strict=True):
+          setattr(triton, n, v)
+        jax.clear_caches()  # (the kernels read the constants when traced)
+
+        def fwd_dx(fs, b, g, f=f):
+          y, vjp = jax.vjp(lambda u: f(u, b), fs)
+          return y, vjp(g)[0]
+
+        fb = jax.jit(fwd_dx)
+        ms = time_jax(fb, (feats, boxes, dy), reps)
+        fwd_ms = time_jax(jax.jit(f), (feats, boxes), reps)
+        bits = [np.asarray(a).tobytes() for a in jax.tree.leaves(fb(feats, boxes, dy))]
+        first = bits if first is None else first
+        row = {"tile": dict(zip(NAMES, tile, strict=True)), "fwd_ms": fwd_ms, "fwd+dx_ms": ms,
+               "dx_ms": ms - fwd_ms, "same_bits_as_the_first_tile": bits == first}
+        rows.append(row)
+        print(f"{jnp.dtype(dtype).name:9s} {out} {tile}: fwd {fwd_ms:.3f} ms, fwd+dx {ms:.3f} "
+              f"ms, same bits {row['same_bits_as_the_first_tile']}", flush=True)
+      results.append({"dtype": jnp.dtype(dtype).name, "output_size": list(out), "rows": rows})
+  for n, v in defaults.items():
+    setattr(triton, n, v)
+  path = args.out or result_path(__file__, device_tag(dev.device_kind), quick=args.quick)
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  with open(path, "w") as fh:
+    json.dump({"meta": {"device": dev.device_kind, "jax": jax.__version__,
+                        "batch": batch, "image": list(image), "channels": channels,
+                        "regions": batch * per_image}, "cases": results}, fh, indent=1)
+  print("wrote", path)
+
+
+if __name__ == "__main__":
+  main()
