@@ -16,20 +16,24 @@ added in torchvision's order ``(0, 0), (0, 1), (1, 0), (1, 1)``, each ``where(li
 x, 0)``; the sample's value is added to the running sum: the order of the XLA path's
 ``form._forward``.
 
-**Feature gradient** (:func:`feature_grad`): one program per (pixel row of one image of one
-level, block of ``block_cols`` columns, block of channels); the program owns its tile of
-pixels, writes it once, and nothing else writes it. It loops over the boxes of its image
-(level) in a fixed order, ascending box index (a stable sort of the boxes by image, computed
-outside the kernel), skipping a box whose live corner rows do not hold the program's row or
-whose live corner columns miss its columns (scalar tests on the box's extents). Average ROI
-align is separable per box: the contribution of box ``k`` to pixel ``(r, c)`` is ``sum_{i, j}
-A[i, r] B[j, c] ct[k, i, j]`` with ``A[i, r] = sum of wy[k, i, sy, a] where iy[k, i, sy, a] ==
-r`` (``sy`` then ``a`` ascending; ``B`` likewise). Per pixel, in float32 from 0: the boxes in
-ascending order, in each box the bin rows ``i`` ascending (those with a corner on the row),
-the bins ``j`` ascending, each term ``where(hit, (A * B) * ct, 0)`` (``hit``: a live corner of
-the bin lies on the pixel, so a NaN cotangent reaches exactly the pixels the XLA path's does).
-The same bits on every run; equal to the XLA path's sorted sum to float32 rounding (a
-different order of the same terms).
+**Feature gradient** (:func:`feature_grad`): one program per tile of ``GRAD_ROWS`` pixel rows x
+``GRAD_COLS`` columns of one image of one level x a block of channels; the program owns its
+tile, writes it once, and nothing else writes it. Outside the kernel, each band of
+``GRAD_BAND`` rows of an image (level) gets the list of the boxes whose live corner rows meet
+it, ascending (a mask and a stable argsort). A program walks its band's list, skipping a box
+whose live corner columns or rows miss its tile (scalar tests on the box's extents); for a
+box, it finds once the bins ``j`` whose live corner columns meet its columns, then visits the
+bin rows ``i`` whose live corner rows meet its rows (per-bin extents, computed outside the
+kernel). Average ROI align is separable per box: the contribution of box ``k`` to pixel ``(r,
+c)`` is ``sum_{i, j} A[i, r] B[j, c] ct[k, i, j]`` with ``A[i, r] = sum of wy[k, i, sy, a]
+where iy[k, i, sy, a] == r`` (``sy`` then ``a`` ascending; ``B`` likewise), A and B computed
+per pixel of the tile. Per pixel, in float32 from 0: the boxes in ascending order, in each box
+the bin rows ``i`` ascending, the bins ``j`` ascending, each term ``where(hit, (A * B) * ct,
+0)`` (``hit``: a live corner of the bin lies on the pixel, so a NaN cotangent reaches exactly
+the pixels the XLA path's does); a visited bin that misses a pixel adds an exact 0 there (the
+sum is never -0), so neither the tile nor the lists change the bits. The same bits on every
+run; equal to the XLA path's sorted sum to float32 rounding (a different order of the same
+terms).
 """
 
 from __future__ import annotations
@@ -51,14 +55,16 @@ F32 = jnp.float32
 I32 = jnp.int32
 NUM_WARPS = 4
 # A forward tile is (bins of a row, rounded up to a power of two) x lanes elements, at most
-# this many; the gradient's tile is GRAD_COLS columns x at most GRAD_LANES lanes.
+# this many; the gradient's tile is GRAD_ROWS rows x GRAD_COLS columns (powers of two) x at
+# most GRAD_LANES lanes, in programs of GRAD_WARPS warps, and its box lists are per band of
+# GRAD_BAND rows at least (a power of two; benchmarks/roi_tiles_gpu.py times the choices).
 FWD_TILE = 4096
 FWD_LANES = 256
+GRAD_ROWS = 2
 GRAD_COLS = 16
 GRAD_LANES = 128
-GRAD_ROWS = 2  # the gradient's tile: GRAD_ROWS pixel rows x GRAD_COLS columns x lanes
-GRAD_BAND = 4  # the rows of a band whose boxes the gradient lists (at least)
 GRAD_WARPS = 4
+GRAD_BAND = 4
 
 
 def _pow2(n: int) -> int:
