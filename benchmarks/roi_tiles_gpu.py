@@ -7,7 +7,8 @@ of ``jaxpool.multi_scale_roi_align`` on the kernels (interpreted on a CPU) for a
 (the shapes of ``roi_gpu.py``: FPN P2-P5 of 2 images of 800x1216, 256 channels, 512 regions
 per image, 7x7 and 14x14, ``sampling_ratio=2``, ``aligned=True``), their difference being the
 gradient's part, and checks that every tile gives the same bits as the first (each pixel
-adds the same terms in the same order, whatever the tile).
+adds the same terms in the same order, whatever the tile); then the forward's tile (``FWD_TILE``
+elements at most, ``FWD_LANES`` channels at most, ``NUM_WARPS``) on ``fwd`` alone.
 
     python benchmarks/roi_tiles_gpu.py            # on the GPU machine
     python benchmarks/roi_tiles_gpu.py --quick    # small shapes, any device
@@ -42,6 +43,11 @@ TILES = [(triton.GRAD_ROWS, triton.GRAD_COLS, triton.GRAD_LANES, triton.GRAD_WAR
          (4, 8, 256, 8, 4), (8, 16, 128, 8, 8), (2, 16, 64, 2, 4), (4, 16, 64, 4, 4),
          (2, 16, 128, 4, 16)]
 NAMES = ("GRAD_ROWS", "GRAD_COLS", "GRAD_LANES", "GRAD_WARPS", "GRAD_BAND")
+# The forward's (FWD_TILE, FWD_LANES, NUM_WARPS) (its tile: the bins of a row x lanes, at most
+# FWD_TILE elements), timed on fwd alone; the first is the default.
+FWD = [(triton.FWD_TILE, triton.FWD_LANES, triton.NUM_WARPS), (2048, 256, 4), (2048, 128, 4),
+       (8192, 256, 8), (4096, 256, 8), (4096, 128, 4), (1024, 64, 2), (2048, 256, 2)]
+FWD_NAMES = ("FWD_TILE", "FWD_LANES", "NUM_WARPS")
 
 
 def main():
@@ -53,12 +59,12 @@ def main():
   if args.quick:
     batch, image, channels, per_image, sizes, dtypes, reps = 1, (64, 96), 8, 8, [(7, 7)], \
         [jnp.float32], 2
-    tiles = TILES[:3]
+    tiles, fwd_tiles = TILES[:3], FWD[:2]
   else:
     batch, image, channels, per_image, sizes, dtypes, reps = 2, (800, 1216), 256, 512, \
         [(7, 7), (14, 14)], [jnp.float32, jnp.bfloat16], 10
-    tiles = TILES
-  defaults = {n: getattr(triton, n) for n in NAMES}
+    tiles, fwd_tiles = TILES, FWD
+  defaults = {n: getattr(triton, n) for n in NAMES + FWD_NAMES}
   rng = np.random.default_rng(0)
   results = []
   for dtype in dtypes:
@@ -89,7 +95,24 @@ def main():
         rows.append(row)
         print(f"{jnp.dtype(dtype).name:9s} {out} {tile}: fwd {fwd_ms:.3f} ms, fwd+dx {ms:.3f} "
               f"ms, same bits {row['same_bits_as_the_first_tile']}", flush=True)
-      results.append({"dtype": jnp.dtype(dtype).name, "output_size": list(out), "rows": rows})
+      for n, v in defaults.items():
+        setattr(triton, n, v)
+      fwd_rows, first = [], None
+      for tile in fwd_tiles:
+        for n, v in zip(FWD_NAMES, tile, strict=True):
+          setattr(triton, n, v)
+        jax.clear_caches()
+        fwd_ms = time_jax(jax.jit(f), (feats, boxes), reps)
+        bits = np.asarray(jax.jit(f)(feats, boxes)).tobytes()
+        first = bits if first is None else first
+        fwd_rows.append({"tile": dict(zip(FWD_NAMES, tile, strict=True)), "fwd_ms": fwd_ms,
+                         "same_bits_as_the_first_tile": bits == first})
+        print(f"{jnp.dtype(dtype).name:9s} {out} forward {tile}: {fwd_ms:.3f} ms, same bits "
+              f"{bits == first}", flush=True)
+      for n, v in defaults.items():
+        setattr(triton, n, v)
+      results.append({"dtype": jnp.dtype(dtype).name, "output_size": list(out), "rows": rows,
+                      "forward_rows": fwd_rows})
   for n, v in defaults.items():
     setattr(triton, n, v)
   path = args.out or result_path(__file__, device_tag(dev.device_kind), quick=args.quick)
