@@ -121,9 +121,10 @@ def test_nan_cotangent_reaches_the_pixels_the_xla_path_reaches(case):
 
 
 def test_a_level_narrower_than_a_column_block_of_the_widest():
-  """The gradient's column blocks span the widest level; on a narrower level a whole block
-  past its width stores nothing compiled and its last real block again in interpret mode (it
-  once stored zeros there, over the last column's gradient)."""
+  """A level narrower than the widest by more than a column block of the gradient's tiles:
+  its last column gets its gradient (when the column blocks spanned the widest level, a block
+  wholly past a narrower level's width stored zeros over its last column in interpret
+  mode)."""
   rng = np.random.default_rng(11)
   p2 = rng.standard_normal((1, 4, 40, 2)).astype(np.float32)
   p3 = rng.standard_normal((1, 2, 20, 2)).astype(np.float32)

@@ -205,44 +205,45 @@ def forward(base, stride, iy, ix, wy, wx, x, *, interpret: bool) -> jax.Array:
 # ----------------------------------------------------------------------------- feature gradient
 
 
-def _planes(levels, copies: int, band: int, group: int) -> tuple[tuple[int, ...], ...]:
-  """Per level of each copy of the table: (first row group, height, width, first table row,
-  first band, bands per image, row groups per image); a row group is ``group`` pixel rows of
-  one image, a band ``band`` rows (a multiple of ``group``)."""
-  out, first_group, first_band = [], 0, 0
+def _planes(levels, copies: int, band: int, group: int, cols: int,
+            programs_per_tile: int) -> tuple[tuple[int, ...], ...]:
+  """Per level of each copy of the table: (first program, height, width, first table row,
+  first band, bands per image, row groups per image, column blocks); a row group is ``group``
+  pixel rows of one image, a column block ``cols`` columns, a band ``band`` rows (a multiple
+  of ``group``); each tile (group x block) has ``programs_per_tile`` programs (lane blocks)."""
+  out, first_program, first_band = [], 0, 0
   table = sum(lv.images * lv.height * lv.width for lv in levels)
   for copy in range(copies):
     for lv in levels:
-      bands, groups = -(-lv.height // band), -(-lv.height // group)
-      out.append((first_group, lv.height, lv.width, copy * table + lv.offset, first_band,
-                  bands, groups))
-      first_group += lv.images * groups
+      bands, groups, blocks = (-(-lv.height // band), -(-lv.height // group),
+                               -(-lv.width // cols))
+      out.append((first_program, lv.height, lv.width, copy * table + lv.offset, first_band,
+                  bands, groups, blocks))
+      first_program += lv.images * groups * blocks * programs_per_tile
       first_band += lv.images * bands
   return tuple(out)
 
 
 def _grad_kernel(count_ref, list_ref, ext_ref, rext_ref, cext_ref, iy_ref, ix_ref, wy_ref,
                  wx_ref, ct_ref, o_ref, *, planes, band_rows, n_boxes, ph, pw, sy_n, sx_n,
-                 lanes, col_blocks, block_rows, block_cols, block_lanes, interpret):
+                 lanes, block_rows, block_cols, block_lanes, interpret):
   n_lb = pl.cdiv(lanes, block_lanes)
   pid = pl.program_id(0)
-  lb = pid % n_lb
-  cb = (pid // n_lb) % col_blocks
-  g = pid // (n_lb * col_blocks)  # the global row group
-  first_group, height, width, offset, first_band, bands, groups = (
+  first, height, width, offset, first_band, bands, groups, blocks = (
       jnp.int32(v) for v in planes[0])
-  for p in planes[1:]:  # this group's level (static: a few levels)
-    later = g >= p[0]
-    first_group, height, width, offset, first_band, bands, groups = (
+  for p in planes[1:]:  # this program's level (static: a few levels)
+    later = pid >= p[0]
+    first, height, width, offset, first_band, bands, groups, blocks = (
         jnp.where(later, jnp.int32(new), old) for new, old in
-        zip(p, (first_group, height, width, offset, first_band, bands, groups)))
-  local = g - first_group
-  n, row0 = local // groups, (local % groups) * block_rows
+        zip(p, (first, height, width, offset, first_band, bands, groups, blocks)))
+  local = pid - first  # (row group of an image, column block, lane block), the lanes fastest
+  lb = local % n_lb
+  cb = (local // n_lb) % blocks
+  group = local // (n_lb * blocks)
+  n, row0 = group // groups, (group % groups) * block_rows
   band = first_band + n * bands + row0 // band_rows
   row_last = jnp.minimum(row0 + block_rows, height) - 1
   col0 = cb * block_cols
-  if interpret:  # a block past the level's width computes and stores its last block again
-    col0 = jnp.minimum(col0, (width - 1) // block_cols * block_cols)
   col_last = jnp.minimum(col0 + block_cols, width) - 1
   lane = _Lanes(block_lanes, lanes, lb, interpret)
   # The tile's pixels, row-major: (rows x cols) of them, clamped into the map (a clamped
@@ -310,10 +311,7 @@ def _grad_kernel(count_ref, list_ref, ext_ref, rext_ref, cext_ref, iy_ref, ix_re
     return lax.cond(hit, add, lambda acc: acc, acc)
 
   acc = jnp.zeros((block_rows * block_cols, block_lanes), F32)
-  last = count_ref[band]
-  if not interpret:  # a block past the level's width stores nothing: no box to visit
-    last = jnp.where(col0 < width, last, 0)
-  acc = lax.fori_loop(0, last, box, acc)
+  acc = lax.fori_loop(0, count_ref[band], box, acc)
   lane.store(o_ref, offset + (n * height + r) * width + c, acc.astype(o_ref.dtype),
              (raw_r < height) & (raw_c < width))
 
@@ -379,20 +377,20 @@ def feature_grad(base, iy, ix, wy, wx, ct, *, levels, rows: int, dtype, interpre
     return jnp.zeros((rows, C), dtype)
   band = _band_rows(levels, copies, K, max(2**20, K * ph * pw * C // 4))
   block_rows = GRAD_ROWS
-  planes = _planes(levels, copies, band, block_rows)
   rext, cext = _extents(iy, 2), _extents(ix, 2)  # (K, ph, 2), (K, pw, 2)
   ext_y, ext_x = _extents(iy, 3), _extents(ix, 3)  # (K, 2)
   count, lists = _box_lists(base, ext_y, levels, copies, band)
   ext = jnp.concatenate([ext_y, ext_x], axis=1).reshape(-1).astype(I32)
   block_cols = min(GRAD_COLS, _pow2(max(lv.width for lv in levels)))
   block_lanes = min(_pow2(C), GRAD_LANES)
-  col_blocks = pl.cdiv(max(lv.width for lv in levels), block_cols)
+  n_lb = pl.cdiv(C, block_lanes)
+  planes = _planes(levels, copies, band, block_rows, block_cols, n_lb)
   kernel = functools.partial(_grad_kernel, planes=planes, band_rows=band, n_boxes=K, ph=ph,
-                             pw=pw, sy_n=sy_n, sx_n=sx_n, lanes=C, col_blocks=col_blocks,
-                             block_rows=block_rows, block_cols=block_cols,
-                             block_lanes=block_lanes, interpret=interpret)
-  groups = copies * sum(lv.images * -(-lv.height // block_rows) for lv in levels)
-  grid = (groups * col_blocks * pl.cdiv(C, block_lanes),)
+                             pw=pw, sy_n=sy_n, sx_n=sx_n, lanes=C, block_rows=block_rows,
+                             block_cols=block_cols, block_lanes=block_lanes,
+                             interpret=interpret)
+  grid = (copies * sum(lv.images * -(-lv.height // block_rows) * -(-lv.width // block_cols)
+                      for lv in levels) * n_lb,)
   n_ct = math.prod(ct.shape)
   return pl.pallas_call(
       kernel, out_shape=out_struct((rows, C), dtype, ct), grid=grid, interpret=interpret,
