@@ -207,20 +207,27 @@ def forward(base, stride, iy, ix, wy, wx, x, *, interpret: bool) -> jax.Array:
 
 def _planes(levels, copies: int, band: int, group: int, cols: int,
             programs_per_tile: int) -> tuple[tuple[int, ...], ...]:
-  """Per level of each copy of the table: (first program, height, width, first table row,
-  first band, bands per image, row groups per image, column blocks); a row group is ``group``
-  pixel rows of one image, a column block ``cols`` columns, a band ``band`` rows (a multiple
-  of ``group``); each tile (group x block) has ``programs_per_tile`` programs (lane blocks)."""
-  out, first_program, first_band = [], 0, 0
+  """Per level of each copy of the table, in the order of their programs: (first program,
+  height, width, first table row, first band, bands per image, row groups per image, column
+  blocks); a row group is ``group`` pixel rows of one image, a column block ``cols`` columns,
+  a band ``band`` rows (a multiple of ``group``); each tile (group x block) has
+  ``programs_per_tile`` programs (lane blocks). The coarsest level's programs come first: a
+  coarse level's boxes cover more of it, so its programs run longest, and the GPU starts them
+  while the finer levels' many short ones fill in around them."""
+  entries, first_band = [], 0
   table = sum(lv.images * lv.height * lv.width for lv in levels)
   for copy in range(copies):
     for lv in levels:
       bands, groups, blocks = (-(-lv.height // band), -(-lv.height // group),
                                -(-lv.width // cols))
-      out.append((first_program, lv.height, lv.width, copy * table + lv.offset, first_band,
-                  bands, groups, blocks))
-      first_program += lv.images * groups * blocks * programs_per_tile
+      entries.append((lv.height * lv.width, len(entries), lv.images * groups * blocks,
+                      (lv.height, lv.width, copy * table + lv.offset, first_band, bands, groups,
+                       blocks)))
       first_band += lv.images * bands
+  out, first_program = [], 0
+  for _, _, tiles, entry in sorted(entries):
+    out.append((first_program, *entry))
+    first_program += tiles * programs_per_tile
   return tuple(out)
 
 
