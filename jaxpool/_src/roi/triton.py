@@ -274,7 +274,14 @@ def _grad_kernel(count_ref, list_ref, ext_ref, rext_ref, cext_ref, iy_ref, ix_re
     A, hit_a = _over(sy_n, y_sample, zeros,
                      lambda sy: iy_ref[((kk * ph + i) * sy_n + sy) * 2] >= 0)
 
-    def one(j, acc):
+    def fetch(j):  # bin j's cotangent (j clamped into the range: loaded, maybe unused)
+      j = jnp.clip(jnp.minimum(j, j_last), 0, pw - 1)
+      return load(ct_ref, lane.tile((kk * ph + i) * pw + j)).astype(F32)
+
+    def one(j, carry):
+      acc, ct = carry
+      ct_next = fetch(j + 1)  # (issued before this bin's work: its latency overlaps it)
+
       def x_sample(sx, carry):
         B, hit_b = carry
         for b in (0, 1):
@@ -286,15 +293,19 @@ def _grad_kernel(count_ref, list_ref, ext_ref, rext_ref, cext_ref, iy_ref, ix_re
 
       B, hit_b = _over(sx_n, x_sample, zeros,
                        lambda sx: ix_ref[((kk * pw + j) * sx_n + sx) * 2] >= 0)
-      ct = load(ct_ref, lane.tile((kk * ph + i) * pw + j)).astype(F32)
       # (A pixel that no live corner of the bin lies on adds an exact zero: no change, the
       # sum never being -0.)
-      return acc + jnp.where((hit_a & hit_b)[:, None], (A * B)[:, None] * ct[None, :], 0.0)
+      acc = acc + jnp.where((hit_a & hit_b)[:, None], (A * B)[:, None] * ct[None, :], 0.0)
+      return acc, ct_next
 
-    return lax.fori_loop(j_first, j_last + 1, one, acc)
+    return lax.fori_loop(j_first, j_last + 1, one, (acc, fetch(j_first)))[0]
 
-  def box(t, acc):
-    kk = list_ref[band * n_boxes + t]
+  count = count_ref[band]
+
+  def box(t, carry):
+    acc, kk = carry
+    # The next box's index, issued before this box's work (the last step loads its own).
+    kk_next = list_ref[band * n_boxes + jnp.minimum(t + 1, count - 1)]
     hit = ((ext_ref[4 * kk] <= row_last) & (ext_ref[4 * kk + 1] >= row0)
            & (ext_ref[4 * kk + 2] <= col_last) & (ext_ref[4 * kk + 3] >= col0))
 
@@ -315,10 +326,10 @@ def _grad_kernel(count_ref, list_ref, ext_ref, rext_ref, cext_ref, iy_ref, ix_re
 
       return lax.fori_loop(0, ph, row, acc)
 
-    return lax.cond(hit, add, lambda acc: acc, acc)
+    return lax.cond(hit, add, lambda acc: acc, acc), kk_next
 
   acc = jnp.zeros((block_rows * block_cols, block_lanes), F32)
-  acc = lax.fori_loop(0, count_ref[band], box, acc)
+  acc = lax.fori_loop(0, count, box, (acc, list_ref[band * n_boxes]))[0]
   lane.store(o_ref, offset + (n * height + r) * width + c, acc.astype(o_ref.dtype),
              (raw_r < height) & (raw_c < width))
 
