@@ -5,10 +5,11 @@ columns x ``GRAD_LANES`` channels of one image of one level (``GRAD_WARPS`` warp
 the boxes listed for their band of ``GRAD_BAND`` rows. This script times ``fwd`` and ``fwd+dx``
 of ``jaxpool.multi_scale_roi_align`` on the kernels (interpreted on a CPU) for a few tiles
 (the shapes of ``roi_gpu.py``: FPN P2-P5 of 2 images of 800x1216, 256 channels, 512 regions
-per image, 7x7 and 14x14, ``sampling_ratio=2``, ``aligned=True``), their difference being the
-gradient's part, and checks that every tile gives the same bits as the first (each pixel
-adds the same terms in the same order, whatever the tile); then the forward's tile (``FWD_TILE``
-elements at most, ``FWD_LANES`` channels at most, ``NUM_WARPS``) on ``fwd`` alone.
+per image, 7x7 and 14x14, ``sampling_ratio=2``, ``aligned=True``, float32; ``--bfloat16``
+adds bfloat16), their difference being the gradient's part, and checks that every tile gives
+the same bits as the first (each pixel adds the same terms in the same order, whatever the
+tile); then the forward's tile (``FWD_TILE`` elements at most, ``FWD_LANES`` channels at
+most, ``NUM_WARPS``) on ``fwd`` alone.
 
     python benchmarks/roi_tiles_gpu.py            # on the GPU machine
     python benchmarks/roi_tiles_gpu.py --quick    # small shapes, any device
@@ -53,6 +54,8 @@ FWD_NAMES = ("FWD_TILE", "FWD_LANES", "NUM_WARPS")
 def main():
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--quick", action="store_true", help="small shapes, any device")
+  ap.add_argument("--bfloat16", action="store_true", help="bfloat16 maps too (float32 alone "
+                  "by default: the sweep takes minutes)")
   ap.add_argument("--out", help="the JSON's path (default: benchmarks/results/roi_tiles_...)")
   args = ap.parse_args()
   dev = jax.devices()[0]
@@ -62,7 +65,7 @@ def main():
     tiles, fwd_tiles = TILES[:3], FWD[:2]
   else:
     batch, image, channels, per_image, sizes, dtypes, reps = 2, (800, 1216), 256, 512, \
-        [(7, 7), (14, 14)], [jnp.float32, jnp.bfloat16], 10
+        [(7, 7), (14, 14)], [jnp.float32] + [jnp.bfloat16] * args.bfloat16, 10
     tiles, fwd_tiles = TILES, FWD
   defaults = {n: getattr(triton, n) for n in NAMES + FWD_NAMES}
   rng = np.random.default_rng(0)

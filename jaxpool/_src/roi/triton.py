@@ -31,7 +31,9 @@ per pixel of the tile. Per pixel, in float32 from 0: the boxes in ascending orde
 the bin rows ``i`` ascending, the bins ``j`` ascending, each term ``where(hit, (A * B) * ct,
 0)`` (``hit``: a live corner of the bin lies on the pixel, so a NaN cotangent reaches exactly
 the pixels the XLA path's does); a visited bin that misses a pixel adds an exact 0 there (the
-sum is never -0), so neither the tile nor the lists change the bits. The same bits on every
+sum is never -0), so neither the tile nor the lists change the bits. The coarsest level's
+programs come first (they run longest); the next box's index and the next bin's cotangent are
+loaded ahead. The same bits on every
 run; equal to the XLA path's sorted sum to float32 rounding (a different order of the same
 terms).
 """
