@@ -216,7 +216,8 @@ def _planes(levels, copies: int, band: int, group: int, cols: int,
   ``programs_per_tile`` programs (lane blocks). The coarsest level's programs come first: a
   coarse level's boxes cover more of it, so its programs run longest, and the GPU starts them
   while the finer levels' many short ones fill in around them."""
-  entries, first_band = [], 0
+  entries: list[tuple[int, int, int, tuple[int, ...]]] = []
+  first_band = 0
   table = sum(lv.images * lv.height * lv.width for lv in levels)
   for copy in range(copies):
     for lv in levels:
