@@ -121,6 +121,61 @@ def test_nan_cotangent_reaches_the_pixels_the_xla_path_reaches(case):
 
 
 @pytest.mark.slow
+def test_a_level_narrower_than_a_column_block_of_the_widest():
+  """A level narrower than the widest by more than a column block of the gradient's tiles:
+  its last column gets its gradient (when the column blocks spanned the widest level, a block
+  wholly past a narrower level's width stored zeros over its last column in interpret
+  mode)."""
+  rng = np.random.default_rng(11)
+  p2 = rng.standard_normal((1, 4, 40, 2)).astype(np.float32)
+  p3 = rng.standard_normal((1, 2, 20, 2)).astype(np.float32)
+  boxes = np.array([[0, 2.0, 2.0, 10.0, 10.0], [0, 100.0, 0.0, 160.0, 16.0]], np.float32)
+
+  def run(impl):
+    f = lambda fs: jaxpool.multi_scale_roi_align(fs, boxes, [(16, 160)], (2, 2),
+                                                 canonical_scale=32.0, aligned=True,
+                                                 implementation=impl)
+    y, vjp = jax.vjp(f, [p2, p3])
+    return vjp(jnp.ones_like(y))[0]
+
+  (g2, g3), (r2, r3) = run("pallas"), run("xla")
+  assert np.abs(r3[0, :, -1]).max() > 0 and np.abs(r2).max() > 0
+  np.testing.assert_allclose(g2, r2, **TOL)
+  np.testing.assert_allclose(g3, r3, **TOL)
+
+
+@pytest.mark.parametrize("tile", [(1, 8, 2, 1), pytest.param((4, 32, 128, 8),
+                                                               marks=pytest.mark.slow)])
+def test_the_gradient_bits_do_not_depend_on_the_tile(monkeypatch, tile):
+  """The feature gradient's tile (rows x columns x lanes) and the bands of its box lists change
+  which programs add a pixel's terms, not the terms or their order: the same bits."""
+  from jaxpool._src.roi import triton
+  from jaxpool._src.roi.plan import align_plan
+  rng = np.random.default_rng(5)
+  levels = (Level(2, 9, 21, 1.0, 0), Level(2, 5, 11, 0.5, 2 * 9 * 21))
+  cfg = AlignConfig((3, 4), levels, 2, (2, 2), True, "avg")
+  K, C = 12, 3
+  rows = 2 * 9 * 21 + 2 * 5 * 11
+  image, level = rng.integers(0, 2, K).astype(np.int32), rng.integers(0, 2, K).astype(np.int32)
+  coords = np.sort(rng.uniform(-3, 24, (K, 2, 2)), axis=1).transpose(0, 2, 1).reshape(K, 4)
+  ct = rng.standard_normal((K, 3, 4, C)).astype(np.float32)
+
+  def grad():
+    def f(image, coords, level, ct):
+      ops, _, _, _ = align_plan(image, coords, level, cfg)
+      return triton.feature_grad(ops["base"], ops["iy"], ops["ix"], ops["wy"], ops["wx"], ct,
+                                 levels=levels, rows=rows, dtype=jnp.dtype(jnp.float32),
+                                 interpret=True)
+    return np.asarray(jax.jit(f)(image, coords.astype(np.float32), level, ct))
+
+  first = grad()
+  assert np.abs(first[:2 * 9 * 21]).max() > 0 and np.abs(first[2 * 9 * 21:]).max() > 0
+  for name, value in zip(("GRAD_ROWS", "GRAD_COLS", "GRAD_LANES", "GRAD_BAND"), tile):
+    monkeypatch.setattr(triton, name, value)
+  assert grad().tobytes() == first.tobytes()
+
+
+@pytest.mark.slow
 def test_levels_and_images_without_boxes():
   """multi_scale_roi_align over two levels: each gradient tile finds the boxes of its own
   level and image; the second image has none on the coarse level."""

@@ -16,20 +16,26 @@ added in torchvision's order ``(0, 0), (0, 1), (1, 0), (1, 1)``, each ``where(li
 x, 0)``; the sample's value is added to the running sum: the order of the XLA path's
 ``form._forward``.
 
-**Feature gradient** (:func:`feature_grad`): one program per (pixel row of one image of one
-level, block of ``block_cols`` columns, block of channels); the program owns its tile of
-pixels, writes it once, and nothing else writes it. It loops over the boxes of its image
-(level) in a fixed order, ascending box index (a stable sort of the boxes by image, computed
-outside the kernel), skipping a box whose live corner rows do not hold the program's row or
-whose live corner columns miss its columns (scalar tests on the box's extents). Average ROI
-align is separable per box: the contribution of box ``k`` to pixel ``(r, c)`` is ``sum_{i, j}
-A[i, r] B[j, c] ct[k, i, j]`` with ``A[i, r] = sum of wy[k, i, sy, a] where iy[k, i, sy, a] ==
-r`` (``sy`` then ``a`` ascending; ``B`` likewise). Per pixel, in float32 from 0: the boxes in
-ascending order, in each box the bin rows ``i`` ascending (those with a corner on the row),
-the bins ``j`` ascending, each term ``where(hit, (A * B) * ct, 0)`` (``hit``: a live corner of
-the bin lies on the pixel, so a NaN cotangent reaches exactly the pixels the XLA path's does).
-The same bits on every run; equal to the XLA path's sorted sum to float32 rounding (a
-different order of the same terms).
+**Feature gradient** (:func:`feature_grad`): one program per tile of ``GRAD_ROWS`` pixel rows x
+``GRAD_COLS`` columns of one image of one level x a block of channels; the program owns its
+tile, writes it once, and nothing else writes it. Outside the kernel, each band of
+``GRAD_BAND`` rows of an image (level) gets the list of the boxes whose live corner rows meet
+it, ascending (a mask and a stable argsort). A program walks its band's list, skipping a box
+whose live corner columns or rows miss its tile (scalar tests on the box's extents); for a
+box, it finds once the bins ``j`` whose live corner columns meet its columns, then visits the
+bin rows ``i`` whose live corner rows meet its rows (per-bin extents, computed outside the
+kernel). Average ROI align is separable per box: the contribution of box ``k`` to pixel ``(r,
+c)`` is ``sum_{i, j} A[i, r] B[j, c] ct[k, i, j]`` with ``A[i, r] = sum of wy[k, i, sy, a]
+where iy[k, i, sy, a] == r`` (``sy`` then ``a`` ascending; ``B`` likewise), A and B computed
+per pixel of the tile. Per pixel, in float32 from 0: the boxes in ascending order, in each box
+the bin rows ``i`` ascending, the bins ``j`` ascending, each term ``where(hit, (A * B) * ct,
+0)`` (``hit``: a live corner of the bin lies on the pixel, so a NaN cotangent reaches exactly
+the pixels the XLA path's does); a visited bin that misses a pixel adds an exact 0 there (the
+sum is never -0), so neither the tile nor the lists change the bits. The coarsest level's
+programs come first (they run longest); the next box's index and the next bin's cotangent are
+loaded ahead. The same bits on every
+run; equal to the XLA path's sorted sum to float32 rounding (a different order of the same
+terms).
 """
 
 from __future__ import annotations
@@ -51,11 +57,16 @@ F32 = jnp.float32
 I32 = jnp.int32
 NUM_WARPS = 4
 # A forward tile is (bins of a row, rounded up to a power of two) x lanes elements, at most
-# this many; the gradient's tile is GRAD_COLS columns x at most GRAD_LANES lanes.
+# this many; the gradient's tile is GRAD_ROWS rows x GRAD_COLS columns (powers of two) x at
+# most GRAD_LANES lanes, in programs of GRAD_WARPS warps, and its box lists are per band of
+# GRAD_BAND rows at least (a power of two; benchmarks/roi_tiles_gpu.py times the choices).
 FWD_TILE = 4096
 FWD_LANES = 256
+GRAD_ROWS = 2
 GRAD_COLS = 16
 GRAD_LANES = 128
+GRAD_WARPS = 4
+GRAD_BAND = 4
 
 
 def _pow2(n: int) -> int:
@@ -92,10 +103,10 @@ class _Lanes:
     plgpu.store(ref.at[where], value, mask=mask)
 
 
-def _call_kwargs(interpret: bool) -> dict:
+def _call_kwargs(interpret: bool, warps: int = NUM_WARPS) -> dict:
   if interpret or plgpu is None:
     return {}
-  return {"compiler_params": plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=1)}
+  return {"compiler_params": plgpu.CompilerParams(num_warps=warps, num_stages=1)}
 
 
 # A sample loop of at most this many steps is unrolled; a longer one (the adaptive count's
@@ -196,110 +207,181 @@ def forward(base, stride, iy, ix, wy, wx, x, *, interpret: bool) -> jax.Array:
 # ----------------------------------------------------------------------------- feature gradient
 
 
-def _planes(levels, copies: int) -> tuple[tuple[int, int, int, int, int], ...]:
-  """Per level of each copy of the table: (first global pixel row, first plane, height,
-  width, first table row)."""
-  out, row, plane = [], 0, 0
+def _planes(levels, copies: int, band: int, group: int, cols: int,
+            programs_per_tile: int) -> tuple[tuple[int, ...], ...]:
+  """Per level of each copy of the table, in the order of their programs: (first program,
+  height, width, first table row, first band, bands per image, row groups per image, column
+  blocks); a row group is ``group`` pixel rows of one image, a column block ``cols`` columns,
+  a band ``band`` rows (a multiple of ``group``); each tile (group x block) has
+  ``programs_per_tile`` programs (lane blocks). The coarsest level's programs come first: a
+  coarse level's boxes cover more of it, so its programs run longest, and the GPU starts them
+  while the finer levels' many short ones fill in around them."""
+  entries: list[tuple[int, int, int, tuple[int, ...]]] = []
+  first_band = 0
   table = sum(lv.images * lv.height * lv.width for lv in levels)
   for copy in range(copies):
     for lv in levels:
-      out.append((row, plane, lv.height, lv.width, copy * table + lv.offset))
-      row += lv.images * lv.height
-      plane += lv.images
+      bands, groups, blocks = (-(-lv.height // band), -(-lv.height // group),
+                               -(-lv.width // cols))
+      entries.append((lv.height * lv.width, len(entries), lv.images * groups * blocks,
+                      (lv.height, lv.width, copy * table + lv.offset, first_band, bands, groups,
+                       blocks)))
+      first_band += lv.images * bands
+  out, first_program = [], 0
+  for _, _, tiles, entry in sorted(entries):
+    out.append((first_program, *entry))
+    first_program += tiles * programs_per_tile
   return tuple(out)
 
 
-def _grad_kernel(start_ref, order_ref, ext_ref, iy_ref, ix_ref, wy_ref, wx_ref, ct_ref, o_ref,
-                 *, planes, ph, pw, sy_n, sx_n, lanes, col_blocks, block_cols, block_lanes,
-                 interpret):
+def _grad_kernel(count_ref, list_ref, ext_ref, rext_ref, cext_ref, iy_ref, ix_ref, wy_ref,
+                 wx_ref, ct_ref, o_ref, *, planes, band_rows, n_boxes, ph, pw, sy_n, sx_n,
+                 lanes, block_rows, block_cols, block_lanes, interpret):
   n_lb = pl.cdiv(lanes, block_lanes)
   pid = pl.program_id(0)
-  lb = pid % n_lb
-  cb = (pid // n_lb) % col_blocks
-  g = pid // (n_lb * col_blocks)  # the global pixel row
-  first_row, first_plane, height, width, offset = (jnp.int32(v) for v in planes[0])
-  for p in planes[1:]:  # this row's level (static: a few levels)
-    later = g >= p[0]
-    first_row, first_plane, height, width, offset = (
-        jnp.where(later, jnp.int32(new), old)
-        for new, old in zip(p, (first_row, first_plane, height, width, offset)))
-  local = g - first_row
-  n, r = local // height, local % height
-  plane = first_plane + n
-  lane = _Lanes(block_lanes, lanes, lb, interpret)
+  first, height, width, offset, first_band, bands, groups, blocks = (
+      jnp.int32(v) for v in planes[0])
+  for p in planes[1:]:  # this program's level (static: a few levels)
+    later = pid >= p[0]
+    first, height, width, offset, first_band, bands, groups, blocks = (
+        jnp.where(later, jnp.int32(new), old) for new, old in
+        zip(p, (first, height, width, offset, first_band, bands, groups, blocks)))
+  local = pid - first  # (row group of an image, column block, lane block), the lanes fastest
+  lb = local % n_lb
+  cb = (local // n_lb) % blocks
+  group = local // (n_lb * blocks)
+  n, row0 = group // groups, (group % groups) * block_rows
+  band = first_band + n * bands + row0 // band_rows
+  row_last = jnp.minimum(row0 + block_rows, height) - 1
   col0 = cb * block_cols
-  raw = col0 + jnp.arange(block_cols, dtype=I32)
-  cols = jnp.minimum(raw, width - 1)
   col_last = jnp.minimum(col0 + block_cols, width) - 1
+  lane = _Lanes(block_lanes, lanes, lb, interpret)
+  # The tile's pixels, row-major: (rows x cols) of them, clamped into the map (a clamped
+  # pixel computes its clamp's value again and is stored masked or with the same bits).
+  at = jnp.arange(block_rows * block_cols, dtype=I32)
+  raw_r, raw_c = row0 + at // block_cols, col0 + at % block_cols
+  r, c = jnp.minimum(raw_r, height - 1), jnp.minimum(raw_c, width - 1)
 
-  def bin_row(kk, i, acc):
-    """Bin row ``i`` of box ``kk``: its weight on row ``r`` and its bins' terms."""
+  def bin_row(kk, j_first, j_last, i, acc):
+    """Bin row ``i`` of box ``kk``: its weight on each pixel's row and its bins' terms."""
     def y_sample(sy, carry):
       A, hit_a = carry
       for a in (0, 1):
         at = ((kk * ph + i) * sy_n + sy) * 2 + a
-        on = iy_ref[at] == r
+        on = r == iy_ref[at]
         A = A + jnp.where(on, wy_ref[at], 0.0)
         hit_a = hit_a | on
       return A, hit_a
 
-    A, hit_a = _over(sy_n, y_sample, (jnp.float32(0.0), jnp.bool_(False)),
+    zeros = (jnp.zeros(r.shape, F32), jnp.zeros(r.shape, jnp.bool_))
+    A, hit_a = _over(sy_n, y_sample, zeros,
                      lambda sy: iy_ref[((kk * ph + i) * sy_n + sy) * 2] >= 0)
 
-    def bins(acc):
-      def one(j, acc):
-        def x_sample(sx, carry):
-          B, hit_b = carry
-          for b in (0, 1):
-            at = ((kk * pw + j) * sx_n + sx) * 2 + b
-            on = cols == ix_ref[at]
-            B = B + jnp.where(on, wx_ref[at], 0.0)
-            hit_b = hit_b | on
-          return B, hit_b
+    def fetch(j):  # bin j's cotangent (j clamped into the range: loaded, maybe unused)
+      j = jnp.clip(jnp.minimum(j, j_last), 0, pw - 1)
+      return load(ct_ref, lane.tile((kk * ph + i) * pw + j)).astype(F32)
 
-        B, hit_b = _over(sx_n, x_sample, (jnp.zeros((block_cols,), F32),
-                                          jnp.zeros((block_cols,), jnp.bool_)),
-                         lambda sx: ix_ref[((kk * pw + j) * sx_n + sx) * 2] >= 0)
+    def one(j, carry):
+      acc, ct = carry
+      ct_next = fetch(j + 1)  # (issued before this bin's work: its latency overlaps it)
 
-        def add(acc):
-          ct = load(ct_ref, lane.tile((kk * ph + i) * pw + j)).astype(F32)
-          return acc + jnp.where(hit_b[:, None], (A * B)[:, None] * ct[None, :], 0.0)
+      def x_sample(sx, carry):
+        B, hit_b = carry
+        for b in (0, 1):
+          at = ((kk * pw + j) * sx_n + sx) * 2 + b
+          on = c == ix_ref[at]
+          B = B + jnp.where(on, wx_ref[at], 0.0)
+          hit_b = hit_b | on
+        return B, hit_b
 
-        # (A bin off the tile adds nothing. Triton lowers no reduce_or: the max of 0/1.)
-        touches = jnp.max(jnp.where(hit_b, 1, 0)) > 0
-        return lax.cond(touches, add, lambda acc: acc, acc)
+      B, hit_b = _over(sx_n, x_sample, zeros,
+                       lambda sx: ix_ref[((kk * pw + j) * sx_n + sx) * 2] >= 0)
+      # (A pixel that no live corner of the bin lies on adds an exact zero: no change, the
+      # sum never being -0.)
+      acc = acc + jnp.where((hit_a & hit_b)[:, None], (A * B)[:, None] * ct[None, :], 0.0)
+      return acc, ct_next
 
-      return lax.fori_loop(0, pw, one, acc)
+    return lax.fori_loop(j_first, j_last + 1, one, (acc, fetch(j_first)))[0]
 
-    return lax.cond(hit_a, bins, lambda acc: acc, acc)
+  count = count_ref[band]
 
-  def box(t, acc):
-    kk = order_ref[t]
-    hit = ((ext_ref[4 * kk] <= r) & (r <= ext_ref[4 * kk + 1])
+  def box(t, carry):
+    acc, kk = carry
+    # The next box's index, issued before this box's work (the last step loads its own).
+    kk_next = list_ref[band * n_boxes + jnp.minimum(t + 1, count - 1)]
+    hit = ((ext_ref[4 * kk] <= row_last) & (ext_ref[4 * kk + 1] >= row0)
            & (ext_ref[4 * kk + 2] <= col_last) & (ext_ref[4 * kk + 3] >= col0))
 
     def add(acc):
-      return lax.fori_loop(0, ph, functools.partial(bin_row, kk), acc)
+      def col_range(j, carry):  # the bins whose live corner columns meet the tile's
+        lo, hi = carry
+        on = ((cext_ref[2 * (kk * pw + j)] <= col_last)
+              & (cext_ref[2 * (kk * pw + j) + 1] >= col0))
+        return jnp.where(on, jnp.minimum(lo, j), lo), jnp.where(on, j, hi)
 
-    return lax.cond(hit, add, lambda acc: acc, acc)
+      j_first, j_last = lax.fori_loop(0, pw, col_range, (jnp.int32(pw), jnp.int32(-1)))
 
-  acc = jnp.zeros((block_cols, block_lanes), F32)
-  first, last = start_ref[plane], start_ref[plane + 1]
-  if not interpret:  # a block past the level's width stores nothing: no box to visit
-    last = jnp.where(col0 < width, last, first)  # (interpret mode stores its clamped copy)
-  acc = lax.fori_loop(first, last, box, acc)
-  rows = offset + (n * height + r) * width + cols
-  lane.store(o_ref, rows, acc.astype(o_ref.dtype), raw < width)
+      def row(i, acc):  # a bin row whose live corner rows meet the tile's
+        on = ((rext_ref[2 * (kk * ph + i)] <= row_last)
+              & (rext_ref[2 * (kk * ph + i) + 1] >= row0))
+        return lax.cond(on, functools.partial(bin_row, kk, j_first, j_last, i),
+                        lambda acc: acc, acc)
+
+      return lax.fori_loop(0, ph, row, acc)
+
+    return lax.cond(hit, add, lambda acc: acc, acc), kk_next
+
+  acc = jnp.zeros((block_rows * block_cols, block_lanes), F32)
+  acc = lax.fori_loop(0, count, box, (acc, list_ref[band * n_boxes]))[0]
+  lane.store(o_ref, offset + (n * height + r) * width + c, acc.astype(o_ref.dtype),
+             (raw_r < height) & (raw_c < width))
 
 
-def _extents(idx) -> jax.Array:
-  """Per box: the lowest and highest live corner index along an axis ``(K, 2)`` (an empty
-  range, ``(2**30, -1)``, when none is live)."""
-  flat = idx.reshape(idx.shape[0], -1)
+def _extents(idx, axes: int) -> jax.Array:
+  """The lowest and highest live corner index along an axis, over the last ``axes`` axes of
+  ``idx`` ``(..., 2)`` (an empty range, ``(2**30, -1)``, where none is live)."""
+  flat = idx.reshape(*idx.shape[:idx.ndim - axes], -1)
   live = flat >= 0
-  lo = jnp.min(jnp.where(live, flat, 2**30), axis=1, initial=2**30)
-  hi = jnp.max(jnp.where(live, flat, -1), axis=1, initial=-1)
-  return jnp.stack([lo, hi], axis=1)
+  lo = jnp.min(jnp.where(live, flat, 2**30), axis=-1, initial=2**30)
+  hi = jnp.max(jnp.where(live, flat, -1), axis=-1, initial=-1)
+  return jnp.stack([lo, hi], axis=-1)
+
+
+def _band_rows(levels, copies: int, K: int, budget: int) -> int:
+  """The rows of a band (a power of two, from ``GRAD_BAND``): the smallest whose box lists,
+  ``bands x K`` entries, fit ``budget`` (or one band per image)."""
+  band, tallest = max(GRAD_BAND, GRAD_ROWS), max(lv.height for lv in levels)
+  while band < tallest:
+    bands = copies * sum(lv.images * -(-lv.height // band) for lv in levels)
+    if bands * K <= budget:
+      break
+    band *= 2
+  return band
+
+
+def _box_lists(base, ext, levels, copies: int, band: int):
+  """Per band (of ``band`` rows of one image of one level; ``_planes``' numbering): how many
+  boxes meet it and their indices, ascending, ``(bands,)`` and ``(bands * K,)``: a box meets a
+  band when it samples that image (level) and its live corner rows meet the band's rows."""
+  table = sum(lv.images * lv.height * lv.width for lv in levels)
+  firsts, plane, lo, hi = [], [], [], []
+  for copy in range(copies):
+    for lv in levels:
+      for n in range(lv.images):
+        firsts.append(copy * table + lv.offset + n * lv.height * lv.width)
+        for q in range(-(-lv.height // band)):
+          plane.append(len(firsts) - 1)
+          lo.append(q * band)
+          hi.append(min(lv.height, (q + 1) * band) - 1)
+  # A box's image (level): the last whose first table row is at most its own (as the rows
+  # of its samples lie there).
+  box_plane = jnp.searchsorted(jnp.asarray(np.asarray(firsts, np.int32)), base,
+                               side="right").astype(I32) - 1
+  meets = ((box_plane[None, :] == jnp.asarray(np.asarray(plane, np.int32))[:, None])
+           & (ext[None, :, 0] <= jnp.asarray(np.asarray(hi, np.int32))[:, None])
+           & (ext[None, :, 1] >= jnp.asarray(np.asarray(lo, np.int32))[:, None]))
+  lists = jnp.argsort(~meets, axis=1, stable=True).astype(I32)
+  return jnp.sum(meets, axis=1, dtype=I32), lists.reshape(-1)
 
 
 def feature_grad(base, iy, ix, wy, wx, ct, *, levels, rows: int, dtype, interpret: bool,
@@ -310,34 +392,33 @@ def feature_grad(base, iy, ix, wy, wx, ct, *, levels, rows: int, dtype, interpre
   K, ph, sy_n, _ = iy.shape
   pw, sx_n = ix.shape[1:3]
   C = ct.shape[-1]
-  planes = _planes(levels, copies)
-  total_rows = copies * sum(lv.images * lv.height for lv in levels)
   table = sum(lv.images * lv.height * lv.width for lv in levels)
   assert rows == copies * table, (rows, copies, levels)
   if K == 0:
     return jnp.zeros((rows, C), dtype)
-  # The boxes grouped by image (level, image), in ascending box index within each: a stable
-  # sort by ``base``, the image's first table row (increasing with the image's plane number).
-  order = jnp.argsort(base, stable=True).astype(I32)
-  firsts = np.asarray([copy * table + lv.offset + n * lv.height * lv.width
-                       for copy in range(copies) for lv in levels for n in range(lv.images)],
-                      np.int32)
-  start = jnp.searchsorted(base[order], jnp.asarray(firsts), side="left").astype(I32)
-  start = jnp.concatenate([start, jnp.full((1,), K, I32)])
-  ext = jnp.concatenate([_extents(iy), _extents(ix)], axis=1).reshape(-1).astype(I32)
+  band = _band_rows(levels, copies, K, max(2**20, K * ph * pw * C // 4))
+  block_rows = GRAD_ROWS
+  rext, cext = _extents(iy, 2), _extents(ix, 2)  # (K, ph, 2), (K, pw, 2)
+  ext_y, ext_x = _extents(iy, 3), _extents(ix, 3)  # (K, 2)
+  count, lists = _box_lists(base, ext_y, levels, copies, band)
+  ext = jnp.concatenate([ext_y, ext_x], axis=1).reshape(-1).astype(I32)
   block_cols = min(GRAD_COLS, _pow2(max(lv.width for lv in levels)))
   block_lanes = min(_pow2(C), GRAD_LANES)
-  col_blocks = pl.cdiv(max(lv.width for lv in levels), block_cols)
-  kernel = functools.partial(_grad_kernel, planes=planes, ph=ph, pw=pw, sy_n=sy_n, sx_n=sx_n,
-                             lanes=C, col_blocks=col_blocks, block_cols=block_cols,
-                             block_lanes=block_lanes, interpret=interpret)
-  grid = (total_rows * col_blocks * pl.cdiv(C, block_lanes),)
+  n_lb = pl.cdiv(C, block_lanes)
+  planes = _planes(levels, copies, band, block_rows, block_cols, n_lb)
+  kernel = functools.partial(_grad_kernel, planes=planes, band_rows=band, n_boxes=K, ph=ph,
+                             pw=pw, sy_n=sy_n, sx_n=sx_n, lanes=C, block_rows=block_rows,
+                             block_cols=block_cols, block_lanes=block_lanes,
+                             interpret=interpret)
+  grid = (copies * sum(lv.images * -(-lv.height // block_rows) * -(-lv.width // block_cols)
+                      for lv in levels) * n_lb,)
   n_ct = math.prod(ct.shape)
   return pl.pallas_call(
       kernel, out_shape=out_struct((rows, C), dtype, ct), grid=grid, interpret=interpret,
       name="jaxpool_roi_align_bwd",
       cost_estimate=pl.CostEstimate(flops=4 * n_ct * sy_n * sx_n, transcendentals=0,
                                     bytes_accessed=4 * (n_ct * 2 * sy_n + rows * C)),
-      **_call_kwargs(interpret))(
-          start, order, ext, iy.reshape(-1).astype(I32), ix.reshape(-1).astype(I32),
-          wy.reshape(-1).astype(F32), wx.reshape(-1).astype(F32), ct.reshape(K * ph * pw, C))
+      **_call_kwargs(interpret, GRAD_WARPS))(
+          count, lists, ext, rext.reshape(-1).astype(I32), cext.reshape(-1).astype(I32),
+          iy.reshape(-1).astype(I32), ix.reshape(-1).astype(I32), wy.reshape(-1).astype(F32),
+          wx.reshape(-1).astype(F32), ct.reshape(K * ph * pw, C))
