@@ -468,12 +468,27 @@ def large_windows() -> list[str]:
                 key=lambda c: c["speedup"]["fwd_grad"])
   fwd_ok = [c for c in cells if c["speedup"]["fwd"] >= 0.95]
   lowest_fwd = min(cells, key=lambda c: c["speedup"]["fwd"])
-  name = lambda c: f"{c['window'][0]}x{c['window'][1]}/s{c['strides'][0]}"  # noqa: E731
+  name = lambda c: (f"{c['dtype']} {'x'.join(map(str, c['window']))}"  # noqa: E731
+                    f"/s{c['strides'][0]}")
   rows += [f"faster than XLA in {len(cells) - len(slow)} of {len(cells)} cells",
            f"slower in {len(slow)}",
-           ", ".join(f"{name(c)} {c['speedup']['fwd_grad']:.2f}x" for c in slow),
+           ", ".join(f"{name(c)} {c['speedup']['fwd_grad']:.2f}x" for c in slow)
+           or "no cell slower than 0.95x",
            f"within 0.95x of XLA in {len(fwd_ok)} of {len(cells)} cells (lowest "
            f"{name(lowest_fwd)} {lowest_fwd['speedup']['fwd']:.2f}x)"]
+  return rows
+
+
+def roi() -> list[str]:
+  """docs/roi.md: the measured table's rows."""
+  rows = []
+  for c in load("roi_gpu_h200.json")["cases"]:
+    r, tv = c["rows"], c["rows"]["torchvision"]
+    tv_ms = f"{tv['fwd+dx_ms']:.3f}" if "fwd+dx_ms" in tv else f"(no {c['dtype']})"
+    grid = "x".join(map(str, c["output_size"]))
+    rows.append(f"| {c['dtype']}, {grid} | {r['jaxpool']['fwd']['ms']:.3f} | "
+                f"{r['jaxpool']['fwd+dx']['ms']:.3f} | {tv_ms} | "
+                f"{r['plain_jnp']['fwd+dx']['ms']:.3f} | {r['jaxpool_xla']['fwd+dx']['ms']:.3f} |")
   return rows
 
 
@@ -486,6 +501,7 @@ FIGURES: dict[str, Callable[[], list[str]]] = {
     "docs/benchmarks.md": lambda: global_adaptive() + models_prose(),
     "docs/sharding.md": sharding,
     "docs/large-windows.md": large_windows,
+    "docs/roi.md": roi,
 }
 MODEL_TABLES = [("docs/benchmarks.md", "models_gpu_h100.json", "## Real models"),
                 ("docs/benchmarks.md", "models_gpu_h200.json", "results/models_gpu_h200.json`):")]
