@@ -95,6 +95,32 @@ def test_kernels_match_the_xla_path(case):
   _compare(ours, xla)
 
 
+def test_sizes_past_int32_indexing_leave_the_kernels(monkeypatch):
+  """vmap folds copies of the feature table into one (and many boxes make a large output): past
+  the kernels' int32 indexing, the primitive runs the XLA path's form (here the bound is
+  lowered to 400 elements: one table of 2 x 7 x 9 x 3 = 378 passes the registry's check, the
+  two copies under vmap do not; the kernels would raise)."""
+  from jaxpool._src.roi import kernels, triton
+
+  def never(*args, **kwargs):
+    raise AssertionError("a kernel ran past the int32 bound")
+
+  monkeypatch.setattr(kernels, "MAX_ELEMENTS", 400)
+  monkeypatch.setattr(triton, "forward", never)
+  monkeypatch.setattr(triton, "feature_grad", never)
+  rng = np.random.default_rng(7)
+  xs = rng.standard_normal((2, N, H, W, C)).astype(np.float32)
+  boxes = _boxes(rng, 4)
+
+  def loss(implementation):
+    f = lambda v: jaxpool.roi_align(v, boxes, implementation=implementation, output_size=(2, 3),
+                                    sampling_ratio=1)
+    return jax.jit(jax.vmap(jax.value_and_grad(lambda v: jnp.sum(f(v) ** 2))))
+
+  for a, b in zip(loss("pallas")(xs), loss("xla")(xs), strict=True):
+    np.testing.assert_array_equal(a, b)
+
+
 def test_kernels_match_the_reference(case):
   x, boxes, dy, (ours, _) = case
   ry, rdx, _ = rref.roi_align(x, boxes, dy=dy, **KW)

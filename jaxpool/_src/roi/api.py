@@ -218,7 +218,9 @@ def roi_align(x: Any, boxes: Boxes, output_size: int | Sequence[int], *,
     data_format: ``"channels_last"`` or ``"channels_first"`` (torchvision's NCHW).
     implementation: ``None`` (on an NVIDIA GPU, ``mode="avg"`` runs the Pallas Triton
       kernels, the rest the XLA path), ``"pallas"`` (the kernels; a ValueError for what they
-      do not serve) or ``"xla"``: docs/roi.md, "Where it runs".
+      do not serve) or ``"xla"``: docs/roi.md, "Where it runs". Per-image ``(N, K, 4)`` boxes
+      run the XLA path whatever ``implementation`` says (the form that splits with the batch);
+      so do sizes past the kernels' int32 indexing.
     mask: with ``(N, K, 4)`` boxes, an ``(N, K)`` bool array: False marks a padding row, whose
       output is zeros with zero gradients, whatever its coordinates (default: all True).
 

@@ -71,11 +71,20 @@ def unsupported(x: jax.Array, config: Any) -> str | None:
   return None
 
 
+def _too_large(ops, table_rows: int) -> bool:
+  """Whether the kernels' int32 indexing cannot reach the feature table (with the copies that
+  ``vmap`` folds into it) or the boxes' outputs: :func:`unsupported` sees only one table."""
+  channels = int((ops["x"] if "x" in ops else ops["ct"]).shape[-1])
+  outputs = int(ops["iy"].shape[0]) * int(ops["iy"].shape[1]) * int(ops["ix"].shape[1])
+  return max(table_rows, outputs) * channels > MAX_ELEMENTS
+
+
 def _impl(*operands, wrt, has_taps, dtype, rows, kernel: KernelOptions):
   names = form.operand_names(wrt, has_taps)
   ops = dict(zip(names, operands))
   table_rows = kernel.copies * sum(lv.images * lv.height * lv.width for lv in kernel.levels)
-  if has_taps or wrt not in ("ct", "x"):  # the box gradient's parts on the XLA path
+  if has_taps or wrt not in ("ct", "x") or _too_large(ops, table_rows):
+    # (the box gradient's parts, and sizes the kernels' int32 indexing cannot reach: XLA)
     return form.evaluate(*operands, wrt=wrt, has_taps=has_taps, dtype=dtype, rows=rows)
   from jaxpool._src.roi import triton  # (Pallas, imported when a kernel is traced)
   if wrt == "x" and rows != table_rows:
