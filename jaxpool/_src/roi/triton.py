@@ -262,20 +262,25 @@ def _grad_kernel(count_ref, list_ref, ext_ref, rext_ref, cext_ref, iy_ref, ix_re
   raw_r, raw_c = row0 + at // block_cols, col0 + at % block_cols
   r, c = jnp.minimum(raw_r, height - 1), jnp.minimum(raw_c, width - 1)
 
+  def axis_weights(pixel, index_ref, weight_ref, first, n):
+    """One bin's samples ``first .. first + n - 1`` along one axis: the summed weight of
+    their two corners on each pixel's row (or column) ``pixel``, and whether any lands there
+    (the samples in order, each corner 0 then 1; dead samples skipped)."""
+    def sample(s, carry):
+      weight, hit = carry
+      for corner in (0, 1):
+        at = (first + s) * 2 + corner
+        on = pixel == index_ref[at]
+        weight = weight + jnp.where(on, weight_ref[at], 0.0)
+        hit = hit | on
+      return weight, hit
+
+    zeros = (jnp.zeros(pixel.shape, F32), jnp.zeros(pixel.shape, jnp.bool_))
+    return _over(n, sample, zeros, lambda s: index_ref[(first + s) * 2] >= 0)
+
   def bin_row(kk, j_first, j_last, i, acc):
     """Bin row ``i`` of box ``kk``: its weight on each pixel's row and its bins' terms."""
-    def y_sample(sy, carry):
-      A, hit_a = carry
-      for a in (0, 1):
-        at = ((kk * ph + i) * sy_n + sy) * 2 + a
-        on = r == iy_ref[at]
-        A = A + jnp.where(on, wy_ref[at], 0.0)
-        hit_a = hit_a | on
-      return A, hit_a
-
-    zeros = (jnp.zeros(r.shape, F32), jnp.zeros(r.shape, jnp.bool_))
-    A, hit_a = _over(sy_n, y_sample, zeros,
-                     lambda sy: iy_ref[((kk * ph + i) * sy_n + sy) * 2] >= 0)
+    A, hit_a = axis_weights(r, iy_ref, wy_ref, (kk * ph + i) * sy_n, sy_n)
 
     def fetch(j):  # bin j's cotangent (j clamped into the range: loaded, maybe unused)
       j = jnp.clip(jnp.minimum(j, j_last), 0, pw - 1)
@@ -285,17 +290,7 @@ def _grad_kernel(count_ref, list_ref, ext_ref, rext_ref, cext_ref, iy_ref, ix_re
       acc, ct = carry
       ct_next = fetch(j + 1)  # (issued before this bin's work: its latency overlaps it)
 
-      def x_sample(sx, carry):
-        B, hit_b = carry
-        for b in (0, 1):
-          at = ((kk * pw + j) * sx_n + sx) * 2 + b
-          on = c == ix_ref[at]
-          B = B + jnp.where(on, wx_ref[at], 0.0)
-          hit_b = hit_b | on
-        return B, hit_b
-
-      B, hit_b = _over(sx_n, x_sample, zeros,
-                       lambda sx: ix_ref[((kk * pw + j) * sx_n + sx) * 2] >= 0)
+      B, hit_b = axis_weights(c, ix_ref, wx_ref, (kk * pw + j) * sx_n, sx_n)
       # (A pixel that no live corner of the bin lies on adds an exact zero: no change, the
       # sum never being -0.)
       acc = acc + jnp.where((hit_a & hit_b)[:, None], (A * B)[:, None] * ct[None, :], 0.0)
