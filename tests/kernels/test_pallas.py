@@ -9,6 +9,7 @@ run them on a GPU machine with ``pytest -m gpu tests/kernels/test_pallas.py``.
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -496,3 +497,39 @@ def test_gpu_other_max_forms(rng, monkeypatch, form):
     check_max(rng, cfg, jnp.bfloat16)
   check_nan_bits(rng)
   jax.clear_caches()
+
+
+_LOWER_ONLY = """
+import sys
+import jax, jax.numpy as jnp
+import jaxpool
+from jaxpool._src import platforms
+from jaxpool._src.pallas import backend
+from jaxpool._src.pallas.triton import config
+config.platform = lambda: "cuda"
+platforms.compute_capability = lambda: (9, 0)
+backend._interpret = lambda: False  # (the kernels as compiled for a GPU: lowered, never run)
+loss = lambda x: jnp.sum(jaxpool.max_pool(x, (2, 2), implementation="pallas"))
+text = jax.jit(jax.grad(loss)).trace(jax.ShapeDtypeStruct((2, 8, 8, 4), jnp.float32)).lower(
+    lowering_platforms=("cuda",)).as_text()
+assert text.count("xla.gpu.triton") == 2, text.count("xla.gpu.triton")
+print(sorted(m for m in sys.modules if m.startswith("jax._src.pallas.mosaic_gpu.")))
+"""
+
+
+def test_lowering_the_kernels_does_not_import_mosaic_gpu():
+  """A first call lowers the Triton kernels without importing Mosaic GPU's Pallas backend
+  (Pallas tries it first unless the Triton lowering is registered: about 0.2-0.3 s of every new
+  process's first call). In a new process, since another test may have imported it. Fails
+  before the kernels imported the Triton lowering up front (``tile.compiler_params``):
+  ``core`` and ``pallas_call_registration`` were imported."""
+  import subprocess
+  import sys
+  env = {k: v for k, v in os.environ.items() if not k.startswith("JAXPOOL_")}
+  env["JAXPOOL_TUNE"] = "off"
+  out = subprocess.run([sys.executable, "-c", _LOWER_ONLY], capture_output=True, text=True,
+                       env=env, timeout=300, check=False)
+  assert out.returncode == 0, out.stderr[-2000:]
+  imported = eval(out.stdout.strip().splitlines()[-1])  # (a list of module names)
+  assert "jax._src.pallas.mosaic_gpu.core" not in imported, imported
+  assert "jax._src.pallas.mosaic_gpu.pallas_call_registration" not in imported, imported

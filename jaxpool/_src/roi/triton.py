@@ -51,7 +51,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jaxpool._src.pallas.calls import out_struct
-from jaxpool._src.pallas.triton.tile import load, plgpu
+from jaxpool._src.pallas.triton.tile import compiler_params, load, plgpu
 
 F32 = jnp.float32
 I32 = jnp.int32
@@ -104,9 +104,7 @@ class _Lanes:
 
 
 def _call_kwargs(interpret: bool, warps: int = NUM_WARPS) -> dict:
-  if interpret or plgpu is None:
-    return {}
-  return {"compiler_params": plgpu.CompilerParams(num_warps=warps, num_stages=1)}
+  return {} if interpret else compiler_params(warps)
 
 
 # A sample loop of at most this many steps is unrolled; a longer one (the adaptive count's

@@ -81,7 +81,6 @@ from jaxpool._src.pallas.triton.backward import (PICK16_TAPS, backward_kernel, b
 from jaxpool._src.pallas.triton.config import Launch
 from jaxpool._src.pallas.triton.max import compare_dtype, max_kernel
 from jaxpool._src.pallas.triton.rows import row_blocks, rows_kernel, shares_planes
-from jaxpool._src.pallas.triton.tile import plgpu
 from jaxpool._src.pallas.tuning import model as launch_model
 from jaxpool._src.pallas.tuning import tuner as tuning
 from jaxpool._src.pallas.tuning.cache import Key, geometry_class
@@ -94,16 +93,9 @@ from jaxpool._src.windows import Geometry, taps_dtype
 
 # Triton's software pipelining depth (``num_stages``) for every kernel: 1, since most kernels
 # have no loop; the loops over the output planes (``rd = 0``) are the exception, and ran within
-# 2% with 2 or 3 stages (docs/tuning.md, docs/design/launches.md).
-def _compiler_params(num_warps: int):
-  if plgpu is None:
-    return None
-  return plgpu.CompilerParams(num_warps=num_warps, num_stages=1)
-
-
+# 2% with 2 or 3 stages (docs/tuning.md, docs/design/launches.md): ``tile.compiler_params``.
 def _call_kwargs(interpret: bool, num_warps: int):
-  return {} if interpret else {"compiler_params": _compiler_params(num_warps)}
-
+  return {} if interpret else tile.compiler_params(num_warps)
 
 
 # ----------------------------------------------------------------------------- views

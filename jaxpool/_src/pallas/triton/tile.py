@@ -9,6 +9,7 @@ builds the indexers; ``triton/ops.py`` explains the layout and calls the kernels
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any, NamedTuple
@@ -23,6 +24,30 @@ except ImportError:  # pragma: no cover - jaxlib without the Triton backend
   plgpu = None
 
 from jaxpool._src.windows import Geometry, window_count
+
+
+@functools.cache
+def _register_triton_lowering() -> None:
+  """Imports Pallas' Triton lowering for ``pallas_call`` before the first kernel is lowered.
+
+  Pallas registers that lowering when its module is first imported, and a ``pallas_call``
+  lowered for a GPU before then first tries Mosaic GPU's (importing it: about 0.2-0.3 s of a
+  first call, for kernels that never use it). Importing it here lets the lowering find the
+  Triton rule of the kernels' ``CompilerParams`` at once. A jax whose module is elsewhere
+  loses only that time."""
+  try:
+    import jax._src.pallas.triton.pallas_call_registration  # noqa: F401
+  except ImportError:  # pragma: no cover - another jax's layout
+    pass
+
+
+def compiler_params(num_warps: int) -> dict:
+  """The ``pallas_call`` keyword arguments of a compiled Triton kernel: ``num_warps`` warps,
+  one pipelining stage (no kernel has a loop that software pipelining would help)."""
+  if plgpu is None:  # pragma: no cover - jaxlib without the Triton backend
+    return {}
+  _register_triton_lowering()
+  return {"compiler_params": plgpu.CompilerParams(num_warps=num_warps, num_stages=1)}
 
 # Older Pallas had ``load``/``store`` at the top level; newer jax (and its type hints) has not.
 _pl_legacy: ModuleType = pl
