@@ -69,9 +69,8 @@ def warn_interpreter() -> None:
 MIN_COMPUTE_CAPABILITY = (8, 0)  # the Triton kernels' inline PTX (max.NaN, packed selects)
 
 
-def compute_capability() -> tuple[int, int] | None:
-  """The default device's CUDA compute capability, e.g. ``(9, 0)``; None where it has none."""
-  raw = getattr(jax.devices()[0], "compute_capability", None)
+def _capability(device) -> tuple[int, int] | None:
+  raw = getattr(device, "compute_capability", None)
   try:
     major, minor = str(raw).split(".")[:2]
     return int(major), int(minor)
@@ -79,13 +78,35 @@ def compute_capability() -> tuple[int, int] | None:
     return None
 
 
+def _oldest_gpu() -> tuple[tuple[int, int], str] | None:
+  """The lowest compute capability among the default platform's devices, with that device's
+  kind; None where no device has one (CPUs, TPUs)."""
+  try:
+    devices = jax.devices()
+  except RuntimeError:  # pragma: no cover - no backend at all
+    return None
+  found = [(cc, str(getattr(d, "device_kind", "this GPU")))
+           for d in devices if (cc := _capability(d)) is not None]
+  return min(found) if found else None
+
+
+def compute_capability() -> tuple[int, int] | None:
+  """The lowest CUDA compute capability among the default platform's devices, e.g. ``(9, 0)``
+  (a program runs on every one of them: a host with an sm_75 GPU beside an sm_90 one gets
+  ``(7, 5)``); None where they have none."""
+  oldest = _oldest_gpu()
+  return None if oldest is None else oldest[0]
+
+
 def old_gpu() -> str | None:
-  """Why the Triton kernels cannot run on this CUDA GPU (compute capability below 8.0), or
-  None. ``implementation=None`` takes XLA there; ``implementation="pallas"`` raises this."""
+  """Why the Triton kernels cannot run on this host's CUDA GPUs (one of compute capability
+  below 8.0, named), or None. ``implementation=None`` takes XLA there;
+  ``implementation="pallas"`` raises this."""
   cc = compute_capability()
   if cc is None or cc >= MIN_COMPUTE_CAPABILITY:
     return None
-  kind = getattr(jax.devices()[0], "device_kind", "this GPU")
+  oldest = _oldest_gpu()
+  kind = oldest[1] if oldest is not None and oldest[0] == cc else "this GPU"
   return (f"jaxpool's Triton kernels need an NVIDIA GPU of compute capability 8.0 (sm_80) or "
           f"newer; {kind} is {cc[0]}.{cc[1]}: use implementation='xla' (or "
           f"JAXPOOL_IMPLEMENTATION=xla)")

@@ -141,6 +141,27 @@ def test_a_gpu_older_than_sm80(fake_cuda, monkeypatch):
   assert dispatch.PALLAS_TRITON.not_default("cuda") is None
 
 
+class _FakeGpu:
+  def __init__(self, kind, cc):
+    self.device_kind, self.compute_capability = kind, cc
+
+
+def test_a_host_with_an_older_gpu_beside_a_newer_one(monkeypatch):
+  """The kernels run on every device of a program: a host whose second GPU is older than
+  sm_80 takes XLA by default, and the reason names that GPU. (Before, device 0 alone was
+  read: (9, 0) and no reason.)"""
+  devices = [_FakeGpu("NVIDIA H100 80GB HBM3", "9.0"), _FakeGpu("Tesla T4", "7.5")]
+  monkeypatch.setattr(platforms.jax, "devices", lambda *a: devices)
+  assert platforms.compute_capability() == (7, 5)
+  reason = platforms.old_gpu()
+  assert reason is not None and "Tesla T4 is 7.5" in reason
+  assert "compute capability 8.0" in dispatch.PALLAS_TRITON.not_default("cuda")
+  devices[1] = _FakeGpu("NVIDIA A100-SXM4-40GB", "8.0")
+  assert platforms.compute_capability() == (8, 0) and platforms.old_gpu() is None
+  monkeypatch.setattr(platforms.jax, "devices", lambda *a: [object()])  # (a CPU: no capability)
+  assert platforms.compute_capability() is None and platforms.old_gpu() is None
+
+
 # ----------------------------------------------------------------------------- the model
 
 

@@ -31,7 +31,7 @@ import numpy as np
 from jax.extend import core
 from jax.extend.core import primitives as prims
 
-from jaxpool._src import dispatch
+from jaxpool._src import dispatch, platforms
 from jaxpool._src.backend import Op
 from jaxpool._src.optimize import _jax_private
 from jaxpool._src.optimize.cost import kernels_by_default
@@ -83,14 +83,10 @@ def conv_is_channels_first(compute_capability: tuple[int, int], spatial_dims: in
 
 
 def compute_capability() -> tuple[int, int] | None:
-  """The compute capability of the first device of JAX's default platform, where it says one
-  (NVIDIA GPUs: ``"9.0"`` becomes ``(9, 0)``); None elsewhere. Tests replace this function."""
-  try:
-    cc = getattr(jax.devices()[0], "compute_capability", None)
-    major, minor = str(cc).split(".")[:2]
-    return int(major), int(minor)
-  except (RuntimeError, ValueError, IndexError, TypeError):
-    return None
+  """The lowest compute capability among the devices of JAX's default platform, where they
+  say one (NVIDIA GPUs: ``"9.0"`` becomes ``(9, 0)``); None elsewhere. Tests replace this
+  function."""
+  return platforms.compute_capability()
 
 
 def _cc_of_kernels(implementation) -> tuple[int, int] | None:
