@@ -49,7 +49,7 @@ import numpy as np
 from jax import lax
 
 from jaxpool._src.adaptive_plan import Plan, Table
-from jaxpool._src.dtypes import accumulator_dtype, beats, lowest, order_key
+from jaxpool._src.dtypes import accumulator_dtype, beats, exact_max, lowest, order_key
 from jaxpool._src.windows import spatial_axes as _spatial_axes
 
 
@@ -161,11 +161,14 @@ def _slot_mask_shape(ndim: int, ax: int, tab: Table) -> tuple[int, ...]:
 
 
 def _max_stages(x: jax.Array, plan: Plan) -> jax.Array:
-  """The adaptive max without the argmax (the inference path)."""
-  for ax, tab in plan.stages(x.ndim):
-    if tab.kind != "identity":
-      x = jnp.max(_split(x, ax, tab, lowest(x.dtype)), axis=ax + 1)
-  return x
+  """The adaptive max without the argmax (the inference path; NaN and signed zeros as
+  :func:`dtypes.exact_max` keeps them on a CPU)."""
+  def stages(v, low):
+    for ax, tab in plan.stages(v.ndim):
+      if tab.kind != "identity":
+        v = jnp.max(_split(v, ax, tab, low), axis=ax + 1)
+    return v
+  return exact_max(stages, x)
 
 
 def _argmax_stages(x: jax.Array, plan: Plan) -> tuple[jax.Array, tuple[Any, ...]]:
@@ -297,7 +300,7 @@ def _global_at(t: jax.Array, idx: jax.Array, n: int, channels_last: bool) -> jax
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))
 def global_max(x: jax.Array, n: int, channels_last: bool) -> jax.Array:
-  return jnp.max(x, axis=_spatial_axes(x.ndim, n, channels_last))
+  return exact_max(lambda v, _: jnp.max(v, axis=_spatial_axes(v.ndim, n, channels_last)), x)
 
 
 @global_max.defjvp

@@ -150,3 +150,41 @@ def order_key(v: Any) -> Any:
   b = lax.bitcast_convert_type(v, as_int)
   key = b ^ ((b >> (n - 1)) & top)  # (an arithmetic shift: all ones for negative values)
   return jnp.where(jnp.isnan(v), top, key)
+
+
+def from_order_key(key: Any, dtype) -> Any:
+  """The value of :func:`order_key`'s ``key`` as ``dtype`` (floats): its inverse, every NaN
+  becoming one quiet NaN."""
+  n = bits(key.dtype)
+  as_float = {32: jnp.float32, 64: jnp.float64}[n]
+  top = np.array((1 << (n - 1)) - 1, f"int{n}")
+  b = key ^ ((key >> (n - 1)) & top)  # (the same map: it is its own inverse)
+  return lax.bitcast_convert_type(b, as_float).astype(dtype)
+
+
+def _start_key(dtype) -> np.ndarray:
+  """:func:`order_key` of ``lowest(dtype)`` (a float dtype), computed in NumPy: a constant."""
+  low = lowest(dtype).astype(np.float32 if bits(dtype) < 32 else dtype)
+  n = bits(low.dtype)
+  b = low.view(f"int{n}")
+  return b ^ ((b >> (n - 1)) & np.array((1 << (n - 1)) - 1, f"int{n}"))
+
+
+def exact_max(reduce: Any, x: Any) -> Any:
+  """``reduce(x, lowest(x.dtype))``, a max reduction of ``x`` (``lax.reduce_window`` or
+  ``jnp.max`` with ``lax.max``, the second argument its start value), with the rules of
+  :func:`beats` on every platform: NaN wins, ``+0.0`` above ``-0.0``.
+
+  XLA:CPU's float max reductions break those rules on larger arrays (jax 0.10.2: a 2x2 stride-2
+  ``reduce_window`` of a (1, 36, 39, 5) float32 array dropped NaNs and returned ``-0.0``
+  beside ``+0.0``; ``jnp.max`` over an axis likewise): on a CPU the reduction runs on
+  :func:`order_key`'s integers, which it compares exactly, and the result is mapped back (a NaN
+  becomes one quiet NaN). Elsewhere ``x`` is reduced as it is.
+  Integers and bool are reduced as they are."""
+  if not jnp.issubdtype(x.dtype, jnp.floating):
+    return reduce(x, lowest(x.dtype))
+
+  def keyed(v):
+    return from_order_key(reduce(order_key(v), _start_key(v.dtype)), v.dtype)
+
+  return lax.platform_dependent(x, cpu=keyed, default=lambda v: reduce(v, lowest(v.dtype)))

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxpool._src.dtypes import lowest
+from jaxpool._src.dtypes import exact_max, lowest
 from jaxpool._src.windows import Geometry, tap_valid_1d, window_counts_1d
 
 def window_args(geom: Geometry, ndim: int, *, with_extra: bool = True):
@@ -230,12 +230,33 @@ def explicit_sharding(a: jax.Array):
 # ----------------------------------------------------------------------------- forwards
 
 
+def reads_windows_whole(geom: Geometry) -> bool:
+  """Whether max pooling without the taps reads each window whole (one ``lax.reduce_window``):
+  a window of at most ``SEPARABLE_TAPS`` taps, or windows that overlap fewer than 3 times a
+  dim (``3 * stride > window`` in every spatial dim), where each input element is read fewer
+  than ``3^d`` times whatever the window's size, and the stages of the separable form, one
+  pass over the data each, cost more than they save (on an H200 the separable forward ran
+  0.80-0.91x XLA's at 9x9/s4, 13x13/s6, 17x17/s8, 31x31/s15, 25x25/s25, 5x5x5/s2, 7x7x7/s3:
+  docs/large-windows.md)."""
+  return not is_separable(geom) or all(3 * s > k for k, s in zip(geom.window, geom.strides,
+                                                                  strict=True))
+
+
+def max_pool_reduce(x: jax.Array, geom: Geometry, init=None) -> jax.Array:
+  """Max pooling without the taps as XLA's float max reduces it, from ``init`` (default the
+  dtype's lowest): one ``lax.reduce_window``, or one a spatial dim for a separable window whose
+  windows overlap three times or more in a dim (:func:`reads_windows_whole`; the same values
+  either way: a maximum's order does not matter, ``+0.0`` above ``-0.0`` included)."""
+  init = lowest(x.dtype) if init is None else init
+  if not reads_windows_whole(geom):
+    return _reduce_by_dims(x, geom, init, lax.max)
+  return lax.reduce_window(x, init, lax.max, **window_args(geom, x.ndim))
+
+
 def max_pool_forward(x: jax.Array, geom: Geometry) -> jax.Array:
-  """Max pooling without the taps: one ``lax.reduce_window``, or one a spatial dim for a
-  separable window (:func:`is_separable`; the same values: a maximum's order does not matter)."""
-  if is_separable(geom):
-    return _reduce_by_dims(x, geom, lowest(x.dtype), lax.max)
-  return lax.reduce_window(x, lowest(x.dtype), lax.max, **window_args(geom, x.ndim))
+  """:func:`max_pool_reduce` with max pooling's rules on every platform
+  (:func:`dtypes.exact_max`: on a CPU it reduces integer order keys)."""
+  return exact_max(lambda v, low: max_pool_reduce(v, geom, low), x)
 
 
 def window_sum(x: jax.Array, geom: Geometry) -> jax.Array:

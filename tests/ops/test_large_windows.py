@@ -434,6 +434,27 @@ def test_the_separable_forward_is_a_reduce_window_per_dim():
   assert str(jaxpr).count("reduce_window_sum") == 2
 
 
+@pytest.mark.parametrize("window, strides, whole", [
+    ((13, 13), (6, 6), True), ((9, 9), (4, 4), True), ((31, 31), (31, 31), True),
+    ((5, 5, 5), (2, 2, 2), True), ((13, 13), (4, 4), False), ((7, 7), (2, 2), False),
+    ((13, 13), (6, 4), False), ((40,), (14,), True), ((40,), (13,), False),
+])
+def test_the_forward_without_taps_reads_windows_whole_where_they_overlap_little(
+    window, strides, whole, rng):
+  """Max pooling without the taps: one ``reduce_window`` where windows overlap fewer than 3
+  times in every dim (an element read fewer than 3^d times), a ``reduce_window`` a dim where
+  they overlap more; the reference's values either way (ties, NaN, infinities and signed
+  zeros). (Fails before: every window of more
+  than SEPARABLE_TAPS taps took one reduce_window a dim.)"""
+  shape = (2, *(k + 2 * s + 1 for k, s in zip(window, strides, strict=True)), 3)
+  x = jnp.asarray(_inputs(rng, shape))
+  f = lambda v: jp.max_pool(v, window, strides, padding="SAME")  # noqa: E731
+  assert str(jax.make_jaxpr(f)(x)).count("reduce_window_max") == (1 if whole else len(window))
+  expected = ref.max_pool(np.asarray(x), window, strides, "SAME")
+  assert_bitwise(f(x), expected)
+  assert_bitwise(jax.jit(f)(x), expected)
+
+
 @pytest.mark.parametrize("window, strides", [
     ((13, 13), (1, 1)), ((13, 13), (6, 6)), ((13, 13), (13, 13)), ((9, 9), (4, 4)),
     ((7, 7), (7, 7)), ((3, 3, 5), (1, 1, 1)), ((40,), (30,)), ((1, 40), (3, 2)),

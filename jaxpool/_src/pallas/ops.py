@@ -168,7 +168,7 @@ def _avg_backward_kernel(dy, geom, *, kernels, interpret, count_include_pad, div
 
 def _max_forward_xla(x, geom, *, kernels, interpret, activation):
   del kernels, interpret
-  return autodiff.apply_activation(xla.max_pool_forward(x, geom), None, activation)[0]
+  return autodiff.apply_activation(xla.max_pool_values(x, geom), None, activation)[0]
 
 
 def _max_forward_taps_xla(x, geom, *, kernels, interpret, activation):
