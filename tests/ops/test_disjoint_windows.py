@@ -143,7 +143,8 @@ def _check_against_separable(shape, kw, rng, dtype=np.float32, wide=False):
     # (the separable form's selects on a CPU drop bfloat16 NaN payloads: NaN as NaN)
     assert_bitwise(g, xla_separable.gather_at_taps(t, taps, geom))
     ct = jnp.asarray(_cotangents(rng, taps.shape, dtype))
-    grad = lambda gather: jax.jit(jax.linear_transpose(lambda v: gather(v, taps, geom), t))(ct)
+    grad = lambda gather, t=t, taps=taps, ct=ct: jax.jit(
+        jax.linear_transpose(lambda v: gather(v, taps, geom), t))(ct)
     dx = grad(xla.gather_at_taps)[0]
     assert_same_bits(dx, _np_scatter(np.asarray(ct), np.asarray(taps), geom))
     assert_bitwise(dx, grad(xla_separable.gather_at_taps)[0])
