@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxpool._src import xla_disjoint, xla_separable, xla_taps
+from jaxpool._src import xla_separable, xla_taps
 from jaxpool._src.autodiff import MaxPoolOps, apply_activation
 from jaxpool._src.dtypes import accumulator_dtype, beats, lowest
 from jaxpool._src.linear import LinearPair
@@ -59,13 +59,10 @@ def max_pool_taps(x: jax.Array, geom: Geometry,
   ``mask`` (bool, broadcastable to ``x``; None: every element) is False. A window with no real
   (unmasked) element gives ``y = lowest`` and ``taps = -1``.
 
-  A window of more than ``SEPARABLE_TAPS`` taps runs separably (``xla_separable.py``), or,
-  where no two windows overlap, as one reduction over the windows (``xla_disjoint.py``), with
+  A window of more than ``SEPARABLE_TAPS`` taps runs separably (``xla_separable.py``), with
   the same bits; :func:`direct_max_pool_taps` is the tap loop over the whole window.
   """
   if is_separable(geom):
-    if xla_disjoint.is_disjoint(geom):
-      return xla_disjoint.max_pool_taps(x, geom, mask)
     return xla_separable.max_pool_taps(x, geom, mask)
   return direct_max_pool_taps(x, geom, mask)
 
@@ -105,13 +102,9 @@ def gather_at_taps(t: jax.Array, taps: jax.Array, geom: Geometry,
   gather is a pair of jaxpool primitives (:data:`GATHER`) whose transpose on a CPU is
   :func:`scatter_to_taps`; elsewhere JAX transposes :func:`_gather_at_taps` by itself. A
   separable window (more than ``SEPARABLE_TAPS`` taps) gathers one dim at a time
-  (``xla_separable.gather_at_taps``), whose transpose sums in that form's order; where no two
-  windows overlap, it selects from a view of the windows (``xla_disjoint.gather_at_taps``),
-  whose transpose has no sums (the same bits).
+  (``xla_separable.gather_at_taps``), whose transpose sums in that form's order.
   """
   if is_separable(geom):
-    if xla_disjoint.is_disjoint(geom):
-      return xla_disjoint.gather_at_taps(t, taps, geom)
     return xla_separable.gather_at_taps(t, taps, geom)
   if (geom.num_taps <= xla_taps.UNROLL_TAPS and explicit_sharding(taps) is None
       and explicit_sharding(t) is None):

@@ -36,9 +36,6 @@ it.
 
 Average pooling's sums (and their tangents) run the same way, one dim at a time, in the
 accumulator dtype; their rounding differs from the direct sums' within float32 rounding.
-
-Max and min pooling of windows that cannot overlap (span at most the stride in every dim) run
-``xla_disjoint.py`` instead (``xla.py`` routes them), with these functions' bits.
 """
 
 from __future__ import annotations
