@@ -10,6 +10,12 @@ file; the whole sweep takes about 10 minutes of GPU time, the issue's budget is 
   python3 benchmarks/windows_gpu.py --parts spp                      # 40 s (H200, 29 Nov)
   python3 benchmarks/windows_gpu.py --parts 3d_target,sppf           # ~90 s
 
+``--strides`` and ``--windows`` measure only some cells of the sweep parts again, each kept in
+its place in the file (the other cells stay): the cells of stride equal to the window, say::
+
+  python3 benchmarks/windows_gpu.py --parts 2d_float32,2d_bfloat16,3d_float32,3d_bfloat16 \
+      --strides k
+
 The time of a part: about 10 s to start (JAX, the copy bandwidth), about 0.6 s to compile each
 timed function (4 a cell), and per function and round 13 calls to warm up plus ``--reps``
 samples of at least 5 ms and at least ``--inner`` calls each: a function of T ms costs
@@ -117,11 +123,25 @@ ROW_PARTS = ("spp", "3d_target", "sppf")  # (each a list of rows under its own k
 PARTS = SWEEP_PARTS + ROW_PARTS
 SLOWER = 0.95  # a cell below this ratio is rerun once before it counts
 QUICK = False  # (--quick: strides 1 and k only, float32 only in the row parts)
+# (--windows, --strides: only these cells of the sweep parts; None: every cell)
+PICK: tuple[frozenset[int], tuple[str, ...]] | None = None
 
 
 def strides_for(k: int) -> list[int]:
   """{1, 2, k // 2, k}, each once, at least 1 (with ``--quick``: {1, k})."""
   return sorted({max(1, s) for s in ((1, k) if QUICK else (1, 2, k // 2, k))})
+
+
+def picked(k: int, s: int) -> bool:
+  """Whether the cell of window ``k`` and stride ``s`` runs (``--windows``, ``--strides``:
+  each stride selector an int, ``k`` or ``k//2``)."""
+  if PICK is None:
+    return True
+  windows, strides = PICK
+  stride_of = {"k": k, "k//2": max(1, k // 2)}
+  return ((not windows or k in windows)
+          and (not strides or any(stride_of.get(sel, None) == s
+                                  or (sel.isdigit() and int(sel) == s) for sel in strides)))
 
 
 def xla_max(x, window, strides):
@@ -200,6 +220,8 @@ def sweep(part: str, shape, windows, rounds: int) -> list[dict]:
   rows = []
   for k in windows:
     for s in strides_for(k):
+      if not picked(k, s):
+        continue
       window, strides = (k,) * n, (s,) * n
       out_shape = make_geometry(shape, window, strides, "SAME").output_shape(shape)
       dy = jax.random.normal(jax.random.fold_in(key, k * 100 + s), out_shape,
@@ -385,6 +407,11 @@ def _main(argv, defaults) -> int:
                   help="at least this many calls a sample (default %(default)s; 3 makes the "
                   "slow functions' samples cheaper)")
   ap.add_argument("--quick", action="store_true", help="tiny shapes, few windows and samples")
+  ap.add_argument("--windows", default="", help="comma-separated windows k: only their cells "
+                  "of the sweep parts (the file's other cells are kept)")
+  ap.add_argument("--strides", default="", help="comma-separated strides, each an int, k or "
+                  "k//2 (e.g. k: the cells of stride equal to the window): only those cells of "
+                  "the sweep parts (the file's other cells are kept)")
   ap.add_argument("--out", default=None, help="the JSON file (default: benchmarks/results/"
                   f"{d['script']}_<device>.json); cells of other parts already there are kept")
   a = ap.parse_args(argv)
@@ -396,8 +423,15 @@ def _main(argv, defaults) -> int:
     ap.error(f"--rounds, --reps and --inner must be at least 1, got {a.rounds}, {a.reps} and "
              f"{a.inner}")
   pooling_gpu.REPS, pooling_gpu.INNER = a.reps, a.inner
-  global QUICK
+  global QUICK, PICK
   QUICK = a.quick
+  strides = tuple(t.strip() for t in a.strides.split(",") if t.strip())
+  bad = [t for t in strides if t not in ("k", "k//2") and not t.isdigit()]
+  if bad or not all(t.strip().isdigit() for t in a.windows.split(",") if t.strip()):
+    ap.error(f"--strides takes ints, k or k//2 and --windows ints; got {a.strides!r} and "
+             f"{a.windows!r}")
+  windows = frozenset(int(t) for t in a.windows.split(",") if t.strip())
+  PICK = (windows, strides) if windows or strides else None
   if a.quick:
     d.update(windows_2d=(7,), windows_3d=(4,), shape_2d=(2, 12, 12, 4),
              shape_3d=(1, 6, 6, 6, 2), spp_shape=(1, 13, 13, 4), spp_windows=(5, 9),
@@ -431,7 +465,12 @@ def _main(argv, defaults) -> int:
     else:
       n = int(part[0])
       cells = sweep(part, d[f"shape_{n}d"], d[f"windows_{n}d"], a.rounds)
-      result["cells"] = [c for c in result["cells"] if c["part"] != part] + cells
+      key = lambda c: (c["part"], tuple(c["window"]), tuple(c["strides"]))
+      new = {key(c): c for c in cells}
+      old = [c for c in result["cells"] if c["part"] != part
+             or not picked(c["window"][0], c["strides"][0]) or key(c) in new]
+      # (a cell measured again keeps its place; the part's other cells stay unless dropped)
+      result["cells"] = [new.pop(key(c), c) for c in old] + list(new.values())
     part_seconds[part] = {"seconds": round(time.time() - t_part, 1), "timer": timer,
                           "time": time.strftime("%Y-%m-%d %H:%M:%S")}
     print(f"{part}: {part_seconds[part]['seconds']} s", flush=True)

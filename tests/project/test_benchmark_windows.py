@@ -93,6 +93,22 @@ def test_parts_merge_into_one_file(tmp_path):
   assert parts == ["2d_float32"] * 2 + ["3d_float32"] * 2, parts
 
 
+@pytest.mark.slow
+def test_a_rerun_of_some_strides_keeps_the_other_cells(tmp_path):
+  """``--strides k`` (the cells whose stride is the window) measures those cells again, in
+  their place; the others stay as they were."""
+  out = tmp_path / "windows.json"
+  assert windows_cpu.main(["--quick", "--parts", "2d_float32", "--out", str(out)]) == 0
+  before = json.loads(out.read_text())["cells"]
+  assert windows_cpu.main(["--quick", "--parts", "2d_float32", "--strides", "k", "--out",
+                           str(out)]) == 0
+  after = json.loads(out.read_text())["cells"]
+  _check_cells(after, "2d_float32")
+  assert after[0] == before[0] and after[1] != before[1]
+  with pytest.raises(SystemExit):
+    windows_cpu.main(["--quick", "--strides", "half"])
+
+
 @pytest.mark.slow  # (about 5 s: the quick 3-D target)
 def test_a_run_cut_short_keeps_its_finished_parts(tmp_path, monkeypatch):
   out = tmp_path / "windows.json"
