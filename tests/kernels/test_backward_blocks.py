@@ -52,9 +52,10 @@ def _cotangent(rng, shape):
   return jnp.asarray(dy.reshape(shape))
 
 
-# (`make test` runs both layouts' column paths, the hypothesis test's explicit 3-D example blocks
-# in depth; `make test-all` every case)
-@pytest.mark.parametrize("name", [n if n in ("2d_last", "2d_first_ceil")
+# (`make test` runs the channels_first column path with ceil mode, the hypothesis test's explicit
+# examples (blocks in height, and in depth and height) and 3 drawn ones; `make test-all` every
+# case, 2d_last's channels_last column path included)
+@pytest.mark.parametrize("name", [n if n == "2d_first_ceil"
                                   else pytest.param(n, marks=pytest.mark.slow) for n in CASES])
 def test_every_backward_block_gives_the_bits_of_one_block(name):
   """Max pooling (tie-rich input: many windows choose the same element) and average pooling
@@ -110,7 +111,7 @@ def _example(shape, window, strides, padding, fmt, launch):
   return cfg, launch, 3
 
 
-@hypothesis.settings(max_examples=6, deadline=None, derandomize=True,
+@hypothesis.settings(max_examples=3, deadline=None, derandomize=True,
                      suppress_health_check=list(hypothesis.HealthCheck))
 @hypothesis.given(_cases())
 # (besides the drawn ones: blocks that share tiles in height, and in depth and height)

@@ -41,10 +41,11 @@ def _signed_zeros(x):
   return jnp.asarray(flat.reshape(x.shape))
 
 
-# (the 3-D case, the longest, in `make test-all`: a 3-D block of 2 x 2 rows meets the NumPy
-# reference below)
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n.startswith("3d")
-                                  else n for n in CASES])
+# (`make test` runs the channels_first case with ceil mode and the 1-D one; `make test-all` the
+# 2-D channels_last and the 3-D cases too: the hypothesis test's examples below put 3-D blocks of
+# 2 x 2 rows and channels_last ones against the NumPy reference in `make test`)
+@pytest.mark.parametrize("name", [n if n in ("2d_first_ceil", "1d_last")
+                                  else pytest.param(n, marks=pytest.mark.slow) for n in CASES])
 def test_every_block_of_rows_gives_the_bits_of_the_xla_path(name):
   shape, window, strides, padding, ceil_mode, fmt = CASES[name]
   geom = windows.make_geometry(shape, window, strides, padding, None, ceil_mode, fmt)
@@ -100,7 +101,7 @@ def _example(shape, window, strides, padding, ceil_mode, fmt, launch, dtype):
   return cfg, geom, launch, dtype, 7
 
 
-@hypothesis.settings(max_examples=8, deadline=None, derandomize=True,
+@hypothesis.settings(max_examples=4, deadline=None, derandomize=True,
                      suppress_health_check=list(hypothesis.HealthCheck))
 @hypothesis.given(_separable_cases(), st.booleans())
 # (besides the drawn ones: planes and rows that overlap, blocks of 2 x 2 and 1 x 4 rows)
@@ -367,11 +368,10 @@ def _avg_launches(geom):
   return launches
 
 
-# (`make test` runs the 2-D cases and 3-D float32 of the last layout, about 30 s each in
-# interpret mode; `make test-all` every case)
+# (`make test` runs the 2-D cases; `make test-all` the 3-D ones too, about 30 s each in interpret
+# mode)
 @pytest.mark.parametrize("name,dtype", [
-    pytest.param(n, d, marks=[pytest.mark.slow] if n.startswith("3d") and (
-        n != "3d_last" or d == jnp.bfloat16) else [])
+    pytest.param(n, d, marks=[pytest.mark.slow] if n.startswith("3d") else [])
     for n in AVG_CASES for d in (jnp.float32, jnp.bfloat16)
     if d == jnp.float32 or n in ("3d_last", "2d_last")])
 def test_average_blocks_give_the_bits_of_one_row(name, dtype):

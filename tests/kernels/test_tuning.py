@@ -126,9 +126,11 @@ def _check_every_candidate(rng, case, dtype, interpret, ops=triton.OPS):
   return tried
 
 
+@pytest.mark.slow
 def test_every_candidate_gives_the_same_bits_interpret_max(rng):
   # (the tie rule, the blocks of rows and the backward's order; every kernel and layout: the
-  # slow tests below)
+  # slow tests below. `make test` runs the blocks of rows against one row in
+  # test_row_blocks.py and test_backward_blocks.py instead, about 40 s less)
   g = windows.make_geometry(*BIT_CASES[0][:5], data_format=BIT_CASES[0][5]).lift(3)
   assert config.separable(g)  # (so the max forwards run their blocks of rows too)
   assert _check_every_candidate(rng, BIT_CASES[0], jnp.float32, True,

@@ -32,7 +32,7 @@ SCRIPT = Path(__file__).with_name("partition_checks.py")
 GROUPS = [
     ("auto/batch/", 6, False),
     ("auto/batch+channels/", 4, False),
-    ("auto/3d_depth/", 3, False),
+    ("auto/3d_depth/", 2, False),
     ("auto/channels_first/batch+channels/", 4, True),
     ("auto/vmap_grad", 1, False),
     ("auto/3d_depth+height/", 9, True),
