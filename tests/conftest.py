@@ -5,6 +5,7 @@ Warnings are errors through ``filterwarnings`` in pyproject.toml.
 """
 
 import collections
+import os
 import time
 import zlib
 from pathlib import Path
@@ -46,6 +47,10 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
+  # Hypothesis tests read this at import for how many examples to draw (support/tiers.py):
+  # fewer in `make test` (-m "not gpu and not slow"), all of them in `make test-all`.
+  os.environ["POOL_TESTS_QUICK"] = "1" if "not slow" in (config.getoption("markexpr") or "") \
+      else "0"
   # The controller prints (an xdist worker's output is not shown); plain pytest prints too.
   if config.getoption("--file-progress") and not hasattr(config, "workerinput"):
     config.pluginmanager.register(FileProgress(config), "jaxpool-file-progress")

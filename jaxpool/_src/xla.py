@@ -251,17 +251,15 @@ def max_pool_values(x: jax.Array, geom: Geometry) -> jax.Array:
   (:func:`dtypes.beats`) keep the rules and give the values the gradient's forward gives; it
   ran about as fast as ``lax.reduce_window`` there or faster ((16, 64, 64, 64) float32: 2x2/s2
   0.68 against 0.57 ms, 3x3/s1 2.7 against 10.3 ms, 3x3/s2 0.9 against 2.7 ms). An output
-  dim longer than ``FOLD_MAX_OUT`` reduces integer keys instead (:func:`xla_taps.max_pool_forward`),
-  so that no host constant grows with the input. The CPU's form is traced only where the
-  default backend is a CPU (``lax.platform_dependent`` then picks it when the program is
-  lowered for one), so a GPU's first call does not trace it."""
-  if jax.default_backend() != "cpu":
-    return max_pool_reduce(x, geom)
-  if max(geom.out_spatial, default=0) > FOLD_MAX_OUT:
-    cpu = lambda v: max_pool_forward(v, geom)  # noqa: E731
-  else:
-    cpu = lambda v: max_pool_taps(v, geom)[0]  # noqa: E731
-  return lax.platform_dependent(x, cpu=cpu, default=lambda v: max_pool_reduce(v, geom))
+  dim longer than ``FOLD_MAX_OUT`` reduces integer keys instead
+  (:func:`xla_taps.max_pool_forward`), so that no host constant grows with the input; so does
+  a program for a CPU traced where the default backend is not one (a GPU host's CPU device,
+  an export for several platforms), so that a GPU's first call does not trace the tap loop.
+  ``lax.platform_dependent`` picks the form when the program is lowered."""
+  default = lambda v: max_pool_reduce(v, geom)  # noqa: E731
+  if jax.default_backend() == "cpu" and max(geom.out_spatial, default=0) <= FOLD_MAX_OUT:
+    return lax.platform_dependent(x, cpu=lambda v: max_pool_taps(v, geom)[0], default=default)
+  return lax.platform_dependent(x, cpu=lambda v: max_pool_forward(v, geom), default=default)
 
 
 def _forward(x: jax.Array, geom: Geometry, activation: str | None) -> jax.Array:

@@ -21,6 +21,7 @@ from jaxpool._src import windows, xla
 from jaxpool._src.pallas.triton import config
 from jaxpool._src.pallas.triton import ops as triton
 from jaxpool._src.pallas.tuning import tuner as tuning
+from tiers import draws
 
 # (shape, window, strides, padding, dilation, ceil_mode, data_format): odd sizes, so blocks of
 # rows and columns overhang the input.
@@ -111,7 +112,7 @@ def _example(shape, window, strides, padding, fmt, launch):
   return cfg, launch, 3
 
 
-@hypothesis.settings(max_examples=3, deadline=None, derandomize=True,
+@hypothesis.settings(max_examples=draws(6, 3), deadline=None, derandomize=True,
                      suppress_health_check=list(hypothesis.HealthCheck))
 @hypothesis.given(_cases())
 # (besides the drawn ones: blocks that share tiles in height, and in depth and height)

@@ -23,6 +23,7 @@ from jaxpool._src import settings, windows, xla
 from jaxpool._src.pallas.triton import config
 from jaxpool._src.pallas.triton import ops as triton
 from jaxpool._src.pallas.tuning import tuner as tuning
+from tiers import draws
 
 # (shape, window, strides, padding, ceil_mode, data_format): odd sizes, so blocks of rows and
 # columns overhang the output.
@@ -101,7 +102,7 @@ def _example(shape, window, strides, padding, ceil_mode, fmt, launch, dtype):
   return cfg, geom, launch, dtype, 7
 
 
-@hypothesis.settings(max_examples=4, deadline=None, derandomize=True,
+@hypothesis.settings(max_examples=draws(8, 4), deadline=None, derandomize=True,
                      suppress_health_check=list(hypothesis.HealthCheck))
 @hypothesis.given(_separable_cases(), st.booleans())
 # (besides the drawn ones: planes and rows that overlap, blocks of 2 x 2 and 1 x 4 rows)

@@ -266,12 +266,16 @@ def test_a_broken_table_names_its_file():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_gpu_whole_window_forward_bits(dtype):
-  """What the registry would need before it sends a forward-only large window to one
-  ``lax.reduce_window`` where the table finds XLA's forward faster (it does not:
-  docs/large-windows.md, "Forward-only calls"): the same bits as jaxpool's separable forward
-  (one reduce_window a dim) on zeros of both signs, subnormals, infinities and NaN (as NaN)."""
+  """What jaxpool's forward without taps relies on where it takes one whole-window
+  ``lax.reduce_window`` (``xla_taps.reads_windows_whole``: windows overlapping fewer than 3
+  times a dim) and where the registry would send a forward-only large window to XLA: the same
+  bits as the separable form (one ``reduce_window`` a dim, called directly) on zeros of both
+  signs, subnormals, infinities and NaN (as NaN)."""
   import numpy as np
   from core_strategies import assert_bitwise
+
+  from jaxpool._src import xla_taps
+  from jaxpool._src.windows import make_geometry
   if jax.default_backend() != "gpu":
     pytest.skip("needs a GPU")
   rng = np.random.default_rng(0)
@@ -280,6 +284,7 @@ def test_gpu_whole_window_forward_bits(dtype):
   x = x.astype(dtype)
   for k, s in [(7, 1), (9, 2), (13, 13), (17, 8), (25, 25)]:
     whole = jax.jit(pool(k, s))(x)
-    separable = jax.jit(lambda v, k=k, s=s: jaxpool.max_pool(v, (k, k), (s, s), "SAME",
-                                                             implementation="xla"))(x)
+    geom = make_geometry(x.shape, (k, k), (s, s), "SAME")
+    separable = jax.jit(lambda v, geom=geom: xla_taps._reduce_by_dims(
+        v, geom, xla_taps.lowest(v.dtype), lax.max))(x)
     assert_bitwise(whole, separable, f"{k}x{k}/s{s} {dtype}")

@@ -31,10 +31,10 @@ def _register_triton_lowering() -> None:
   """Imports Pallas' Triton lowering for ``pallas_call`` before the first kernel is lowered.
 
   Pallas registers that lowering when its module is first imported, and a ``pallas_call``
-  lowered for a GPU before then first tries Mosaic GPU's (importing it: about 0.2-0.3 s of a
-  first call, for kernels that never use it). Importing it here lets the lowering find the
-  Triton rule of the kernels' ``CompilerParams`` at once. A jax whose module is elsewhere
-  loses only that time."""
+  lowered for a GPU before then first tries Mosaic GPU's with jax 0.10 (importing it: 0.2-0.5 s
+  of a first call, for kernels that never use it; jax 0.11 tries Triton's first). Importing it
+  here lets the lowering find the Triton rule of the kernels' ``CompilerParams`` at once. A jax
+  whose module is elsewhere loses only that time."""
   try:
     import jax._src.pallas.triton.pallas_call_registration  # noqa: F401
   except ImportError:  # pragma: no cover - another jax's layout
