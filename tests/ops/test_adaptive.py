@@ -26,8 +26,9 @@ import jaxpool
 from jaxpool._src import adaptive as _adaptive
 from jaxpool._src import adaptive_plan as _plan
 from jaxpool._src import adaptive_xla as _stages
+from tiers import draws
 
-SETTINGS = hypothesis.settings(max_examples=8, deadline=None, derandomize=True,
+SETTINGS = hypothesis.settings(max_examples=draws(8, 4), deadline=None, derandomize=True,
                                suppress_health_check=[hypothesis.HealthCheck.too_slow])
 E = re.escape
 

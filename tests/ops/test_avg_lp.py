@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 import reference as ref
 from core_strategies import assert_same_bits, jp, pool_configs, split, tie_rich, tol
+from tiers import draws
 
-SETTINGS = hypothesis.settings(max_examples=10, deadline=None, derandomize=True,
+SETTINGS = hypothesis.settings(max_examples=draws(10, 5), deadline=None, derandomize=True,
                                suppress_health_check=[hypothesis.HealthCheck.too_slow])
 
 GRID = [
@@ -167,7 +168,7 @@ def test_lp_pool_grid(case, p, rng):
   assert_same_bits(_grad_of(lambda v: jp.lp_pool(v, p, **kw), x, dy), dx)
 
 
-@hypothesis.settings(SETTINGS, max_examples=8)
+@hypothesis.settings(SETTINGS, max_examples=draws(8, 4))
 @hypothesis.given(cfg=pool_configs(), seed=st.integers(0, 2**31 - 1),
                   p=st.sampled_from([1.0, 1.25, 2.0, 2.5, 4.0]))
 def test_lp_pool_property(cfg, seed, p):

@@ -9,8 +9,9 @@ import pytest
 import reference as ref
 from core_strategies import (assert_bitwise, assert_same_bits, jp, pool_configs, split, tie_rich,
                              unique_values)
+from tiers import draws
 
-SETTINGS = hypothesis.settings(max_examples=12, deadline=None, derandomize=True,
+SETTINGS = hypothesis.settings(max_examples=draws(12, 6), deadline=None, derandomize=True,
                                suppress_health_check=[hypothesis.HealthCheck.too_slow])
 
 

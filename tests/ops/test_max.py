@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 import reference as ref
 from core_strategies import assert_bitwise, assert_same_bits, jp, pool_configs, split, tie_rich
+from tiers import draws
 
-SETTINGS = hypothesis.settings(max_examples=12, deadline=None, derandomize=True,
+SETTINGS = hypothesis.settings(max_examples=draws(12, 6), deadline=None, derandomize=True,
                                suppress_health_check=[hypothesis.HealthCheck.too_slow])
 
 # (shape, window, strides, padding, dilation, ceil_mode, data_format)
@@ -236,7 +237,7 @@ def test_no_batch_dims_and_many_batch_dims(rng):
   assert_bitwise(jp.max_pool(x, (2, 2)), ref.max_pool(x, (2, 2)))
 
 
-@hypothesis.settings(SETTINGS, max_examples=6)
+@hypothesis.settings(SETTINGS, max_examples=draws(6, 3))
 @hypothesis.given(cfg=pool_configs(), seed=st.integers(0, 2**31 - 1))
 def test_cpu_phase_backward_is_jax_transpose(cfg, seed):
   """On a CPU the gradient is the transpose written by stride phase (``xla.scatter_to_taps``):

@@ -23,6 +23,7 @@ from core_strategies import assert_bitwise, jp, pool_configs, split, tie_rich, t
 from hypothesis import HealthCheck, given, settings
 
 import jaxpool
+from tiers import draws
 
 # (shape, window, strides, padding, dilation, ceil_mode, data_format): 1-D and 2-D, both
 # layouts, batch dims, padding, dilation and the ceil-mode overhang.
@@ -281,11 +282,11 @@ def test_large_window_loop_path(rng):
 
 PROPERTY = dict(cfg=pool_configs(max_nspatial=2), seed=st.integers(0, 2**31 - 1),
                 op=st.sampled_from(["max", "min", "avg"]), masked=st.booleans())
-PROPERTY_SETTINGS = settings(max_examples=25, deadline=None,
+PROPERTY_SETTINGS = settings(max_examples=draws(25, 12), deadline=None,
                              suppress_health_check=[HealthCheck.too_slow])
 
 
-@settings(PROPERTY_SETTINGS, max_examples=12)
+@settings(PROPERTY_SETTINGS, max_examples=draws(12, 6))
 @given(**PROPERTY)
 def test_property_against_reference(cfg, seed, op, masked):
   _check_property(cfg, seed, op, masked)

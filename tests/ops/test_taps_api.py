@@ -13,8 +13,9 @@ import reference as ref
 from core_strategies import assert_bitwise, assert_same_bits, pool_configs, split, tie_rich
 
 import jaxpool
+from tiers import draws
 
-SETTINGS = hypothesis.settings(max_examples=12, deadline=None, derandomize=True,
+SETTINGS = hypothesis.settings(max_examples=draws(12, 6), deadline=None, derandomize=True,
                                suppress_health_check=[hypothesis.HealthCheck.too_slow])
 
 # (shape, window, strides, padding, dilation, ceil_mode, data_format)
@@ -72,7 +73,7 @@ PROPERTY = dict(cfg=pool_configs(), seed=st.integers(0, 2**31 - 1),
                 activation=st.sampled_from([None, "relu"]))
 
 
-@hypothesis.settings(SETTINGS, max_examples=6)
+@hypothesis.settings(SETTINGS, max_examples=draws(6, 3))
 @hypothesis.given(**PROPERTY)
 def test_taps_property(cfg, seed, activation):
   _check_taps_property(cfg, seed, activation)

@@ -19,6 +19,7 @@ from core_strategies import assert_bitwise, jp
 from hypothesis import given, settings
 
 from jaxpool._src import windows, xla
+from tiers import draws
 
 E = re.escape
 
@@ -205,7 +206,7 @@ def test_lp_pool_gradient_is_never_nan_for_finite_input():
     assert not np.any(np.isnan(np.asarray(g))), p
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=draws(40, 20), deadline=None)
 # (From 1e-37: XLA on a CPU flushes float32 subnormals to zero, below 1.2e-38.)
 @given(p=st.sampled_from([1.0, 1.5, 2.0, 3.0, 8.0]), exponent=st.integers(-37, 36),
        seed=st.integers(0, 2**16))
@@ -334,14 +335,14 @@ def extreme_configs(draw):
                                              dilation=dilation, ceil_mode=ceil_mode), dtype
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=draws(12, 6), deadline=None)
 @given(cfg=extreme_configs(), seed=st.integers(0, 2**16))
 def test_extreme_configs_match_reference(cfg, seed):
   _check_extreme_config(cfg, seed)
 
 
 @pytest.mark.slow  # (`make test` runs 12 examples: test_extreme_configs_match_reference)
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=draws(30, 15), deadline=None)
 @given(cfg=extreme_configs(), seed=st.integers(0, 2**16))
 def test_extreme_configs_match_reference_more_examples(cfg, seed):
   _check_extreme_config(cfg, seed)
@@ -369,7 +370,7 @@ def _check_extreme_config(cfg, seed):
     assert_bitwise(dx, ref.max_pool_grad(x, dy, window, **kw).astype(dtype))
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=draws(40, 20), deadline=None)
 @given(cfg=extreme_configs())
 def test_window_counts_closed_form(cfg):
   shape, window, kw, _ = cfg
