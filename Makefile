@@ -30,8 +30,8 @@ lint: $(STAMP)
 # fixture (test_sharding.py's 8-device subprocess) runs once; --no-loadscope-reorder: the workers
 # take the files in the collection order, which starts the longest ones (tests/conftest.py).
 # --file-progress (tests/conftest.py): a line when a file starts and when it is done, with the
-# time since the start, since the first files' tests end only after minutes. About 15 minutes
-# on 2 cores (pytest 13 to 15).
+# time since the start, since the first files' tests end only after minutes. About 12 minutes
+# on 2 cores (pytest about 11).
 test: PYTEST_MARKS = not gpu and not slow
 test-all: PYTEST_MARKS = not gpu
 # XLA_FLAGS: the tests compile many small programs and run each briefly, so XLA's CPU backend
