@@ -1,9 +1,10 @@
 """The XLA backend: pooling on ``lax.reduce_window`` and tap loops, and its derivatives.
 
 Max pooling plugs three functions into the shared rule (:mod:`jaxpool._src.autodiff`): the
-forward is ``lax.reduce_window`` (the inference path, nothing kept); the forward with taps runs a
-tap loop that finds each window's winner (an int8 tap offset where the window has at most 127
-taps); the gather picks the tangent at the winner with ``lax.select_n``. That gather is linear in
+forward is ``lax.reduce_window`` (the inference path, nothing kept; on a CPU the tap loop's
+values, :func:`max_pool_values`); the forward with taps runs a tap loop that finds each window's
+winner (an int8 tap offset where the window has at most 127 taps); the gather picks the tangent
+at the winner with ``lax.select_n``. That gather is linear in
 the tangent; its transpose is the max-pool gradient, a scatter-add in which each input element
 sums, in a fixed tap order, the cotangents of the windows that chose it. No atomics, so the bits
 are the same on every run. On a CPU that transpose is written by stride phase
@@ -281,7 +282,7 @@ def _masked_forward(xm: tuple[jax.Array, jax.Array], geom: Geometry,
                     activation: str | None) -> jax.Array:
   # Masked elements replaced by the identity cannot change a window's maximum, so the value
   # equals the value at the tap loop's winner (lowest where no unmasked element): one
-  # reduce_window, with nothing kept, serves inference.
+  # reduce_window (on a CPU the tap loop's values), with nothing kept, serves inference.
   x, mask = xm
   kept = jnp.where(jnp.broadcast_to(mask, x.shape), x, lowest(x.dtype))
   return apply_activation(max_pool_values(kept, geom), None, activation)[0]
