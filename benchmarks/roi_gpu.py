@@ -152,6 +152,13 @@ def same_bits(fn, args, runs):
 # ----------------------------------------------------------------------------- the cases
 
 
+# Mask R-CNN's shapes (the issue's): FPN P2-P5 of 2 images of 800x1216, 256 channels, 512 regions
+# an image, the box head's 7x7 and the mask head's 14x14 grids, 10 samples a timing. Also
+# benchmarks/roi_tiles_gpu.py's.
+MASK_RCNN = dict(batch=2, image=(800, 1216), channels=256, per_image=512,
+                 sizes=[(7, 7), (14, 14)], reps=10)
+
+
 def make_case(rng, batch, image, channels, per_image, dtype):
   h, w = image
   feats = [rng.standard_normal((batch, h // s, w // s, channels)).astype(np.float32)
@@ -276,14 +283,12 @@ def main():
   ap.add_argument("--out", help="the JSON's path (default: benchmarks/results/roi_gpu_...)")
   args = ap.parse_args()
   dev = jax.devices()[0]
-  if args.quick:
-    batch, image, channels, per_image, sizes, dtypes, reps = 1, (128, 192), 8, 16, [(7, 7)], \
-        [jnp.float32], 3
-    copy_n = 4 * 1024 * 1024
-  else:
-    batch, image, channels, per_image, sizes, dtypes, reps = 2, (800, 1216), 256, 512, \
-        [(7, 7), (14, 14)], [jnp.float32, jnp.bfloat16], 10
-    copy_n = 256 * 1024 * 1024
+  case = (dict(batch=1, image=(128, 192), channels=8, per_image=16, sizes=[(7, 7)], reps=3)
+          if args.quick else MASK_RCNN)
+  batch, image, channels, per_image, sizes, reps = (
+      case[k] for k in ("batch", "image", "channels", "per_image", "sizes", "reps"))
+  dtypes = [jnp.float32] if args.quick else [jnp.float32, jnp.bfloat16]
+  copy_n = (4 if args.quick else 256) * 1024 * 1024
   copy_gbs = copy_bandwidth(copy_n, reps)
   print(f"{dev.device_kind}: copy bandwidth {copy_gbs:.0f} GB/s", flush=True)
   rng = np.random.default_rng(0)

@@ -34,7 +34,7 @@ from jaxpool._src.roi import triton  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from result_path import device_tag, result_path  # noqa: E402
-from roi_gpu import make_case, time_jax  # noqa: E402
+from roi_gpu import MASK_RCNN, make_case, time_jax  # noqa: E402
 
 # (GRAD_ROWS, GRAD_COLS, GRAD_LANES, GRAD_WARPS, GRAD_BAND); the first is the default.
 TILES = [(triton.GRAD_ROWS, triton.GRAD_COLS, triton.GRAD_LANES, triton.GRAD_WARPS,
@@ -59,14 +59,12 @@ def main():
   ap.add_argument("--out", help="the JSON's path (default: benchmarks/results/roi_tiles_...)")
   args = ap.parse_args()
   dev = jax.devices()[0]
-  if args.quick:
-    batch, image, channels, per_image, sizes, dtypes, reps = 1, (64, 96), 8, 8, [(7, 7)], \
-        [jnp.float32], 2
-    tiles, fwd_tiles = TILES[:3], FWD[:2]
-  else:
-    batch, image, channels, per_image, sizes, dtypes, reps = 2, (800, 1216), 256, 512, \
-        [(7, 7), (14, 14)], [jnp.float32] + [jnp.bfloat16] * args.bfloat16, 10
-    tiles, fwd_tiles = TILES, FWD
+  case = (dict(batch=1, image=(64, 96), channels=8, per_image=8, sizes=[(7, 7)], reps=2)
+          if args.quick else MASK_RCNN)
+  batch, image, channels, per_image, sizes, reps = (
+      case[k] for k in ("batch", "image", "channels", "per_image", "sizes", "reps"))
+  dtypes = [jnp.float32] + [jnp.bfloat16] * (args.bfloat16 and not args.quick)
+  tiles, fwd_tiles = (TILES[:3], FWD[:2]) if args.quick else (TILES, FWD)
   defaults = {n: getattr(triton, n) for n in NAMES + FWD_NAMES}
   rng = np.random.default_rng(0)
   results = []
