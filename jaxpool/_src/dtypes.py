@@ -147,9 +147,15 @@ def order_key(v: Any) -> Any:
   n = bits(v.dtype)
   as_int = {32: jnp.int32, 64: jnp.int64}[n]
   top = np.array(np.iinfo(as_int).max, as_int)
-  b = lax.bitcast_convert_type(v, as_int)
-  key = b ^ ((b >> (n - 1)) & top)  # (an arithmetic shift: all ones for negative values)
+  key = _flip_negatives(lax.bitcast_convert_type(v, as_int), n)
   return jnp.where(jnp.isnan(v), top, key)
+
+
+def _flip_negatives(b: Any, n: int) -> Any:
+  """The ``n``-bit signed integers ``b`` (a float's bits, a JAX or NumPy array) with the
+  magnitude bits of the negative ones flipped: :func:`order_key`'s map, its own inverse."""
+  # (an arithmetic shift: all ones for negative values)
+  return b ^ ((b >> (n - 1)) & np.array((1 << (n - 1)) - 1, f"int{n}"))
 
 
 def from_order_key(key: Any, dtype) -> Any:
@@ -157,17 +163,14 @@ def from_order_key(key: Any, dtype) -> Any:
   becoming one quiet NaN."""
   n = bits(key.dtype)
   as_float = {32: jnp.float32, 64: jnp.float64}[n]
-  top = np.array((1 << (n - 1)) - 1, f"int{n}")
-  b = key ^ ((key >> (n - 1)) & top)  # (the same map: it is its own inverse)
-  return lax.bitcast_convert_type(b, as_float).astype(dtype)
+  return lax.bitcast_convert_type(_flip_negatives(key, n), as_float).astype(dtype)
 
 
 def _start_key(dtype) -> np.ndarray:
   """:func:`order_key` of ``lowest(dtype)`` (a float dtype), computed in NumPy: a constant."""
   low = lowest(dtype).astype(np.float32 if bits(dtype) < 32 else dtype)
   n = bits(low.dtype)
-  b = low.view(f"int{n}")
-  return b ^ ((b >> (n - 1)) & np.array((1 << (n - 1)) - 1, f"int{n}"))
+  return _flip_negatives(low.view(f"int{n}"), n)
 
 
 def exact_max(reduce: Any, x: Any) -> Any:
