@@ -37,7 +37,7 @@ The sweep (docs/large-windows.md): 2-D windows k x k for k in {1, 2, 3, 5, 7, 9,
 64), strides {1, 2, k // 2, k}, ``"SAME"`` padding, float32 and bfloat16; each cell times the
 forward and the forward + gradient (``dy`` given; ``y`` and ``dx`` both returned) of
 ``jaxpool.max_pool`` (``implementation=None``: the Pallas kernels up to 32 taps on an NVIDIA
-GPU, the separable XLA path beyond) and of ``lax.reduce_window`` (whose gradient is XLA's
+GPU, beyond them a dim at a time) and of ``lax.reduce_window`` (whose gradient is XLA's
 ``select_and_scatter``). The two run in interleaved rounds (``--rounds``, default 2; each
 round's time is the median of ``--reps`` samples, default 15, of ``pooling_gpu.py``'s timer:
 samples of at least 5 ms of calls); a cell below 0.95x is rerun once more before it counts, and

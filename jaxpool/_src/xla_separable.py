@@ -22,7 +22,8 @@ each a loop over that dim's taps with slices and selects (no scatter with duplic
 input element's gradient sums, for each stage from the first spatial dim to the last, the
 cotangents that reach it in descending tap order of that dim (docs/semantics.md, "Large
 windows"). This order is not the direct form's, so the choice of form depends on the geometry
-only: the Pallas kernels serve at most ``SEPARABLE_TAPS`` taps.
+only: the Pallas kernels serve at most ``SEPARABLE_TAPS`` taps in one call, and larger max and
+min pools a dim at a time in this same order (``pallas/ops.py``, ``stages``).
 
 The gather is a pair of jaxpool primitives (``linear.LinearPair``) whose transpose,
 :func:`scatter_to_taps`, is written by stride phase: along a dim of stride ``s``, the input

@@ -148,7 +148,10 @@ def test_unsupported_says_why():
   under = (2**16, 2**8, 2**7 - 1, 1)
   assert why("max_pool", under, jnp.float32, windows.make_geometry(under, (2, 2), (2, 2))) is None
   big = windows.make_geometry((1, 20, 20, 1), (9, 9))
-  assert "81 taps" in why("max_pool", (1, 20, 20, 1), jnp.float32, big)
+  assert why("max_pool", (1, 20, 20, 1), jnp.float32, big) is None  # (a dim at a time)
+  assert "81 taps" in why("max_pool_with_taps", (1, 20, 20, 1), jnp.float32, big)
+  long = windows.make_geometry((1, 2, 40, 1), (1, 33))
+  assert "33 taps" in why("max_pool", (1, 2, 40, 1), jnp.float32, long)
 
 
 @pytest.mark.parametrize("call, reason", [

@@ -11,6 +11,7 @@ element's stride phase.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 
@@ -22,6 +23,7 @@ import numpy as np
 import pytest
 import reference as ref
 from core_strategies import assert_bitwise, assert_same_bits, jp, tie_rich, tol
+from tiers import draws
 
 import jaxpool
 from jaxpool._src import xla, xla_separable, xla_taps
@@ -330,16 +332,123 @@ def test_average_half_precision_accumulates_in_float32(rng):
 # ------------------------------------------------------------------------------ routing
 
 
-def test_the_kernels_take_no_separable_window():
+def test_the_kernels_serve_large_max_and_min_pools_one_dim_at_a_time():
+  """A window of more than MAX_TAPS taps: the GPU kernels serve ``max_pool`` and ``min_pool``
+  as 1-D stages, the last dim first, where every dim has at most MAX_TAPS taps and every
+  window holds an element along every dim; the rest (taps, indices, a longer dim, the TPU
+  kernels) stays on the XLA path. (Fails before: every window of more
+  than MAX_TAPS taps was refused.)"""
   assert pallas_ops.MAX_TAPS == xla_taps.SEPARABLE_TAPS
-  for window in ((6, 6), (33,), (4, 3, 3)):
-    geom = make_geometry((1, 40, 40, 40, 2)[-len(window) - 2:], window)
-    assert xla_taps.is_separable(geom)
-    assert "taps" in pallas_ops.unsupported("max_pool", (1, 40, 40, 2), np.float32, geom)
+  geom = make_geometry((1, 40, 30, 2), (6, 7), (1, 2), 1, None, False, "channels_last")
+  for op in ("max_pool", "min_pool"):
+    assert pallas_ops.unsupported(op, (1, 40, 30, 2), np.float32, geom, "triton") is None
+  for op, kernels in (("max_pool_with_taps", "triton"), ("max_pool", "tpu")):
+    assert "taps" in pallas_ops.unsupported(op, (1, 40, 30, 2), np.float32, geom, kernels)
+  w, h = pallas_ops.stages(geom)  # W first, then H: each a 1-D pool of the running shape
+  assert (w.window, w.strides, w.padding, w.in_spatial, w.out_spatial) == (
+      (1, 7), (1, 2), ((0, 0), (1, 1)), (40, 30), (40, geom.out_spatial[1]))
+  assert (h.window, h.strides, h.padding, h.in_spatial, h.out_spatial) == (
+      (6, 1), (1, 1), ((1, 1), (0, 0)), (40, geom.out_spatial[1]), geom.out_spatial)
+  cube = make_geometry((1, 9, 9, 9, 1), (4, 3, 3), (1, 1, 1), 0, None, False, "channels_last")
+  assert [g.window for g in pallas_ops.stages(cube)] == [(1, 1, 3), (1, 3, 1), (4, 1, 1)]
+  assert pallas_ops.stages(make_geometry((1, 40, 2), (33,))) is None  # a dim of 33 taps
+  assert pallas_ops.stages(make_geometry((1, 9, 9, 2), (5, 5))) is None  # 25 taps: one call
   assert not xla_taps.is_separable(make_geometry((1, 40, 40, 2), (4, 8)))
-  x = jnp.zeros((1, 8, 8, 1))
-  with pytest.raises(ValueError, match="36 taps"):
-    jaxpool.max_pool(x, (6, 6), implementation="pallas")
+  x = jnp.zeros((1, 45, 8, 1))
+  with pytest.raises(ValueError, match="40 taps"):
+    jaxpool.max_pool(x, (40, 1), implementation="pallas")
+
+
+def test_the_kernels_leave_values_of_little_overlap_to_one_reduce_window(rng):
+  """Windows that overlap fewer than 3 times a dim, values alone asked (inference): one
+  ``reduce_window`` over whole windows, no kernel; with a derivative asked the stages run, and
+  the values are the same bits either way. (Fails before: no kernel served these windows.)"""
+  x = jnp.asarray(_inputs(rng, (2, 20, 21, 3)))
+  kw = dict(window_shape=(7, 7), strides=(5, 4), padding="SAME")
+  for fn in (jaxpool.max_pool, jaxpool.min_pool):
+    f = functools.partial(fn, **kw, implementation="pallas")
+    plain = str(jax.make_jaxpr(f)(x))
+    assert plain.count("reduce_window_max") == 1, fn.__name__
+    assert "jaxpool_pallas_kernel" not in plain, fn.__name__
+    y, vjp = jax.vjp(f, x)
+    staged = str(jax.make_jaxpr(lambda v, f=f: jax.vjp(f, v)[0])(x))
+    assert staged.count("jaxpool_pallas_kernel") == 2 and "reduce_window" not in staged
+    assert_same_bits(y, f(x))
+    assert_same_bits(jax.jvp(f, (x,), (x,))[0], f(x))
+    dy = jnp.asarray(rng.standard_normal(y.shape), jnp.float32)
+    assert_same_bits(vjp(dy)[0], jax.vjp(functools.partial(fn, **kw, implementation="xla"),
+                                         x)[1](dy)[0])
+
+
+def _same_bits_as_xla(x, kw, rng, nan_payloads=True):
+  """implementation="pallas" (the kernels a dim at a time; interpreted on a CPU) against the
+  XLA path's separable form: max and min values, gradients and tangents, bit for bit (the
+  cotangents of many magnitudes, so that another summation order would round differently);
+  and a second run the same. ``nan_payloads=False``: a NaN value is compared as NaN (the
+  compiled kernels return one quiet NaN: NaN is the contract, not its payload)."""
+  dtype = x.dtype
+  for fn in (jaxpool.max_pool, jaxpool.min_pool):
+    f = {impl: functools.partial(fn, **kw, implementation=impl) for impl in ("xla", "pallas")}
+    y = f["pallas"](x)
+    (assert_same_bits if nan_payloads else assert_bitwise)(y, f["xla"](x), fn.__name__)
+    dy = jnp.asarray(rng.standard_normal(y.shape) * 10.0 ** rng.integers(-3, 4, y.shape), dtype)
+    g = {impl: jax.vjp(f[impl], x)[1](dy)[0] for impl in f}
+    assert_same_bits(g["pallas"], g["xla"], fn.__name__)
+    assert_same_bits(jax.vjp(f["pallas"], x)[1](dy)[0], g["pallas"])
+    t = jnp.asarray(rng.standard_normal(x.shape), dtype)
+    assert_same_bits(jax.jvp(f["pallas"], (x,), (t,))[1], jax.jvp(f["xla"], (x,), (t,))[1])
+
+
+@pytest.mark.parametrize("case, dtype", [
+    pytest.param(GRID[0], np.float32, marks=slow),  # 7x6, stride 1, 'same'
+    (((1, 2, 10, 12), (6, 7), (1, 2), ((2, 3), (1, 4)), None, True, "channels_first"),
+     jnp.bfloat16),
+    pytest.param(GRID[2], np.float32, marks=slow),  # 3-D, dilation
+    pytest.param(((1, 14, 5, 1), (13, 3), (1, 1), "SAME", None, False, "channels_last"),
+                 jnp.float16, marks=slow),
+])
+def test_the_kernels_a_dim_at_a_time_give_the_xla_paths_bits(case, dtype, rng):
+  shape, *cfg = case
+  kw = _kw(*cfg)
+  geom = make_geometry(shape, kw["window_shape"], kw["strides"], kw["padding"],
+                       kw["dilation"], kw["ceil_mode"], kw["data_format"])
+  assert pallas_ops.stages(geom) is not None
+  _same_bits_as_xla(jnp.asarray(_inputs(rng, shape, dtype)), kw, rng)
+
+
+@hypothesis.settings(SETTINGS, max_examples=draws(4, 1))
+@hypothesis.given(cfg=large_configs(), seed=st.integers(0, 2**31 - 1))
+def test_property_the_kernels_a_dim_at_a_time_give_the_xla_paths_bits(cfg, seed):
+  shape, kw = cfg
+  geom = make_geometry(shape, kw["window_shape"], kw["strides"], kw["padding"],
+                       kw["dilation"], kw["ceil_mode"], kw["data_format"])
+  hypothesis.assume(pallas_ops.stages(geom) is not None)
+  rng = np.random.default_rng(seed)
+  _same_bits_as_xla(jnp.asarray(_inputs(rng, shape)), kw, rng)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gpu_the_kernels_a_dim_at_a_time_give_the_xla_paths_bits(dtype):
+  """The compiled kernels a dim at a time against the XLA path's separable form on a GPU: max
+  and min values, gradients and tangents, bit for bit, on zeros of both signs, subnormals,
+  infinities and NaN; SPP's stride 1 and 'same', a stride below the window, a 3-D window,
+  channels_first with ceil mode."""
+  if jax.default_backend() != "gpu":
+    pytest.skip("needs a GPU")
+  rng = np.random.default_rng(0)
+  vals = np.float32([-0.0, 0.0, 1e-40, -1e-40, 1.0, -1.0, 2.5, np.nan, -np.inf, np.inf])
+  p = [.2, .2, .06, .06, .15, .15, .1, .02, .03, .03]
+  for shape, window, strides, padding, ceil, fmt in [
+      ((4, 40, 40, 16), (13, 13), (1, 1), "SAME", False, "channels_last"),
+      ((4, 37, 41, 16), (9, 9), (2, 2), 4, False, "channels_last"),
+      ((2, 18, 16, 17, 8), (7, 7, 7), (1, 1, 1), 3, False, "channels_last"),
+      ((2, 16, 23, 29), (6, 7), (1, 2), ((2, 3), (1, 4)), True, "channels_first")]:
+    x = jnp.asarray(rng.choice(vals, shape, p=p)).astype(dtype)
+    kw = dict(window_shape=window, strides=strides, padding=padding, ceil_mode=ceil,
+              data_format=fmt)
+    assert pallas_ops.stages(make_geometry(shape, window, strides, padding, None, ceil, fmt))
+    _same_bits_as_xla(x, kw, rng, nan_payloads=False)
 
 
 # ------------------------------------------------------------------------------ work

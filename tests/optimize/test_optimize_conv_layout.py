@@ -194,17 +194,19 @@ def test_only_where_the_kernels_run_on_an_nvidia_gpu(gpu, monkeypatch):
 
 
 def test_only_where_the_kernels_serve_the_pool(gpu):
-  """Where the kernels would not serve the site (a dtype they do not take, more taps than they
-  unroll), jaxpool runs its XLA path, whose layout XLA chooses: no transpose is written."""
+  """Where the kernels would not serve the site (a dtype they do not take, a dim of more taps
+  than they unroll), jaxpool runs its XLA path, whose layout XLA chooses: no transpose is written."""
   gpu((9, 0))
   f, (w, b, x) = conv_relu_pool(3)
   rep = jaxpool.optimize(f, cost=ALWAYS).report(w, b, x)  # (implementation=None: kernels)
   assert TRANSPOSED in pool(rep), str(rep)
-  wide = lambda w, b, x: lax.reduce_window(  # noqa: E731  (a 3x3x4 window: 36 taps)
-      jax.nn.relu(lax.conv_general_dilated(x, w, (1, 1, 1), "SAME",
-                                           dimension_numbers=("NDHWC", "DHWIO", "NDHWC")) + b),
-      -jnp.inf, lax.max, (1, 3, 3, 4, 1), (1, 1, 1, 1, 1), "VALID")
-  rep = jaxpool.optimize(wide, cost=ALWAYS).report(w, b, x)
+  wide = lambda w, b, x: lax.reduce_window(  # noqa: E731  (a 1x34 window: a dim of 34 taps)
+      jax.nn.relu(lax.conv_general_dilated(x, w, (1, 1), "SAME",
+                                           dimension_numbers=("NHWC", "HWIO", "NHWC")) + b),
+      -jnp.inf, lax.max, (1, 1, 34, 1), (1, 1, 1, 1), "VALID")
+  _, (w2, b2, _) = conv_relu_pool(2)
+  x2 = jnp.asarray(RNG.integers(-3, 4, (2, 3, 36, 3)), jnp.float32)
+  rep = jaxpool.optimize(wide, cost=ALWAYS).report(w2, b2, x2)
   assert rep.replaced and "transposed" not in pool(rep), str(rep)
   with jax.enable_x64(True):
     f64 = [a.astype(jnp.float64) for a in (w, b, x)]

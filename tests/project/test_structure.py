@@ -32,7 +32,6 @@ import reference as ref
 from core_strategies import assert_bitwise
 
 import jaxpool
-from jaxpool._src.pallas import ops
 
 _TABLES_SCRIPT = textwrap.dedent('''
     import jax, jax.numpy as jnp
@@ -200,8 +199,6 @@ def _tie_rich(rng, shape):
     dict(window_shape=(9, 9), strides=(2, 2), padding=2),  # above the unroll threshold
 ])
 def test_fused_relu_is_relu_after_the_pool(rng, kw, implementation):
-  if implementation == "pallas" and np.prod(kw["window_shape"]) > ops.MAX_TAPS:
-    pytest.skip(f"the kernels take at most {ops.MAX_TAPS} taps")
   x = _tie_rich(rng, (2, 11, 10, 3))
   fused = lambda v: jaxpool.max_pool(v, **kw, activation="relu", implementation=implementation)
   unfused = lambda v: jax.nn.relu(jaxpool.max_pool(v, **kw, implementation=implementation))

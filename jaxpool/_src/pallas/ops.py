@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.custom_batching import custom_vmap
 
-from jaxpool._src import autodiff, xla
+from jaxpool._src import autodiff, xla, xla_taps
 from jaxpool._src.backend import Op
 from jaxpool._src.linear import LinearPair
 from jaxpool._src.pallas.sharding import partition
@@ -33,7 +33,7 @@ from jaxpool._src.pallas.triton import ops as _triton
 from jaxpool._src.platforms import PALLAS_ENV as BACKEND_ENV
 from jaxpool._src.platforms import PALLAS_KERNELS as BACKENDS
 from jaxpool._src.platforms import pallas_kernels as backend
-from jaxpool._src.windows import Geometry
+from jaxpool._src.windows import Geometry, real_taps
 
 # (``backend()``: the kernels ``implementation="pallas"`` means on this platform, which
 # ``JAXPOOL_PALLAS_BACKEND`` overrides; ``platforms.pallas_kernels``.)
@@ -46,8 +46,9 @@ _FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(np.float
 # H100 the forward kernels took 1.0, 2.6, 13.5 and 30.8 s to compile for 16, 25, 49 and 64 taps
 # (the forward with taps 1.3, 3.5, 20.8, 40.4 s; benchmarks/compile_gpu.py,
 # docs/design/window-limits.md). Larger
-# windows go to the XLA path, whose loop over the taps compiles in bounded time. It is the XLA
-# path's separable bound: a larger window's gradient sums in the separable form's order.
+# windows run a dim at a time (max and min pooling: ``stages``) or on the XLA path, whose loop
+# over the taps compiles in bounded time. It is the XLA path's separable bound: a larger
+# window's gradient sums in the separable form's order.
 MAX_TAPS = xla.SEPARABLE_TAPS
 MAX_ELEMENTS = 2**31 - 1  # the kernels index in int32; larger arrays stay on XLA
 
@@ -73,8 +74,12 @@ def unsupported(op: Op | str, shape, dtype, geom: Geometry,
     return f"the kernels pool 1 to 3 spatial dims, not {geom.nspatial}"
   if np.dtype(dtype) not in _FLOAT_DTYPES:
     return f"the kernels take float32, bfloat16 and float16, not {np.dtype(dtype)}"
-  if geom.num_taps > MAX_TAPS:
-    return f"the window has {geom.num_taps} taps; the kernels take at most {MAX_TAPS}"
+  if geom.num_taps > MAX_TAPS and not (op in (Op.MAX_POOL, Op.MIN_POOL)
+                                       and (kernels or backend()) == "triton"
+                                       and stages(geom) is not None):
+    return (f"the window has {geom.num_taps} taps; the kernels take at most {MAX_TAPS} (more "
+            f"only for max_pool and min_pool on GPUs, one dim at a time, where each dim has at "
+            f"most {MAX_TAPS} taps and every window holds an element along every dim)")
   if any(int(s) == 0 for s in shape):
     return f"the input shape {tuple(shape)} has an empty dim"
   if math.prod(int(s) for s in shape) > MAX_ELEMENTS:
@@ -86,6 +91,42 @@ def unsupported(op: Op | str, shape, dtype, geom: Geometry,
     if not _tpu.fits(geom, shape, dtype):
       return "one image's channel block does not fit the TPU kernels' VMEM budget"
   return None
+
+
+def stages(geom: Geometry) -> tuple[Geometry, ...] | None:
+  """A window of more than ``MAX_TAPS`` taps as 1-D pools, the last spatial dim first (W, then
+  H, then D), each a kernel call of at most ``MAX_TAPS`` taps; None where the window has at
+  most ``MAX_TAPS`` taps, a dim of more, or a window whose part along some dim holds no element
+  (padding or the ceil-mode overhang only: a stage would give it a value that the next stage
+  could pick).
+
+  This is the separable form of the XLA path (``xla_separable.py``), stage for stage: each
+  stage keeps the first of equal maxima, so the values and the winners are the direct form's;
+  each stage's gradient is its kernel's (one dim's cotangents in descending tap order), and
+  reverse mode runs the stages backwards, the first spatial dim first: the separable form's
+  summation order, so the same bits as the XLA path. Each stage is a max pool of its own with
+  the shared rule (``autodiff.max_pool``); JAX composes their derivatives and batching."""
+  n = geom.nspatial
+  if geom.num_taps <= MAX_TAPS or max(geom.window) > MAX_TAPS:
+    return None
+  for i in range(n):
+    first, last = real_taps(geom, i, np.arange(geom.out_spatial[i]))
+    if np.any(first > last):
+      return None
+  out = []
+  spatial = list(geom.in_spatial)
+  for i in reversed(range(n)):
+    if (geom.window[i], geom.strides[i], geom.padding[i], geom.extra[i]) == (1, 1, (0, 0), 0):
+      continue  # (nothing to do along this dim)
+    one = lambda v, unit, i=i: tuple(v[j] if j == i else unit for j in range(n))  # noqa: E731
+    after = list(spatial)
+    after[i] = geom.out_spatial[i]
+    out.append(Geometry(in_spatial=tuple(spatial), window=one(geom.window, 1),
+                        strides=one(geom.strides, 1), dilation=one(geom.dilation, 1),
+                        padding=one(geom.padding, (0, 0)), extra=one(geom.extra, 0),
+                        out_spatial=tuple(after), channels_last=geom.channels_last))
+    spatial = after
+  return tuple(out)
 
 
 def _kernels(name: str):
@@ -230,15 +271,51 @@ _grad_from_taps_jit = jax.jit(autodiff.grad_from_taps, static_argnums=(2, 3))
 
 def max_pool(x: jax.Array, geom: Geometry, *, interpret: bool = False,
              activation: str | None = None, kernels: str | None = None) -> jax.Array:
-  """Max pooling (then ``activation``) through the Pallas kernels."""
-  return _max_pool_jit(x, geom, activation, max_pool_ops(bool(interpret), kernels or backend()))
+  """Max pooling (then ``activation``) through the Pallas kernels; a window of more than
+  ``MAX_TAPS`` taps one dim at a time (:func:`stages`)."""
+  ops = max_pool_ops(bool(interpret), kernels or backend())
+  return _staged(x, geom, activation, ops, False)
+
+
+def _staged(x: jax.Array, geom: Geometry, activation: str | None, ops: autodiff.MaxPoolOps,
+            minimum: bool) -> jax.Array:
+  parts = stages(geom)
+  if parts is None:
+    return _max_pool_jit(x, geom, activation, ops)
+  if xla_taps.reads_windows_whole(geom):
+    return _whole_values(x, geom, activation, ops, minimum)
+  return _stage_by_stage(x, parts, activation, ops)
+
+
+def _stage_by_stage(x, parts, activation, ops):
+  for i, part in enumerate(parts):  # (the activation after the last stage)
+    x = _max_pool_jit(x, part, activation if i == len(parts) - 1 else None, ops)
+  return x
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2, 3, 4))
+def _whole_values(x, geom, activation, ops, minimum):
+  """Windows that overlap fewer than 3 times a dim (``xla_taps.reads_windows_whole``): the
+  values alone (no derivative asked) as the XLA path computes them, one ``reduce_window`` over
+  whole windows, which read each element fewer than ``3^d`` times and beat the stages' passes
+  in most such cells of the sweep on an H200 (docs/large-windows.md); the same values.
+  Derivatives (and the values beside them) come from the stages."""
+  xla_ops = autodiff.mirrored(xla.MAX_POOL_OPS) if minimum else xla.MAX_POOL_OPS
+  return xla_ops.forward(x, geom, activation)
+
+
+@_whole_values.defjvp
+def _whole_values_jvp(geom, activation, ops, minimum, primals, tangents):
+  parts = stages(geom)
+  return jax.jvp(lambda v: _stage_by_stage(v, parts, activation, ops), primals, tangents)
 
 
 def min_pool(x: jax.Array, geom: Geometry, *, interpret: bool = False,
              kernels: str | None = None) -> jax.Array:
-  """Min pooling through the max-pool kernels, mirrored (``autodiff.mirrored``)."""
-  return _max_pool_jit(x, geom, None,
-                       autodiff.mirrored(max_pool_ops(bool(interpret), kernels or backend())))
+  """Min pooling through the max-pool kernels, mirrored (``autodiff.mirrored``); a window of
+  more than ``MAX_TAPS`` taps one dim at a time (:func:`stages`)."""
+  return _staged(x, geom, None,
+                 autodiff.mirrored(max_pool_ops(bool(interpret), kernels or backend())), True)
 
 
 def max_pool_with_taps(x: jax.Array, geom: Geometry, *, interpret: bool = False,
