@@ -195,7 +195,8 @@ def test_only_where_the_kernels_run_on_an_nvidia_gpu(gpu, monkeypatch):
 
 def test_only_where_the_kernels_serve_the_pool(gpu):
   """Where the kernels would not serve the site (a dtype they do not take, a dim of more taps
-  than they unroll), jaxpool runs its XLA path, whose layout XLA chooses: no transpose is written."""
+  than they unroll), jaxpool runs its XLA path, whose layout XLA chooses: no transpose is
+  written."""
   gpu((9, 0))
   f, (w, b, x) = conv_relu_pool(3)
   rep = jaxpool.optimize(f, cost=ALWAYS).report(w, b, x)  # (implementation=None: kernels)
