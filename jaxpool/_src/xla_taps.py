@@ -48,8 +48,9 @@ TAPS_PER_TRIP = 8  # taps per trip of the loop
 
 # Windows of more taps than this run separably (``xla_separable.py``): one spatial dim at a
 # time, the last first, each a loop over that dim's taps. The rule depends on the geometry only;
-# the Pallas kernels take at most this many taps (``pallas/ops.py`` ``MAX_TAPS``), so every
-# backend gives such a window the separable form's gradient (its summation order).
+# the Pallas kernels take at most this many taps in one call (``pallas/ops.py`` ``MAX_TAPS``) and
+# larger max and min pools a dim at a time in the same order (``pallas/ops.py`` ``stages``), so
+# every backend gives such a window the separable form's gradient (its summation order).
 SEPARABLE_TAPS = 32
 
 

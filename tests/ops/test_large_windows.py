@@ -1,4 +1,5 @@
-"""Windows of more than ``SEPARABLE_TAPS`` taps: the separable XLA path (xla_separable.py).
+"""Windows of more than ``SEPARABLE_TAPS`` taps: the separable XLA path (xla_separable.py), and
+max and min pooling through the kernels a dim at a time (``pallas/ops.py``, ``stages``) against it.
 
 Against the independent NumPy reference (values, indices, taps, gradients of max, min and
 average pooling on tie-rich, NaN, infinite and signed-zero inputs); the separable and the direct
@@ -380,20 +381,24 @@ def test_the_kernels_leave_values_of_little_overlap_to_one_reduce_window(rng):
                                          x)[1](dy)[0])
 
 
-def _same_bits_as_xla(x, kw, rng, nan_payloads=True):
+def _same_bits_as_xla(x, kw, rng, nan_payloads=True, relu=False):
   """implementation="pallas" (the kernels a dim at a time; interpreted on a CPU) against the
   XLA path's separable form: max and min values, gradients and tangents, bit for bit (the
   cotangents of many magnitudes, so that another summation order would round differently);
   and a second run the same. ``nan_payloads=False``: a NaN value is compared as NaN (the
-  compiled kernels return one quiet NaN: NaN is the contract, not its payload)."""
+  compiled kernels return one quiet NaN: NaN is the contract, not its payload). ``relu``: the
+  max pool with its fused ReLU too (applied after the last stage)."""
   dtype = x.dtype
-  for fn in (jaxpool.max_pool, jaxpool.min_pool):
+  fns = [jaxpool.max_pool, jaxpool.min_pool]
+  if relu:
+    fns.append(functools.partial(jaxpool.max_pool, activation="relu"))
+  for fn in fns:
     f = {impl: functools.partial(fn, **kw, implementation=impl) for impl in ("xla", "pallas")}
     y = f["pallas"](x)
-    (assert_same_bits if nan_payloads else assert_bitwise)(y, f["xla"](x), fn.__name__)
+    (assert_same_bits if nan_payloads else assert_bitwise)(y, f["xla"](x), str(fn))
     dy = jnp.asarray(rng.standard_normal(y.shape) * 10.0 ** rng.integers(-3, 4, y.shape), dtype)
     g = {impl: jax.vjp(f[impl], x)[1](dy)[0] for impl in f}
-    assert_same_bits(g["pallas"], g["xla"], fn.__name__)
+    assert_same_bits(g["pallas"], g["xla"], str(fn))
     assert_same_bits(jax.vjp(f["pallas"], x)[1](dy)[0], g["pallas"])
     t = jnp.asarray(rng.standard_normal(x.shape), dtype)
     assert_same_bits(jax.jvp(f["pallas"], (x,), (t,))[1], jax.jvp(f["xla"], (x,), (t,))[1])
@@ -413,7 +418,7 @@ def test_the_kernels_a_dim_at_a_time_give_the_xla_paths_bits(case, dtype, rng):
   geom = make_geometry(shape, kw["window_shape"], kw["strides"], kw["padding"],
                        kw["dilation"], kw["ceil_mode"], kw["data_format"])
   assert pallas_ops.stages(geom) is not None
-  _same_bits_as_xla(jnp.asarray(_inputs(rng, shape, dtype)), kw, rng)
+  _same_bits_as_xla(jnp.asarray(_inputs(rng, shape, dtype)), kw, rng, relu=dtype == jnp.bfloat16)
 
 
 @hypothesis.settings(SETTINGS, max_examples=draws(4, 1))
@@ -448,7 +453,7 @@ def test_gpu_the_kernels_a_dim_at_a_time_give_the_xla_paths_bits(dtype):
     kw = dict(window_shape=window, strides=strides, padding=padding, ceil_mode=ceil,
               data_format=fmt)
     assert pallas_ops.stages(make_geometry(shape, window, strides, padding, None, ceil, fmt))
-    _same_bits_as_xla(x, kw, rng, nan_payloads=False)
+    _same_bits_as_xla(x, kw, rng, nan_payloads=False, relu=True)
 
 
 # ------------------------------------------------------------------------------ work

@@ -59,7 +59,8 @@ def unsupported(op: Op | str, shape, dtype, geom: Geometry,
 
   Served (GPU, or interpret mode on a CPU): max pooling (with or without taps and the fused
   activation), min pooling (the max-pool kernels, mirrored) and average pooling, 1-D, 2-D and
-  3-D, either layout, float32, bfloat16 and float16, at most ``MAX_TAPS`` taps, no empty dims,
+  3-D, either layout, float32, bfloat16 and float16, at most ``MAX_TAPS`` taps (more for
+  ``max_pool`` and ``min_pool``, one dim at a time: :func:`stages`), no empty dims,
   every padding, stride, dilation, ceil mode, ``count_include_pad`` and ``divisor_override``,
   arrays of at most ``MAX_ELEMENTS`` elements (int32 indexing). The TPU kernels
   (``kernels="tpu"``; None: :func:`backend`) serve 1-D and 2-D ``channels_last`` only, and need
@@ -277,6 +278,7 @@ def max_pool(x: jax.Array, geom: Geometry, *, interpret: bool = False,
   return _staged(x, geom, activation, ops, False)
 
 
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
 def _staged(x: jax.Array, geom: Geometry, activation: str | None, ops: autodiff.MaxPoolOps,
             minimum: bool) -> jax.Array:
   parts = stages(geom)
