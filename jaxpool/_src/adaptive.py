@@ -33,6 +33,7 @@ from jaxpool._src.backend import Backend, Op
 from jaxpool._src.checks import check_bool, check_choice
 from jaxpool._src.dtypes import check_dtype
 from jaxpool._src.windows import DATA_FORMATS, make_geometry
+from jaxpool._src.xla_taps import SEPARABLE_TAPS
 from jaxpool._src.windows import spatial_axes as _spatial_axes
 
 # Evenly dividing sizes whose bins hold at most this many elements go to the fixed-window ops
@@ -58,12 +59,15 @@ def _route(plan: Plan, x: jax.Array, op: Op) -> str:
     w = _fixed_window(plan)
     if math.prod(w) <= FIXED_WINDOW_MAX_TAPS:
       return "fixed"
-    # Where the registry runs the fixed window on the Pallas kernels by default (an NVIDIA
-    # GPU, up to the kernels' tap limit), they beat the stages (8x8 bins on an H100: 0.175
-    # against 0.281 ms fwd+bwd).
+    # Where the registry runs the fixed window on the Pallas kernels by default in one call
+    # (an NVIDIA GPU, up to the kernels' tap limit), they beat the stages (8x8 bins on an H100:
+    # 0.175 against 0.281 ms fwd+bwd, an earlier measurement). Bins of more taps,
+    # which the kernels serve a dim at a time (a pass over the data a dim), keep the stages
+    # (the same bits: bins do not overlap); they are not measured against each other.
     data_format = "channels_last" if plan.channels_last else "channels_first"
     geom = make_geometry(x.shape, w, w, data_format=data_format)
-    if dispatch.choose(op, None, x, geom) is not dispatch.XLA:
+    if (math.prod(w) <= SEPARABLE_TAPS
+        and dispatch.choose(op, None, x, geom) is not dispatch.XLA):
       return "fixed"
   return "stages"
 

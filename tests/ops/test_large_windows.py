@@ -364,7 +364,7 @@ def test_the_kernels_leave_values_of_little_overlap_to_one_reduce_window(rng):
   """Windows that overlap fewer than 3 times a dim, values alone asked (inference): one
   ``reduce_window`` over whole windows, no kernel; with a derivative asked the stages run, and
   the values are the same bits either way. (Fails before: no kernel served these windows.)"""
-  x = jnp.asarray(_inputs(rng, (2, 20, 21, 3)))
+  x = jnp.asarray(_inputs(rng, (1, 13, 14, 2)))
   kw = dict(window_shape=(7, 7), strides=(5, 4), padding="SAME")
   for fn in (jaxpool.max_pool, jaxpool.min_pool):
     f = functools.partial(fn, **kw, implementation="pallas")
@@ -375,21 +375,21 @@ def test_the_kernels_leave_values_of_little_overlap_to_one_reduce_window(rng):
     staged = str(jax.make_jaxpr(lambda v, f=f: jax.vjp(f, v)[0])(x))
     assert staged.count("jaxpool_pallas_kernel") == 2 and "reduce_window" not in staged
     assert_same_bits(y, f(x))
-    assert_same_bits(jax.jvp(f, (x,), (x,))[0], f(x))
     dy = jnp.asarray(rng.standard_normal(y.shape), jnp.float32)
     assert_same_bits(vjp(dy)[0], jax.vjp(functools.partial(fn, **kw, implementation="xla"),
                                          x)[1](dy)[0])
 
 
-def _same_bits_as_xla(x, kw, rng, nan_payloads=True, relu=False):
+def _same_bits_as_xla(x, kw, rng, nan_payloads=True, relu=False, minimum=True):
   """implementation="pallas" (the kernels a dim at a time; interpreted on a CPU) against the
   XLA path's separable form: max and min values, gradients and tangents, bit for bit (the
   cotangents of many magnitudes, so that another summation order would round differently);
   and a second run the same. ``nan_payloads=False``: a NaN value is compared as NaN (the
   compiled kernels return one quiet NaN: NaN is the contract, not its payload). ``relu``: the
-  max pool with its fused ReLU too (applied after the last stage)."""
+  max pool with its fused ReLU too (applied after the last stage); ``minimum``: the min pool
+  too."""
   dtype = x.dtype
-  fns = [jaxpool.max_pool, jaxpool.min_pool]
+  fns = [jaxpool.max_pool] + ([jaxpool.min_pool] if minimum else [])
   if relu:
     fns.append(functools.partial(jaxpool.max_pool, activation="relu"))
   for fn in fns:
@@ -418,7 +418,9 @@ def test_the_kernels_a_dim_at_a_time_give_the_xla_paths_bits(case, dtype, rng):
   geom = make_geometry(shape, kw["window_shape"], kw["strides"], kw["padding"],
                        kw["dilation"], kw["ceil_mode"], kw["data_format"])
   assert pallas_ops.stages(geom) is not None
-  _same_bits_as_xla(jnp.asarray(_inputs(rng, shape, dtype)), kw, rng, relu=dtype == jnp.bfloat16)
+  quick = dtype == jnp.bfloat16  # (make test's case: the max pool; the rest in the slow tier)
+  _same_bits_as_xla(jnp.asarray(_inputs(rng, shape, dtype)), kw, rng, relu=not quick,
+                    minimum=not quick)
 
 
 @hypothesis.settings(SETTINGS, max_examples=draws(4, 1))

@@ -288,6 +288,15 @@ run_case("auto/height_uneven_ceil_dilated", AUTO, tie_rich(2, (2, 13, 7, 3)), P(
 run_case("auto/height_window_wider_than_block", AUTO, tie_rich(3, (2, 2 * len(DEVICES), 5, 2)),
          P(None, ("a", "b")), dict(window_shape=(5, 1), strides=(1, 1), padding=((2, 2), (0, 0))),
          spatial_rows={1: 6}, only=("max", "grad_max", "avg", "grad_avg"))
+# A window of more than 32 taps (7x6, stride 1): max and min pooling run the kernels a dim at a
+# time, each stage a partitioned call of its own (the height stage exchanges the halos). (The
+# full run only: the taps and average ops of such a window are not the kernels'.)
+if not QUICK:
+  run_case("auto/height_large_window", AUTO, tie_rich(4, (2, 16, 12, 3)), P(None, "a"),
+           dict(window_shape=(7, 6), strides=(1, 1), padding="SAME"), spatial_rows={1: 8},
+           only=("max", "max_relu", "grad_max", "min", "grad_min"))
+
+
 def few_outputs_case():
   """Fewer output rows than devices along the split dim, the input the output times the
   stride: one row over every device of axis a, and half as many rows as devices. (Shardy
