@@ -369,10 +369,11 @@ def _avg_launches(geom):
   return launches
 
 
-# (`make test` runs the 2-D cases; `make test-all` the 3-D ones too, about 30 s each in interpret
-# mode)
+# (`make test` runs the 2-D float32 cases; `make test-all` the 3-D ones and bfloat16 too, 10-30 s
+# each in interpret mode)
 @pytest.mark.parametrize("name,dtype", [
-    pytest.param(n, d, marks=[pytest.mark.slow] if n.startswith("3d") else [])
+    pytest.param(n, d, marks=[pytest.mark.slow] if n.startswith("3d") or d == jnp.bfloat16
+                 else [])
     for n in AVG_CASES for d in (jnp.float32, jnp.bfloat16)
     if d == jnp.float32 or n in ("3d_last", "2d_last")])
 def test_average_blocks_give_the_bits_of_one_row(name, dtype):

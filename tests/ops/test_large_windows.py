@@ -423,6 +423,7 @@ def test_the_kernels_a_dim_at_a_time_give_the_xla_paths_bits(case, dtype, rng):
                     minimum=not quick)
 
 
+@slow
 @hypothesis.settings(SETTINGS, max_examples=draws(4, 1))
 @hypothesis.given(cfg=large_configs(), seed=st.integers(0, 2**31 - 1))
 def test_property_the_kernels_a_dim_at_a_time_give_the_xla_paths_bits(cfg, seed):
