@@ -13,6 +13,8 @@ run the kernels a dim at a time) against ``implementation="xla"``; the compile t
 window follows its largest dim, not its taps::
 
   python3 benchmarks/compile_gpu.py --first-call 3 5 9 13 31
+
+which saves ``benchmarks/results/compile_gpu_<device>.json`` (``result_path.py``).
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
 
 SPP_SHAPE = (16, 40, 40, 512)
 
@@ -77,7 +81,12 @@ def first_call_child(k: int, implementation: str) -> dict:
 
 
 def first_calls(ks: list[int]) -> None:
+  import jax
+
+  from result_path import device_tag, result_path
+  kind = jax.devices()[0].device_kind
   print(f"first training call, stride 1 'same', {SPP_SHAPE} bfloat16, each in a new process")
+  rows = []
   for k in ks or [3, 5, 9, 13, 31]:
     row = {}
     for impl in ("xla", "default"):
@@ -88,6 +97,12 @@ def first_calls(ks: list[int]) -> None:
     print(f"{k}x{k} ({k * k} taps): jaxpool lower {row['default']['lower_s']:.2f} s + compile "
           f"{row['default']['compile_s']:.2f} s = {t['default']:.2f} s; XLA {t['xla']:.2f} s",
           flush=True)
+    rows.append({"window": [k, k], "jaxpool": row["default"], "xla": row["xla"]})
+  path = result_path(__file__, device_tag(kind))
+  with open(path, "w", encoding="utf-8") as f:
+    json.dump({"device_kind": kind, "jax": jax.__version__, "shape": SPP_SHAPE,
+               "dtype": "bfloat16", "rows": rows}, f, indent=1)
+  print(f"saved {path}")
 
 
 if __name__ == "__main__":

@@ -275,17 +275,20 @@ def max_pool(x: jax.Array, geom: Geometry, *, interpret: bool = False,
   """Max pooling (then ``activation``) through the Pallas kernels; a window of more than
   ``MAX_TAPS`` taps one dim at a time (:func:`stages`)."""
   ops = max_pool_ops(bool(interpret), kernels or backend())
-  return _staged(x, geom, activation, ops, False)
+  return _staged(x, geom, activation, ops, xla.MAX_POOL_OPS)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
 def _staged(x: jax.Array, geom: Geometry, activation: str | None, ops: autodiff.MaxPoolOps,
-            minimum: bool) -> jax.Array:
+            xla_ops: autodiff.MaxPoolOps) -> jax.Array:
+  """``ops``' max pool (the kernels), a window of more than ``MAX_TAPS`` taps a dim at a time;
+  ``xla_ops``: the XLA path's same pool (max or min), whose forward serves values alone of
+  windows that overlap little (:func:`_whole_values`)."""
   parts = stages(geom)
   if parts is None:
     return _max_pool_jit(x, geom, activation, ops)
   if xla_taps.reads_windows_whole(geom):
-    return _whole_values(x, geom, activation, ops, minimum)
+    return _whole_values(x, geom, parts, activation, ops, xla_ops)
   return _stage_by_stage(x, parts, activation, ops)
 
 
@@ -295,20 +298,18 @@ def _stage_by_stage(x, parts, activation, ops):
   return x
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2, 3, 4))
-def _whole_values(x, geom, activation, ops, minimum):
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2, 3, 4, 5))
+def _whole_values(x, geom, parts, activation, ops, xla_ops):
   """Windows that overlap fewer than 3 times a dim (``xla_taps.reads_windows_whole``): the
   values alone (no derivative asked) as the XLA path computes them, one ``reduce_window`` over
   whole windows, which read each element fewer than ``3^d`` times and beat the stages' passes
   in most such cells of the sweep on an H200 (docs/large-windows.md); the same values.
   Derivatives (and the values beside them) come from the stages."""
-  xla_ops = autodiff.mirrored(xla.MAX_POOL_OPS) if minimum else xla.MAX_POOL_OPS
   return xla_ops.forward(x, geom, activation)
 
 
 @_whole_values.defjvp
-def _whole_values_jvp(geom, activation, ops, minimum, primals, tangents):
-  parts = stages(geom)
+def _whole_values_jvp(geom, parts, activation, ops, xla_ops, primals, tangents):
   return jax.jvp(lambda v: _stage_by_stage(v, parts, activation, ops), primals, tangents)
 
 
@@ -317,7 +318,8 @@ def min_pool(x: jax.Array, geom: Geometry, *, interpret: bool = False,
   """Min pooling through the max-pool kernels, mirrored (``autodiff.mirrored``); a window of
   more than ``MAX_TAPS`` taps one dim at a time (:func:`stages`)."""
   return _staged(x, geom, None,
-                 autodiff.mirrored(max_pool_ops(bool(interpret), kernels or backend())), True)
+                 autodiff.mirrored(max_pool_ops(bool(interpret), kernels or backend())),
+                 autodiff.mirrored(xla.MAX_POOL_OPS))
 
 
 def max_pool_with_taps(x: jax.Array, geom: Geometry, *, interpret: bool = False,
