@@ -47,7 +47,7 @@ from jaxpool._src.roi.plan import AlignConfig, Level  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from result_path import device_tag, result_path  # noqa: E402
-from timing import median_ms  # noqa: E402
+from timing import median_ms_per_call  # noqa: E402
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 STRIDES = (4, 8, 16, 32)
@@ -121,7 +121,7 @@ def time_jax(fn, args, reps):
   def call():
     out[0] = fn(*args)
 
-  return median_ms(call, lambda: jax.block_until_ready(out[0]), reps)
+  return median_ms_per_call(call, lambda: jax.block_until_ready(out[0]), reps)
 
 
 def copy_bandwidth(n, reps):
@@ -190,7 +190,7 @@ def torch_rows(feats, boxes, image, output_size, reps):
   shapes = [image] * feats[0].shape[0]
   sync = torch.cuda.synchronize
   out = {}
-  out["fwd_ms"] = median_ms(lambda: layer(tf, tb, shapes), sync, reps)
+  out["fwd_ms"] = median_ms_per_call(lambda: layer(tf, tb, shapes), sync, reps)
   y = layer(tf, tb, shapes)
   dy = torch.randn_like(y)
 
@@ -199,7 +199,7 @@ def torch_rows(feats, boxes, image, output_size, reps):
       t.grad = None
     layer(tf, tb, shapes).backward(dy)
 
-  out["fwd+dx_ms"] = median_ms(fwd_bwd, sync, reps)
+  out["fwd+dx_ms"] = median_ms_per_call(fwd_bwd, sync, reps)
   fwd_bwd()
   first = [t.grad.clone() for t in tf.values()]
   differ = 0

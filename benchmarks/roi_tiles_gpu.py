@@ -2,8 +2,9 @@
 
 ``triton.py``'s gradient programs each own a tile of ``GRAD_ROWS`` pixel rows x ``GRAD_COLS``
 columns x ``GRAD_LANES`` channels of one image of one level (``GRAD_WARPS`` warps), and visit
-the boxes listed for their band of ``GRAD_BAND`` rows. This script times ``fwd`` and ``fwd+dx``
-of ``jaxpool.multi_scale_roi_align`` on the kernels (interpreted on a CPU) for a few tiles
+the boxes listed for their cell of ``GRAD_BAND`` rows x ``GRAD_CBAND`` columns. This script
+times ``fwd`` and ``fwd+dx`` of ``jaxpool.multi_scale_roi_align`` on the kernels (interpreted
+on a CPU) for a few tiles
 (the shapes of ``roi_gpu.py``: FPN P2-P5 of 2 images of 800x1216, 256 channels, 512 regions
 per image, 7x7 and 14x14, ``sampling_ratio=2``, ``aligned=True``, float32; ``--bfloat16``
 adds bfloat16), their difference being the gradient's part, and checks that every tile gives
@@ -36,14 +37,15 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from result_path import device_tag, result_path  # noqa: E402
 from roi_gpu import MASK_RCNN, make_case, time_jax  # noqa: E402
 
-# (GRAD_ROWS, GRAD_COLS, GRAD_LANES, GRAD_WARPS, GRAD_BAND); the first is the default.
-TILES = [(triton.GRAD_ROWS, triton.GRAD_COLS, triton.GRAD_LANES, triton.GRAD_WARPS,
-          triton.GRAD_BAND),
-         (1, 16, 128, 4, 4), (1, 16, 128, 4, 1), (2, 16, 128, 4, 2), (4, 16, 128, 4, 4),
-         (4, 16, 128, 8, 4), (2, 32, 128, 4, 4), (2, 32, 128, 8, 4), (2, 16, 256, 8, 4),
-         (4, 8, 256, 8, 4), (8, 16, 128, 8, 8), (2, 16, 64, 2, 4), (4, 16, 64, 4, 4),
-         (2, 16, 128, 4, 16)]
-NAMES = ("GRAD_ROWS", "GRAD_COLS", "GRAD_LANES", "GRAD_WARPS", "GRAD_BAND")
+# (GRAD_ROWS, GRAD_COLS, GRAD_LANES, GRAD_WARPS, GRAD_BAND, GRAD_CBAND); the first is the
+# default.
+NAMES = ("GRAD_ROWS", "GRAD_COLS", "GRAD_LANES", "GRAD_WARPS", "GRAD_BAND", "GRAD_CBAND")
+TILES = [tuple(getattr(triton, n) for n in NAMES),
+         (2, 16, 128, 4, 4, 16), (2, 8, 128, 2, 4, 32), (2, 4, 128, 2, 4, 32),
+         (2, 2, 128, 1, 4, 32), (4, 4, 64, 1, 4, 32), (4, 4, 128, 2, 4, 32), (1, 4, 128, 1, 4, 32),
+         (2, 4, 256, 4, 4, 32), (2, 4, 128, 1, 2, 32), (2, 4, 128, 1, 8, 32),
+         (2, 4, 128, 1, 4, 8), (2, 4, 128, 1, 4, 16), (2, 4, 128, 1, 4, 64),
+         (2, 4, 128, 1, 4, 4096)]
 # The forward's (FWD_TILE, FWD_LANES, NUM_WARPS) (its tile: the bins of a row x lanes, at most
 # FWD_TILE elements), timed on fwd alone; the first is the default.
 FWD = [(triton.FWD_TILE, triton.FWD_LANES, triton.NUM_WARPS), (2048, 256, 4), (2048, 128, 4),

@@ -170,11 +170,12 @@ def test_a_level_narrower_than_a_column_block_of_the_widest():
   np.testing.assert_allclose(g3, r3, **TOL)
 
 
-@pytest.mark.parametrize("tile", [(1, 8, 2, 1), pytest.param((4, 32, 128, 8),
-                                                               marks=pytest.mark.slow)])
+@pytest.mark.parametrize("tile", [(1, 8, 2, 1, 8), (2, 2, 4, 2, 2),
+                                  pytest.param((4, 32, 128, 8, 64), marks=pytest.mark.slow)])
 def test_the_gradient_bits_do_not_depend_on_the_tile(monkeypatch, tile):
-  """The feature gradient's tile (rows x columns x lanes) and the bands of its box lists change
-  which programs add a pixel's terms, not the terms or their order: the same bits."""
+  """The feature gradient's tile (rows x columns x lanes) and the cells of its box lists (rows
+  x columns) change which programs add a pixel's terms, not the terms or their order: the same
+  bits."""
   from jaxpool._src.roi import triton
   from jaxpool._src.roi.plan import align_plan
   rng = np.random.default_rng(5)
@@ -196,7 +197,8 @@ def test_the_gradient_bits_do_not_depend_on_the_tile(monkeypatch, tile):
 
   first = grad()
   assert np.abs(first[:2 * 9 * 21]).max() > 0 and np.abs(first[2 * 9 * 21:]).max() > 0
-  for name, value in zip(("GRAD_ROWS", "GRAD_COLS", "GRAD_LANES", "GRAD_BAND"), tile):
+  for name, value in zip(("GRAD_ROWS", "GRAD_COLS", "GRAD_LANES", "GRAD_BAND", "GRAD_CBAND"),
+                         tile, strict=True):
     monkeypatch.setattr(triton, name, value)
   assert grad().tobytes() == first.tobytes()
 

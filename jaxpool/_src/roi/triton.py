@@ -18,24 +18,28 @@ x, 0)``; the sample's value is added to the running sum: the order of the XLA pa
 
 **Feature gradient** (:func:`feature_grad`): one program per tile of ``GRAD_ROWS`` pixel rows x
 ``GRAD_COLS`` columns of one image of one level x a block of channels; the program owns its
-tile, writes it once, and nothing else writes it. Outside the kernel, each band of
-``GRAD_BAND`` rows of an image (level) gets the list of the boxes whose live corner rows meet
-it, ascending (a mask and a stable argsort). A program walks its band's list, skipping a box
-whose live corner columns or rows miss its tile (scalar tests on the box's extents); for a
-box, it finds once the bins ``j`` whose live corner columns meet its columns, then visits the
-bin rows ``i`` whose live corner rows meet its rows (per-bin extents, computed outside the
-kernel). Average ROI align is separable per box: the contribution of box ``k`` to pixel ``(r,
-c)`` is ``sum_{i, j} A[i, r] B[j, c] ct[k, i, j]`` with ``A[i, r] = sum of wy[k, i, sy, a]
-where iy[k, i, sy, a] == r`` (``sy`` then ``a`` ascending; ``B`` likewise), A and B computed
-per pixel of the tile. Per pixel, in float32 from 0: the boxes in ascending order, in each box
-the bin rows ``i`` ascending, the bins ``j`` ascending, each term ``where(hit, (A * B) * ct,
-0)`` (``hit``: a live corner of the bin lies on the pixel, so a NaN cotangent reaches exactly
-the pixels the XLA path's does); a visited bin that misses a pixel adds an exact 0 there (the
-sum is never -0), so neither the tile nor the lists change the bits. The coarsest level's
-programs come first (they run longest); the next box's index and the next bin's cotangent are
-loaded ahead. The same bits on every
-run; equal to the XLA path's sorted sum to float32 rounding (a different order of the same
-terms).
+tile, writes it once, and nothing else writes it. Outside the kernel, each cell of
+``GRAD_BAND`` rows x ``GRAD_CBAND`` columns of an image (level) gets the list of the boxes
+whose live corner rows and columns meet it, ascending (a mask, a running count and a write at
+unique places: no sort). A program walks its cell's list, skipping a box whose live corner
+columns or rows miss its tile (scalar tests on the box's extents); for a box, it finds once
+the bins ``j`` whose live corner columns meet its columns, then visits the bin rows ``i``
+whose live corner rows meet its rows (per-bin extents, computed outside the kernel). Average
+ROI align is separable per box: the contribution of box ``k`` to pixel ``(r, c)`` is
+``sum_{i, j} A[i, r] B[j, c] ct[k, i, j]`` with ``A[i, r] = sum of wy[k, i, sy, a] where
+iy[k, i, sy, a] == r`` (``sy`` then ``a`` ascending; ``B`` likewise), A and B computed per
+pixel of the tile. Per pixel, in float32 from 0: the boxes in ascending order, in each box the
+bin rows ``i`` ascending, the bins ``j`` ascending, each term ``where(hit, (A * B) * ct, 0)``
+(``hit``: a live corner of the bin lies on the pixel, so a NaN cotangent reaches exactly the
+pixels the XLA path's does; for a box whose cotangents are all finite, a flag computed outside
+the kernel, the form ``where(hit, A * B, 0) * ct``, the same value with fewer operations a
+term); a visited bin that misses a pixel adds an exact 0 there (the sum is never -0), so
+neither the tile nor the cells change the bits. The coarsest level's programs come first (they
+run longest); the next box's index and the next bin's cotangent are loaded ahead. The same
+bits on every run; equal to the XLA path's sorted sum to float32 rounding (a different order
+of the same terms). The tile (small: a bin's footprint covers most of it, so few of its terms
+are zeros) and the cells are the fastest at 7x7 of those ``benchmarks/roi_tiles_gpu.py``
+timed on Mask R-CNN's shapes on an H200 (within 2% at 14x14).
 """
 
 from __future__ import annotations
@@ -58,15 +62,17 @@ I32 = jnp.int32
 NUM_WARPS = 4
 # A forward tile is (bins of a row, rounded up to a power of two) x lanes elements, at most
 # this many; the gradient's tile is GRAD_ROWS rows x GRAD_COLS columns (powers of two) x at
-# most GRAD_LANES lanes, in programs of GRAD_WARPS warps, and its box lists are per band of
-# GRAD_BAND rows at least (a power of two; benchmarks/roi_tiles_gpu.py times the choices).
+# most GRAD_LANES lanes, in programs of GRAD_WARPS warps, and its box lists are per cell of
+# GRAD_BAND rows x GRAD_CBAND columns at least (powers of two; benchmarks/roi_tiles_gpu.py
+# times the choices).
 FWD_TILE = 4096
 FWD_LANES = 256
 GRAD_ROWS = 2
-GRAD_COLS = 16
+GRAD_COLS = 4
 GRAD_LANES = 128
-GRAD_WARPS = 4
+GRAD_WARPS = 1
 GRAD_BAND = 4
+GRAD_CBAND = 32
 
 
 def _pow2(n: int) -> int:
@@ -205,26 +211,28 @@ def forward(base, stride, iy, ix, wy, wx, x, *, interpret: bool) -> jax.Array:
 # ----------------------------------------------------------------------------- feature gradient
 
 
-def _planes(levels, copies: int, band: int, group: int, cols: int,
+def _planes(levels, copies: int, band: int, cband: int, group: int, cols: int,
             programs_per_tile: int) -> tuple[tuple[int, ...], ...]:
   """Per level of each copy of the table, in the order of their programs: (first program,
-  height, width, first table row, first band, bands per image, row groups per image, column
-  blocks); a row group is ``group`` pixel rows of one image, a column block ``cols`` columns,
-  a band ``band`` rows (a multiple of ``group``); each tile (group x block) has
+  height, width, first table row, first cell, bands per image, column bands, row groups per
+  image, column blocks); a row group is ``group`` pixel rows of one image, a column block
+  ``cols`` columns, a cell ``band`` rows (a multiple of ``group``) x ``cband`` columns (a
+  multiple of ``cols``) of one image, numbered row band by row band; each tile (group x
+  block) has
   ``programs_per_tile`` programs (lane blocks). The coarsest level's programs come first: a
   coarse level's boxes cover more of it, so its programs run longest, and the GPU starts them
   while the finer levels' many short ones fill in around them."""
   entries: list[tuple[int, int, int, tuple[int, ...]]] = []
-  first_band = 0
+  first_cell = 0
   table = sum(lv.images * lv.height * lv.width for lv in levels)
   for copy in range(copies):
     for lv in levels:
-      bands, groups, blocks = (-(-lv.height // band), -(-lv.height // group),
-                               -(-lv.width // cols))
+      bands, cbands = -(-lv.height // band), -(-lv.width // cband)
+      groups, blocks = -(-lv.height // group), -(-lv.width // cols)
       entries.append((lv.height * lv.width, len(entries), lv.images * groups * blocks,
-                      (lv.height, lv.width, copy * table + lv.offset, first_band, bands, groups,
-                       blocks)))
-      first_band += lv.images * bands
+                      (lv.height, lv.width, copy * table + lv.offset, first_cell, bands,
+                       cbands, groups, blocks)))
+      first_cell += lv.images * bands * cbands
   out, first_program = [], 0
   for _, _, tiles, entry in sorted(entries):
     out.append((first_program, *entry))
@@ -233,25 +241,25 @@ def _planes(levels, copies: int, band: int, group: int, cols: int,
 
 
 def _grad_kernel(count_ref, list_ref, ext_ref, rext_ref, cext_ref, iy_ref, ix_ref, wy_ref,
-                 wx_ref, ct_ref, o_ref, *, planes, band_rows, n_boxes, ph, pw, sy_n, sx_n,
-                 lanes, block_rows, block_cols, block_lanes, interpret):
+                 wx_ref, finite_ref, ct_ref, o_ref, *, planes, band_rows, band_cols, n_boxes,
+                 ph, pw, sy_n, sx_n, lanes, block_rows, block_cols, block_lanes, interpret):
   n_lb = pl.cdiv(lanes, block_lanes)
   pid = pl.program_id(0)
-  first, height, width, offset, first_band, bands, groups, blocks = (
+  first, height, width, offset, first_cell, bands, cbands, groups, blocks = (
       jnp.int32(v) for v in planes[0])
   for p in planes[1:]:  # this program's level (static: a few levels)
     later = pid >= p[0]
-    first, height, width, offset, first_band, bands, groups, blocks = (
+    first, height, width, offset, first_cell, bands, cbands, groups, blocks = (
         jnp.where(later, jnp.int32(new), old) for new, old in
-        zip(p, (first, height, width, offset, first_band, bands, groups, blocks)))
+        zip(p, (first, height, width, offset, first_cell, bands, cbands, groups, blocks)))
   local = pid - first  # (row group of an image, column block, lane block), the lanes fastest
   lb = local % n_lb
   cb = (local // n_lb) % blocks
   group = local // (n_lb * blocks)
   n, row0 = group // groups, (group % groups) * block_rows
-  band = first_band + n * bands + row0 // band_rows
-  row_last = jnp.minimum(row0 + block_rows, height) - 1
   col0 = cb * block_cols
+  cell = first_cell + (n * bands + row0 // band_rows) * cbands + col0 // band_cols
+  row_last = jnp.minimum(row0 + block_rows, height) - 1
   col_last = jnp.minimum(col0 + block_cols, width) - 1
   lane = _Lanes(block_lanes, lanes, lb, interpret)
   # The tile's pixels, row-major: (rows x cols) of them, clamped into the map (a clamped
@@ -276,8 +284,9 @@ def _grad_kernel(count_ref, list_ref, ext_ref, rext_ref, cext_ref, iy_ref, ix_re
     zeros = (jnp.zeros(pixel.shape, F32), jnp.zeros(pixel.shape, jnp.bool_))
     return _over(n, sample, zeros, lambda s: index_ref[(first + s) * 2] >= 0)
 
-  def bin_row(kk, j_first, j_last, i, acc):
-    """Bin row ``i`` of box ``kk``: its weight on each pixel's row and its bins' terms."""
+  def bin_row(kk, j_first, j_last, finite, i, acc):
+    """Bin row ``i`` of box ``kk``: its weight on each pixel's row and its bins' terms
+    (``finite``: static, whether the box's cotangents are all finite)."""
     A, hit_a = axis_weights(r, iy_ref, wy_ref, (kk * ph + i) * sy_n, sy_n)
 
     def fetch(j):  # bin j's cotangent (j clamped into the range: loaded, maybe unused)
@@ -290,18 +299,23 @@ def _grad_kernel(count_ref, list_ref, ext_ref, rext_ref, cext_ref, iy_ref, ix_re
 
       B, hit_b = axis_weights(c, ix_ref, wx_ref, (kk * pw + j) * sx_n, sx_n)
       # (A pixel that no live corner of the bin lies on adds an exact zero: no change, the
-      # sum never being -0.)
-      acc = acc + jnp.where((hit_a & hit_b)[:, None], (A * B)[:, None] * ct[None, :], 0.0)
+      # sum never being -0. With finite cotangents the product of a zero weight is that zero,
+      # so the pixels' weights are masked, not the tile's terms: fewer operations a term.)
+      hit = hit_a & hit_b
+      if finite:
+        acc = acc + jnp.where(hit, A * B, 0.0)[:, None] * ct[None, :]
+      else:
+        acc = acc + jnp.where(hit[:, None], (A * B)[:, None] * ct[None, :], 0.0)
       return acc, ct_next
 
     return lax.fori_loop(j_first, j_last + 1, one, (acc, fetch(j_first)))[0]
 
-  count = count_ref[band]
+  count = count_ref[cell]
 
   def box(t, carry):
     acc, kk = carry
     # The next box's index, issued before this box's work (the last step loads its own).
-    kk_next = list_ref[band * n_boxes + jnp.minimum(t + 1, count - 1)]
+    kk_next = list_ref[cell * n_boxes + jnp.minimum(t + 1, count - 1)]
     hit = ((ext_ref[4 * kk] <= row_last) & (ext_ref[4 * kk + 1] >= row0)
            & (ext_ref[4 * kk + 2] <= col_last) & (ext_ref[4 * kk + 3] >= col0))
 
@@ -314,18 +328,22 @@ def _grad_kernel(count_ref, list_ref, ext_ref, rext_ref, cext_ref, iy_ref, ix_re
 
       j_first, j_last = lax.fori_loop(0, pw, col_range, (jnp.int32(pw), jnp.int32(-1)))
 
-      def row(i, acc):  # a bin row whose live corner rows meet the tile's
-        on = ((rext_ref[2 * (kk * ph + i)] <= row_last)
-              & (rext_ref[2 * (kk * ph + i) + 1] >= row0))
-        return lax.cond(on, functools.partial(bin_row, kk, j_first, j_last, i),
-                        lambda acc: acc, acc)
+      def rows(finite, acc):
+        def row(i, acc):  # a bin row whose live corner rows meet the tile's
+          on = ((rext_ref[2 * (kk * ph + i)] <= row_last)
+                & (rext_ref[2 * (kk * ph + i) + 1] >= row0))
+          return lax.cond(on, functools.partial(bin_row, kk, j_first, j_last, finite, i),
+                          lambda acc: acc, acc)
 
-      return lax.fori_loop(0, ph, row, acc)
+        return lax.fori_loop(0, ph, row, acc)
+
+      return lax.cond(finite_ref[kk] != 0, functools.partial(rows, True),
+                      functools.partial(rows, False), acc)
 
     return lax.cond(hit, add, lambda acc: acc, acc), kk_next
 
   acc = jnp.zeros((block_rows * block_cols, block_lanes), F32)
-  acc = lax.fori_loop(0, count, box, (acc, list_ref[band * n_boxes]))[0]
+  acc = lax.fori_loop(0, count, box, (acc, list_ref[cell * n_boxes]))[0]
   lane.store(o_ref, offset + (n * height + r) * width + c, acc.astype(o_ref.dtype),
              (raw_r < height) & (raw_c < width))
 
@@ -340,40 +358,61 @@ def _extents(idx, axes: int) -> jax.Array:
   return jnp.stack([lo, hi], axis=-1)
 
 
-def _band_rows(levels, copies: int, K: int, budget: int) -> int:
-  """The rows of a band (a power of two, from ``GRAD_BAND``): the smallest whose box lists,
-  ``bands x K`` entries, fit ``budget`` (or one band per image)."""
-  band, tallest = max(GRAD_BAND, GRAD_ROWS), max(lv.height for lv in levels)
-  while band < tallest:
-    bands = copies * sum(lv.images * -(-lv.height // band) for lv in levels)
-    if bands * K <= budget:
+def _cells(levels, copies: int, K: int, budget: int, block_rows: int,
+           block_cols: int) -> tuple[int, int]:
+  """The box lists' cells, ``(rows, columns)`` (powers of two, from ``GRAD_BAND`` x
+  ``GRAD_CBAND`` and at least a tile): the smallest whose lists, ``cells x K`` entries, fit
+  ``budget``, the rows grown first (or one cell per image)."""
+  band, cband = max(GRAD_BAND, block_rows), max(GRAD_CBAND, block_cols)
+  tallest, widest = max(lv.height for lv in levels), max(lv.width for lv in levels)
+  while band < tallest or cband < widest:
+    cells = copies * sum(lv.images * -(-lv.height // band) * -(-lv.width // cband)
+                         for lv in levels)
+    if cells * K <= budget:
       break
-    band *= 2
-  return band
+    if band < tallest:
+      band *= 2
+    else:
+      cband *= 2
+  return band, cband
 
 
-def _box_lists(base, ext, levels, copies: int, band: int):
-  """Per band (of ``band`` rows of one image of one level; ``_planes``' numbering): how many
-  boxes meet it and their indices, ascending, ``(bands,)`` and ``(bands * K,)``: a box meets a
-  band when it samples that image (level) and its live corner rows meet the band's rows."""
+def _box_lists(base, ext, levels, copies: int, band: int, cband: int):
+  """Per cell (``band`` rows x ``cband`` columns of one image of one level; ``_planes``'
+  numbering): how many boxes meet it and their indices, ascending, ``(cells,)`` and
+  ``(cells * K,)``: a box meets a cell when it samples that image (level) and its live corner
+  rows and columns meet the cell's. ``ext``: ``(K, 4)``, the rows' then the columns' extents."""
   table = sum(lv.images * lv.height * lv.width for lv in levels)
-  firsts, plane, lo, hi = [], [], [], []
+  firsts, plane, lo, hi, clo, chi = [], [], [], [], [], []
   for copy in range(copies):
     for lv in levels:
       for n in range(lv.images):
         firsts.append(copy * table + lv.offset + n * lv.height * lv.width)
         for q in range(-(-lv.height // band)):
-          plane.append(len(firsts) - 1)
-          lo.append(q * band)
-          hi.append(min(lv.height, (q + 1) * band) - 1)
+          for u in range(-(-lv.width // cband)):
+            plane.append(len(firsts) - 1)
+            lo.append(q * band)
+            hi.append(min(lv.height, (q + 1) * band) - 1)
+            clo.append(u * cband)
+            chi.append(min(lv.width, (u + 1) * cband) - 1)
   # A box's image (level): the last whose first table row is at most its own (as the rows
-  # of its samples lie there).
-  box_plane = jnp.searchsorted(jnp.asarray(np.asarray(firsts, np.int32)), base,
-                               side="right").astype(I32) - 1
-  meets = ((box_plane[None, :] == jnp.asarray(np.asarray(plane, np.int32))[:, None])
-           & (ext[None, :, 0] <= jnp.asarray(np.asarray(hi, np.int32))[:, None])
-           & (ext[None, :, 1] >= jnp.asarray(np.asarray(lo, np.int32))[:, None]))
-  lists = jnp.argsort(~meets, axis=1, stable=True).astype(I32)
+  # of its samples lie there). (A count of comparisons, not ``searchsorted``, whose default
+  # method is a while loop: on a GPU, a round trip to the host per step.)
+  starts = jnp.asarray(np.asarray(firsts, np.int32))
+  box_plane = jnp.sum(starts[None, :] <= base[:, None], axis=1, dtype=I32) - 1
+  col = lambda v: jnp.asarray(np.asarray(v, np.int32))[:, None]  # noqa: E731
+  meets = ((box_plane[None, :] == col(plane))
+           & (ext[None, :, 0] <= col(hi)) & (ext[None, :, 1] >= col(lo))
+           & (ext[None, :, 2] <= col(chi)) & (ext[None, :, 3] >= col(clo)))
+  # Each cell's boxes in ascending order: a running count gives each its place, and a write
+  # at those places (unique: no two boxes share one) fills the lists; no sort.
+  K = ext.shape[0]
+  place = jnp.where(meets, jnp.cumsum(meets, axis=1, dtype=I32) - 1, K)
+  cells = len(plane)
+  rows = jnp.broadcast_to(jnp.arange(cells, dtype=I32)[:, None], (cells, K))
+  boxes = jnp.broadcast_to(jnp.arange(K, dtype=I32)[None, :], (cells, K))
+  lists = jnp.zeros((cells, K), I32).at[rows, place].set(boxes, mode="drop",
+                                                          unique_indices=True)
   return jnp.sum(meets, axis=1, dtype=I32), lists.reshape(-1)
 
 
@@ -389,23 +428,28 @@ def feature_grad(base, iy, ix, wy, wx, ct, *, levels, rows: int, dtype, interpre
   assert rows == copies * table, (rows, copies, levels)
   if K == 0:
     return jnp.zeros((rows, C), dtype)
-  band = _band_rows(levels, copies, K, max(2**20, K * ph * pw * C // 4))
   block_rows = GRAD_ROWS
+  block_cols = min(GRAD_COLS, _pow2(max(lv.width for lv in levels)))
+  band, cband = _cells(levels, copies, K, max(2**20, K * ph * pw * C // 4), block_rows,
+                       block_cols)
   rext, cext = _extents(iy, 2), _extents(ix, 2)  # (K, ph, 2), (K, pw, 2)
   ext_y, ext_x = _extents(iy, 3), _extents(ix, 3)  # (K, 2)
-  count, lists = _box_lists(base, ext_y, levels, copies, band)
-  ext = jnp.concatenate([ext_y, ext_x], axis=1).reshape(-1).astype(I32)
-  block_cols = min(GRAD_COLS, _pow2(max(lv.width for lv in levels)))
+  ext = jnp.concatenate([ext_y, ext_x], axis=1).astype(I32)  # (K, 4)
+  count, lists = _box_lists(base, ext, levels, copies, band, cband)
+  ext = ext.reshape(-1)
   block_lanes = min(_pow2(C), GRAD_LANES)
   n_lb = pl.cdiv(C, block_lanes)
-  planes = _planes(levels, copies, band, block_rows, block_cols, n_lb)
-  kernel = functools.partial(_grad_kernel, planes=planes, band_rows=band, n_boxes=K, ph=ph,
+  planes = _planes(levels, copies, band, cband, block_rows, block_cols, n_lb)
+  kernel = functools.partial(_grad_kernel, planes=planes, band_rows=band, band_cols=cband,
+                             n_boxes=K, ph=ph,
                              pw=pw, sy_n=sy_n, sx_n=sx_n, lanes=C, block_rows=block_rows,
                              block_cols=block_cols, block_lanes=block_lanes,
                              interpret=interpret)
   grid = (copies * sum(lv.images * -(-lv.height // block_rows) * -(-lv.width // block_cols)
                       for lv in levels) * n_lb,)
   n_ct = math.prod(ct.shape)
+  # Per box: whether its cotangents are all finite (its terms then take the shorter form).
+  finite = jnp.all(jnp.isfinite(ct.reshape(K, -1)), axis=1).astype(I32)
   return pl.pallas_call(
       kernel, out_shape=out_struct((rows, C), dtype, ct), grid=grid, interpret=interpret,
       name="jaxpool_roi_align_bwd",
@@ -414,4 +458,4 @@ def feature_grad(base, iy, ix, wy, wx, ct, *, levels, rows: int, dtype, interpre
       **_call_kwargs(interpret, GRAD_WARPS))(
           count, lists, ext, rext.reshape(-1).astype(I32), cext.reshape(-1).astype(I32),
           iy.reshape(-1).astype(I32), ix.reshape(-1).astype(I32), wy.reshape(-1).astype(F32),
-          wx.reshape(-1).astype(F32), ct.reshape(K * ph * pw, C))
+          wx.reshape(-1).astype(F32), finite, ct.reshape(K * ph * pw, C))
