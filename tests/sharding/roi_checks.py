@@ -7,7 +7,8 @@ Run it in its own process with 8 CPU devices (tests/sharding/test_roi_sharding.p
 Features ``(8, H, W, C)``, boxes ``(8, K, 4)`` and their mask ``(8, K)`` split along the batch
 over a mesh axis of 8 devices: under ``jit`` (``NamedSharding`` inputs) and under ``shard_map``;
 the forward and the gradients for the features and the boxes (average and max over the samples,
-fixed and adaptive sampling). Each check prints one JSON line ``{"name": ..., "ok": bool,
+fixed and adaptive sampling), and the box gradient of the adaptive count's sampling plan alone.
+Each check prints one JSON line ``{"name": ..., "ok": bool,
 "detail": ...}`` and asserts that the results equal one device's bit for bit, stay split along
 the batch, and that the compiled program has no collective at all (no all-gather of the
 features, no all-reduce, all-to-all or collective-permute). With ``--before-fix`` it checks the
@@ -22,11 +23,13 @@ import re
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxpool
+from jaxpool._src.roi.plan import AlignConfig, Level, align_plan
 
 COLLECTIVES = ("all-gather", "all-reduce", "all-to-all", "collective-permute",
                "reduce-scatter")
@@ -103,7 +106,38 @@ def main() -> int:
       ok_all &= ok
       detail = {"elements_differing": differ, "split": split, "collectives": moved}
       print(json.dumps({"name": f"{how}/{name}", "ok": ok, "detail": detail}), flush=True)
+  if not flat_form:
+    ok_all &= plan_check(mesh, boxes)
   return 0 if ok_all else 1
+
+
+def plan_check(mesh, boxes) -> bool:
+  """The box gradient through the adaptive sample count's plan alone (the derivative of the
+  sample positions, which divide by each box's sample count), split along the batch against
+  one device: XLA rewrote that division into a product with the inverse in one program and
+  not the other (5 elements differed), before the divisor went behind a barrier."""
+  N, K = boxes.shape[:2]
+  cfg = AlignConfig((3, 2), (Level(1, 13, 11, 0.9, 0),), -1, (4, 4), True, "avg")
+  rng = np.random.default_rng(3)
+  gy = rng.standard_normal((N, K, 3, 4, 2)).astype(np.float32)
+  gx = rng.standard_normal((N, K, 2, 4, 2)).astype(np.float32)
+
+  def box_grad(coords, gy, gx):
+    def weights(c):
+      zeros = jnp.zeros(N * K, jnp.int32)
+      ops = align_plan(zeros, c.reshape(N * K, 4), zeros, cfg)[0]
+      return ops["wy"].reshape(gy.shape), ops["wx"].reshape(gx.shape)
+
+    return jax.vjp(weights, coords)[1]((gy, gx))[0]
+
+  one = np.asarray(jax.jit(box_grad)(boxes, gy, gx))
+  shard = NamedSharding(mesh, P("b"))
+  got = jax.jit(box_grad)(*(jax.device_put(a, shard) for a in (boxes, gy, gx)))
+  differ = int((np.asarray(got) != one).sum())
+  ok = differ == 0
+  print(json.dumps({"name": "jit/adaptive_plan_box_gradient", "ok": ok,
+                    "detail": {"elements_differing": differ}}), flush=True)
+  return ok
 
 
 if __name__ == "__main__":

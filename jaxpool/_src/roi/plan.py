@@ -104,7 +104,12 @@ def _axis(start, roi, n_out, cap, size, ok, ratio):
   i = jnp.arange(n_out, dtype=F32)[None, :, None]
   s = jnp.arange(cap, dtype=F32)[None, None, :]
   b = bin_size[:, None, None]
-  pos = (start[:, None, None] + i * b) + ((s + 0.5) * b) / gsize
+  step = (s + 0.5) * b
+  # (The divisor as an array of the quotient's shape behind a barrier: XLA rewrites a division
+  # by a broadcast value into a product with its inverse in some programs only, so the last
+  # bit of a box gradient moved with the mesh.)
+  pos = (start[:, None, None] + i * b) + step / jax.lax.optimization_barrier(
+      jnp.broadcast_to(gsize, step.shape))
   sz = size.astype(F32)[:, None, None]
   live = ((jnp.arange(cap)[None, None, :] < count[:, None, None]) & ok[:, None, None]
           & ~((pos < -1.0) | (pos > sz)))
