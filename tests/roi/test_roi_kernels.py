@@ -278,7 +278,7 @@ def test_kernels_lower_for_cuda(samples, channels):
     image = jnp.zeros(K, jnp.int32)
     ops, _, _, _ = align_plan(image, coords, jnp.zeros(K, jnp.int32), cfg)
     y = triton.forward(ops["base"], ops["stride"], ops["iy"], ops["ix"], ops["wy"], ops["wx"],
-                       x, interpret=False)
+                       x, dtype=jnp.dtype(x.dtype), interpret=False)
     g = triton.feature_grad(ops["base"], ops["iy"], ops["ix"], ops["wy"], ops["wx"], ct,
                             levels=levels, rows=rows, dtype=jnp.dtype(x.dtype), interpret=False)
     return y, g

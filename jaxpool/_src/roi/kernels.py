@@ -90,9 +90,8 @@ def _impl(*operands, wrt, has_taps, dtype, rows, kernel: KernelOptions):
   if wrt == "x" and rows != table_rows:
     raise AssertionError(f"a feature table of {rows} rows for {kernel}")
   if wrt == "ct":
-    y = triton.forward(ops["base"], ops["stride"], ops["iy"], ops["ix"], ops["wy"], ops["wx"],
-                       ops["x"], interpret=kernel.interpret)
-    return y.astype(dtype)
+    return triton.forward(ops["base"], ops["stride"], ops["iy"], ops["ix"], ops["wy"],
+                          ops["wx"], ops["x"], dtype=jnp.dtype(dtype), interpret=kernel.interpret)
   return triton.feature_grad(ops["base"], ops["iy"], ops["ix"], ops["wy"], ops["wx"],
                              ops["ct"], levels=kernel.levels, copies=kernel.copies, rows=rows,
                              dtype=jnp.dtype(dtype), interpret=kernel.interpret)

@@ -178,17 +178,17 @@ def _forward_kernel(base_ref, stride_ref, iy_ref, ix_ref, wy_ref, wx_ref, x_ref,
     return iy_ref[((k * ph + i) * sy_n + sy) * 2] >= 0
 
   acc = _over(sy_n, row_sample, jnp.zeros((block_cols, block_lanes), F32), row_alive)
-  lane.store(o_ref, (k * ph + i) * pw + j, acc, col_mask)
+  lane.store(o_ref, (k * ph + i) * pw + j, acc.astype(o_ref.dtype), col_mask)
 
 
-def forward(base, stride, iy, ix, wy, wx, x, *, interpret: bool) -> jax.Array:
-  """``form.bind("ct")`` of the average: ``(K, ph, pw, C)`` float32 sums (not yet divided by
-  the sample count). ``x``: the flat table ``(P, C)``; the rest as ``plan.align_plan``'s."""
+def forward(base, stride, iy, ix, wy, wx, x, *, dtype, interpret: bool) -> jax.Array:
+  """``form.bind("ct")`` of the average: ``(K, ph, pw, C)``, the float32 sums rounded once to
+  ``dtype``. ``x``: the flat table ``(P, C)``; the rest as ``plan.align_plan``'s."""
   K, ph, sy_n, _ = iy.shape
   pw, sx_n = ix.shape[1:3]
   C = x.shape[1]
   if K == 0:
-    return jnp.zeros((0, ph, pw, C), F32)
+    return jnp.zeros((0, ph, pw, C), dtype)
   block_cols = _pow2(pw)
   block_lanes = min(_pow2(C), FWD_LANES, max(16, FWD_TILE // block_cols))
   kernel = functools.partial(_forward_kernel, ph=ph, pw=pw, sy_n=sy_n, sx_n=sx_n, lanes=C,
@@ -197,7 +197,7 @@ def forward(base, stride, iy, ix, wy, wx, x, *, interpret: bool) -> jax.Array:
   grid = (K * ph * pl.cdiv(C, block_lanes),)
   n_out = K * ph * pw * C
   out = pl.pallas_call(
-      kernel, out_shape=out_struct((K * ph * pw, C), F32, x), grid=grid, interpret=interpret,
+      kernel, out_shape=out_struct((K * ph * pw, C), dtype, x), grid=grid, interpret=interpret,
       name="jaxpool_roi_align_fwd",
       cost_estimate=pl.CostEstimate(flops=8 * n_out * sy_n * sx_n, transcendentals=0,
                                     bytes_accessed=4 * n_out * (1 + 4 * sy_n * sx_n)),

@@ -52,11 +52,17 @@ def _align_taps(ops, counts, x):
   return lax.fori_loop(0, Sy * Sx, body, init)[1]
 
 
-def _inverse(count: jax.Array) -> jax.Array:
-  """``1 / count`` per box, shaped to multiply ``(K, ph, pw, C)``: the mean as a product with
-  it (the gradient too), not a division, which XLA turns into this product in some programs
-  only (a sharded program kept the division: the last bit of the feature gradient moved)."""
-  return (1.0 / count)[:, None, None, None]
+def _mean_weights(ops: dict, count: jax.Array) -> dict:
+  """The average's plan with ``1 / count`` folded into the y-weights: the form's sum is then
+  the mean, in the maps' dtype straight from its float32 sum (no float32 outputs or
+  cotangents the size of the outputs in between: the memory of a bfloat16 call), and the
+  gradients follow through the product. A count that is a power of two (1, 4, 16, ...) scales
+  exactly: the bits of the sum, then the product."""
+  # (K,) or (N, K): the leading dims of the weights. Behind a barrier: XLA's simplifier turned
+  # the mean's ``y * (1 / count)`` into ``y / count`` in a sharded program only (the last bit
+  # of the feature gradient moved), as it does with a division by a broadcast value (plan.py).
+  inv = lax.optimization_barrier(1.0 / count)
+  return dict(ops, wy=ops["wy"] * inv.reshape(*inv.shape, 1, 1, 1))
 
 
 def roi_align(maps: tuple[jax.Array, ...], image: jax.Array, coords: jax.Array,
@@ -77,7 +83,7 @@ def roi_align(maps: tuple[jax.Array, ...], image: jax.Array, coords: jax.Array,
     taps = _align_taps(ops, counts, x)
     y = form.bind("ct", **ops, taps=taps, x=x, dtype=F32)
   else:
-    y = bind("ct", **ops, x=x, dtype=F32) * _inverse(count)
+    y = bind("ct", **_mean_weights(ops, count), x=x, dtype=x.dtype)
   y = jnp.where(finite[:, None, None, None], y, jnp.nan)
   return y.astype(x.dtype)
 
@@ -97,10 +103,9 @@ def _per_image(x, image, coords, level, cfg):
     taps = jax.vmap(_align_taps)(ops, tuple(c.reshape(N, K) for c in counts), table)
     y = form.bind("ct", **ops, taps=taps, x=table, dtype=F32, batched=True)
   else:
-    y = form.bind("ct", **ops, x=table, dtype=F32, batched=True)
+    ops = _mean_weights(ops, count.reshape(N, K))
+    y = form.bind("ct", **ops, x=table, dtype=x.dtype, batched=True)
   y = y.reshape(N * K, *y.shape[2:])
-  if cfg.mode != "max":
-    y = y * _inverse(count)
   y = jnp.where(finite[:, None, None, None], y, jnp.nan)
   return y.astype(x.dtype)
 
