@@ -121,6 +121,48 @@ def test_sizes_past_int32_indexing_leave_the_kernels(monkeypatch):
     np.testing.assert_array_equal(a, b)
 
 
+def test_the_box_lists_past_int32_indexing_leave_the_kernels():
+  """The gradient's box lists hold at least one cell of K entries per image of each level
+  (and of each copy that vmap folds in): past int32 indexing, the XLA path's form."""
+  from types import SimpleNamespace as Shape
+
+  from jaxpool._src.roi import kernels
+  ops = dict(iy=Shape(shape=(1024, 7, 2, 2)), ix=Shape(shape=(1024, 7, 2, 2)),
+             ct=Shape(shape=(1024, 7, 7, 1)))
+  assert not kernels._too_large(ops, table_rows=1000, planes=8)
+  assert kernels._too_large(ops, table_rows=1000, planes=2**21 + 1)
+
+
+def test_wide_levels_under_vmap_span_several_column_cells():
+  """Maps wider than a cell (32 columns) on two levels, under vmap (two copies of the table):
+  every cell's list finds its boxes; the kernels agree with the XLA path."""
+  rng = np.random.default_rng(12)
+  p2 = rng.standard_normal((2, 2, 6, 80, 2)).astype(np.float32)
+  p3 = rng.standard_normal((2, 2, 3, 40, 2)).astype(np.float32)
+  x1 = rng.uniform(-8, 300, 12)
+  y1 = rng.uniform(-4, 16, 12)
+  side = np.exp(rng.uniform(np.log(4), np.log(120), 12))
+  boxes = np.stack([rng.integers(0, 2, 12), x1, y1, x1 + side, y1 + side / 4], 1)
+  boxes = boxes.astype(np.float32)
+
+  def run(impl):
+    f = lambda fs: jaxpool.multi_scale_roi_align(fs, boxes, [(24, 320)] * 2, (2, 3),
+                                                 canonical_scale=32.0, aligned=True,
+                                                 sampling_ratio=2, implementation=impl)
+
+    def one(a, b):
+      y, vjp = jax.vjp(f, [a, b])
+      return y, vjp(jnp.cos(y))[0]
+
+    return jax.jit(jax.vmap(one))(p2, p3)
+
+  (y, (g2, g3)), (ry, (r2, r3)) = run("pallas"), run("xla")
+  assert np.abs(r2[:, :, :, 40:]).max() > 0 and np.abs(r3[:, :, :, 20:]).max() > 0
+  np.testing.assert_array_equal(y, ry)
+  np.testing.assert_allclose(g2, r2, **TOL)
+  np.testing.assert_allclose(g3, r3, **TOL)
+
+
 def test_kernels_match_the_reference(case):
   x, boxes, dy, (ours, _) = case
   ry, rdx, _ = rref.roi_align(x, boxes, dy=dy, **KW)

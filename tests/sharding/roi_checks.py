@@ -108,7 +108,52 @@ def main() -> int:
       print(json.dumps({"name": f"{how}/{name}", "ok": ok, "detail": detail}), flush=True)
   if not flat_form:
     ok_all &= plan_check(mesh, boxes)
+    ok_all &= kernel_checks(mesh, x, boxes, mask)
   return 0 if ok_all else 1
+
+
+def kernel_checks(mesh, x, boxes, mask) -> bool:
+  """``implementation="pallas"`` (the GPU kernels, interpreted here): on one device the
+  per-image form runs the kernels; on a batch-sharded mesh, under ``jit`` and inside
+  ``shard_map``, it lowers the XLA form, which splits (the XLA path's bits, split, no
+  collective)."""
+  g = np.random.default_rng(7).standard_normal((8, 6, 3, 2, 4)).astype(np.float32)
+
+  def fwd_grad(impl):
+    def run(v, b, m, g):
+      pool = lambda v, b: jaxpool.roi_align(v, b, (3, 2), spatial_scale=0.9, sampling_ratio=2,
+                                            mask=m, implementation=impl)
+      y, vjp = jax.vjp(pool, v, b)
+      return (y, *vjp(g))
+    return run
+
+  on_xla = jax.jit(fwd_grad("xla"))(x, boxes, mask, g)
+  # (one device: the kernels, whose feature gradient adds each pixel's terms in another order)
+  on_kernels = jax.jit(fwd_grad("pallas"))(x, boxes, mask, g)
+  same = [bool((np.asarray(a) == np.asarray(b)).all())
+          for a, b in zip(on_kernels, on_xla, strict=True)]
+  ran_kernels = same[0] and not same[1]
+  print(json.dumps({"name": "one_device/avg_ratio2_kernels", "ok": ran_kernels,
+                    "detail": {"same_as_the_xla_path": same}}), flush=True)
+  spec = P("b")
+  shard = NamedSharding(mesh, spec)
+  args = tuple(jax.device_put(a, shard) for a in (x, boxes, mask, g))
+  ok_all = ran_kernels
+  for how, fn, want in (
+      ("jit", jax.jit(fwd_grad("pallas")), on_xla),
+      ("shard_map", jax.jit(jax.shard_map(fwd_grad("pallas"), mesh=mesh, in_specs=(spec,) * 4,
+                                          out_specs=(spec, spec, spec))), on_xla)):
+    compiled = fn.lower(*args).compile()
+    got = compiled(*args)
+    differ = [int((np.asarray(a) != np.asarray(b)).sum()) for a, b in zip(got, want, strict=True)]
+    split = all(len({str(s.index) for s in r.addressable_shards}) == 8 for r in got)
+    moved = collectives(compiled)
+    ok = not any(differ) and split and not moved
+    ok_all &= ok
+    detail = {"elements_differing": differ, "split": split, "collectives": moved}
+    print(json.dumps({"name": f"{how}/avg_ratio2_kernels", "ok": ok, "detail": detail}),
+          flush=True)
+  return ok_all
 
 
 def plan_check(mesh, boxes) -> bool:

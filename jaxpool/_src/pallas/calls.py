@@ -4,7 +4,8 @@
 (``sharding/halo.py``) know of a kernel: a function of its operands and a geometry.
 :func:`out_struct`
 gives a kernel's outputs the manual mesh axes of its input, so that ``shard_map`` with
-``check_vma=True`` accepts them.
+``check_vma=True`` accepts them; :func:`needs_devices` marks a primitive whose lowering reads the
+program's devices.
 """
 
 from __future__ import annotations
@@ -16,6 +17,18 @@ from typing import Any
 import jax
 
 from jaxpool._src.windows import Geometry
+
+
+def needs_devices(p: Any) -> None:
+  """Tells JAX that lowering ``p`` needs the program's devices, as ``custom_partitioning``'s
+  own primitive does (JAX lowers nested ``jit`` bodies without their devices otherwise, and
+  ``custom_partitioning`` then fails). Every primitive whose lowering runs a kernel call or
+  reads the devices (``sharding/partition.py``'s ``kernel_p``, the Pallas backend's linear
+  primitives, the ROI kernels' primitive) is marked. JAX keeps that list in a private module,
+  the one private name the kernels use; tests/sharding/test_partitioning.py fails if a JAX
+  release moves it."""
+  from jax._src import dispatch as jax_dispatch  # noqa: PLC0415
+  jax_dispatch.prim_requires_devices_during_lowering.add(p)
 
 
 # ----------------------------------------------------------------------------- out_struct

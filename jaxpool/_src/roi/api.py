@@ -200,7 +200,8 @@ def roi_align(x: Any, boxes: Boxes, output_size: int | Sequence[int], *,
     boxes: ``(K, 5)`` rows ``(image, x1, y1, x2, y2)`` or a list of ``N`` arrays ``(K_i, 4)``
       of ``(x1, y1, x2, y2)``, one per image, in input-image coordinates; or ``(N, K, 4)``:
       ``boxes[b, k]`` pools image ``b`` (per-image proposals, padded to ``K``; see ``mask``),
-      the form that splits over a batch-sharded mesh with the features (docs/roi.md).
+      the form that splits over a batch-sharded mesh with the features (docs/roi.md; on
+      one GPU it runs the kernels as the ``(K, 5)`` form does).
     output_size: ``(ph, pw)`` bins (an int for a square grid).
     spatial_scale: map coordinates per box coordinate (1/16 for a stride-16 map).
     sampling_ratio: samples per bin along each axis; ``<= 0``: ``ceil(roi_size / output_size)``

@@ -481,7 +481,8 @@ def _batch_folded(prim, widen, args, dims, *, wrt, has_taps, dtype, rows, **extr
 
 roi_form_p = define("jaxpool_roi_form", _impl)
 
-# What another primitive of the form (``kernels.py``) reuses: the operand names and the XLA
-# implementation of every derivative.
+# What another primitive of the form (``kernels.py``) reuses: the operand names, the XLA
+# implementation of every derivative and the batching rule that folds a mapped axis.
 operand_names = _names
 evaluate = _impl
+batch_folded = _batch_folded

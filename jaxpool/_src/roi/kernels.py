@@ -8,6 +8,10 @@ path's implementation. So ``jax.grad`` through :func:`roi_align` runs the forwar
 feature-gradient kernel and XLA's box gradient; forward mode and higher orders compose the
 same way. Under ``vmap`` the mapped axis folds into the boxes and the feature table (one copy
 of the table per element, ``KernelOptions.copies``): the kernels run once on the whole batch.
+The per-image form (``batched=True`` binds: each image's boxes on its own table) runs the
+kernels the same way, its images folded into copies of a one-image table, when the program
+runs on one device; on several devices, or inside ``shard_map``, its lowering is the XLA
+path's form, which XLA's partitioner splits along the batch (``_lowering``).
 
 :func:`unsupported` is the rule the registry asks (``pallas/backend.py``): the kernels serve
 ``roi_align`` and ``multi_scale_roi_align`` with ``mode="avg"`` in float32, bfloat16 and
@@ -26,6 +30,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.interpreters import batching, mlir
 
 from jaxpool._src.roi import form
 from jaxpool._src.roi import xla as roi_xla
@@ -71,19 +76,26 @@ def unsupported(x: jax.Array, config: Any) -> str | None:
   return None
 
 
-def _too_large(ops, table_rows: int) -> bool:
+def _too_large(ops, table_rows: int, planes: int) -> bool:
   """Whether the kernels' int32 indexing cannot reach the feature table (with the copies that
-  ``vmap`` folds into it) or the boxes' outputs: :func:`unsupported` sees only one table."""
+  ``vmap`` folds into it), the boxes' outputs, or the gradient's box lists (at least one cell
+  of ``K`` entries per image of each level, ``planes`` of them): :func:`unsupported` sees
+  only one table."""
   channels = int((ops["x"] if "x" in ops else ops["ct"]).shape[-1])
-  outputs = int(ops["iy"].shape[0]) * int(ops["iy"].shape[1]) * int(ops["ix"].shape[1])
-  return max(table_rows, outputs) * channels > MAX_ELEMENTS
+  boxes = int(ops["iy"].shape[0])
+  outputs = boxes * int(ops["iy"].shape[1]) * int(ops["ix"].shape[1])
+  return max(table_rows, outputs) * channels > MAX_ELEMENTS or planes * boxes > MAX_ELEMENTS
 
 
-def _impl(*operands, wrt, has_taps, dtype, rows, kernel: KernelOptions):
+def _impl(*operands, wrt, has_taps, dtype, rows, kernel: KernelOptions, batched=False):
+  if batched:
+    return _impl_batched(*operands, wrt=wrt, has_taps=has_taps, dtype=dtype, rows=rows,
+                         kernel=kernel)
   names = form.operand_names(wrt, has_taps)
   ops = dict(zip(names, operands))
   table_rows = kernel.copies * sum(lv.images * lv.height * lv.width for lv in kernel.levels)
-  if has_taps or wrt not in ("ct", "x") or _too_large(ops, table_rows):
+  planes = kernel.copies * sum(lv.images for lv in kernel.levels)
+  if has_taps or wrt not in ("ct", "x") or _too_large(ops, table_rows, planes):
     # (the box gradient's parts, and sizes the kernels' int32 indexing cannot reach: XLA)
     return form.evaluate(*operands, wrt=wrt, has_taps=has_taps, dtype=dtype, rows=rows)
   from jaxpool._src.roi import triton  # (Pallas, imported when a kernel is traced)
@@ -97,12 +109,82 @@ def _impl(*operands, wrt, has_taps, dtype, rows, kernel: KernelOptions):
                              dtype=jnp.dtype(dtype), interpret=kernel.interpret)
 
 
+def _impl_batched(*operands, wrt, has_taps, dtype, rows, kernel: KernelOptions):
+  """The per-image form (``batched=True``: every operand has a leading axis of ``N`` images,
+  each image's boxes on its own table ``x`` ``(N, P, C)``) on the kernels: the images fold
+  into the boxes and into ``N`` copies of the one-image table, the kernels run once, and the
+  axis comes back. The flat form of the same boxes gives the same bits: the same table, the
+  same boxes in the same order."""
+  names = form.operand_names(wrt, has_taps)
+  ops = dict(zip(names, operands))
+  n, k = ops["base"].shape[:2]
+  per_table = rows if wrt == "x" else ops["x"].shape[1]
+  flat = {}
+  for name, a in ops.items():
+    if name == "x":
+      flat[name] = a.reshape(n * a.shape[1], a.shape[2])
+    else:
+      flat[name] = a.reshape(n * a.shape[1], *a.shape[2:])
+  shift = (jnp.arange(n, dtype=flat["base"].dtype) * per_table)[:, None]
+  flat["base"] = (ops["base"] + shift).reshape(n * k)
+  out = _impl(*(flat[name] for name in names), wrt=wrt, has_taps=has_taps, dtype=dtype,
+              rows=n * rows if wrt == "x" else rows,
+              kernel=dataclasses.replace(kernel, copies=kernel.copies * n))
+  return out.reshape(n, out.shape[0] // n, *out.shape[1:])
+
+
 roi_kernel_p = form.define("jaxpool_roi_form_kernels", _impl, _widen)
 
 
+def _single_device(ctx) -> bool:
+  """Whether the program runs on one device, outside any ``shard_map``."""
+  axis_context = ctx.module_context.axis_context
+  return (getattr(axis_context, "num_devices", None) == 1
+          and not getattr(axis_context, "manual_axes", ()))
+
+
+def _lowering(ctx, *operands, **params):
+  """The kernels, except for the per-image form in a program on several devices or inside a
+  ``shard_map``: its XLA form there, which XLA's partitioner splits along the batch with no
+  collective (a kernel call is one custom call, which it would replicate, gathering the
+  features onto every device)."""
+  fn = _impl
+  if params.get("batched") and not _single_device(ctx):
+    params = {k: v for k, v in params.items() if k != "kernel"}
+    fn = form.evaluate
+  return mlir.lower_fun(functools.partial(fn, **params), multiple_results=False)(ctx, *operands)
+
+
+mlir.register_lowering(roi_kernel_p, _lowering)
+
+
+def _batch(args, dims, **params):
+  """``vmap``: the per-image form's mapped axis joins its batch axis (each element's images on
+  their own tables, as the XLA path keeps them); the flat form's folds into the boxes
+  (``form``'s rule)."""
+  if not params.get("batched"):
+    return _batch_folded(args, dims, **params)
+  size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+  ops = [jnp.broadcast_to(a, (size, *a.shape)) if d is None else jnp.moveaxis(a, d, 0)
+         for a, d in zip(args, dims, strict=True)]
+  ops = [a.reshape(size * a.shape[1], *a.shape[2:]) for a in ops]
+  out = roi_kernel_p.bind(*ops, **params)
+  return out.reshape(size, out.shape[0] // size, *out.shape[1:]), 0
+
+
+_batch_folded = functools.partial(form.batch_folded, roi_kernel_p, _widen)
+batching.primitive_batchers[roi_kernel_p] = _batch
+
+
 def _roi_align(maps, image, coords, level, cfg: AlignConfig, interpret: bool) -> jax.Array:
-  bind = functools.partial(form.bind_to, roi_kernel_p,
-                           extra=dict(kernel=KernelOptions(cfg.levels, interpret)))
+  levels = cfg.levels
+  if cfg.per_image:  # (each image's boxes on its own one-image table: xla._per_image)
+    levels = (dataclasses.replace(levels[0], images=1),)
+  options = KernelOptions(levels, interpret)
+
+  def bind(wrt, *, batched=False, **kw):
+    return form.bind_to(roi_kernel_p, wrt, extra=dict(kernel=options, batched=batched), **kw)
+
   return roi_xla.roi_align(maps, image, coords, level, cfg, bind=bind)
 
 
@@ -114,4 +196,7 @@ def roi_align(maps: tuple[jax.Array, ...], image: jax.Array, coords: jax.Array,
   """The XLA path's ``roi_align`` (``xla.py``) with the average's sampled sum and its feature
   gradient on the kernels: ``(K, ph, pw, C)``."""
   assert cfg.mode == "avg" and math.prod(cfg.output_size) > 0
+  if cfg.per_image:  # (its lowering reads the program's devices: kernels or the XLA form)
+    from jaxpool._src.pallas.calls import needs_devices
+    needs_devices(roi_kernel_p)
   return _roi_align_jit(maps, image, coords, level, cfg, interpret)

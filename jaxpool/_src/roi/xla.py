@@ -76,7 +76,7 @@ def roi_align(maps: tuple[jax.Array, ...], image: jax.Array, coords: jax.Array,
       in ``kernels.py``).
   """
   if cfg.per_image:
-    return _per_image(maps[0], image, coords, level, cfg)
+    return _per_image(maps[0], image, coords, level, cfg, bind)
   x = flat_table(maps)
   ops, count, counts, finite = align_plan(image, coords, level, cfg)
   if cfg.mode == "max":
@@ -88,10 +88,11 @@ def roi_align(maps: tuple[jax.Array, ...], image: jax.Array, coords: jax.Array,
   return y.astype(x.dtype)
 
 
-def _per_image(x, image, coords, level, cfg):
+def _per_image(x, image, coords, level, cfg, bind=form.bind):
   """``cfg.per_image = K``: the plan of every box as in the flat form (the same bits), then the
   batch kept as an axis (``form``'s ``batched`` binds: each image's boxes on its own table), so
-  that XLA's partitioner splits the program with a batch-sharded ``x``, with no collective."""
+  that XLA's partitioner splits the program with a batch-sharded ``x``, with no collective.
+  (The GPU kernels' ``bind`` runs them on one device and this form on several: kernels.py.)"""
   N, H, W, C = x.shape
   K = cfg.per_image
   one = dataclasses.replace(cfg, levels=(dataclasses.replace(cfg.levels[0], images=1),))
@@ -104,7 +105,7 @@ def _per_image(x, image, coords, level, cfg):
     y = form.bind("ct", **ops, taps=taps, x=table, dtype=F32, batched=True)
   else:
     ops = _mean_weights(ops, count.reshape(N, K))
-    y = form.bind("ct", **ops, x=table, dtype=x.dtype, batched=True)
+    y = bind("ct", **ops, x=table, dtype=x.dtype, batched=True)
   y = y.reshape(N * K, *y.shape[2:])
   y = jnp.where(finite[:, None, None, None], y, jnp.nan)
   return y.astype(x.dtype)

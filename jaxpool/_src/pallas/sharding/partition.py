@@ -47,7 +47,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpool._src import xla
 from jaxpool._src.pallas.tuning import tuner as tuning
-from jaxpool._src.pallas.calls import KernelCall, kernel_call, out_struct
+from jaxpool._src.pallas.calls import KernelCall, kernel_call, needs_devices, out_struct
 from jaxpool._src.pallas.sharding.halo import plan, spec_dims
 from jaxpool._src.pallas.sharding.halo_inplace import per_device
 from jaxpool._src.windows import Geometry, taps_dtype
@@ -121,17 +121,6 @@ def _lowering(ctx, *operands, kc: KernelCall):
       return mlir.lower_fun(functools.partial(_partitioned, kc),
                             multiple_results=True)(ctx, *operands)
   return mlir.lower_fun(fn, multiple_results=True)(ctx, *operands)
-
-
-def needs_devices(p: jex_core.Primitive) -> None:
-  """Tells JAX that lowering ``p`` needs the program's devices, as ``custom_partitioning``'s
-  own primitive does (JAX lowers nested ``jit`` bodies without their devices otherwise, and
-  ``custom_partitioning`` then fails). Every primitive whose lowering runs a kernel call
-  (:data:`kernel_p`, and the Pallas backend's linear primitives) is marked. JAX keeps that
-  list in a private module, the one private name the kernels use;
-  tests/sharding/test_partitioning.py fails if a JAX release moves it."""
-  from jax._src import dispatch as jax_dispatch  # noqa: PLC0415
-  jax_dispatch.prim_requires_devices_during_lowering.add(p)
 
 
 needs_devices(kernel_p)
