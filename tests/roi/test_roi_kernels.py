@@ -487,3 +487,34 @@ def test_gpu_multi_scale_matches_xla(dtype):
   y2, g2 = run(None)
   assert all(np.asarray(a).tobytes() == np.asarray(b).tobytes()
              for a, b in zip(jax.tree.leaves((y, g)), jax.tree.leaves((y2, g2))))
+
+
+@pytest.mark.gpu
+def test_gpu_per_image_boxes_run_the_kernels():
+  """Compiled, on one GPU: per-image boxes (N, K, 4) with a mask run the kernels, with the bits
+  of the (K, 5) form of the same boxes on the kernels (values, feature and box gradients)."""
+  if jax.default_backend() != "gpu":
+    pytest.skip("needs a GPU")
+  rng = np.random.default_rng(6)
+  n, k, c = 4, 64, 32
+  x = jnp.asarray(rng.standard_normal((n, 50, 76, c)), jnp.float32)
+  xy = rng.uniform(-4, 60, (n, k, 2))
+  boxes = np.concatenate([xy, xy + rng.uniform(1, 30, (n, k, 2))], -1).astype(np.float32)
+  mask = rng.uniform(size=(n, k)) < 0.8
+  live = np.argwhere(mask)
+  rows = np.concatenate([live[:, :1], boxes[live[:, 0], live[:, 1]]], 1).astype(np.float32)
+  dy = rng.standard_normal((n, k, 7, 7, c)).astype(np.float32)
+
+  def run(b, g, **kw):
+    @jax.jit
+    def go(x, b, g):
+      y, vjp = jax.vjp(lambda v, c: jaxpool.roi_align(v, c, 7, sampling_ratio=2, aligned=True,
+                                                      **kw), x, b)
+      return (y, *vjp(g))
+    return [np.asarray(a) for a in go(x, b, g)]
+
+  y, dx, db = run(boxes, dy, mask=mask)
+  fy, fdx, fdb = run(rows, dy[live[:, 0], live[:, 1]])
+  assert y[live[:, 0], live[:, 1]].tobytes() == fy.tobytes()
+  assert dx.tobytes() == fdx.tobytes()
+  assert db[live[:, 0], live[:, 1]].tobytes() == fdb[:, 1:].tobytes()
