@@ -69,9 +69,8 @@ def test_per_image_boxes_give_the_bits_of_rows(rng, name):
 def test_per_image_boxes_run_the_kernels_on_one_device(rng, monkeypatch):
   """On one device (here the kernels interpreted) the per-image form runs the GPU kernels, not
   the XLA path's batched form (it did before: 15-40 ms instead of 0.5-1.1 ms on an H200 for
-  Mask R-CNN's shapes), with the bits of the (K, 5) form on the kernels; under ``vmap`` the
-  mapped axis joins the images, each element its own call's bits. (On a batch-sharded mesh it
-  lowers the XLA form: tests/sharding/roi_checks.py.)"""
+  Mask R-CNN's shapes), with the bits of the (K, 5) form on the kernels. (On a batch-sharded
+  mesh it lowers the XLA form: tests/sharding/roi_checks.py.)"""
   from jaxpool._src.roi import triton
   calls = []
   for name in ("forward", "feature_grad"):
@@ -89,9 +88,19 @@ def test_per_image_boxes_run_the_kernels_on_one_device(rng, monkeypatch):
   np.testing.assert_array_equal(_bits(y)[live[:, 0], live[:, 1]], _bits(fy))
   np.testing.assert_array_equal(_bits(dx), _bits(fdx))
   np.testing.assert_array_equal(_bits(db)[live[:, 0], live[:, 1]], _bits(fdb[:, 1:]))
+
+
+@pytest.mark.slow
+def test_per_image_boxes_on_the_kernels_under_vmap(rng):
+  """vmap over the features and the boxes: the mapped axis joins the images (the kernels run
+  once), each element its own call's bits."""
+  kw = dict(output_size=(3, 2), spatial_scale=0.8, sampling_ratio=2, implementation="pallas")
+  x, boxes, mask, _, _ = _case(rng)
+  g = rng.standard_normal((N, K, 3, 2, C)).astype(np.float32)
+  f = lambda x, b, g: _vjp(lambda v, c: jaxpool.roi_align(v, c, mask=mask, **kw), x, b, g)
   two = jax.jit(jax.vmap(f))(np.stack([x, x[::-1]]), np.stack([boxes, boxes]), np.stack([g, g]))
   for i, xi in enumerate((x, x[::-1])):
-    for a, b in zip(two, jax.jit(f)(xi, boxes, g)):
+    for a, b in zip(two, jax.jit(f)(xi, boxes, g), strict=True):
       np.testing.assert_array_equal(_bits(a[i]), _bits(b))
 
 
