@@ -68,7 +68,7 @@ def test_per_image_boxes_give_the_bits_of_rows(rng, name):
 
 def test_per_image_boxes_run_the_kernels_on_one_device(rng, monkeypatch):
   """On one device (here the kernels interpreted) the per-image form runs the GPU kernels, not
-  the XLA path's batched form (it did before: 15-40 ms instead of 0.5-1.1 ms on an H200 for
+  the XLA path's batched form (it did before: 15-44 ms instead of 0.46-1.22 ms on an H200 for
   Mask R-CNN's shapes), with the bits of the (K, 5) form on the kernels. (On a batch-sharded
   mesh it lowers the XLA form: tests/sharding/roi_checks.py.)"""
   from jaxpool._src.roi import triton

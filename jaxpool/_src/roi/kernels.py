@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.interpreters import batching, mlir
 
+from jaxpool._src.pallas.calls import needs_devices
 from jaxpool._src.roi import form
 from jaxpool._src.roi import xla as roi_xla
 from jaxpool._src.roi.plan import AlignConfig, Level
@@ -156,6 +157,7 @@ def _lowering(ctx, *operands, **params):
 
 
 mlir.register_lowering(roi_kernel_p, _lowering)
+needs_devices(roi_kernel_p)  # (the lowering reads the program's devices)
 
 
 def _batch(args, dims, **params):
@@ -196,7 +198,4 @@ def roi_align(maps: tuple[jax.Array, ...], image: jax.Array, coords: jax.Array,
   """The XLA path's ``roi_align`` (``xla.py``) with the average's sampled sum and its feature
   gradient on the kernels: ``(K, ph, pw, C)``."""
   assert cfg.mode == "avg" and math.prod(cfg.output_size) > 0
-  if cfg.per_image:  # (its lowering reads the program's devices: kernels or the XLA form)
-    from jaxpool._src.pallas.calls import needs_devices
-    needs_devices(roi_kernel_p)
   return _roi_align_jit(maps, image, coords, level, cfg, interpret)

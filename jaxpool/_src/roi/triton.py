@@ -219,10 +219,9 @@ def _planes(levels, copies: int, band: int, cband: int, group: int, cols: int,
   image, column blocks); a row group is ``group`` pixel rows of one image, a column block
   ``cols`` columns, a cell ``band`` rows (a multiple of ``group``) x ``cband`` columns (a
   multiple of ``cols``) of one image, numbered row band by row band; each tile (group x
-  block) has
-  ``programs_per_tile`` programs (lane blocks). The coarsest level's programs come first: a
-  coarse level's boxes cover more of it, so its programs run longest, and the GPU starts them
-  while the finer levels' many short ones fill in around them."""
+  block) has ``programs_per_tile`` programs (lane blocks). The coarsest level's programs come
+  first: a coarse level's boxes cover more of it, so its programs run longest, and the GPU
+  starts them while the finer levels' many short ones fill in around them."""
   entries: list[tuple[int, int, int, tuple[int, ...]]] = []
   first_cell = 0
   table = sum(lv.images * lv.height * lv.width for lv in levels)
