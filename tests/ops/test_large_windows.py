@@ -29,6 +29,7 @@ from tiers import draws
 import jaxpool
 from jaxpool._src import xla, xla_separable, xla_taps
 from jaxpool._src.pallas import ops as pallas_ops
+from jaxpool._src.pallas.triton import tile
 from jaxpool._src.windows import make_geometry
 
 # (shape, window, strides, padding, dilation, ceil_mode, data_format): every one has more than
@@ -411,6 +412,11 @@ def _same_bits_as_xla(x, kw, rng, nan_payloads=True, relu=False, minimum=True):
     pytest.param(GRID[2], np.float32, marks=slow),  # 3-D, dilation
     pytest.param(((1, 14, 5, 1), (13, 3), (1, 1), "SAME", None, False, "channels_last"),
                  jnp.float16, marks=slow),
+    # dims of more than LOOP_TAPS taps: the stages' taps in a loop
+    (((1, 2, 30, 33), (17, 21), (1, 1), ((3, 5), (9, 2)), None, False, "channels_first"),
+     jnp.bfloat16),
+    pytest.param(((1, 30, 31, 2), (17, 18), (2, 2), 4, (1, 2), True, "channels_last"),
+                 np.float32, marks=slow),
 ])
 def test_the_kernels_a_dim_at_a_time_give_the_xla_paths_bits(case, dtype, rng):
   shape, *cfg = case
@@ -421,6 +427,15 @@ def test_the_kernels_a_dim_at_a_time_give_the_xla_paths_bits(case, dtype, rng):
   quick = dtype == jnp.bfloat16  # (make test's case: the max pool; the rest in the slow tier)
   _same_bits_as_xla(jnp.asarray(_inputs(rng, shape, dtype)), kw, rng, relu=not quick,
                     minimum=not quick)
+
+
+@pytest.mark.parametrize("strides", [(1,), pytest.param((3,), marks=slow)])
+def test_a_1d_window_of_more_than_loop_taps_on_the_kernels(strides, rng):
+  """A 1-D window of 20 taps (at most 32: one kernel call, no stages): its taps in a loop, the
+  XLA path's bits (at stride 3 the backward's phases stay unrolled)."""
+  kw = _kw((20,), strides, 5, None, strides != (1,), "channels_last")
+  assert 20 > tile.LOOP_TAPS
+  _same_bits_as_xla(jnp.asarray(_inputs(rng, (2, 45, 4))), kw, rng, relu=strides == (1,))
 
 
 @slow
@@ -441,7 +456,7 @@ def test_gpu_the_kernels_a_dim_at_a_time_give_the_xla_paths_bits(dtype):
   """The compiled kernels a dim at a time against the XLA path's separable form on a GPU: max
   and min values, gradients and tangents, bit for bit, on zeros of both signs, subnormals,
   infinities and NaN; SPP's stride 1 and 'same', a stride below the window, a 3-D window,
-  channels_first with ceil mode."""
+  channels_first with ceil mode, and dims of more than ``LOOP_TAPS`` taps (their loops)."""
   if jax.default_backend() != "gpu":
     pytest.skip("needs a GPU")
   rng = np.random.default_rng(0)
@@ -451,7 +466,9 @@ def test_gpu_the_kernels_a_dim_at_a_time_give_the_xla_paths_bits(dtype):
       ((4, 40, 40, 16), (13, 13), (1, 1), "SAME", False, "channels_last"),
       ((4, 37, 41, 16), (9, 9), (2, 2), 4, False, "channels_last"),
       ((2, 18, 16, 17, 8), (7, 7, 7), (1, 1, 1), 3, False, "channels_last"),
-      ((2, 16, 23, 29), (6, 7), (1, 2), ((2, 3), (1, 4)), True, "channels_first")]:
+      ((2, 16, 23, 29), (6, 7), (1, 2), ((2, 3), (1, 4)), True, "channels_first"),
+      ((2, 40, 40, 16), (31, 31), (1, 1), "SAME", False, "channels_last"),  # (loops)
+      ((2, 8, 30, 33), (17, 21), (1, 1), ((3, 5), (9, 2)), False, "channels_first")]:
     x = jnp.asarray(rng.choice(vals, shape, p=p)).astype(dtype)
     kw = dict(window_shape=window, strides=strides, padding=padding, ceil_mode=ceil,
               data_format=fmt)
@@ -505,6 +522,53 @@ def test_taps_visited_grow_with_the_window_size_not_its_taps():
   assert s31 / s13 < 31 / 13 * 1.15, (s13, s31)
   # past UNROLL_TAPS per dim the stages are loops: the program stops growing
   assert size(200) < size(66) * 1.1
+
+
+def _kernel_eqns(fn, *args) -> tuple[int, int]:
+  """Equations in the kernel of the ``pallas_call`` that ``fn(*args)`` makes (loop bodies once),
+  and how many of them are loops."""
+  found = [e.params["jaxpr"] for e in jax.make_jaxpr(fn)(*args).jaxpr.eqns
+           if e.primitive.name == "pallas_call"]
+  assert len(found) == 1
+
+  def count(jaxpr):
+    n = loops = 0
+    for eqn in jaxpr.eqns:
+      n += 1
+      loops += eqn.primitive.name in ("scan", "while")
+      for param in eqn.params.values():
+        for sub in param if isinstance(param, (tuple, list)) else (param,):
+          inner = getattr(sub, "jaxpr", sub)
+          if hasattr(inner, "eqns"):
+            n, loops = (a + b for a, b in zip((n, loops), count(inner), strict=True))
+    return n, loops
+
+  return count(found[0])
+
+
+@pytest.mark.parametrize("window_of", [lambda k: (k,), lambda k: (k, 1)])
+def test_the_kernels_code_stops_growing_past_loop_taps(window_of):
+  """A kernel's code (its equations, a loop's body counted once) for a dim of 31 taps is that of
+  17 taps, forward (with the taps) and backward, along W and along H: what Triton compiles does
+  not grow with the window (a 31x31 pool's stages compile like a 17x17 one's). Up to
+  ``LOOP_TAPS`` the taps stay straight-line code."""
+  from jaxpool._src.pallas.triton import ops as triton_ops
+
+  def kernels(k):
+    shape = (2, 60, 8) if len(window_of(k)) == 1 else (2, 60, 5, 8)
+    geom = make_geometry(shape, window_of(k), None, "SAME")
+    x = jnp.zeros(shape, jnp.float32)
+    fwd = _kernel_eqns(lambda v: triton_ops.max_forward_taps(v, geom, interpret=True), x)
+    y, taps = triton_ops.max_forward_taps(x, geom, interpret=True)
+    bwd = _kernel_eqns(lambda t, dy: triton_ops.max_backward(t, dy, shape, geom,
+                                                             interpret=True), taps, y)
+    return fwd, bwd
+
+  (f17, b17), (f31, b31) = kernels(17), kernels(31)
+  assert f17 == f31 and b17 == b31, (f17, f31, b17, b31)
+  assert f17[1] and b17[1]  # (loops)
+  (f9, b9), (f13, b13) = kernels(9), kernels(13)
+  assert f9[1] == b9[1] == 0 and f13[0] > f9[0] and b13[0] > b9[0]  # (straight-line code)
 
 
 def _float_elements(eqn) -> int:

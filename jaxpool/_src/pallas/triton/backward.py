@@ -14,6 +14,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.experimental import pallas as pl
 
 from jaxpool._src.dtypes import accumulator_dtype
@@ -21,7 +22,9 @@ from jaxpool._src.pallas.triton.tile import (
     Tile,
     both_paths,
     counted_taps,
+    fold,
     load,
+    loop_dim,
     plgpu,
     program,
     split,
@@ -176,12 +179,25 @@ def backward_kernel(*refs, geom: Geometry, block_cols: int, block_lanes: int, la
           n_taps += 1
     every_tap.append(n_taps == geom.num_taps)
 
+  # One dim of many taps at stride 1 (max pooling, one block): a single phase, whose taps, in
+  # descending order, are the keys in ascending order along that dim; visited in a loop
+  # (``tile.fold``), so the code does not grow with the window.
+  loop = loop_dim(geom)
+  if loop is not None:
+    size, lo, dil = geom.window[loop], geom.padding[loop][0], geom.dilation[loop]
+    one_phase = {tuple(lo - tap * dil if dim == loop else 0 for dim in range(3)): [(0, tap)]
+                 for tap in range(size)}
+    if mode != "max" or uses != one_phase or any(ok is not None for ok in lane_oks.values()):
+      loop = None  # (the plan above, unrolled)
+
   def body(edge: bool):
     accs: list[Any] = [None] * len(phases)
     missed: list[Any] = [None] * len(phases)  # (edge path) the windows past the edge it skipped
-    for key in sorted(uses):
-      out_plane, out_row, out_cols = m_depth + key[0], m_height + key[1], cols[key]
-      valid = lane_oks[key]
+
+    def visit(key, taps_of, valid, out_cols):
+      """Adds the windows at ``key`` (offsets from the first block) to each phase of
+      ``taps_of``, ``[(phase, tap)]``."""
+      out_plane, out_row = m_depth + key[0], m_height + key[1]
       if edge:
         real = ((out_plane >= 0) & (out_plane < out_depth) & (out_row >= 0)
                 & (out_row < out_height) & (out_cols >= 0) & (out_cols < out_width))
@@ -198,7 +214,7 @@ def backward_kernel(*refs, geom: Geometry, block_cols: int, block_lanes: int, la
         taps_tile = load(idx_ref, where, valid, no_tap)
         if packed:
           taps_tile = taps_tile.astype(jnp.int16)
-        for phase, tap in uses[key]:
+        for phase, tap in taps_of:
           # The XLA path adds a zero for each tap this phase skips, so its sums are never
           # -0.0: -0.0 + 0.0 is +0.0. So the first term of such a phase maps -0.0 to +0.0.
           # (A select: XLA:CPU would simplify zero + c to c.)
@@ -206,6 +222,8 @@ def backward_kernel(*refs, geom: Geometry, block_cols: int, block_lanes: int, la
           if packed:
             term = pick16(dy_tile, taps_tile, tap, first_zero)
           else:
+            if not isinstance(tap, int):
+              tap = lax.convert_element_type(tap, taps_tile.dtype)
             term = jnp.where(taps_tile == tap, dy_tile, np.array(0, dtype))
             if first_zero:
               term = jnp.where(term == 0, zero, term)
@@ -214,10 +232,27 @@ def backward_kernel(*refs, geom: Geometry, block_cols: int, block_lanes: int, la
         term = dy_tile.astype(acc_t) / divisor_of((out_plane, out_row, out_cols))
         if valid is not None:
           term = jnp.where(valid, term, 0)
-        for phase, _ in uses[key]:
+        for phase, _ in taps_of:
           accs[phase] = term if accs[phase] is None else accs[phase] + term
           if valid is not None:
             missed[phase] = ~valid if missed[phase] is None else missed[phase] | ~valid
+
+    if loop is None:
+      for key in sorted(uses):
+        visit(key, uses[key], lane_oks[key], cols[key])
+    else:
+      # Taps k - 1, ..., 0 at offsets ``pad_lo - tap * d`` (ascending) along ``loop``.
+      phase_cols = groups[0][1]
+
+      def step(i, acc):
+        tap = size - 1 - i
+        key = tuple(lo - tap * dil if dim == loop else 0 for dim in range(3))
+        accs[0] = acc
+        visit(key, [(0, tap)], None, phase_cols + key[2])
+        return accs[0]
+
+      step(0, None)  # (the first term starts the sum)
+      accs[0] = fold(1, size - 1, step, accs[0])
     if mode != "max":
       # The XLA path's gradient sums a term for every tap, +0.0 from the padding where a tap
       # holds no real window (JAX transposes the tap slices into pads), so it is -0.0 only
@@ -252,10 +287,12 @@ def backward_kernel(*refs, geom: Geometry, block_cols: int, block_lanes: int, la
 PICK16_TAPS = 0x7C00  # (taps below it are finite half floats' bits)
 
 
-def pick16(dy, taps, tap: int, plus_zero: bool):
+def pick16(dy, taps, tap, plus_zero: bool):
   """``where(taps == tap, dy, +0.0)`` for 16-bit floats ``dy`` and int16 ``taps`` (``-1`` or a
   tap), two lanes an instruction (inline PTX on pairs packed in 32-bit registers); with
-  ``plus_zero`` a ``-0.0`` in ``dy`` gives ``+0.0`` too.
+  ``plus_zero`` a ``-0.0`` in ``dy`` gives ``+0.0`` too. ``tap``: a Python int (an immediate
+  of the instruction) or, in a loop over the taps, a traced int32 below ``PICK16_TAPS`` (a
+  third operand, packed as the taps are).
 
   The taps' bits are compared as half floats (``set.eq.u32.f16x2``: ``0xFFFF`` where equal):
   a tap ``0 <= t < 0x7C00`` is a finite half float (a subnormal below ``2**10``: no flush to
@@ -263,17 +300,23 @@ def pick16(dy, taps, tap: int, plus_zero: bool):
   ``dy``'s bits. ``dy``'s zeros of either sign are half-float zeros in both formats (bits
   ``0x0000`` and ``0x8000``), so the same compare against ``0`` finds them, and a three-input
   logic op (``lop3``, ``dy & mask & ~zero``) clears them."""
-  assert plgpu is not None and 0 <= tap < PICK16_TAPS
-  pair = tap * 0x10001
+  assert plgpu is not None
+  args = [dy, taps]
+  if isinstance(tap, int):
+    assert 0 <= tap < PICK16_TAPS
+    tap_pair = f"mov.b32 jp_k, {tap * 0x10001};"
+  else:  # (each 32-bit register of the third operand holds the tap twice)
+    args.append(lax.broadcast(lax.convert_element_type(tap, taps.dtype), taps.shape))
+    tap_pair = "mov.b32 jp_k, $3;"
   if plus_zero:
     body = ("mov.b32 jp_z, 0; set.eq.u32.f16x2 jp_n, $1, jp_z; "
             "lop3.b32 $0, $1, jp_m, jp_n, 0x40;")  # (a & b & ~c)
   else:
     body = "and.b32 $0, $1, jp_m;"
   asm = ("{ .reg .b32 jp_k, jp_m, jp_z, jp_n; "
-         f"mov.b32 jp_k, {pair}; set.eq.u32.f16x2 jp_m, $2, jp_k; {body} }}")
+         f"{tap_pair} set.eq.u32.f16x2 jp_m, $2, jp_k; {body} }}")
   return plgpu.elementwise_inline_asm(
-      asm, args=[dy, taps], constraints="=r,r,r", pack=2,
+      asm, args=args, constraints="=r" + ",r" * len(args), pack=2,
       result_shape_dtypes=[jax.ShapeDtypeStruct(dy.shape, dy.dtype)])[0]
 
 

@@ -24,7 +24,7 @@ from jaxpool._src import settings
 from jaxpool._src.pallas.triton.backward import interleaves, phase_rows
 from jaxpool._src.pallas.triton.max import compare_dtype
 from jaxpool._src.pallas.triton.rows import shares_planes
-from jaxpool._src.pallas.triton.tile import plgpu
+from jaxpool._src.pallas.triton.tile import loop_dim, plgpu
 from jaxpool._src.platforms import platform
 from jaxpool._src.windows import Geometry, phase_offsets, window_counts_1d
 
@@ -279,8 +279,8 @@ def row_block_candidates(heuristic: Launch, g: Geometry, dtype, op: str = "max_f
   Do, Ho, _ = g.out_spatial
   shared = g.window[0] > g.strides[0] or g.window[1] > g.strides[1]  # rows read twice
   fits = avg_blocks(g) if op == "avg_fwd" else _blocks_exact(g, dtype, False)
-  if not fits or Ho < 2 or not shared:
-    return []
+  if not fits or Ho < 2 or not shared or loop_dim(g) is not None:
+    return []  # (a dim of many taps: the one-row kernel's loop, whose code does not grow)
   heuristic = Launch.of(heuristic)
   bw, bl, warps = heuristic.block_cols, heuristic.block_lanes, heuristic.num_warps
   half_bw, half_bl = max(bw // 2, 1), max(bl // 2, 1)

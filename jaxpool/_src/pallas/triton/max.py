@@ -24,7 +24,7 @@ from jax import lax
 from jaxpool._src.api_args import Activation
 from jaxpool._src.autodiff import apply_activation
 from jaxpool._src.dtypes import beats, lowest
-from jaxpool._src.pallas.triton.tile import both_paths, load, output_row, plgpu
+from jaxpool._src.pallas.triton.tile import both_paths, fold, load, loop_dim, output_row, plgpu
 from jaxpool._src.pallas.types import MaxForm
 from jaxpool._src.windows import Geometry, real_taps
 
@@ -79,22 +79,34 @@ def max_kernel(x_ref, *out_refs, geom: Geometry, block_cols: int, block_lanes: i
       positions.append(position)
     return load(x_ref, tile.index(batch, *positions))
 
+  loop = loop_dim(geom)
+
   def body(edge: bool):
-    best: Any = None
     idx: Any = None
     real = ([real_taps(geom, dim, position, xp=jnp) for dim, position in enumerate(outs)]
             if edge else None)
-    for tap_id, tap in enumerate(geom.taps()):
+
+    def step(tap_id, tap, carry):
+      best, idx = carry
       value = load_max_tap(tap, real).astype(cmp_t)
-      if best is None:
-        best = nan_max(value, value, form)  # (NaN made canonical, as the scan's maxima are)
-        if with_taps:
-          idx = jnp.full(tile.shape, tap_id, idx_t)
-        continue
       new = nan_max(best, value, form)
       if with_taps:
-        idx = jnp.where(bits(new) != bits(best), np.array(tap_id, idx_t), idx)
-      best = new
+        tap_at_idx = (np.array(tap_id, idx_t) if isinstance(tap_id, int)
+                      else lax.convert_element_type(tap_id, idx_t))
+        idx = jnp.where(bits(new) != bits(best), tap_at_idx, idx)
+      return new, idx
+
+    taps = geom.taps()
+    value = load_max_tap(taps[0], real).astype(cmp_t)
+    best = nan_max(value, value, form)  # (NaN made canonical, as the scan's maxima are)
+    if with_taps:
+      idx = jnp.full(tile.shape, 0, idx_t)
+    if loop is None:
+      for tap_id, tap in enumerate(taps[1:], 1):
+        best, idx = step(tap_id, tap, (best, idx))
+    else:  # (one dim of many taps: its taps in a loop)
+      best, idx = fold(1, len(taps) - 1, lambda t, c: step(t, tuple(
+          t if dim == loop else 0 for dim in range(len(geom.window))), c), (best, idx))
     out_at = tile.index(batch, *outs)
     if real is not None:
       # Windows with no real tap: the lowest value, no tap.

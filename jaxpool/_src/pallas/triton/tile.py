@@ -15,6 +15,7 @@ from types import ModuleType
 from typing import Any, NamedTuple
 
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 
 try:
@@ -152,6 +153,43 @@ def both_paths(interior, body: Callable[[bool], None]) -> None:
   """Runs ``body(edge=False)`` where ``interior`` holds (no masks), else ``body(edge=True)``."""
   pl.when(interior)(lambda: body(False))
   pl.when(jnp.logical_not(interior))(lambda: body(True))
+
+
+# A window dim of more taps than this is visited in a loop (:func:`fold`), so a kernel's code
+# and its compile time stay the same from there on, whatever the window: a 31-tap stage
+# compiles like a 16-tap one. Up to here the taps are straight-line code, which the small
+# windows' speed was measured with. (A window of at most ``MAX_TAPS``, 32, taps has at most one
+# such dim, all its others of one tap: the large windows' 1-D stages, and 1-D pools.)
+LOOP_TAPS = 16
+TAPS_PER_TRIP = 8  # taps per trip of such a loop (straight-line code inside a trip)
+
+
+def loop_dim(geom: Geometry) -> int | None:
+  """The dim whose taps the kernels visit in a loop (:data:`LOOP_TAPS`), or None."""
+  for dim, size in enumerate(geom.window):
+    if size > LOOP_TAPS:
+      if geom.num_taps != size:  # pragma: no cover - the kernels take at most 32 taps
+        raise ValueError(f"a window of {geom.window} taps has a dim of more than {LOOP_TAPS} "
+                         "taps beside others")
+      return dim
+  return None
+
+
+def fold(first: int, count: int, step: Callable[[Any, Any], Any], carry: Any) -> Any:
+  """``carry = step(t, carry)`` for ``t = first, first + 1, ..., first + count - 1`` in that
+  order (``t`` traced): a loop of trips of :data:`TAPS_PER_TRIP` steps, then a loop of one
+  step a trip for the rest; the same code for every ``count``."""
+  full, rest = divmod(count, TAPS_PER_TRIP)
+
+  def trips(start: int, per_trip: int):
+    def trip(i, c):
+      for u in range(per_trip):
+        c = step(start + i * per_trip + u, c)
+      return c
+    return trip
+
+  carry = lax.fori_loop(0, full, trips(first, TAPS_PER_TRIP), carry)
+  return lax.fori_loop(0, rest, trips(first + full * TAPS_PER_TRIP, 1), carry)
 
 
 def counted_taps(geom: Geometry, windows, include_pad: bool, block_cols: int):
