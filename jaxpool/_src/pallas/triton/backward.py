@@ -56,6 +56,9 @@ def backward_kernel(*refs, geom: Geometry, block_cols: int, block_lanes: int, la
   contiguous dim, so a block is a run of input columns (stored whole) and the column phase is
   per lane: every column tap is visited, masked to the lanes it can hold.
 
+  A max pool's dim of more than ``tile.LOOP_TAPS`` taps at stride 1 (one phase, one block) visits
+  its taps in a loop (``tile.fold``), in the same order.
+
   ``packed`` (max pooling of 16-bit floats, compiled for an NVIDIA GPU, each thread holding an
   even number of a tile's elements): each tap's select runs on pairs of lanes (:func:`pick16`)
   instead of one lane at a time; the same bits.

@@ -1,7 +1,8 @@
 """The max-pool forward kernel for GPUs (Pallas Triton): the maximum of each window, and its tap.
 
 A program covers one output row and a tile of columns and lanes (``triton/tile.py``). It scans
-the window's taps in order with a running maximum that ranks NaN above every number and +0.0
+the window's taps in order (a dim of more than ``tile.LOOP_TAPS`` taps in a loop) with a running
+maximum that ranks NaN above every number and +0.0
 above -0.0 (:func:`nan_max`), and takes a tap where that maximum's bits change: of equal values
 the first keeps it, +0.0 replaces -0.0 and the first NaN wins (``dtypes.beats``' order). On an
 NVIDIA GPU that is one instruction a tap for the maximum, two more for the taps; a window
