@@ -406,6 +406,9 @@ def _main(argv, defaults) -> int:
   ap.add_argument("--inner", type=int, default=pooling_gpu.INNER,
                   help="at least this many calls a sample (default %(default)s; 3 makes the "
                   "slow functions' samples cheaper)")
+  ap.add_argument("--in-jit", type=int, default=0, metavar="K",
+                  help="time K calls inside one jit (on K copies of the inputs), divided by K: "
+                  "cells of tens of microseconds measured without the per-call dispatch")
   ap.add_argument("--quick", action="store_true", help="tiny shapes, few windows and samples")
   ap.add_argument("--windows", default="", help="comma-separated windows k: only their cells "
                   "of the sweep parts (the file's other cells are kept)")
@@ -419,6 +422,8 @@ def _main(argv, defaults) -> int:
   bad = [p for p in parts if p not in PARTS]
   if bad or not parts:
     ap.error(f"unknown parts {bad}; choose from {', '.join(PARTS)}")
+  if a.in_jit < 0:
+    ap.error(f"--in-jit must be at least 0, got {a.in_jit}")
   if min(a.rounds, a.reps, a.inner) < 1:
     ap.error(f"--rounds, --reps and --inner must be at least 1, got {a.rounds}, {a.reps} and "
              f"{a.inner}")
@@ -445,6 +450,7 @@ def _main(argv, defaults) -> int:
   copy_gbs = pooling_gpu.copy_bandwidth() if not a.quick else float("nan")
   if not a.quick:
     print(f"copy bandwidth (x + 1, 1 GiB f32, read + write): {copy_gbs:.0f} GB/s", flush=True)
+  pooling_gpu.IN_JIT = a.in_jit  # (after the copy bandwidth: 1 GiB, one call a sample)
   result: dict = {"cells": [], **{part: [] for part in ROW_PARTS}}
   if os.path.exists(out):
     with open(out) as f:
@@ -452,7 +458,9 @@ def _main(argv, defaults) -> int:
   part_seconds = dict(result.get("meta", {}).get("part_seconds", {}))
   timer = (f"best of {a.rounds} interleaved rounds, each the median of {pooling_gpu.REPS} "
            f"samples of at least {pooling_gpu.INNER} calls (pooling_gpu.time_jax); rows below "
-           f"{SLOWER}x rerun once")
+           f"{SLOWER}x rerun once"
+           + (f"; each call {a.in_jit} calls in one jit, time divided by {a.in_jit}"
+              if a.in_jit else ""))
   t0 = time.time()
   for part in parts:  # (the file is saved after each part: a run cut short keeps those done)
     t_part = time.time()

@@ -109,6 +109,32 @@ def test_a_rerun_of_some_strides_keeps_the_other_cells(tmp_path):
     windows_cpu.main(["--quick", "--strides", "half"])
 
 
+def test_in_jit_times_calls_inside_one_jit(tmp_path, monkeypatch):
+  """``--in-jit K``: each sample runs K calls inside one jit (on K copies of the inputs), so a
+  cell of tens of microseconds is timed without the per-call dispatch; the file says so."""
+  import pooling_gpu
+  monkeypatch.setattr(pooling_gpu, "IN_JIT", 0)
+  timed_args = []
+  real_time_calls = pooling_gpu._time_calls
+
+  def recording(fn, *args):
+    timed_args.append(args)
+    return real_time_calls(fn, *args)
+
+  monkeypatch.setattr(pooling_gpu, "_time_calls", recording)
+  out = tmp_path / "windows.json"
+  assert windows_cpu.main(["--quick", "--parts", "2d_float32", "--strides", "k", "--in-jit",
+                           "2", "--out", str(out)]) == 0
+  result = json.loads(out.read_text())
+  assert "each call 2 calls in one jit" in result["meta"]["timer"]
+  # every timed function ran on 2 copies of its inputs, inside one jit
+  assert timed_args and all(len(a) == 1 and len(a[0]) == 2 for a in timed_args), timed_args
+  (cell,) = result["cells"]
+  assert all(v > 0 for v in cell["ms"].values())
+  with pytest.raises(SystemExit):
+    windows_cpu.main(["--quick", "--in-jit", "-1"])
+
+
 @pytest.mark.slow  # (about 5 s: the quick 3-D target)
 def test_a_run_cut_short_keeps_its_finished_parts(tmp_path, monkeypatch):
   out = tmp_path / "windows.json"
