@@ -520,6 +520,41 @@ print(sorted(m for m in sys.modules if m.startswith("jax._src.pallas.mosaic_gpu.
 """
 
 
+_FAILED_DIALECT_IMPORTS = _LOWER_ONLY.replace("print(sorted(", """failed = []
+real_import = builtins.__import__
+def counting(name, *args, **kwargs):
+  try:
+    return real_import(name, *args, **kwargs)
+  except ImportError:
+    failed.append(name)
+    raise
+builtins.__import__ = counting
+loss = lambda x: jnp.sum(jaxpool.max_pool(x, (3, 3), (1, 1), implementation="pallas"))
+jax.jit(jax.grad(loss)).trace(jax.ShapeDtypeStruct((2, 9, 9, 4), jnp.float32)).lower(
+    lowering_platforms=("cuda",))
+builtins.__import__ = real_import
+print(len(failed), sorted(set(failed))[:5])
+print(sorted(""").replace("import sys\n", "import builtins, sys\n", 1)
+
+
+def test_lowering_the_kernels_does_not_retry_imports_for_each_op():
+  """MLIR's Python bindings look up the Python module of each op's dialect, and retry while none
+  is found: Triton's ops ("tt") made each op of the kernels' lowering try failed imports again
+  (hundreds a kernel, a sixth of the Python lowering time). jaxpool names Triton's module where
+  the bindings look (``tile._name_the_triton_dialect_module``): a second lowering, of other
+  kernels, tries none. In a new process. Fails before: 936 failed imports (of ``*.tt``
+  modules) in the second lowering."""
+  import subprocess
+  import sys
+  env = {k: v for k, v in os.environ.items() if not k.startswith("JAXPOOL_")}
+  env["JAXPOOL_TUNE"] = "off"
+  out = subprocess.run([sys.executable, "-c", _FAILED_DIALECT_IMPORTS], capture_output=True,
+                       text=True, env=env, timeout=300, check=False)
+  assert out.returncode == 0, out.stderr[-2000:]
+  line = out.stdout.strip().splitlines()[-2]
+  assert line.split()[0] == "0", line
+
+
 def test_lowering_the_kernels_does_not_import_mosaic_gpu():
   """A first call lowers the Triton kernels without importing Mosaic GPU's Pallas backend
   (with jax 0.10 Pallas tries it first unless the Triton lowering is registered: 0.2-0.5 s of
