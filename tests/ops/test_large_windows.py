@@ -564,6 +564,8 @@ def test_the_kernels_code_stops_growing_past_loop_taps(window_of):
                                                              interpret=True), taps, y)
     return fwd, bwd
 
+  # (a dim of more than LOOP_TAPS taps beside another dim: more than 32 taps, no kernel call)
+  assert tile.loop_dim(make_geometry((1, 40, 40, 2), (2, 20), None, 0)) is None
   (f17, b17), (f31, b31) = kernels(17), kernels(31)
   assert f17 == f31 and b17 == b31, (f17, f31, b17, b31)
   assert f17[1] and b17[1]  # (loops)

@@ -193,13 +193,12 @@ TAPS_PER_TRIP = 8  # taps per trip of such a loop (straight-line code inside a t
 
 
 def loop_dim(geom: Geometry) -> int | None:
-  """The dim whose taps the kernels visit in a loop (:data:`LOOP_TAPS`), or None."""
+  """The dim whose taps the kernels visit in a loop: the window's only dim of more than one tap,
+  where it has more than :data:`LOOP_TAPS`; else None (a window with another dim of more than
+  one tap has more than ``MAX_TAPS`` taps, which no kernel call takes)."""
   for dim, size in enumerate(geom.window):
     if size > LOOP_TAPS:
-      if geom.num_taps != size:  # pragma: no cover - the kernels take at most 32 taps
-        raise ValueError(f"a window of {geom.window} taps has a dim of more than {LOOP_TAPS} "
-                         "taps beside others")
-      return dim
+      return dim if geom.num_taps == size else None
   return None
 
 
