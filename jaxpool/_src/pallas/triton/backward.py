@@ -188,8 +188,12 @@ def backward_kernel(*refs, geom: Geometry, block_cols: int, block_lanes: int, la
   loop = loop_dim(geom)
   if loop is not None:
     size, lo, dil = geom.window[loop], geom.padding[loop][0], geom.dilation[loop]
-    one_phase = {tuple(lo - tap * dil if dim == loop else 0 for dim in range(3)): [(0, tap)]
-                 for tap in range(size)}
+
+    def loop_key(tap):
+      """The offsets of the windows holding an element at ``tap`` along ``loop``."""
+      return tuple(lo - tap * dil if dim == loop else 0 for dim in range(3))
+
+    one_phase = {loop_key(tap): [(0, tap)] for tap in range(size)}
     if mode != "max" or uses != one_phase or any(ok is not None for ok in lane_oks.values()):
       loop = None  # (the plan above, unrolled)
 
@@ -249,7 +253,7 @@ def backward_kernel(*refs, geom: Geometry, block_cols: int, block_lanes: int, la
 
       def step(i, acc):
         tap = size - 1 - i
-        key = tuple(lo - tap * dil if dim == loop else 0 for dim in range(3))
+        key = loop_key(tap)
         accs[0] = acc
         visit(key, [(0, tap)], None, phase_cols + key[2])
         return accs[0]

@@ -2,11 +2,11 @@
 
 A program covers one output row and a tile of columns and lanes (``triton/tile.py``). It scans
 the window's taps in order (a dim of more than ``tile.LOOP_TAPS`` taps in a loop) with a running
-maximum that ranks NaN above every number and +0.0
-above -0.0 (:func:`nan_max`), and takes a tap where that maximum's bits change: of equal values
-the first keeps it, +0.0 replaces -0.0 and the first NaN wins (``dtypes.beats``' order). On an
-NVIDIA GPU that is one instruction a tap for the maximum, two more for the taps; a window
-holding NaN gives the canonical NaN there (a NaN, as XLA's maximum gives one).
+maximum that ranks NaN above every number and +0.0 above -0.0 (:func:`nan_max`), and takes a
+tap where that maximum's bits change: of equal values the first keeps it, +0.0 replaces -0.0
+and the first NaN wins (``dtypes.beats``' order). On an NVIDIA GPU that is one instruction a tap
+for the maximum, two more for the taps; a window holding NaN gives the canonical NaN there (a
+NaN, as XLA's maximum gives one).
 
 At the edges no load leaves the input: a tap outside it reads a copy of the nearest real tap of
 its own window (which cannot change the maximum), and the winner is mapped back to the real tap
