@@ -313,10 +313,15 @@ def test_platform_names_rocm(monkeypatch):
 def test_small_blocks_take_both_paths(rng, cfg):
   """Blocks of 2 columns and 2 lanes, so that a small image has interior blocks (no masks) and
   edge blocks: every kernel, both code paths, against the XLA path."""
-  from jaxpool._src.pallas.triton import ops as pk
   shape, *geo = cfg
-  geom = windows.make_geometry(shape, *kw_of(*geo).values())
-  launch = (2, 2, 1)
+  check_every_kernel(rng, shape, windows.make_geometry(shape, *kw_of(*geo).values()),
+                     (2, 2, 1), (2, 2, 1))
+
+
+def check_every_kernel(rng, shape, geom, launch, backward_launch):
+  """Every kernel with ``launch`` (the backward's: ``backward_launch``) against the XLA path:
+  the max forwards and backward bit for bit, the average's to float32 rounding."""
+  from jaxpool._src.pallas.triton import ops as pk
   x = data(rng, shape, jnp.float32)
   dy = data(rng, geom.output_shape(shape), jnp.float32, special=False)
   xf = data(rng, shape, jnp.float32, special=False)
@@ -326,11 +331,12 @@ def test_small_blocks_take_both_paths(rng, cfg):
     y, idx = pk._window_call(x, geom, "argmax", True, launch=launch)
     ymax = pk._window_call(x, geom, "max", True, launch=launch)[0]
     yb, ib = xla.max_pool_taps(x, geom)
-    dx = pk._backward_call((ib, dy), shape, geom, "max", True, launch=launch)
+    dx = pk._backward_call((ib, dy), shape, geom, "max", True, launch=backward_launch)
     dxb = jax.vjp(lambda t: xla.gather_at_taps(t, ib, geom), x)[1](dy)[0]
     a = pk._window_call(xf, geom, "avg", True, True, None, launch=launch)[0]
     ref, vjp = jax.vjp(lambda v: xla.avg_pool(v, geom, True, None), xf)
-    da = pk._backward_call((dy,), shape, geom, "avg", True, True, None, launch=launch)
+    da = pk._backward_call((dy,), shape, geom, "avg", True, True, None,
+                           launch=backward_launch)
     return (y, yb), (idx, ib), (ymax, yb), (dx, dxb), (a, ref), (da, vjp(dy)[0])
 
   *maxes, avg, davg = run(x, xf, dy)
@@ -338,6 +344,42 @@ def test_small_blocks_take_both_paths(rng, cfg):
     bits_equal(got, want)
   for got, want in (avg, davg):
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+def _edge_paths(fn, *args) -> int:
+  """How many ``pl.when`` branches (``cond``) the kernel of the ``pallas_call`` of ``fn`` has."""
+  (kernel,) = [e.params["jaxpr"] for e in jax.make_jaxpr(fn)(*args).jaxpr.eqns
+               if e.primitive.name == "pallas_call"]
+  return sum(e.primitive.name == "cond" for e in kernel.eqns)
+
+
+@pytest.mark.parametrize("shape, window, strides, fmt, edges", [
+    # (input, window, strides, layout, whether the forward and the backward need the edge path)
+    ((2, 8, 12, 3), (2, 2), (2, 2), "channels_last", (False, False)),  # windows tile the input
+    ((2, 7, 13, 3), (2, 2), (2, 2), "channels_last", (False, True)),  # a row, a column left over
+    ((2, 9, 11, 3), (3, 3), (2, 2), "channels_last", (False, True)),  # overlapping: edge rows
+    ((2, 3, 9, 12), (3, 3), (3, 3), "channels_first", (False, False)),
+    pytest.param((2, 3, 10, 12), (3, 3), (3, 3), "channels_first", (False, True),
+                 marks=pytest.mark.slow),
+    ((1, 4, 6, 7, 2), (2, 2, 2), (2, 2, 2), "channels_last", (False, True)),
+], ids=["tiled", "left_over", "overlap", "first_tiled", "first_left_over", "3d"])
+def test_the_edge_path_is_left_out_only_where_no_program_needs_it(rng, shape, window, strides,
+                                                                   fmt, edges):
+  """A kernel whose programs all lie inside the input (a valid pool whose windows tile it, or
+  a forward of valid windows) is built without the edge path; where a program can need it
+  (a row or column of the input that no window reads, the backward's first rows of
+  overlapping windows) it is built, and every kernel gives the XLA path's results with small
+  blocks and blocks of 2 and 3 rows, which put programs at every edge."""
+  from jaxpool._src.pallas.triton import ops as pk
+  geom = windows.make_geometry(shape, window, strides, "VALID", data_format=fmt)
+  x = jnp.zeros(shape, jnp.float32)
+  taps = pk.max_forward_taps(x, geom, interpret=True)[1]
+  dy = jnp.zeros(geom.output_shape(shape), jnp.float32)
+  fwd = _edge_paths(lambda v: pk.max_forward_taps(v, geom, interpret=True), x)
+  bwd = _edge_paths(lambda t, g: pk.max_backward(t, g, shape, geom, interpret=True), taps, dy)
+  assert (fwd > 0, bwd > 0) == edges, (fwd, bwd)
+  for rows in ((1, 2), (1, 3)) if len(shape) == 4 else ((2, 1),):
+    check_every_kernel(rng, shape, geom, (2, 2, 1), (2, 2, 1, *rows))
 
 
 def check_avg_code_paths(rng, shape, geo, launches, count_include_pad, divisor, interpret):

@@ -23,6 +23,7 @@ from jaxpool._src.pallas.triton.tile import (
     both_paths,
     counted_taps,
     fold,
+    interior_of,
     load,
     loop_dim,
     plgpu,
@@ -115,14 +116,30 @@ def backward_kernel(*refs, geom: Geometry, block_cols: int, block_lanes: int, la
     groups = [(in_cols, phase_cols, col_taps)]
   # Interior: every phase's rows exist and every window the (real) tile visits is real; the
   # columns past W are masked on both paths.
-  interior = None
-  for dim, first_m, last_m in ((0, m_depth, m_depth + block_depth - 1),
-                               (1, m_height, m_height + block_height - 1), (2, *m_span)):
+  def inside(dim):
     offsets = phase_offsets(geom, dim)
-    inside = (first_m + min(offsets) >= 0) & (last_m + max(offsets) < geom.out_spatial[dim])
-    if dim < 2:
-      inside &= (last_m + 1) * geom.strides[dim] <= geom.in_spatial[dim]
-    interior = inside if interior is None else interior & inside
+
+    def holds(xp, first_m, last_m):
+      real = (first_m + min(offsets) >= 0) & (last_m + max(offsets) < geom.out_spatial[dim])
+      if dim < 2:
+        real &= (last_m + 1) * geom.strides[dim] <= geom.in_spatial[dim]
+      return real
+    return holds
+
+  def every_block(dim, size):  # (first, last) of every program's block of rows along ``dim``
+    first = np.arange(-(-phase_counts[dim] // size)) * size
+    return first, first + size - 1
+
+  every_col = np.arange(-(-n_cols // block_cols)) * block_cols
+  if geom.channels_last or interleaved:
+    every_span = (every_col, np.minimum(every_col + block_cols, phase_counts[2]) - 1)
+  else:
+    every_span = (every_col // stride_w,
+                  (np.minimum(every_col + block_cols, width) - 1) // stride_w)
+  interior = interior_of([
+      (inside(0), every_block(0, block_depth), (m_depth, m_depth + block_depth - 1)),
+      (inside(1), every_block(1, block_height), (m_height, m_height + block_height - 1)),
+      (inside(2), every_span, m_span)])
   dtype = dy_ref.dtype
   # Max pooling sums in the cotangents' dtype, rounding after every add as the XLA path does
   # (a 16-bit sum taken in float32 and rounded is the same bits: float32's 24 digits are at

@@ -16,6 +16,7 @@ from types import ModuleType
 from typing import Any, NamedTuple
 
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
@@ -178,9 +179,29 @@ def split(pid, sizes):
 
 
 def both_paths(interior, body: Callable[[bool], None]) -> None:
-  """Runs ``body(edge=False)`` where ``interior`` holds (no masks), else ``body(edge=True)``."""
+  """Runs ``body(edge=False)`` where ``interior`` holds (no masks), else ``body(edge=True)``;
+  ``interior`` None (every program is interior: :func:`interior_of`): only ``body(False)``."""
+  if interior is None:
+    body(False)
+    return
   pl.when(interior)(lambda: body(False))
   pl.when(jnp.logical_not(interior))(lambda: body(True))
+
+
+def interior_of(dims) -> Any:
+  """Whether a program is interior: the conjunction over ``dims``, each ``(inside, every,
+  mine)``, of ``inside(xp, first, last)`` on this program's ``mine = (first, last)`` (traced).
+  ``every``: the ``(first, last)`` of every program of the launch, as NumPy arrays; a dim whose
+  ``inside`` holds on all of them is left out, and where every dim is, the result is None (no
+  program takes the edge path, whose code is then not built: a valid pool's forward, for one,
+  lowers and compiles about half the code)."""
+  interior = None
+  for inside, every, mine in dims:
+    if np.all(inside(np, *every)):
+      continue
+    holds = inside(jnp, *mine)
+    interior = holds if interior is None else interior & holds
+  return interior
 
 
 # A window dim of more taps than this is visited in a loop (:func:`fold`), so a kernel's code
@@ -233,7 +254,7 @@ class OutputRow(NamedTuple):
   ``outs = (out_plane, out_row, out_cols)`` of its windows (``out_cols``: ``(block_cols,)``, the
   columns past the last clamped to it), the mask of its real columns (None: all are) and
   whether every tap of every real window lies inside the input (``interior``, a traced
-  bool)."""
+  bool; None where that holds in every program: :func:`interior_of`)."""
 
   tile: Tile
   batch: Any
@@ -257,13 +278,17 @@ def output_row(geom: Geometry, block_cols: int, block_lanes: int, lanes: int, ro
   out_cols = jnp.minimum(raw_cols, out_width - 1)
   col_mask = None if out_width % block_cols == 0 else raw_cols < out_width
   # Interior: every tap of every (real) window of the tile lies inside the input.
-  interior = None
-  last_col = jnp.minimum(first_col + block_cols, out_width) - 1
-  for dim, first_window, last_window in ((0, out_plane, out_plane), (1, out_row, out_row),
-                                         (2, first_col, last_col)):
-    first = first_window * geom.strides[dim] - geom.pad_lo[dim]
-    last = (last_window * geom.strides[dim] + (geom.window[dim] - 1) * geom.dilation[dim]
-            - geom.pad_lo[dim])
-    inside = (first >= 0) & (last < geom.in_spatial[dim])
-    interior = inside if interior is None else interior & inside
-  return OutputRow(tile, batch, (out_plane, out_row, out_cols), col_mask, interior)
+  def inside(dim):
+    def holds(xp, first_window, last_window):
+      first = first_window * geom.strides[dim] - geom.pad_lo[dim]
+      last = (last_window * geom.strides[dim] + (geom.window[dim] - 1) * geom.dilation[dim]
+              - geom.pad_lo[dim])
+      return (first >= 0) & (last < geom.in_spatial[dim])
+    return holds
+
+  first_cols = np.arange(-(-out_width // block_cols)) * block_cols
+  dims = [(inside(0), (np.arange(out_depth),) * 2, (out_plane, out_plane)),
+          (inside(1), (np.arange(out_height),) * 2, (out_row, out_row)),
+          (inside(2), (first_cols, np.minimum(first_cols + block_cols, out_width) - 1),
+           (first_col, jnp.minimum(first_col + block_cols, out_width) - 1))]
+  return OutputRow(tile, batch, (out_plane, out_row, out_cols), col_mask, interior_of(dims))
