@@ -31,7 +31,8 @@ the stride and dilation (``out_cols * stride + tap * dilation - pad``). Pallas T
 sit at multiples of the block shape, or at element offsets without padding (jax 0.10:
 "Unblocked indexing with padding is not supported in Triton lowering"); the kernels instead
 clamp an edge tap to a copy of a real tap of its window (max) or mask it (average), and take
-a path without clamps, chosen at run time, where a tile lies inside. The backward gathers: a
+a path without clamps, chosen at run time, where a tile lies inside (the other path is not
+built where no program needs it: ``tile.interior_of``). The backward gathers: a
 program writes the input columns of each stride phase (``m * s_w + r_w``, a strided set, or
 whole lines interleaved from the phases) and reads the cotangent tiles at static offsets
 around its block (the windows that can hold its elements); the blocks of rows of
@@ -51,7 +52,8 @@ stores are not masked, the forwards' columns past the end rewrite the last colum
 ``triton/rows.py`` skips its block's rows past the end, and the backward's rows and columns
 past the end are out of bounds, which the interpreter's scatter drops. In ``triton/max.py``
 and ``triton/avg.py`` programs whose windows all lie inside the array (most of them) take a
-second code path, chosen at run time, without clamps.
+second code path, chosen at run time, without clamps (and where every program's windows do,
+only that path is built).
 
 Forward kernels gather over the window's taps (max with the argmax, or a sum for average
 pooling). Backward kernels are gathers too: each input element visits the taps of the windows

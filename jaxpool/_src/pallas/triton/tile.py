@@ -191,7 +191,9 @@ def both_paths(interior, body: Callable[[bool], None]) -> None:
 def interior_of(dims) -> Any:
   """Whether a program is interior: the conjunction over ``dims``, each ``(inside, every,
   mine)``, of ``inside(xp, first, last)`` on this program's ``mine = (first, last)`` (traced).
-  ``every``: the ``(first, last)`` of every program of the launch, as NumPy arrays; a dim whose
+  ``every``: every ``(first, last)`` that a program of the launch can have along the dim, as
+  NumPy arrays (the other coordinates of a program, such as its batch and lanes, do not enter
+  the test); a dim whose
   ``inside`` holds on all of them is left out, and where every dim is, the result is None (no
   program takes the edge path, whose code is then not built: a valid pool's forward, for one,
   lowers and compiles about half the code)."""
