@@ -93,4 +93,4 @@ def avg_kernel(x_ref, o_ref, *, geom: Geometry, block_cols: int, block_lanes: in
       scale = tile.cols_of(count_reciprocal(counts, acc_t, ptx))
     tile.store(o_ref, tile.index(batch, *outs), (acc * scale).astype(dtype), row.col_mask)
 
-  both_paths(row.interior, body)
+  both_paths(row.interior, body, interpret)

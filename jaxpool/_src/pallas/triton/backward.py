@@ -305,7 +305,7 @@ def backward_kernel(*refs, geom: Geometry, block_cols: int, block_lanes: int, la
         for (in_cols, _, _), acc in zip(groups, mine, strict=True):
           store(in_plane, in_row, in_cols, acc, edge)
 
-  both_paths(interior, body)
+  both_paths(interior, body, interpret)
 
 
 PICK16_TAPS = 0x7C00  # (taps below it are finite half floats' bits)

@@ -127,7 +127,7 @@ def max_kernel(x_ref, *out_refs, geom: Geometry, block_cols: int, block_lanes: i
     if with_taps:
       tile.store(out_refs[1], out_at, idx, row.col_mask)
 
-  both_paths(row.interior, body)
+  both_paths(row.interior, body, interpret)
 
 
 def _real_tap(geom: Geometry, idx, real):

@@ -178,11 +178,19 @@ def split(pid, sizes):
   return (pid, *reversed(coords))
 
 
-def both_paths(interior, body: Callable[[bool], None]) -> None:
+def both_paths(interior, body: Callable[[bool], None], interpret: bool) -> None:
   """Runs ``body(edge=False)`` where ``interior`` holds (no masks), else ``body(edge=True)``;
-  ``interior`` None (every program is interior: :func:`interior_of`): only ``body(False)``."""
+  ``interior`` None (every program is interior: :func:`interior_of`): only ``body(False)``.
+
+  (Interpreted, that body still runs inside a ``cond``, of a constant predicate: a kernel body
+  outside any ``cond`` failed JAX's check of varying manual axes when interpreted inside a
+  ``shard_map`` with ``check_vma=True``, "Primitive gather requires varying manual axes to
+  match"; inside one, as the kernels with both paths always run, it passes.)"""
   if interior is None:
-    body(False)
+    if interpret:
+      pl.when(np.bool_(True))(lambda: body(False))
+    else:
+      body(False)
     return
   pl.when(interior)(lambda: body(False))
   pl.when(jnp.logical_not(interior))(lambda: body(True))
