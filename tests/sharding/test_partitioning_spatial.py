@@ -26,6 +26,7 @@ GROUPS = [
     ("auto/channels_first/height/", 3, False),
     ("auto/height_same_stride1/", 9, True),
     ("auto/2x2s2_height/", 9, True),
+    ("auto/height_large_window/", 5, True),  # (a window of more than 32 taps, a dim a time)
 ]
 
 
