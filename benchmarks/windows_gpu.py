@@ -3,7 +3,7 @@
 Run on a GPU machine from the repository root, in parts (each adds its rows to the same JSON
 file; the whole sweep takes about 10 minutes of GPU time, the issue's budget is 20)::
 
-  export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=$PWD JAXPOOL_TUNE=cached
+  export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=$PWD
   python3 benchmarks/windows_gpu.py --parts 2d_float32               # ~140 s
   python3 benchmarks/windows_gpu.py --parts 2d_bfloat16              # 139 s (H200, 29 Nov)
   python3 benchmarks/windows_gpu.py --parts 3d_float32,3d_bfloat16   # ~150 s
@@ -65,7 +65,11 @@ row's dtype (float32 or bfloat16) inside the step, the input is in that dtype. T
 runs with ``jaxpool.max_pool`` and with ``lax.reduce_window`` as its pool (the row keeps both
 losses).
 
-``JAXPOOL_TUNE`` defaults to ``cached`` (the shipped launch tables). Prints a table and saves
+``JAXPOOL_TUNE`` is the library's default, ``model`` (the shipped tables, else the launch
+model: what a user's call gets), unless set; each part records the mode it ran with
+(``meta["part_seconds"][part]["tune"]``). The sweep's cells committed for the H200 were
+measured with ``cached`` (the tables, else the heuristic's launch), the ``spp`` rows with
+``model``. Prints a table and saves
 ``benchmarks/results/windows_gpu_<device>.json`` (``h200`` for an NVIDIA H200; ``--out``
 overrides): ``cells`` (the sweep, by part), ``spp``, ``3d_target`` and ``sppf`` (rows), and
 ``meta`` (the last run's settings; ``part_seconds``: each part's seconds, the start not
@@ -379,16 +383,15 @@ def summary(cells: list[dict]) -> None:
                       f"{c['speedup'][mode]:.2f}x" for c in ranked[:5]))
 
 
+def tune_mode() -> str:
+  """How the kernels' launches are chosen in this run (``JAXPOOL_TUNE``, resolved)."""
+  from jaxpool._src.pallas.tuning import tuner
+  return tuner.mode()
+
+
 def main(argv=None, *, defaults=None) -> int:
-  """Runs the sweep; ``JAXPOOL_TUNE`` is ``cached`` for the run unless it is set (read by the
-  tuner at each call; put back afterwards, for a caller in the same process)."""
-  unset = "JAXPOOL_TUNE" not in os.environ
-  os.environ.setdefault("JAXPOOL_TUNE", "cached")
-  try:
-    return _main(argv, defaults)
-  finally:
-    if unset:
-      del os.environ["JAXPOOL_TUNE"]
+  """Runs the sweep with ``JAXPOOL_TUNE`` as set (unset: the library's default, ``model``)."""
+  return _main(argv, defaults)
 
 
 def _main(argv, defaults) -> int:
@@ -445,8 +448,8 @@ def _main(argv, defaults) -> int:
     a.rounds = 1
   dev = jax.devices()[0]
   out = a.out or result_path(d["script"], device_tag(dev.device_kind), quick=a.quick)
-  print(f"device {dev.device_kind}; jax {jax.__version__}; JAXPOOL_TUNE="
-        f"{os.environ.get('JAXPOOL_TUNE')}; parts {parts}", flush=True)
+  print(f"device {dev.device_kind}; jax {jax.__version__}; JAXPOOL_TUNE={tune_mode()}; "
+        f"parts {parts}", flush=True)
   copy_gbs = pooling_gpu.copy_bandwidth() if not a.quick else float("nan")
   if not a.quick:
     print(f"copy bandwidth (x + 1, 1 GiB f32, read + write): {copy_gbs:.0f} GB/s", flush=True)
@@ -480,10 +483,10 @@ def _main(argv, defaults) -> int:
       # (a cell measured again keeps its place; the part's other cells stay unless dropped)
       result["cells"] = [new.pop(key(c), c) for c in old] + list(new.values())
     part_seconds[part] = {"seconds": round(time.time() - t_part, 1), "timer": timer,
-                          "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+                          "time": time.strftime("%Y-%m-%d %H:%M:%S"), "tune": tune_mode()}
     print(f"{part}: {part_seconds[part]['seconds']} s", flush=True)
     result["meta"] = {"device": dev.device_kind, "jax": jax.__version__, "copy_GBps": copy_gbs,
-                      "tune": os.environ.get("JAXPOOL_TUNE"), "quick": a.quick,
+                      "tune": tune_mode(), "quick": a.quick,
                       "time": time.strftime("%Y-%m-%d %H:%M:%S"),
                       "seconds_this_run": round(time.time() - t0, 1),
                       "timer": timer, "part_seconds": part_seconds}

@@ -59,7 +59,7 @@ def test_quick_sweep_and_rows(tmp_path, monkeypatch):
   out = tmp_path / "windows.json"
   parts = "2d_float32,spp,3d_target,sppf"
   assert windows_cpu.main(["--quick", "--parts", parts, "--out", str(out)]) == 0
-  assert "JAXPOOL_TUNE" not in os.environ  # (the run's own setting, put back)
+  assert "JAXPOOL_TUNE" not in os.environ  # (the run sets none)
   result = json.loads(out.read_text())
   _check_cells(result["cells"], "2d_float32")
   assert [r["case"] for r in result["spp"]] == ["pool 5x5", "pool 9x9", "SPP block"]
@@ -81,7 +81,10 @@ def test_quick_sweep_and_rows(tmp_path, monkeypatch):
   # the same model on both sides: max pools of equal values, so equal losses
   assert math.isclose(step["loss"]["jaxpool"], step["loss"]["xla"], rel_tol=1e-6)
   assert set(result["meta"]["part_seconds"]) == set(parts.split(","))
-  assert result["meta"]["quick"] and result["meta"]["tune"] == "cached"
+  # (the library's default launches, what a user's call gets, unless JAXPOOL_TUNE says else;
+  # each part records its mode)
+  assert result["meta"]["quick"] and result["meta"]["tune"] == "model"
+  assert {p["tune"] for p in result["meta"]["part_seconds"].values()} == {"model"}
 
 
 @pytest.mark.slow
