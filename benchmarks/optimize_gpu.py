@@ -54,6 +54,7 @@ import numpy as np  # noqa: E402
 from jax import lax  # noqa: E402
 
 import jaxpool  # noqa: E402
+from jaxpool._src.pallas.tuning import tuner  # noqa: E402
 from result_path import device_tag, result_path  # noqa: E402
 
 # Step cases: name -> (full config, quick config).
@@ -300,7 +301,8 @@ def main() -> None:
   result = dict(device=dev.device_kind, backend=jax.default_backend(), jax=jax.__version__,
                 python=platform.python_version(), quick=args.quick, pools=pools, steps=steps,
                 fused_activation="activation" in inspect.signature(
-                    jaxpool.max_pool).parameters)
+                    jaxpool.max_pool).parameters,
+                tune=tuner.mode())  # (how the kernels' launches were chosen: JAXPOOL_TUNE)
   path = args.out or result_path(__file__, device_tag(dev.device_kind), quick=args.quick)
   os.makedirs(os.path.dirname(path), exist_ok=True)
   with open(path, "w") as f:
