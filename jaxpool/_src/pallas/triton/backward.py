@@ -87,6 +87,14 @@ def backward_kernel(*refs, geom: Geometry, block_cols: int, block_lanes: int, la
   raw_cols = first_col + jnp.arange(block_cols, dtype=jnp.int32)
   stride_w = geom.strides[2]
   interleaved = not geom.channels_last and interleaves(stride_w)
+
+  def col_span(xp, first):
+    """The window-phase columns ``m`` (first, last) of the block of columns from ``first``
+    (``xp``: ``jnp`` for this program's, NumPy for every program's: :func:`tile.interior_of`)."""
+    if geom.channels_last or interleaved:
+      return first, xp.minimum(first + block_cols, phase_counts[2]) - 1
+    return first // stride_w, (xp.minimum(first + block_cols, width) - 1) // stride_w
+
   # (store columns, window-phase columns m, [(column tap, offset q, lane mask or None)])
   groups: list[tuple[Any, Any, list[tuple[int, Any, Any]]]]
   if geom.channels_last or interleaved:
@@ -96,7 +104,7 @@ def backward_kernel(*refs, geom: Geometry, block_cols: int, block_lanes: int, la
     # Lanes past the end: clamped copies, stores masked.
     phase_cols = jnp.minimum(raw_cols, phase_counts[2] - 1)
     col_mask = None if phase_counts[2] % block_cols == 0 else raw_cols < phase_counts[2]
-    m_span = (first_col, jnp.minimum(first_col + block_cols, phase_counts[2]) - 1)
+    m_span = col_span(jnp, first_col)
     groups = [(phase_cols * stride_w + col_phase, phase_cols,
                [(col_tap, offset, None) for col_tap, offset in phase_taps(geom, 2, col_phase)])
               for col_phase in range(stride_w)]
@@ -106,7 +114,7 @@ def backward_kernel(*refs, geom: Geometry, block_cols: int, block_lanes: int, la
     in_cols = jnp.minimum(raw_cols, width - 1)
     col_mask = None if width % block_cols == 0 else raw_cols < width
     phase_cols, col_phase = in_cols // stride_w, in_cols % stride_w
-    m_span = (first_col // stride_w, (jnp.minimum(first_col + block_cols, width) - 1) // stride_w)
+    m_span = col_span(jnp, first_col)
     col_taps = []
     for col_tap in range(geom.window[2]):
       # (keeps the numerator >= 0 for C-style // and %)
@@ -130,16 +138,10 @@ def backward_kernel(*refs, geom: Geometry, block_cols: int, block_lanes: int, la
     first = np.arange(-(-phase_counts[dim] // size)) * size
     return first, first + size - 1
 
-  every_col = np.arange(-(-n_cols // block_cols)) * block_cols
-  if geom.channels_last or interleaved:
-    every_span = (every_col, np.minimum(every_col + block_cols, phase_counts[2]) - 1)
-  else:
-    every_span = (every_col // stride_w,
-                  (np.minimum(every_col + block_cols, width) - 1) // stride_w)
   interior = interior_of([
       (inside(0), every_block(0, block_depth), (m_depth, m_depth + block_depth - 1)),
       (inside(1), every_block(1, block_height), (m_height, m_height + block_height - 1)),
-      (inside(2), every_span, m_span)])
+      (inside(2), col_span(np, np.arange(-(-n_cols // block_cols)) * block_cols), m_span)])
   dtype = dy_ref.dtype
   # Max pooling sums in the cotangents' dtype, rounding after every add as the XLA path does
   # (a 16-bit sum taken in float32 and rounded is the same bits: float32's 24 digits are at

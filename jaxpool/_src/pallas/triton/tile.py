@@ -201,8 +201,8 @@ def interior_of(dims) -> Any:
   mine)``, of ``inside(xp, first, last)`` on this program's ``mine = (first, last)`` (traced).
   ``every``: every ``(first, last)`` that a program of the launch can have along the dim, as
   NumPy arrays (the other coordinates of a program, such as its batch and lanes, do not enter
-  the test); a dim whose
-  ``inside`` holds on all of them is left out, and where every dim is, the result is None (no
+  the test); a dim whose ``inside`` holds on all of them is left out, and where every dim is,
+  the result is None (no
   program takes the edge path, whose code is then not built: a valid pool's forward, for one,
   lowers and compiles about half the code)."""
   interior = None
@@ -296,9 +296,11 @@ def output_row(geom: Geometry, block_cols: int, block_lanes: int, lanes: int, ro
       return (first >= 0) & (last < geom.in_spatial[dim])
     return holds
 
-  first_cols = np.arange(-(-out_width // block_cols)) * block_cols
+  def col_span(xp, first):  # (the block's first and last real output columns)
+    return first, xp.minimum(first + block_cols, out_width) - 1
+
   dims = [(inside(0), (np.arange(out_depth),) * 2, (out_plane, out_plane)),
           (inside(1), (np.arange(out_height),) * 2, (out_row, out_row)),
-          (inside(2), (first_cols, np.minimum(first_cols + block_cols, out_width) - 1),
-           (first_col, jnp.minimum(first_col + block_cols, out_width) - 1))]
+          (inside(2), col_span(np, np.arange(-(-out_width // block_cols)) * block_cols),
+           col_span(jnp, first_col))]
   return OutputRow(tile, batch, (out_plane, out_row, out_cols), col_mask, interior_of(dims))
