@@ -10,6 +10,8 @@ checks stay out of the fit. Windows of more than 32 taps are left out (no kernel
 Run on a GPU machine from the repository root (a few minutes)::
 
   python3 benchmarks/tune_classes_gpu.py            # tunes, saves the report
+  python3 benchmarks/tune_classes_gpu.py --add      # tunes only the cases the saved report
+                                                    # lacks, adds their rows to it
   python3 -m jaxpool._src.pallas.tuning.model benchmarks/results/tune_*.json
                                                     # rebuilds observations.json from the
                                                     # reports, prints the cross-validation
@@ -21,6 +23,7 @@ report (rows with every candidate's time); ``--print`` lists the cases and stops
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import sys
@@ -49,16 +52,18 @@ ZOO = [
 OPS = {"all": "max_fwd,argmax_fwd,max_bwd,avg_fwd,avg_bwd", "max": "argmax_fwd,max_bwd"}
 
 
-def cases() -> list[tuple[str, str]]:
-  """``(case, ops)`` for ``python -m jaxpool.tune --case CASE --ops OPS``."""
+def cases(random_cases: int = RANDOM_CASES) -> list[tuple[str, str]]:
+  """``(case, ops)`` for ``python -m jaxpool.tune --case CASE --ops OPS``: the zoo's, then
+  ``random_cases`` random ones (the first ones whatever the count: a longer list extends a
+  shorter one)."""
   import first_call_gpu  # (its case generator: the same distribution, another seed)
   out = []
   for shape, window, strides, padding, layout, dtypes, ops in ZOO:
     out.append((":".join(("x".join(map(str, shape)), "x".join(map(str, window)),
                           "x".join(map(str, strides)), str(padding), ",".join(dtypes), layout)),
                 OPS[ops]))
-  drawn = [c for c in first_call_gpu.make_cases(3 * RANDOM_CASES, seed=SEED)
-           if math.prod(c["window"]) <= MAX_TAPS][:RANDOM_CASES]
+  drawn = [c for c in first_call_gpu.make_cases(3 * random_cases, seed=SEED)
+           if math.prod(c["window"]) <= MAX_TAPS][:random_cases]
   for c in drawn:
     out.append((":".join(("x".join(map(str, c["shape"])), "x".join(map(str, c["window"])),
                           "x".join(map(str, c["strides"])), str(c["padding"]), c["dtype"],
@@ -71,8 +76,12 @@ def main() -> int:
   ap.add_argument("--print", action="store_true", help="list the cases and stop")
   ap.add_argument("--budget-s", type=float, default=3.0, help="tuning budget a kernel (s)")
   ap.add_argument("--out", default=None, help="the report's path")
+  ap.add_argument("--add", action="store_true",
+                  help="tune only the cases the report at --out lacks and add their rows to it")
+  ap.add_argument("--random-cases", type=int, default=RANDOM_CASES,
+                  help=f"how many random shapes (default {RANDOM_CASES})")
   args = ap.parse_args()
-  todo = cases()
+  todo = cases(args.random_cases)
   if args.print:
     for case, ops in todo:
       print(case, ops)
@@ -81,7 +90,16 @@ def main() -> int:
 
   from jaxpool import tune
   from result_path import device_tag, result_path
-  out = args.out or result_path(__file__, device_tag(jax.devices()[0].device_kind))
+  # (tune_classes_<device>.json: the name the shipped observations cite, not the script's
+  # stem, which result_path would give)
+  out = args.out or result_path("tune_classes.py", device_tag(jax.devices()[0].device_kind))
+  merged: dict = {"rows": [], "seconds": 0.0}
+  if args.add and os.path.exists(out):
+    with open(out, encoding="utf-8") as f:
+      merged = json.load(f)
+    done = {row.get("case") for row in merged.get("rows", [])}
+    todo = [(case, ops) for case, ops in todo if case not in done]
+    print(f"{len(done)} cases in {out}; tuning {len(todo)} more")
   argv = ["--retune", "--budget-s", str(args.budget_s), "--json", out]
   # (one call a set of ops: the CLI takes one --ops for all its cases)
   groups: dict[str, list[str]] = {}
@@ -94,8 +112,6 @@ def main() -> int:
     if rc:
       return rc
     reports.append(part)
-  import json
-  merged: dict = {"rows": [], "seconds": 0.0}
   for part in reports:
     with open(part, encoding="utf-8") as f:
       rep = json.load(f)
