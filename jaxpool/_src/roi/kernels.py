@@ -96,10 +96,14 @@ def _impl(*operands, wrt, has_taps, dtype, rows, kernel: KernelOptions, batched=
   ops = dict(zip(names, operands))
   table_rows = kernel.copies * sum(lv.images * lv.height * lv.width for lv in kernel.levels)
   planes = kernel.copies * sum(lv.images for lv in kernel.levels)
-  if has_taps or wrt not in ("ct", "x") or _too_large(ops, table_rows, planes):
-    # (the box gradient's parts, and sizes the kernels' int32 indexing cannot reach: XLA)
+  if has_taps or _too_large(ops, table_rows, planes):
+    # (the max mode, and sizes the kernels' int32 indexing cannot reach: XLA)
     return form.evaluate(*operands, wrt=wrt, has_taps=has_taps, dtype=dtype, rows=rows)
-  from jaxpool._src.roi import triton  # (Pallas, imported when a kernel is traced)
+  from jaxpool._src.roi import triton, triton_boxes  # (Pallas, imported when traced)
+  if wrt in ("wy", "wx"):
+    return triton_boxes.corner_grad(wrt, ops["base"], ops["stride"], ops["iy"], ops["ix"],
+                                    ops["wx" if wrt == "wy" else "wy"], ops["x"], ops["ct"],
+                                    dtype=jnp.dtype(dtype), interpret=kernel.interpret)
   if wrt == "x" and rows != table_rows:
     raise AssertionError(f"a feature table of {rows} rows for {kernel}")
   if wrt == "ct":
