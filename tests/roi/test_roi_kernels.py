@@ -1,17 +1,18 @@
-"""ROI align's GPU kernels (``jaxpool/_src/roi/triton.py``) in interpret mode on the CPU: the
-forward and the feature gradient against the XLA path and the NumPy reference
-(tests/support/roi_reference.py), the same bits on a second run, several levels, the
-registry's rule (what runs where), and Triton lowering; compiled on a GPU (``-m gpu``) against
-the XLA path and torchvision.
+"""ROI align's GPU kernels (``jaxpool/_src/roi/triton.py``, ``triton_boxes.py``) in interpret
+mode on the CPU: the forward, the feature gradient and the box gradient against the XLA path and
+the NumPy reference (tests/support/roi_reference.py), the same bits on a second run, NaN where
+the XLA path has it, several levels, the registry's rule (what runs where), and Triton
+lowering; compiled on a GPU (``-m gpu``) against the XLA path and torchvision. (More of the box
+gradient's kernel: test_roi_box_kernels.py.)
 
 Tolerances. The forward kernel adds the same float32 terms in the XLA path's order (each
 sample's four corners in torchvision's order, the samples row-major), so in interpret mode on
 the CPU it has the XLA path's bits; compiled, Triton may contract a multiply and an add into
 one rounding. The feature gradient adds each pixel's terms in another order than the XLA
 path's sorted sum (docs/roi.md, "Where it runs"), so the two agree to float32 rounding of sums
-of a few terms of size ~1: ``rtol = atol = 1e-5`` here. The box gradient runs on the XLA path
-either way: the same bits in interpret mode. Compiled (the GPU tests), sums over hundreds of
-boxes fused differently: ``1e-4``.
+of a few terms of size ~1: ``rtol = atol = 1e-5`` here; so does the box gradient (its kernel
+sums each corner weight's products in an order of its own, the XLA path in fixed trees).
+Compiled (the GPU tests), sums over hundreds of boxes fused differently: ``1e-4``.
 """
 
 import functools
@@ -26,6 +27,7 @@ from hypothesis import strategies as st
 
 import jaxpool
 from jaxpool._src import dispatch
+from jaxpool._src.roi import form
 from jaxpool._src.roi.plan import AlignConfig, Level, PoolConfig
 
 N, H, W, C = 2, 7, 9, 3
@@ -67,14 +69,15 @@ def _both(x, boxes, dy, **kw):
 
 
 def _compare(ours, xla, exact=True):
-  """``exact``: in interpret mode, the forward and the box gradient have the XLA path's bits
-  (compiled, the programs around them fuse differently: float32 rounding)."""
+  """``exact``: in interpret mode, the forward has the XLA path's bits (compiled, the
+  programs around it fuse differently: float32 rounding); the gradients agree to float32
+  rounding."""
   (y, dx, db), (ry, rdx, rdb) = ours, xla
   check = np.testing.assert_array_equal if exact else functools.partial(
       np.testing.assert_allclose, rtol=1e-4, atol=1e-4)
   check(y, ry)
   np.testing.assert_allclose(dx, rdx, **(TOL if exact else GPU_TOL))
-  check(db, rdb)
+  np.testing.assert_allclose(db, rdb, **(TOL if exact else GPU_TOL))
 
 
 KW = dict(output_size=(3, 2), spatial_scale=0.9, sampling_ratio=2, aligned=True)
@@ -82,17 +85,37 @@ KW = dict(output_size=(3, 2), spatial_scale=0.9, sampling_ratio=2, aligned=True)
 
 @pytest.fixture(scope="module")
 def case():
+  """The inputs, the kernels' and the XLA path's (y, dx, dboxes), and the derivatives that
+  the kernels' primitive left to the XLA path's form while they were traced."""
   rng = np.random.default_rng(50)
   x = rng.standard_normal((N, H, W, C)).astype(np.float32)
   boxes = np.concatenate([_boxes(rng, 6), EDGE])
   dy = rng.standard_normal((len(boxes), 3, 2, C)).astype(np.float32)
-  return x, boxes, dy, _both(x, boxes, dy, **KW)
+  on_xla = []
+  real = form.evaluate
+
+  def spy(*args, wrt, **kwargs):
+    on_xla.append(wrt)
+    return real(*args, wrt=wrt, **kwargs)
+
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(form, "evaluate", spy)
+    results = _both(x, boxes, dy, **KW)
+  return x, boxes, dy, results, on_xla
 
 
 def test_kernels_match_the_xla_path(case):
-  x, boxes, dy, (ours, xla) = case
+  x, boxes, dy, (ours, xla), _ = case
   assert np.abs(np.asarray(ours[1])).max() > 0  # (the gradient reaches pixels)
+  assert np.abs(np.asarray(ours[2])).max() > 0.1  # (and the boxes)
   _compare(ours, xla)
+
+
+def test_every_derivative_runs_on_the_kernels(case):
+  """The forward, the feature gradient and both parts of the box gradient (the corner weights
+  in y and in x) run kernels: none falls back to the XLA path's form (``form.evaluate``)."""
+  *_, on_xla = case
+  assert on_xla == [], on_xla
 
 
 def test_sizes_past_int32_indexing_leave_the_kernels(monkeypatch):
@@ -164,14 +187,15 @@ def test_wide_levels_under_vmap_span_several_column_cells():
 
 
 def test_kernels_match_the_reference(case):
-  x, boxes, dy, (ours, _) = case
-  ry, rdx, _ = rref.roi_align(x, boxes, dy=dy, **KW)
+  x, boxes, dy, (ours, _), _ = case
+  ry, rdx, rdb = rref.roi_align(x, boxes, dy=dy, **KW)
   np.testing.assert_allclose(ours[0], ry, **TOL)
   np.testing.assert_allclose(ours[1], rdx, **TOL)
+  np.testing.assert_allclose(np.asarray(ours[2])[:, 1:], rdb, rtol=1e-4, atol=2e-4)
 
 
 def test_kernels_give_the_same_bits_twice(case):
-  x, boxes, dy, (ours, _) = case
+  x, boxes, dy, (ours, _), _ = case
   again = _vjp_fn("pallas", tuple(sorted(KW.items())))(x, boxes, dy)
   for a, b in zip(ours, again):
     assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
@@ -179,13 +203,35 @@ def test_kernels_give_the_same_bits_twice(case):
 
 def test_nan_cotangent_reaches_the_pixels_the_xla_path_reaches(case):
   """A NaN in one bin's cotangent spreads to that bin's live corners only (a pixel the bin
-  does not sample stays finite), as on the XLA path."""
-  x, boxes, dy, _ = case
+  does not sample stays finite), and to the coordinates of its box whose corner weights meet
+  them, as on the XLA path."""
+  x, boxes, dy, *_ = case
   dy = dy.copy()
   dy[0, 1, 1, :] = np.nan
   ours, xla = _both(x, boxes, dy, **KW)
-  np.testing.assert_array_equal(np.isnan(ours[1]), np.isnan(xla[1]))
+  for a, b in zip(ours[1:], xla[1:], strict=True):
+    np.testing.assert_array_equal(np.isnan(a), np.isnan(b))
+    ok = ~np.isnan(np.asarray(b))
+    np.testing.assert_allclose(np.asarray(a)[ok], np.asarray(b)[ok], **TOL)
   assert 0 < np.isnan(ours[1]).sum() < ours[1].size
+  assert 0 < np.isnan(ours[2]).sum() <= 4 and not np.isnan(ours[2][1:]).any()
+
+
+def test_nan_read_at_dead_corners_goes_nowhere(case):
+  """Dead samples read the first pixel of their image (clamped corner indices): a NaN and an
+  inf there reach no gradient of a box that does not sample that pixel (the box outside the
+  map keeps a zero box gradient), as on the XLA path."""
+  x, boxes, dy, *_ = case
+  x = x.copy()
+  x[0, 0, 0, :] = np.nan
+  x[1, 0, 0, 0] = np.inf
+  ours, xla = _both(x, boxes, dy, **KW)
+  outside = 6  # EDGE's first box: every sample outside the map
+  np.testing.assert_array_equal(np.isnan(ours[2]), np.isnan(xla[2]))
+  np.testing.assert_array_equal(np.asarray(ours[2])[outside], 0)
+  ok = ~np.isnan(np.asarray(xla[2]))
+  assert ok.sum() > ok.size // 2
+  np.testing.assert_allclose(np.asarray(ours[2])[ok], np.asarray(xla[2])[ok], **TOL)
 
 
 @pytest.mark.slow
