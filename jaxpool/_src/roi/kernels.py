@@ -1,12 +1,14 @@
-"""ROI align on the GPU kernels (``triton.py``), as the registry's Pallas Triton backend runs it.
+"""ROI align on the GPU kernels (``triton.py``, ``triton_boxes.py``), as the registry's Pallas
+Triton backend runs it.
 
-The kernels compute two of the form's four derivatives (``form.py``) for the average: the
-forward (``wrt="ct"``) and the feature gradient (``wrt="x"``). They are the implementation of a
-second primitive of the form, ``roi_kernel_p`` (``form.define``: the same JVP and transpose
-rules), whose other derivatives, the box gradient's parts ``wy`` and ``wx``, run on the XLA
-path's implementation. So ``jax.grad`` through :func:`roi_align` runs the forward kernel, the
-feature-gradient kernel and XLA's box gradient; forward mode and higher orders compose the
-same way. Under ``vmap`` the mapped axis folds into the boxes and the feature table (one copy
+The kernels compute the form's four derivatives (``form.py``) for the average: the forward
+(``wrt="ct"``) and the feature gradient (``wrt="x"``) in ``triton.py``, the box gradient's parts,
+the derivatives with respect to the corner weights ``wy`` and ``wx``, in ``triton_boxes.py``.
+They are the implementation of a second primitive of the form, ``roi_kernel_p``
+(``form.define``: the same JVP and transpose rules). So ``jax.grad`` through :func:`roi_align`
+with respect to the features and the boxes runs kernels only (JAX's autodiff of the plan,
+``plan.py``, turns the corner weights' gradients into the boxes'); forward mode and higher
+orders compose the same way. The max mode (``has_taps``) runs the XLA path's form. Under ``vmap`` the mapped axis folds into the boxes and the feature table (one copy
 of the table per element, ``KernelOptions.copies``): the kernels run once on the whole batch.
 The per-image form (``batched=True`` binds: each image's boxes on its own table) runs the
 kernels the same way, its images folded into copies of a one-image table, when the program
@@ -199,7 +201,8 @@ _roi_align_jit = jax.jit(_roi_align, static_argnums=(4, 5))
 
 def roi_align(maps: tuple[jax.Array, ...], image: jax.Array, coords: jax.Array,
               level: jax.Array, cfg: AlignConfig, *, interpret: bool) -> jax.Array:
-  """The XLA path's ``roi_align`` (``xla.py``) with the average's sampled sum and its feature
-  gradient on the kernels: ``(K, ph, pw, C)``."""
+  """The XLA path's ``roi_align`` (``xla.py``) with the average's sampled sum and its
+  derivatives (the feature gradient, the corner weights' gradients) on the kernels:
+  ``(K, ph, pw, C)``."""
   assert cfg.mode == "avg" and math.prod(cfg.output_size) > 0
   return _roi_align_jit(maps, image, coords, level, cfg, interpret)
