@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import roi_reference as rref
+from roi_cases import EDGE, random_boxes
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -28,19 +29,6 @@ import jaxpool
 N, H, W, C = 2, 7, 9, 3
 TOL = dict(rtol=1e-5, atol=1e-5)
 GPU_TOL = dict(rtol=1e-4, atol=1e-4)
-
-# Outside the map, zero and negative size, one pixel, the whole map, the clamp bands.
-EDGE = np.array([
-    [0, 20.0, 20.0, 30.0, 25.0], [1, 3.0, 2.0, 3.0, 2.0], [0, 5.0, 4.0, 2.0, 1.0],
-    [1, 2.0, 3.0, 3.0, 4.0], [0, 0.0, 0.0, 9.0, 7.0], [1, 6.3, 4.2, 9.8, 7.9],
-    [0, -1.7, -0.6, 2.2, 1.9]], np.float32)
-
-
-def _boxes(rng, k, n=N, lo=-2.0, hi=10.0):
-  pts = rng.uniform(lo, hi, (k, 4)).astype(np.float32)
-  return np.stack([rng.integers(0, n, k).astype(np.float32),
-                   np.minimum(pts[:, 0], pts[:, 2]), np.minimum(pts[:, 1], pts[:, 3]),
-                   np.maximum(pts[:, 0], pts[:, 2]), np.maximum(pts[:, 1], pts[:, 3])], 1)
 
 
 @functools.cache
@@ -64,7 +52,7 @@ def _both(x, boxes, dy, **kw):
 
 def _case(rng, kw, k=6, hi=10.0):
   x = rng.standard_normal((N, H, W, C)).astype(np.float32)
-  boxes = np.concatenate([EDGE, _boxes(rng, k, hi=hi)])
+  boxes = np.concatenate([EDGE, random_boxes(rng, k, hi=hi)])
   dy = rng.standard_normal((len(boxes), *kw["output_size"], C)).astype(np.float32)
   return x, boxes, dy
 
@@ -113,7 +101,7 @@ def test_wide_grid_and_many_channels(rng):
   """Bins beyond a power of two, several channel blocks (the forward's lane budget)."""
   kw = dict(output_size=(5, 7), spatial_scale=1.0, sampling_ratio=2, aligned=True)
   x = rng.standard_normal((1, 12, 14, 300)).astype(np.float32)
-  boxes = np.concatenate([[[0, -1.0, 0.5, 13.0, 11.0]], _boxes(rng, 3, n=1, hi=14.0)])
+  boxes = np.concatenate([[[0, -1.0, 0.5, 13.0, 11.0]], random_boxes(rng, 3, n=1, hi=14.0)])
   dy = rng.standard_normal((len(boxes), 5, 7, 300)).astype(np.float32)
   (_, db), (_, rdb) = _both(x, boxes, dy, **kw)
   np.testing.assert_allclose(db, rdb, rtol=1e-5, atol=1e-4)
@@ -192,7 +180,7 @@ def test_per_image_boxes(rng):
 def test_random_configs(seed, ph, pw, ratio, aligned, scale, k):
   rng = np.random.default_rng(seed)
   x = rng.standard_normal((N, 5, 6, 2)).astype(np.float32)
-  boxes = _boxes(rng, k, hi=9.0) if k else np.zeros((0, 5), np.float32)
+  boxes = random_boxes(rng, k, hi=9.0) if k else np.zeros((0, 5), np.float32)
   kw = dict(output_size=(ph, pw), spatial_scale=scale, sampling_ratio=ratio, aligned=aligned,
             max_samples=5)
   dy = rng.standard_normal((k, ph, pw, 2)).astype(np.float32)

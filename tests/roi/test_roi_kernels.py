@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import roi_reference as rref
+from roi_cases import EDGE, random_boxes
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -33,20 +34,6 @@ from jaxpool._src.roi.plan import AlignConfig, Level, PoolConfig
 N, H, W, C = 2, 7, 9, 3
 TOL = dict(rtol=1e-5, atol=1e-5)
 GPU_TOL = dict(rtol=1e-4, atol=1e-4)  # compiled: many boxes' sums per pixel, fused differently
-
-# Boxes over every edge: outside the map, zero and negative size, one pixel, the whole map,
-# the clamp bands, and a box of an image index past the table (under jit: zeros).
-EDGE = np.array([
-    [0, 20.0, 20.0, 30.0, 25.0], [1, 3.0, 2.0, 3.0, 2.0], [0, 5.0, 4.0, 2.0, 1.0],
-    [1, 2.0, 3.0, 3.0, 4.0], [0, 0.0, 0.0, 9.0, 7.0], [1, 6.3, 4.2, 9.8, 7.9],
-    [0, -1.7, -0.6, 2.2, 1.9]], np.float32)
-
-
-def _boxes(rng, k, n=N, lo=-2.0, hi=10.0):
-  pts = rng.uniform(lo, hi, (k, 4)).astype(np.float32)
-  return np.stack([rng.integers(0, n, k).astype(np.float32),
-                   np.minimum(pts[:, 0], pts[:, 2]), np.minimum(pts[:, 1], pts[:, 3]),
-                   np.maximum(pts[:, 0], pts[:, 2]), np.maximum(pts[:, 1], pts[:, 3])], 1)
 
 
 @functools.cache
@@ -89,7 +76,7 @@ def case():
   the kernels' primitive left to the XLA path's form while they were traced."""
   rng = np.random.default_rng(50)
   x = rng.standard_normal((N, H, W, C)).astype(np.float32)
-  boxes = np.concatenate([_boxes(rng, 6), EDGE])
+  boxes = np.concatenate([random_boxes(rng, 6), EDGE])
   dy = rng.standard_normal((len(boxes), 3, 2, C)).astype(np.float32)
   on_xla = []
   real = form.evaluate
@@ -133,7 +120,7 @@ def test_sizes_past_int32_indexing_leave_the_kernels(monkeypatch):
   monkeypatch.setattr(triton, "feature_grad", never)
   rng = np.random.default_rng(7)
   xs = rng.standard_normal((2, N, H, W, C)).astype(np.float32)
-  boxes = _boxes(rng, 4)
+  boxes = random_boxes(rng, 4)
 
   def loss(implementation):
     f = lambda v: jaxpool.roi_align(v, boxes, implementation=implementation, output_size=(2, 3),
@@ -292,7 +279,7 @@ def test_the_gradient_bits_do_not_depend_on_the_tile(monkeypatch, tile):
 
 
 @pytest.mark.slow
-def test_levels_and_images_without_boxes():
+def test_levels_and_images_withoutrandom_boxes():
   """multi_scale_roi_align over two levels: each gradient tile finds the boxes of its own
   level and image; the second image has none on the coarse level."""
   rng = np.random.default_rng(7)
@@ -341,7 +328,7 @@ def test_long_sample_loops_skip_dead_samples(rng):
   """A sample grid longer than ``triton.UNROLL`` is a loop that skips dead samples (the
   adaptive count's padding, samples outside the map): the same bits as the XLA path."""
   x = rng.standard_normal((N, H, W, C)).astype(np.float32)
-  boxes = np.concatenate([_boxes(rng, 3, hi=16.0), EDGE[[0, 4, 6]]])
+  boxes = np.concatenate([random_boxes(rng, 3, hi=16.0), EDGE[[0, 4, 6]]])
   kw = dict(output_size=(2, 1), spatial_scale=0.8, sampling_ratio=-1, max_samples=(5, 7),
             aligned=False)
   dy = rng.standard_normal((len(boxes), 2, 1, C)).astype(np.float32)
@@ -386,7 +373,7 @@ def test_kernels_lower_for_cuda(samples, channels):
     (-1, None, False), (0, 3, True), (1, None, False)])
 def test_sampling_forms(rng, sampling_ratio, max_samples, aligned):
   x = rng.standard_normal((N, H, W, C)).astype(np.float32)
-  boxes = np.concatenate([_boxes(rng, 5, hi=14.0), EDGE])
+  boxes = np.concatenate([random_boxes(rng, 5, hi=14.0), EDGE])
   kw = dict(output_size=(2, 3), spatial_scale=0.7, sampling_ratio=sampling_ratio,
             max_samples=max_samples, aligned=aligned)
   dy = rng.standard_normal((len(boxes), 2, 3, C)).astype(np.float32)
@@ -403,7 +390,7 @@ def test_low_precision(rng, dtype):
   """16-bit maps: float32 sums, one rounding to the dtype at the end (the gradient's sums in
   another order: a last-bit difference of the dtype)."""
   x = jnp.asarray(rng.standard_normal((N, H, W, C)), dtype)
-  boxes = np.concatenate([_boxes(rng, 6), EDGE])
+  boxes = np.concatenate([random_boxes(rng, 6), EDGE])
   dy = jnp.asarray(rng.standard_normal((len(boxes), 3, 2, C)), dtype)
   (y, dx, _), (ry, rdx, _) = _both(x, boxes, dy, **KW)
   assert y.dtype == dx.dtype == dtype
@@ -418,7 +405,7 @@ def test_vmap_and_forward_mode(rng):
   """vmap runs the kernels once on the whole batch (the mapped axis folds into the boxes and
   copies of the feature table); jvp and the second order go through the kernels' primitive."""
   x = rng.standard_normal((N, H, W, C)).astype(np.float32)
-  boxes = jnp.asarray(_boxes(rng, 4))
+  boxes = jnp.asarray(random_boxes(rng, 4))
   f = {impl: functools.partial(jaxpool.roi_align, output_size=(2, 3), sampling_ratio=2,
                                implementation=impl) for impl in ("pallas", "xla")}
   xs = np.stack([x, 2 * x + 1, -x])
@@ -453,7 +440,7 @@ def test_vmap_and_forward_mode(rng):
 def test_random_configs(seed, ph, pw, ratio, aligned, scale, k):
   rng = np.random.default_rng(seed)
   x = rng.standard_normal((N, 5, 6, 2)).astype(np.float32)
-  boxes = _boxes(rng, k, hi=9.0) if k else np.zeros((0, 5), np.float32)
+  boxes = random_boxes(rng, k, hi=9.0) if k else np.zeros((0, 5), np.float32)
   kw = dict(output_size=(ph, pw), spatial_scale=scale, sampling_ratio=ratio, aligned=aligned,
             max_samples=4)
   dy = rng.standard_normal((k, ph, pw, 2)).astype(np.float32)

@@ -8,8 +8,9 @@ They are the implementation of a second primitive of the form, ``roi_kernel_p``
 (``form.define``: the same JVP and transpose rules). So ``jax.grad`` through :func:`roi_align`
 with respect to the features and the boxes runs kernels only (JAX's autodiff of the plan,
 ``plan.py``, turns the corner weights' gradients into the boxes'); forward mode and higher
-orders compose the same way. The max mode (``has_taps``) runs the XLA path's form. Under ``vmap`` the mapped axis folds into the boxes and the feature table (one copy
-of the table per element, ``KernelOptions.copies``): the kernels run once on the whole batch.
+orders compose the same way. The max mode (``has_taps``) runs the XLA path's form. Under
+``vmap`` the mapped axis folds into the boxes and the feature table (one copy of the table per
+element, ``KernelOptions.copies``): the kernels run once on the whole batch.
 The per-image form (``batched=True`` binds: each image's boxes on its own table) runs the
 kernels the same way, its images folded into copies of a one-image table, when the program
 runs on one device; on several devices, or inside ``shard_map``, its lowering is the XLA
