@@ -2,11 +2,12 @@
 derivatives ``wy`` and ``wx``): Triton lowering under its names; in interpret mode on the CPU
 (slow tier) ``jax.grad`` with respect to the boxes through ``roi_align(...,
 implementation="pallas")`` against the XLA path and the NumPy reference over the sampling
-forms, wide grids and many channels, 16-bit maps, several levels, vmap, per-image boxes and
-random configs; compiled on a GPU (``-m gpu``) against the XLA path. (The default tier's
-checks of the box gradient on the kernels, sharing its compiled case, are in
-test_roi_kernels.py: the XLA path, the reference, the same bits twice, NaN cotangents and NaN
-read at dead corners, and that no derivative falls back to the XLA path's form.)
+forms, wide grids and many channels, 16-bit maps, several levels, vmap and per-image boxes
+(random configs: test_roi_kernels.py's hypothesis test); compiled on a GPU (``-m gpu``)
+against the XLA path. (The default tier's checks of the box gradient on the kernels, sharing
+its compiled case, are in test_roi_kernels.py: the XLA path, the reference, the same bits
+twice, NaN cotangents and NaN read at dead corners, and that no derivative falls back to the
+XLA path's form.)
 
 Tolerances. The kernel sums each corner weight's products in an order of its own (channels,
 then the other axis's bins, then its samples: the module's docstring), the XLA path in fixed
@@ -21,8 +22,6 @@ import numpy as np
 import pytest
 import roi_reference as rref
 from roi_cases import EDGE, random_boxes
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 import jaxpool
 
@@ -170,22 +169,6 @@ def test_per_image_boxes(rng):
   assert np.abs(np.asarray(rdb)).max() > 0.1
   np.testing.assert_allclose(db, rdb, **TOL)
   np.testing.assert_array_equal(np.asarray(db)[~mask], 0)
-
-
-@pytest.mark.slow
-@settings(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck))
-@given(seed=st.integers(0, 2**31 - 1), ph=st.integers(1, 4), pw=st.integers(1, 4),
-       ratio=st.sampled_from([-1, 1, 2, 3]), aligned=st.booleans(),
-       scale=st.sampled_from([0.5, 1.0, 1.3]), k=st.integers(0, 5))
-def test_random_configs(seed, ph, pw, ratio, aligned, scale, k):
-  rng = np.random.default_rng(seed)
-  x = rng.standard_normal((N, 5, 6, 2)).astype(np.float32)
-  boxes = random_boxes(rng, k, hi=9.0) if k else np.zeros((0, 5), np.float32)
-  kw = dict(output_size=(ph, pw), spatial_scale=scale, sampling_ratio=ratio, aligned=aligned,
-            max_samples=5)
-  dy = rng.standard_normal((k, ph, pw, 2)).astype(np.float32)
-  (_, db), (_, rdb) = _both(x, boxes, dy, **kw)
-  np.testing.assert_allclose(db, rdb, **TOL)
 
 
 # ----------------------------------------------------------------------------- GPU tier
