@@ -19,7 +19,12 @@ regions per image, output 7x7 (box head) and 14x14 (mask head), ``sampling_ratio
 - peak memory: XLA's compiled memory analysis (arguments + outputs + temporaries) over the
   arguments and outputs;
 - the same bits over 10 runs of ``fwd+dx`` (and how many of torchvision's 10 backward runs differ
-  from its first).
+  from its first);
+- ``fwd+dx+dboxes`` (the forward, the feature gradient and the box gradient: ``jax.vjp`` with
+  respect to the features and the boxes) for ``jaxpool`` (on an NVIDIA GPU every part on the
+  kernels) and ``jaxpool_xla``: time, fraction of the copy bandwidth (over ``2 |x| + 2 |y|``,
+  as ``fwd+dx``: the box gradient adds reads of what ``fwd+dx`` reads), peak memory, the same
+  bits over 10 runs, and how far apart the two box gradients are.
 
 Writes ``benchmarks/results/roi_gpu_<device>.json``. ``--quick`` runs small shapes (on a CPU
 too) and writes ``build/benchmarks/roi_gpu_<device>_quick.json``.
@@ -234,7 +239,7 @@ def run_case(feats, boxes, image, output_size, copy_gbs, reps):
   dy = jnp.asarray(np.random.default_rng(1).standard_normal(y.shape), y.dtype)
   nx = sum(f.size * f.dtype.itemsize for f in feats)
   ny = y.size * y.dtype.itemsize
-  bytes_moved = {"fwd": nx + ny, "fwd+dx": 2 * nx + 2 * ny}
+  bytes_moved = {"fwd": nx + ny, "fwd+dx": 2 * nx + 2 * ny, "fwd+dx+dboxes": 2 * nx + 2 * ny}
   rows = {"jaxpool_default_backend": dispatch.choose(
       "roi_align", None, feats[0], None,
       config=_config(feats, output_size)).label}
@@ -256,6 +261,22 @@ def run_case(feats, boxes, image, output_size, copy_gbs, reps):
                 "peak_over_io": None if peak is None else peak[0],
                 "peak_bytes": None if peak is None else peak[1]}
     r["same_bits_10_runs"] = same_bits(fb, (feats, boxes, dy), RUNS_SAME_BITS)
+    if name != "plain_jnp":  # (the box gradient: the kernels' and the XLA path's)
+      def fwd_dx_db(fs, b, g, f=f):
+        out, vjp = jax.vjp(f, fs, b)
+        return (out, *vjp(g))
+
+      fbb = jax.jit(fwd_dx_db)
+      args = (feats, boxes, dy)
+      ms = time_jax(fbb, args, reps)
+      peak = peak_ratio(fbb, args)
+      key = "fwd+dx+dboxes"
+      r[key] = {"ms": ms, "GBps": bytes_moved[key] / ms / 1e6,
+                "of_copy": bytes_moved[key] / ms / 1e6 / copy_gbs,
+                "peak_over_io": None if peak is None else peak[0],
+                "peak_bytes": None if peak is None else peak[1],
+                "same_bits_10_runs": same_bits(fbb, args, RUNS_SAME_BITS)}
+      grads[name + "_dboxes"] = fbb(*args)[2]
     rows[name] = r
     grads[name] = fb(feats, boxes, dy)
   yp = jax.jit(plain)(feats, boxes)
@@ -274,7 +295,25 @@ def run_case(feats, boxes, image, output_size, copy_gbs, reps):
                                      / rows["jaxpool"]["fwd+dx"]["ms"])
   rows["speedup_fwd+dx_vs_xla_path"] = (rows["jaxpool_xla"]["fwd+dx"]["ms"]
                                         / rows["jaxpool"]["fwd+dx"]["ms"])
+  rows["speedup_fwd+dx+dboxes_vs_xla_path"] = (rows["jaxpool_xla"]["fwd+dx+dboxes"]["ms"]
+                                               / rows["jaxpool"]["fwd+dx+dboxes"]["ms"])
+  rows["max_abs_diff_dboxes_default_vs_xla"] = float(jnp.max(jnp.abs(
+      grads["jaxpool_dboxes"] - grads["jaxpool_xla_dboxes"])))
   return rows
+
+
+def print_box_table(results):
+  """The box gradient's table (ms): forward + feature gradient, and with the box gradient, for
+  the default path and the XLA path."""
+  print("| dtype, grid | jaxpool fwd+dx | jaxpool fwd+dx+dboxes | XLA path fwd+dx | "
+        "XLA path fwd+dx+dboxes |")
+  print("| --- | --- | --- | --- | --- |")
+  for c in results:
+    r = c["rows"]
+    j, x = r["jaxpool"], r["jaxpool_xla"]
+    grid = "x".join(map(str, c["output_size"]))
+    print(f"| {c['dtype']}, {grid} | {j['fwd+dx']['ms']:.3f} | {j['fwd+dx+dboxes']['ms']:.3f} "
+          f"| {x['fwd+dx']['ms']:.3f} | {x['fwd+dx+dboxes']['ms']:.3f} |")
 
 
 def main():
@@ -311,9 +350,17 @@ def main():
             f"{rows['max_abs_diff_default_vs_xla']}; peak/io {j['fwd+dx']['peak_over_io']}; "
             f"same bits {j['same_bits_10_runs']} (plain {p['same_bits_10_runs']}); "
             f"torchvision {rows['torchvision']}", flush=True)
+      jb, xb = j["fwd+dx+dboxes"], xp["fwd+dx+dboxes"]
+      print(f"{'':9s} {out}: with the box gradient (fwd+dx+dboxes): jaxpool {jb['ms']:.3f} ms "
+            f"({jb['of_copy']:.2f} of copy, peak/io {jb['peak_over_io']}, same bits "
+            f"{jb['same_bits_10_runs']}), XLA path {xb['ms']:.3f} ms "
+            f"(x{rows['speedup_fwd+dx+dboxes_vs_xla_path']:.1f}); dboxes default vs XLA "
+            f"{rows['max_abs_diff_dboxes_default_vs_xla']:.3g}", flush=True)
+  print_box_table(results)
   path = args.out or result_path(__file__, device_tag(dev.device_kind), quick=args.quick)
   meta = {"device": dev.device_kind, "jax": jax.__version__, "copy_GBps": copy_gbs,
           "bytes": "fwd: |features| + |y|; fwd+dx: 2 |features| + 2 |y|",
+          "bytes_fwd+dx+dboxes": "2 |features| + 2 |y| (as fwd+dx)",
           "peak": "XLA memory analysis: (arguments + outputs + temporaries) / (arguments + "
                   "outputs)"}
   os.makedirs(os.path.dirname(path), exist_ok=True)

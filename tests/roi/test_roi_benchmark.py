@@ -22,3 +22,7 @@ def test_quick_benchmark_runs(tmp_path):
   assert rows["max_abs_diff_vs_plain"] < 1e-4
   assert rows["jaxpool"]["same_bits_10_runs"]
   assert rows["jaxpool"]["fwd+dx"]["ms"] > 0
+  for name in ("jaxpool", "jaxpool_xla"):  # (with the box gradient)
+    assert rows[name]["fwd+dx+dboxes"]["ms"] > 0
+    assert rows[name]["fwd+dx+dboxes"]["same_bits_10_runs"]
+  assert rows["max_abs_diff_dboxes_default_vs_xla"] < 1e-4

@@ -1,17 +1,18 @@
-"""ROI align's GPU kernels (``jaxpool/_src/roi/triton.py``) in interpret mode on the CPU: the
-forward and the feature gradient against the XLA path and the NumPy reference
-(tests/support/roi_reference.py), the same bits on a second run, several levels, the
-registry's rule (what runs where), and Triton lowering; compiled on a GPU (``-m gpu``) against
-the XLA path and torchvision.
+"""ROI align's GPU kernels (``jaxpool/_src/roi/triton.py``, ``triton_boxes.py``) in interpret
+mode on the CPU: the forward, the feature gradient and the box gradient against the XLA path and
+the NumPy reference (tests/support/roi_reference.py), the same bits on a second run, NaN where
+the XLA path has it, several levels, the registry's rule (what runs where), and Triton
+lowering; compiled on a GPU (``-m gpu``) against the XLA path and torchvision. (More of the box
+gradient's kernel: test_roi_box_kernels.py.)
 
 Tolerances. The forward kernel adds the same float32 terms in the XLA path's order (each
 sample's four corners in torchvision's order, the samples row-major), so in interpret mode on
 the CPU it has the XLA path's bits; compiled, Triton may contract a multiply and an add into
 one rounding. The feature gradient adds each pixel's terms in another order than the XLA
 path's sorted sum (docs/roi.md, "Where it runs"), so the two agree to float32 rounding of sums
-of a few terms of size ~1: ``rtol = atol = 1e-5`` here. The box gradient runs on the XLA path
-either way: the same bits in interpret mode. Compiled (the GPU tests), sums over hundreds of
-boxes fused differently: ``1e-4``.
+of a few terms of size ~1: ``rtol = atol = 1e-5`` here; so does the box gradient (its kernel
+sums each corner weight's products in an order of its own, the XLA path in fixed trees).
+Compiled (the GPU tests), sums over hundreds of boxes fused differently: ``1e-4``.
 """
 
 import functools
@@ -21,30 +22,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import roi_reference as rref
+from roi_cases import EDGE, random_boxes
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import jaxpool
 from jaxpool._src import dispatch
+from jaxpool._src.roi import form
 from jaxpool._src.roi.plan import AlignConfig, Level, PoolConfig
 
 N, H, W, C = 2, 7, 9, 3
 TOL = dict(rtol=1e-5, atol=1e-5)
 GPU_TOL = dict(rtol=1e-4, atol=1e-4)  # compiled: many boxes' sums per pixel, fused differently
-
-# Boxes over every edge: outside the map, zero and negative size, one pixel, the whole map,
-# the clamp bands, and a box of an image index past the table (under jit: zeros).
-EDGE = np.array([
-    [0, 20.0, 20.0, 30.0, 25.0], [1, 3.0, 2.0, 3.0, 2.0], [0, 5.0, 4.0, 2.0, 1.0],
-    [1, 2.0, 3.0, 3.0, 4.0], [0, 0.0, 0.0, 9.0, 7.0], [1, 6.3, 4.2, 9.8, 7.9],
-    [0, -1.7, -0.6, 2.2, 1.9]], np.float32)
-
-
-def _boxes(rng, k, n=N, lo=-2.0, hi=10.0):
-  pts = rng.uniform(lo, hi, (k, 4)).astype(np.float32)
-  return np.stack([rng.integers(0, n, k).astype(np.float32),
-                   np.minimum(pts[:, 0], pts[:, 2]), np.minimum(pts[:, 1], pts[:, 3]),
-                   np.maximum(pts[:, 0], pts[:, 2]), np.maximum(pts[:, 1], pts[:, 3])], 1)
 
 
 @functools.cache
@@ -67,14 +56,15 @@ def _both(x, boxes, dy, **kw):
 
 
 def _compare(ours, xla, exact=True):
-  """``exact``: in interpret mode, the forward and the box gradient have the XLA path's bits
-  (compiled, the programs around them fuse differently: float32 rounding)."""
+  """``exact``: in interpret mode, the forward has the XLA path's bits (compiled, the
+  programs around it fuse differently: float32 rounding); the gradients agree to float32
+  rounding."""
   (y, dx, db), (ry, rdx, rdb) = ours, xla
   check = np.testing.assert_array_equal if exact else functools.partial(
       np.testing.assert_allclose, rtol=1e-4, atol=1e-4)
   check(y, ry)
   np.testing.assert_allclose(dx, rdx, **(TOL if exact else GPU_TOL))
-  check(db, rdb)
+  np.testing.assert_allclose(db, rdb, **(TOL if exact else GPU_TOL))
 
 
 KW = dict(output_size=(3, 2), spatial_scale=0.9, sampling_ratio=2, aligned=True)
@@ -82,17 +72,37 @@ KW = dict(output_size=(3, 2), spatial_scale=0.9, sampling_ratio=2, aligned=True)
 
 @pytest.fixture(scope="module")
 def case():
+  """The inputs, the kernels' and the XLA path's (y, dx, dboxes), and the derivatives that
+  the kernels' primitive left to the XLA path's form while they were traced."""
   rng = np.random.default_rng(50)
   x = rng.standard_normal((N, H, W, C)).astype(np.float32)
-  boxes = np.concatenate([_boxes(rng, 6), EDGE])
+  boxes = np.concatenate([random_boxes(rng, 6), EDGE])
   dy = rng.standard_normal((len(boxes), 3, 2, C)).astype(np.float32)
-  return x, boxes, dy, _both(x, boxes, dy, **KW)
+  on_xla = []
+  real = form.evaluate
+
+  def spy(*args, wrt, **kwargs):
+    on_xla.append(wrt)
+    return real(*args, wrt=wrt, **kwargs)
+
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(form, "evaluate", spy)
+    results = _both(x, boxes, dy, **KW)
+  return x, boxes, dy, results, on_xla
 
 
 def test_kernels_match_the_xla_path(case):
-  x, boxes, dy, (ours, xla) = case
+  x, boxes, dy, (ours, xla), _ = case
   assert np.abs(np.asarray(ours[1])).max() > 0  # (the gradient reaches pixels)
+  assert np.abs(np.asarray(ours[2])).max() > 0.1  # (and the boxes)
   _compare(ours, xla)
+
+
+def test_every_derivative_runs_on_the_kernels(case):
+  """The forward, the feature gradient and both parts of the box gradient (the corner weights
+  in y and in x) run kernels: none falls back to the XLA path's form (``form.evaluate``)."""
+  *_, on_xla = case
+  assert on_xla == [], on_xla
 
 
 def test_sizes_past_int32_indexing_leave_the_kernels(monkeypatch):
@@ -110,7 +120,7 @@ def test_sizes_past_int32_indexing_leave_the_kernels(monkeypatch):
   monkeypatch.setattr(triton, "feature_grad", never)
   rng = np.random.default_rng(7)
   xs = rng.standard_normal((2, N, H, W, C)).astype(np.float32)
-  boxes = _boxes(rng, 4)
+  boxes = random_boxes(rng, 4)
 
   def loss(implementation):
     f = lambda v: jaxpool.roi_align(v, boxes, implementation=implementation, output_size=(2, 3),
@@ -164,14 +174,15 @@ def test_wide_levels_under_vmap_span_several_column_cells():
 
 
 def test_kernels_match_the_reference(case):
-  x, boxes, dy, (ours, _) = case
-  ry, rdx, _ = rref.roi_align(x, boxes, dy=dy, **KW)
+  x, boxes, dy, (ours, _), _ = case
+  ry, rdx, rdb = rref.roi_align(x, boxes, dy=dy, **KW)
   np.testing.assert_allclose(ours[0], ry, **TOL)
   np.testing.assert_allclose(ours[1], rdx, **TOL)
+  np.testing.assert_allclose(np.asarray(ours[2])[:, 1:], rdb, rtol=1e-4, atol=2e-4)
 
 
 def test_kernels_give_the_same_bits_twice(case):
-  x, boxes, dy, (ours, _) = case
+  x, boxes, dy, (ours, _), _ = case
   again = _vjp_fn("pallas", tuple(sorted(KW.items())))(x, boxes, dy)
   for a, b in zip(ours, again):
     assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
@@ -179,13 +190,35 @@ def test_kernels_give_the_same_bits_twice(case):
 
 def test_nan_cotangent_reaches_the_pixels_the_xla_path_reaches(case):
   """A NaN in one bin's cotangent spreads to that bin's live corners only (a pixel the bin
-  does not sample stays finite), as on the XLA path."""
-  x, boxes, dy, _ = case
+  does not sample stays finite), and to the coordinates of its box whose corner weights meet
+  them, as on the XLA path."""
+  x, boxes, dy, *_ = case
   dy = dy.copy()
   dy[0, 1, 1, :] = np.nan
   ours, xla = _both(x, boxes, dy, **KW)
-  np.testing.assert_array_equal(np.isnan(ours[1]), np.isnan(xla[1]))
+  for a, b in zip(ours[1:], xla[1:], strict=True):
+    np.testing.assert_array_equal(np.isnan(a), np.isnan(b))
+    ok = ~np.isnan(np.asarray(b))
+    np.testing.assert_allclose(np.asarray(a)[ok], np.asarray(b)[ok], **TOL)
   assert 0 < np.isnan(ours[1]).sum() < ours[1].size
+  assert 0 < np.isnan(ours[2]).sum() <= 4 and not np.isnan(ours[2][1:]).any()
+
+
+def test_nan_read_at_dead_corners_goes_nowhere(case):
+  """Dead samples read the first pixel of their image (clamped corner indices): a NaN and an
+  inf there reach no gradient of a box that does not sample that pixel (the box outside the
+  map keeps a zero box gradient), as on the XLA path."""
+  x, boxes, dy, *_ = case
+  x = x.copy()
+  x[0, 0, 0, :] = np.nan
+  x[1, 0, 0, 0] = np.inf
+  ours, xla = _both(x, boxes, dy, **KW)
+  outside = 6  # EDGE's first box: every sample outside the map
+  np.testing.assert_array_equal(np.isnan(ours[2]), np.isnan(xla[2]))
+  np.testing.assert_array_equal(np.asarray(ours[2])[outside], 0)
+  ok = ~np.isnan(np.asarray(xla[2]))
+  assert ok.sum() > ok.size // 2
+  np.testing.assert_allclose(np.asarray(ours[2])[ok], np.asarray(xla[2])[ok], **TOL)
 
 
 @pytest.mark.slow
@@ -246,7 +279,7 @@ def test_the_gradient_bits_do_not_depend_on_the_tile(monkeypatch, tile):
 
 
 @pytest.mark.slow
-def test_levels_and_images_without_boxes():
+def test_levels_and_images_withoutrandom_boxes():
   """multi_scale_roi_align over two levels: each gradient tile finds the boxes of its own
   level and image; the second image has none on the coarse level."""
   rng = np.random.default_rng(7)
@@ -295,7 +328,7 @@ def test_long_sample_loops_skip_dead_samples(rng):
   """A sample grid longer than ``triton.UNROLL`` is a loop that skips dead samples (the
   adaptive count's padding, samples outside the map): the same bits as the XLA path."""
   x = rng.standard_normal((N, H, W, C)).astype(np.float32)
-  boxes = np.concatenate([_boxes(rng, 3, hi=16.0), EDGE[[0, 4, 6]]])
+  boxes = np.concatenate([random_boxes(rng, 3, hi=16.0), EDGE[[0, 4, 6]]])
   kw = dict(output_size=(2, 1), spatial_scale=0.8, sampling_ratio=-1, max_samples=(5, 7),
             aligned=False)
   dy = rng.standard_normal((len(boxes), 2, 1, C)).astype(np.float32)
@@ -340,7 +373,7 @@ def test_kernels_lower_for_cuda(samples, channels):
     (-1, None, False), (0, 3, True), (1, None, False)])
 def test_sampling_forms(rng, sampling_ratio, max_samples, aligned):
   x = rng.standard_normal((N, H, W, C)).astype(np.float32)
-  boxes = np.concatenate([_boxes(rng, 5, hi=14.0), EDGE])
+  boxes = np.concatenate([random_boxes(rng, 5, hi=14.0), EDGE])
   kw = dict(output_size=(2, 3), spatial_scale=0.7, sampling_ratio=sampling_ratio,
             max_samples=max_samples, aligned=aligned)
   dy = rng.standard_normal((len(boxes), 2, 3, C)).astype(np.float32)
@@ -357,7 +390,7 @@ def test_low_precision(rng, dtype):
   """16-bit maps: float32 sums, one rounding to the dtype at the end (the gradient's sums in
   another order: a last-bit difference of the dtype)."""
   x = jnp.asarray(rng.standard_normal((N, H, W, C)), dtype)
-  boxes = np.concatenate([_boxes(rng, 6), EDGE])
+  boxes = np.concatenate([random_boxes(rng, 6), EDGE])
   dy = jnp.asarray(rng.standard_normal((len(boxes), 3, 2, C)), dtype)
   (y, dx, _), (ry, rdx, _) = _both(x, boxes, dy, **KW)
   assert y.dtype == dx.dtype == dtype
@@ -372,7 +405,7 @@ def test_vmap_and_forward_mode(rng):
   """vmap runs the kernels once on the whole batch (the mapped axis folds into the boxes and
   copies of the feature table); jvp and the second order go through the kernels' primitive."""
   x = rng.standard_normal((N, H, W, C)).astype(np.float32)
-  boxes = jnp.asarray(_boxes(rng, 4))
+  boxes = jnp.asarray(random_boxes(rng, 4))
   f = {impl: functools.partial(jaxpool.roi_align, output_size=(2, 3), sampling_ratio=2,
                                implementation=impl) for impl in ("pallas", "xla")}
   xs = np.stack([x, 2 * x + 1, -x])
@@ -407,7 +440,7 @@ def test_vmap_and_forward_mode(rng):
 def test_random_configs(seed, ph, pw, ratio, aligned, scale, k):
   rng = np.random.default_rng(seed)
   x = rng.standard_normal((N, 5, 6, 2)).astype(np.float32)
-  boxes = _boxes(rng, k, hi=9.0) if k else np.zeros((0, 5), np.float32)
+  boxes = random_boxes(rng, k, hi=9.0) if k else np.zeros((0, 5), np.float32)
   kw = dict(output_size=(ph, pw), spatial_scale=scale, sampling_ratio=ratio, aligned=aligned,
             max_samples=4)
   dy = rng.standard_normal((k, ph, pw, 2)).astype(np.float32)

@@ -71,18 +71,19 @@ def test_per_image_boxes_run_the_kernels_on_one_device(rng, monkeypatch):
   the XLA path's batched form (it did before: 15-44 ms instead of 0.46-1.22 ms on an H200 for
   Mask R-CNN's shapes), with the bits of the (K, 5) form on the kernels. (On a batch-sharded
   mesh it lowers the XLA form: tests/sharding/roi_checks.py.)"""
-  from jaxpool._src.roi import triton
+  from jaxpool._src.roi import triton, triton_boxes
   calls = []
-  for name in ("forward", "feature_grad"):
-    real = getattr(triton, name)
-    monkeypatch.setattr(triton, name, lambda *a, _f=real, _n=name, **k: (calls.append(_n),
+  for module, name in ((triton, "forward"), (triton, "feature_grad"),
+                       (triton_boxes, "corner_grad")):
+    real = getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a, _f=real, _n=name, **k: (calls.append(_n),
                                                                          _f(*a, **k))[1])
   kw = dict(output_size=(3, 2), spatial_scale=0.8, sampling_ratio=2, implementation="pallas")
   x, boxes, mask, live, rows = _case(rng)
   g = rng.standard_normal((N, K, 3, 2, C)).astype(np.float32)
   f = lambda x, b, g: _vjp(lambda v, c: jaxpool.roi_align(v, c, mask=mask, **kw), x, b, g)
   y, dx, db = jax.jit(f)(x, boxes, g)
-  assert sorted(set(calls)) == ["feature_grad", "forward"], calls
+  assert sorted(set(calls)) == ["corner_grad", "feature_grad", "forward"], calls
   flat = jax.jit(lambda x, b, g: _vjp(lambda v, c: jaxpool.roi_align(v, c, **kw), x, b, g))
   fy, fdx, fdb = flat(x, rows, g[live[:, 0], live[:, 1]])
   np.testing.assert_array_equal(_bits(y)[live[:, 0], live[:, 1]], _bits(fy))

@@ -1,13 +1,16 @@
-"""ROI align on the GPU kernels (``triton.py``), as the registry's Pallas Triton backend runs it.
+"""ROI align on the GPU kernels (``triton.py``, ``triton_boxes.py``), as the registry's Pallas
+Triton backend runs it.
 
-The kernels compute two of the form's four derivatives (``form.py``) for the average: the
-forward (``wrt="ct"``) and the feature gradient (``wrt="x"``). They are the implementation of a
-second primitive of the form, ``roi_kernel_p`` (``form.define``: the same JVP and transpose
-rules), whose other derivatives, the box gradient's parts ``wy`` and ``wx``, run on the XLA
-path's implementation. So ``jax.grad`` through :func:`roi_align` runs the forward kernel, the
-feature-gradient kernel and XLA's box gradient; forward mode and higher orders compose the
-same way. Under ``vmap`` the mapped axis folds into the boxes and the feature table (one copy
-of the table per element, ``KernelOptions.copies``): the kernels run once on the whole batch.
+The kernels compute the form's four derivatives (``form.py``) for the average: the forward
+(``wrt="ct"``) and the feature gradient (``wrt="x"``) in ``triton.py``, the box gradient's parts,
+the derivatives with respect to the corner weights ``wy`` and ``wx``, in ``triton_boxes.py``.
+They are the implementation of a second primitive of the form, ``roi_kernel_p``
+(``form.define``: the same JVP and transpose rules). So ``jax.grad`` through :func:`roi_align`
+with respect to the features and the boxes runs kernels only (JAX's autodiff of the plan,
+``plan.py``, turns the corner weights' gradients into the boxes'); forward mode and higher
+orders compose the same way. The max mode (``has_taps``) runs the XLA path's form. Under
+``vmap`` the mapped axis folds into the boxes and the feature table (one copy of the table per
+element, ``KernelOptions.copies``): the kernels run once on the whole batch.
 The per-image form (``batched=True`` binds: each image's boxes on its own table) runs the
 kernels the same way, its images folded into copies of a one-image table, when the program
 runs on one device; on several devices, or inside ``shard_map``, its lowering is the XLA
@@ -96,10 +99,14 @@ def _impl(*operands, wrt, has_taps, dtype, rows, kernel: KernelOptions, batched=
   ops = dict(zip(names, operands))
   table_rows = kernel.copies * sum(lv.images * lv.height * lv.width for lv in kernel.levels)
   planes = kernel.copies * sum(lv.images for lv in kernel.levels)
-  if has_taps or wrt not in ("ct", "x") or _too_large(ops, table_rows, planes):
-    # (the box gradient's parts, and sizes the kernels' int32 indexing cannot reach: XLA)
+  if has_taps or _too_large(ops, table_rows, planes):
+    # (the max mode, and sizes the kernels' int32 indexing cannot reach: XLA)
     return form.evaluate(*operands, wrt=wrt, has_taps=has_taps, dtype=dtype, rows=rows)
-  from jaxpool._src.roi import triton  # (Pallas, imported when a kernel is traced)
+  from jaxpool._src.roi import triton, triton_boxes  # (Pallas, imported when traced)
+  if wrt in ("wy", "wx"):
+    return triton_boxes.corner_grad(wrt, ops["base"], ops["stride"], ops["iy"], ops["ix"],
+                                    ops["wx" if wrt == "wy" else "wy"], ops["x"], ops["ct"],
+                                    dtype=jnp.dtype(dtype), interpret=kernel.interpret)
   if wrt == "x" and rows != table_rows:
     raise AssertionError(f"a feature table of {rows} rows for {kernel}")
   if wrt == "ct":
@@ -195,7 +202,8 @@ _roi_align_jit = jax.jit(_roi_align, static_argnums=(4, 5))
 
 def roi_align(maps: tuple[jax.Array, ...], image: jax.Array, coords: jax.Array,
               level: jax.Array, cfg: AlignConfig, *, interpret: bool) -> jax.Array:
-  """The XLA path's ``roi_align`` (``xla.py``) with the average's sampled sum and its feature
-  gradient on the kernels: ``(K, ph, pw, C)``."""
+  """The XLA path's ``roi_align`` (``xla.py``) with the average's sampled sum and its
+  derivatives (the feature gradient, the corner weights' gradients) on the kernels:
+  ``(K, ph, pw, C)``."""
   assert cfg.mode == "avg" and math.prod(cfg.output_size) > 0
   return _roi_align_jit(maps, image, coords, level, cfg, interpret)

@@ -1,5 +1,8 @@
 """ROI align's GPU kernels (Pallas Triton): the averaged sampled sum and its feature gradient.
 
+(The box gradient's kernel, the derivatives with respect to the corner weights, is in
+``triton_boxes.py``, with its summation order; it shares this module's helpers.)
+
 Both kernels take the plan of ``plan.py`` (per box and axis: the corner indices ``iy``, ``ix``
 ``(K, n_out, S, 2)``, -1 for a dead sample, and the corner weights ``wy``, ``wx``), flattened,
 and the flat feature table ``(P, C)`` (channels last: a pixel's channels are contiguous), so
