@@ -70,7 +70,8 @@ def test_per_image_boxes_run_the_kernels_on_one_device(rng, monkeypatch):
   """On one device (here the kernels interpreted) the per-image form runs the GPU kernels, not
   the XLA path's batched form (it did before: 15-44 ms instead of 0.46-1.22 ms on an H200 for
   Mask R-CNN's shapes), with the bits of the (K, 5) form on the kernels. (On a batch-sharded
-  mesh it lowers the XLA form: tests/sharding/roi_checks.py.)"""
+  mesh the kernels split with the batch: tests/sharding/roi_checks.py, and the GPU test
+  below.)"""
   from jaxpool._src.roi import triton, triton_boxes
   calls = []
   for module, name in ((triton, "forward"), (triton, "feature_grad"),
@@ -173,3 +174,46 @@ def test_jvp_is_the_transpose_of_the_vjp_and_second_order_runs(rng):
   assert abs(lhs - rhs) < 1e-4 * max(1.0, abs(lhs))
   h = jax.hessian(lambda b: (f(x, b) ** 2).sum())(boxes)
   assert h.shape == (*boxes.shape, *boxes.shape) and np.isfinite(h).all()
+
+
+@pytest.mark.gpu
+def test_gpu_per_image_boxes_split_with_the_batch_on_the_kernels(rng):
+  """On several GPUs (a batch-sharded mesh), under ``jit`` and inside ``shard_map``, each
+  device runs the kernels on its images: one device's bits (which are not the XLA path's), the
+  outputs split, no collective in the program."""
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+  devices = jax.devices()
+  if len(devices) < 2:
+    pytest.skip("needs 2 or more GPUs")
+  n = 2 * len(devices)
+  x = rng.standard_normal((n, 40, 48, 64)).astype(np.float32)
+  xy = rng.uniform(-2, 40, (n, 12, 2))
+  boxes = np.concatenate([xy, xy + rng.uniform(1, 20, (n, 12, 2))], -1).astype(np.float32)
+  mask = rng.uniform(size=(n, 12)) < 0.8
+  g = rng.standard_normal((n, 12, 7, 7, 64)).astype(np.float32)
+
+  def fwd_grad(impl):
+    def run(v, b, m, g):
+      pool = lambda v, b: jaxpool.roi_align(v, b, (7, 7), spatial_scale=0.5, sampling_ratio=2,
+                                            aligned=True, mask=m, implementation=impl)
+      return _vjp(pool, v, b, g)
+    return run
+
+  one = jax.jit(fwd_grad("pallas"))(*(jax.device_put(a, devices[0]) for a in (x, boxes, mask, g)))
+  on_xla = jax.jit(fwd_grad("xla"))(x, boxes, mask, g)
+  assert not (_bits(one[1]) == _bits(on_xla[1])).all()  # (the kernels ran: other bits)
+  mesh = jax.make_mesh((len(devices),), ("b",), axis_types=(jax.sharding.AxisType.Auto,))
+  spec = P("b")
+  args = tuple(jax.device_put(a, NamedSharding(mesh, spec)) for a in (x, boxes, mask, g))
+  for fn in (jax.jit(fwd_grad("pallas")),
+             jax.jit(jax.shard_map(fwd_grad("pallas"), mesh=mesh, in_specs=(spec,) * 4,
+                                   out_specs=(spec,) * 3))):
+    compiled = fn.lower(*args).compile()
+    text = compiled.as_text()
+    assert not any(op in text for op in ("all-gather", "all-reduce", "all-to-all",
+                                         "collective-permute")), "a collective"
+    got = compiled(*args)
+    for a, b in zip(got, one, strict=True):
+      np.testing.assert_array_equal(_bits(a), _bits(b))
+      assert len({str(s.index) for s in a.addressable_shards}) == len(devices)

@@ -114,9 +114,10 @@ def main() -> int:
 
 def kernel_checks(mesh, x, boxes, mask) -> bool:
   """``implementation="pallas"`` (the GPU kernels, interpreted here): on one device the
-  per-image form runs the kernels; on a batch-sharded mesh, under ``jit`` and inside
-  ``shard_map``, it lowers the XLA form, which splits (the XLA path's bits, split, no
-  collective)."""
+  per-image form runs the kernels; on a batch-sharded mesh under ``jit`` the kernels split with
+  the batch, each device running them on its images (one device's bits, split, no
+  collective); inside ``shard_map``, interpreted, the XLA form (the XLA path's bits; compiled
+  on a GPU, the kernels on each block: tests/roi/test_roi_per_image.py's GPU tests)."""
   g = np.random.default_rng(7).standard_normal((8, 6, 3, 2, 4)).astype(np.float32)
 
   def fwd_grad(impl):
@@ -140,7 +141,7 @@ def kernel_checks(mesh, x, boxes, mask) -> bool:
   args = tuple(jax.device_put(a, shard) for a in (x, boxes, mask, g))
   ok_all = ran_kernels
   for how, fn, want in (
-      ("jit", jax.jit(fwd_grad("pallas")), on_xla),
+      ("jit", jax.jit(fwd_grad("pallas")), on_kernels),
       ("shard_map", jax.jit(jax.shard_map(fwd_grad("pallas"), mesh=mesh, in_specs=(spec,) * 4,
                                           out_specs=(spec, spec, spec))), on_xla)):
     compiled = fn.lower(*args).compile()

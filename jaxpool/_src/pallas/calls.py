@@ -5,7 +5,8 @@
 :func:`out_struct`
 gives a kernel's outputs the manual mesh axes of its input, so that ``shard_map`` with
 ``check_vma=True`` accepts them; :func:`needs_devices` marks a primitive whose lowering reads the
-program's devices.
+program's devices, and :func:`one_device` tells such a lowering whether each device runs a
+whole kernel call.
 """
 
 from __future__ import annotations
@@ -29,6 +30,20 @@ def needs_devices(p: Any) -> None:
   release moves it."""
   from jax._src import dispatch as jax_dispatch  # noqa: PLC0415
   jax_dispatch.prim_requires_devices_during_lowering.add(p)
+
+
+def one_device(ctx) -> bool:
+  """Whether each device runs a whole kernel call on what it holds (``ctx``: a lowering
+  context): the program runs on one device, or inside a ``shard_map`` whose mesh axes left to
+  the compiler have one device each (``custom_partitioning`` itself lowers the plain call when
+  every axis is manual; with an automatic axis of one device, JAX 0.10-0.11 fail to read its
+  shardings)."""
+  axis_context = ctx.module_context.axis_context
+  if getattr(axis_context, "num_devices", None) == 1:
+    return True
+  manual, mesh = getattr(axis_context, "manual_axes", ()), getattr(axis_context, "mesh", None)
+  return bool(manual) and mesh is not None and all(
+      size == 1 for name, size in mesh.shape.items() if name not in manual)
 
 
 # ----------------------------------------------------------------------------- out_struct

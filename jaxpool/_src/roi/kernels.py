@@ -12,9 +12,9 @@ orders compose the same way. The max mode (``has_taps``) runs the XLA path's for
 ``vmap`` the mapped axis folds into the boxes and the feature table (one copy of the table per
 element, ``KernelOptions.copies``): the kernels run once on the whole batch.
 The per-image form (``batched=True`` binds: each image's boxes on its own table) runs the
-kernels the same way, its images folded into copies of a one-image table, when the program
-runs on one device; on several devices, or inside ``shard_map``, its lowering is the XLA
-path's form, which XLA's partitioner splits along the batch (``_lowering``).
+kernels the same way, its images folded into copies of a one-image table; on several devices
+they split along the batch, each device running them on its own images (``partition.py``,
+``_lowering``).
 
 :func:`unsupported` is the rule the registry asks (``pallas/backend.py``): the kernels serve
 ``roi_align`` and ``multi_scale_roi_align`` with ``mode="avg"`` in float32, bfloat16 and
@@ -35,8 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.interpreters import batching, mlir
 
-from jaxpool._src.pallas.calls import needs_devices
-from jaxpool._src.roi import form
+from jaxpool._src.pallas.calls import needs_devices, one_device
+from jaxpool._src.roi import form, partition
 from jaxpool._src.roi import xla as roi_xla
 from jaxpool._src.roi.plan import AlignConfig, Level
 
@@ -152,15 +152,25 @@ def _single_device(ctx) -> bool:
 
 
 def _lowering(ctx, *operands, **params):
-  """The kernels, except for the per-image form in a program on several devices or inside a
-  ``shard_map``: its XLA form there, which XLA's partitioner splits along the batch with no
-  collective (a kernel call is one custom call, which it would replicate, gathering the
-  features onto every device)."""
-  fn = _impl
+  """The kernels. The per-image form on several devices: under ``jit``, the kernels split along
+  the batch (``partition.py``: each device runs them on its images); inside a ``shard_map``
+  over the axes that split the batch, on the block given (interpreted, on a CPU: the XLA
+  path's form); when ``jax.export`` serialises the
+  program, the XLA path's form (which XLA's partitioner splits along the batch with no
+  collective), as a kernel's partitioning rule is a Python callback."""
+  fn = functools.partial(_impl, **params)
   if params.get("batched") and not _single_device(ctx):
-    params = {k: v for k, v in params.items() if k != "kernel"}
-    fn = form.evaluate
-  return mlir.lower_fun(functools.partial(fn, **params), multiple_results=False)(ctx, *operands)
+    xla_form = functools.partial(form.evaluate,
+                                 **{k: v for k, v in params.items() if k != "kernel"})
+    if getattr(ctx.module_context.lowering_parameters, "for_export", False):
+      fn = xla_form
+    elif not one_device(ctx):
+      fn = functools.partial(partition.split, _impl, params)
+    elif params["kernel"].interpret:
+      # (interpreted inside a ``shard_map``, the kernels fail JAX's check of the manual axes
+      # their values vary over: the XLA form there, on a CPU only)
+      fn = xla_form
+  return mlir.lower_fun(fn, multiple_results=False)(ctx, *operands)
 
 
 mlir.register_lowering(roi_kernel_p, _lowering)

@@ -47,7 +47,8 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpool._src import xla
 from jaxpool._src.pallas.tuning import tuner as tuning
-from jaxpool._src.pallas.calls import KernelCall, kernel_call, needs_devices, out_struct
+from jaxpool._src.pallas.calls import (KernelCall, kernel_call, needs_devices, one_device,
+                                       out_struct)
 from jaxpool._src.pallas.sharding.halo import plan, spec_dims
 from jaxpool._src.pallas.sharding.halo_inplace import per_device
 from jaxpool._src.windows import Geometry, taps_dtype
@@ -98,23 +99,10 @@ def _whole(kc: KernelCall, *operands):
 _partitioned = custom_partitioning(_whole, static_argnums=(0,))
 
 
-def _one_device(ctx) -> bool:
-  """Whether each device runs the whole kernel call on what it holds: the program runs on one
-  device, or inside a ``shard_map`` whose mesh axes left to the compiler have one device each
-  (``custom_partitioning`` itself lowers the plain call when every axis is manual; with an
-  automatic axis of one device, JAX 0.10-0.11 fail to read its shardings)."""
-  axis_context = ctx.module_context.axis_context
-  if getattr(axis_context, "num_devices", None) == 1:
-    return True
-  manual, mesh = getattr(axis_context, "manual_axes", ()), getattr(axis_context, "mesh", None)
-  return bool(manual) and mesh is not None and all(
-      size == 1 for name, size in mesh.shape.items() if name not in manual)
-
-
 def _lowering(ctx, *operands, kc: KernelCall):
   if getattr(ctx.module_context.lowering_parameters, "for_export", False):
     fn = functools.partial(lambda *o: kc.run(o, kc.geom, kc.xla_fn))
-  elif _one_device(ctx):
+  elif one_device(ctx):
     fn = functools.partial(_whole, kc)  # nothing to split
   else:
     with tuning.cached_only():  # (the whole problem's kernel is traced, never run)
