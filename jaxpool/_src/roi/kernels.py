@@ -36,7 +36,7 @@ import numpy as np
 from jax.interpreters import batching, mlir
 
 from jaxpool._src.pallas.calls import needs_devices
-from jaxpool._src.roi import form
+from jaxpool._src.roi import form, primitive
 from jaxpool._src.roi import xla as roi_xla
 from jaxpool._src.roi.plan import AlignConfig, Level
 
@@ -81,67 +81,63 @@ def unsupported(x: jax.Array, config: Any) -> str | None:
 
 
 def _too_large(ops, table_rows: int, planes: int) -> bool:
-  """Whether the kernels' int32 indexing cannot reach the feature table (with the copies that
-  ``vmap`` folds into it), the boxes' outputs, or the gradient's box lists (at least one cell
-  of ``K`` entries per image of each level, ``planes`` of them): :func:`unsupported` sees
-  only one table."""
-  channels = int((ops["x"] if "x" in ops else ops["ct"]).shape[-1])
+  """Whether the kernels' int32 indexing cannot reach the feature tables (with the copies that
+  ``vmap`` folds into them), the boxes' outputs, or the gradient's box lists (at least one
+  cell of ``K`` entries per image of each level, ``planes`` of them): :func:`unsupported`
+  sees only one copy."""
+  channels = int((ops["x"][0] if "x" in ops else ops["ct"]).shape[-1])
   boxes = int(ops["iy"].shape[0])
   outputs = boxes * int(ops["iy"].shape[1]) * int(ops["ix"].shape[1])
   return max(table_rows, outputs) * channels > MAX_ELEMENTS or planes * boxes > MAX_ELEMENTS
 
 
-def _impl(*operands, wrt, has_taps, dtype, rows, kernel: KernelOptions, batched=False):
+def _impl(*operands, wrt, has_taps, dtype, parts, want=(), kernel: KernelOptions,
+          batched=False):
   if batched:
-    return _impl_batched(*operands, wrt=wrt, has_taps=has_taps, dtype=dtype, rows=rows,
-                         kernel=kernel)
-  names = form.operand_names(wrt, has_taps)
-  ops = dict(zip(names, operands))
+    return _impl_batched(*operands, wrt=wrt, has_taps=has_taps, dtype=dtype, parts=parts,
+                         want=want, kernel=kernel)
+  ops = form.grouped(form.operand_names(wrt, has_taps, len(parts)), operands)
   table_rows = kernel.copies * sum(lv.images * lv.height * lv.width for lv in kernel.levels)
   planes = kernel.copies * sum(lv.images for lv in kernel.levels)
   if has_taps or _too_large(ops, table_rows, planes):
     # (the max mode, and sizes the kernels' int32 indexing cannot reach: XLA)
-    return form.evaluate(*operands, wrt=wrt, has_taps=has_taps, dtype=dtype, rows=rows)
+    return form.evaluate(*operands, wrt=wrt, has_taps=has_taps, dtype=dtype, parts=parts,
+                         want=want)
+  levels = tuple(kernel.copies * lv.images * lv.height * lv.width for lv in kernel.levels)
+  if parts != levels:
+    raise AssertionError(f"tables of {parts} rows for {kernel}")
   from jaxpool._src.roi import triton, triton_boxes  # (Pallas, imported when traced)
   if wrt in ("wy", "wx"):
-    return triton_boxes.corner_grad(wrt, ops["base"], ops["stride"], ops["iy"], ops["ix"],
-                                    ops["wx" if wrt == "wy" else "wy"], ops["x"], ops["ct"],
-                                    dtype=jnp.dtype(dtype), interpret=kernel.interpret)
-  if wrt == "x" and rows != table_rows:
-    raise AssertionError(f"a feature table of {rows} rows for {kernel}")
+    return [triton_boxes.corner_grad(wrt, ops["base"], ops["stride"], ops["iy"], ops["ix"],
+                                     ops["wx" if wrt == "wy" else "wy"], ops["x"], ops["ct"],
+                                     dtype=jnp.dtype(dtype), interpret=kernel.interpret)]
   if wrt == "ct":
-    return triton.forward(ops["base"], ops["stride"], ops["iy"], ops["ix"], ops["wy"],
-                          ops["wx"], ops["x"], dtype=jnp.dtype(dtype), interpret=kernel.interpret)
+    return [triton.forward(ops["base"], ops["stride"], ops["iy"], ops["ix"], ops["wy"],
+                           ops["wx"], ops["x"], dtype=jnp.dtype(dtype),
+                           interpret=kernel.interpret)]
   return triton.feature_grad(ops["base"], ops["iy"], ops["ix"], ops["wy"], ops["wx"],
-                             ops["ct"], levels=kernel.levels, copies=kernel.copies, rows=rows,
+                             ops["ct"], levels=kernel.levels, copies=kernel.copies, want=want,
                              dtype=jnp.dtype(dtype), interpret=kernel.interpret)
 
 
-def _impl_batched(*operands, wrt, has_taps, dtype, rows, kernel: KernelOptions):
+def _impl_batched(*operands, wrt, has_taps, dtype, parts, want, kernel: KernelOptions):
   """The per-image form (``batched=True``: every operand has a leading axis of ``N`` images,
-  each image's boxes on its own table ``x`` ``(N, P, C)``) on the kernels: the images fold
-  into the boxes and into ``N`` copies of the one-image table, the kernels run once, and the
-  axis comes back. The flat form of the same boxes gives the same bits: the same table, the
-  same boxes in the same order."""
-  names = form.operand_names(wrt, has_taps)
-  ops = dict(zip(names, operands))
-  n, k = ops["base"].shape[:2]
-  per_table = rows if wrt == "x" else ops["x"].shape[1]
-  flat = {}
-  for name, a in ops.items():
-    if name == "x":
-      flat[name] = a.reshape(n * a.shape[1], a.shape[2])
-    else:
-      flat[name] = a.reshape(n * a.shape[1], *a.shape[2:])
-  shift = (jnp.arange(n, dtype=flat["base"].dtype) * per_table)[:, None]
-  flat["base"] = (ops["base"] + shift).reshape(n * k)
-  out = _impl(*(flat[name] for name in names), wrt=wrt, has_taps=has_taps, dtype=dtype,
-              rows=n * rows if wrt == "x" else rows,
-              kernel=dataclasses.replace(kernel, copies=kernel.copies * n))
-  return out.reshape(n, out.shape[0] // n, *out.shape[1:])
+  each image's boxes on its own table ``x`` ``(N, P, C)``, one level) on the kernels: the
+  images fold into the boxes and into ``N`` copies of the one-image table, the kernels run
+  once, and the axis comes back. The flat form of the same boxes gives the same bits: the same
+  table, the same boxes in the same order."""
+  assert len(parts) == 1, parts
+  names = form.operand_names(wrt, has_taps, 1)
+  n, k = operands[0].shape[:2]
+  flat = [a.reshape(n * a.shape[1], *a.shape[2:]) for a in operands]
+  shift = (jnp.arange(n, dtype=flat[0].dtype) * parts[0])[:, None]
+  flat[names.index("base")] = (operands[0] + shift).reshape(n * k)
+  outs = _impl(*flat, wrt=wrt, has_taps=has_taps, dtype=dtype, parts=(n * parts[0],),
+               want=want, kernel=dataclasses.replace(kernel, copies=kernel.copies * n))
+  return [o.reshape(n, o.shape[0] // n, *o.shape[1:]) for o in outs]
 
 
-roi_kernel_p = form.define("jaxpool_roi_form_kernels", _impl, _widen)
+roi_kernel_p = primitive.define("jaxpool_roi_form_kernels", _impl, _widen)
 
 
 def _single_device(ctx) -> bool:
@@ -160,7 +156,7 @@ def _lowering(ctx, *operands, **params):
   if params.get("batched") and not _single_device(ctx):
     params = {k: v for k, v in params.items() if k != "kernel"}
     fn = form.evaluate
-  return mlir.lower_fun(functools.partial(fn, **params), multiple_results=False)(ctx, *operands)
+  return mlir.lower_fun(functools.partial(fn, **params), multiple_results=True)(ctx, *operands)
 
 
 mlir.register_lowering(roi_kernel_p, _lowering)
@@ -177,11 +173,11 @@ def _batch(args, dims, **params):
   ops = [jnp.broadcast_to(a, (size, *a.shape)) if d is None else jnp.moveaxis(a, d, 0)
          for a, d in zip(args, dims, strict=True)]
   ops = [a.reshape(size * a.shape[1], *a.shape[2:]) for a in ops]
-  out = roi_kernel_p.bind(*ops, **params)
-  return out.reshape(size, out.shape[0] // size, *out.shape[1:]), 0
+  outs = roi_kernel_p.bind(*ops, **params)
+  return [o.reshape(size, o.shape[0] // size, *o.shape[1:]) for o in outs], [0] * len(outs)
 
 
-_batch_folded = functools.partial(form.batch_folded, roi_kernel_p, _widen)
+_batch_folded = functools.partial(primitive.batch_folded, roi_kernel_p, _widen)
 batching.primitive_batchers[roi_kernel_p] = _batch
 
 
@@ -192,7 +188,7 @@ def _roi_align(maps, image, coords, level, cfg: AlignConfig, interpret: bool) ->
   options = KernelOptions(levels, interpret)
 
   def bind(wrt, *, batched=False, **kw):
-    return form.bind_to(roi_kernel_p, wrt, extra=dict(kernel=options, batched=batched), **kw)
+    return primitive.bind_to(roi_kernel_p, wrt, extra=dict(kernel=options, batched=batched), **kw)
 
   return roi_xla.roi_align(maps, image, coords, level, cfg, bind=bind)
 
