@@ -1,4 +1,4 @@
-"""ROI align's sampled sum as one 4-linear form, and its four derivatives as jaxpool primitives.
+"""ROI align's sampled sum as one 4-linear form, and its four derivatives on XLA.
 
 For fixed integer corner positions, ROI align (average or max over the samples) is
 
@@ -9,13 +9,13 @@ summed over the box ``k``, the bin ``(i, j)``, the channel ``c``, the sample ``s
 its corners ``(a, b)``: linear in each of the corner weights ``wy``, ``wx`` (functions of the
 boxes, written with ``jnp`` in ``plan.py``, so JAX differentiates them), the flat feature table
 ``x`` ``(P, C)`` and the output cotangent ``ct`` ``(K, ph, pw, C)``. ``sel`` is 1 (average) or,
-with the residual ``taps`` (max), 1 at the sample ``taps[k,i,j,c]`` only.
+with the residual ``taps`` (max), 1 at the sample ``taps[k,i,j,c]`` only. The table ``x`` may
+come as a group of tables (the levels' maps, each reshaped), whose concatenation it is.
 
-One primitive, ``jaxpool_roi_form``, computes ``dF/d(wrt)`` for ``wrt`` one of ``"ct"`` (the
-forward ``y``), ``"x"`` (the feature gradient), ``"wy"``, ``"wx"`` (the box gradient's parts),
-from the other three. Each is linear in each of its three operands, so its JVP is three binds and
-its transpose with respect to an operand ``u`` is the bind for ``wrt=u`` with the cotangent in the
-slot of the old ``wrt``: reverse, forward and higher order compose without ``custom_vjp``.
+:func:`evaluate` computes ``dF/d(wrt)`` for ``wrt`` one of ``"ct"`` (the forward ``y``), ``"x"``
+(the feature gradient), ``"wy"``, ``"wx"`` (the box gradient's parts), from the other three:
+the implementation of the primitives of ``primitive.py`` (their JVP, transpose and batching
+rules) on XLA.
 
 A dead sample (padding past a box's sample count, outside ``[-1, size]``, or in an unusable
 box) has the corner indices -1 in ``iy``/``ix``: it reads pixel 0 but counts as nothing

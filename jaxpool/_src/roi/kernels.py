@@ -5,12 +5,19 @@ The kernels compute the form's four derivatives (``form.py``) for the average: t
 (``wrt="ct"``) and the feature gradient (``wrt="x"``) in ``triton.py``, the box gradient's parts,
 the derivatives with respect to the corner weights ``wy`` and ``wx``, in ``triton_boxes.py``.
 They are the implementation of a second primitive of the form, ``roi_kernel_p``
-(``form.define``: the same JVP and transpose rules). So ``jax.grad`` through :func:`roi_align`
-with respect to the features and the boxes runs kernels only (JAX's autodiff of the plan,
-``plan.py``, turns the corner weights' gradients into the boxes'); forward mode and higher
-orders compose the same way. The max mode (``has_taps``) runs the XLA path's form. Under
-``vmap`` the mapped axis folds into the boxes and the feature table (one copy of the table per
-element, ``KernelOptions.copies``): the kernels run once on the whole batch.
+(``primitive.define``: the same JVP and transpose rules). So ``jax.grad`` through
+:func:`roi_align` with respect to the features and the boxes runs kernels only (JAX's autodiff
+of the plan, ``plan.py``, turns the corner weights' gradients into the boxes'); forward mode
+and higher orders compose the same way. The max mode (``has_taps``) runs the XLA path's form.
+
+The feature maps reach the kernels as they are: each level's map reshaped to a table
+``(N * H * W, C)`` (free), one operand each (the form's ``"x"`` group), never concatenated;
+the forward and the box gradient's programs read their box's level's array, and the feature
+gradient's kernel writes one array per level, each the gradient of that level's map (a
+gradient of only some levels, as ``grad`` of one level gives, runs only their programs;
+``triton_levels.py``). Under ``vmap`` the mapped axis folds into the boxes and each level's
+table (its copies one after the other, ``KernelOptions.copies``): the kernels run once on
+the whole batch.
 The per-image form (``batched=True`` binds: each image's boxes on its own table) runs the
 kernels the same way, its images folded into copies of a one-image table, when the program
 runs on one device; on several devices, or inside ``shard_map``, its lowering is the XLA
@@ -46,9 +53,9 @@ MAX_ELEMENTS = 2**31 - 1  # the kernels index in int32
 
 @dataclasses.dataclass(frozen=True)
 class KernelOptions:
-  """The kernels' static params: the feature table's levels (where each image lies, for the
-  gradient's tiles), how many copies of them the table holds one after the other (``vmap``
-  folds its axis into the table), and interpret mode (on a CPU)."""
+  """The kernels' static params: the levels (each one of the tables, for the gradient's
+  tiles), how many copies of itself each level's table holds one after the other (``vmap``
+  folds its axis into the tables), and interpret mode (on a CPU)."""
 
   levels: tuple[Level, ...]
   interpret: bool
@@ -199,7 +206,7 @@ _roi_align_jit = jax.jit(_roi_align, static_argnums=(4, 5))
 def roi_align(maps: tuple[jax.Array, ...], image: jax.Array, coords: jax.Array,
               level: jax.Array, cfg: AlignConfig, *, interpret: bool) -> jax.Array:
   """The XLA path's ``roi_align`` (``xla.py``) with the average's sampled sum and its
-  derivatives (the feature gradient, the corner weights' gradients) on the kernels:
-  ``(K, ph, pw, C)``."""
+  derivatives (the feature gradient, the corner weights' gradients) on the kernels, the maps
+  their operands as they are (no copy): ``(K, ph, pw, C)``."""
   assert cfg.mode == "avg" and math.prod(cfg.output_size) > 0
   return _roi_align_jit(maps, image, coords, level, cfg, interpret)

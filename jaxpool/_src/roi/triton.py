@@ -5,15 +5,16 @@
 
 Both kernels take the plan of ``plan.py`` (per box and axis: the corner indices ``iy``, ``ix``
 ``(K, n_out, S, 2)``, -1 for a dead sample, and the corner weights ``wy``, ``wx``), flattened,
-and the flat feature table ``(P, C)`` (channels last: a pixel's channels are contiguous), so
-they compute exactly the form of ``form.py`` (what ``form.bind("ct")`` and ``form.bind("x")``
-give), in float32, without atomics. Every load and store stays in bounds: corner indices and
-channels are clamped, and the values at clamped columns and channels are computed again and
-stored masked (compiled) or stored again with the same bits (interpret mode, where a masked
-store could restore an old value).
+and the levels' feature tables ``(P_l, C)`` (channels last: a pixel's channels are contiguous;
+each level its own array, ``triton_levels.py``), so they compute exactly the form of
+``form.py`` (its ``wrt="ct"`` and ``wrt="x"``), in float32, without atomics. Every load and
+store stays in bounds: corner indices and channels are clamped, and the values at clamped
+columns and channels are computed again and stored masked (compiled) or stored again with the
+same bits (interpret mode, where a masked store could restore an old value).
 
 **Forward** (:func:`forward`): one program per (box ``k``, bin row ``i``, block of
-``block_lanes`` channels), the bin row's ``pw`` bins as a ``(cols, lanes)`` tile. For each
+``block_lanes`` channels), the bin row's ``pw`` bins as a ``(cols, lanes)`` tile, read from the
+box's level's table (a switch over the levels, ``triton_levels.on_level``). For each
 sample in row-major order ``(sy, sx)``, the four corners are gathered as channel vectors and
 added in torchvision's order ``(0, 0), (0, 1), (1, 0), (1, 1)``, each ``where(live, (wy * wx) *
 x, 0)``; the sample's value is added to the running sum: the order of the XLA path's
@@ -21,7 +22,8 @@ x, 0)``; the sample's value is added to the running sum: the order of the XLA pa
 
 **Feature gradient** (:func:`feature_grad`): one program per tile of ``GRAD_ROWS`` pixel rows x
 ``GRAD_COLS`` columns of one image of one level x a block of channels; the program owns its
-tile, writes it once, and nothing else writes it. Outside the kernel, each cell of
+tile, writes it once into its level's output (one output per level), and nothing else writes
+it. Outside the kernel, each cell of
 ``GRAD_BAND`` rows x ``GRAD_CBAND`` columns of an image (level) gets the list of the boxes
 whose live corner rows and columns meet it, ascending (a mask, a running count and a write at
 unique places: no sort). A program walks its cell's list, skipping a box whose live corner

@@ -1,8 +1,8 @@
 """ROI align's GPU kernel for the box gradient (Pallas Triton): the average's corner weights.
 
 JAX differentiates the corner weights ``wy``, ``wx`` of ``plan.py`` into the box gradient, so
-the box gradient needs the form's derivatives with respect to them (``form.bind("wy")`` and
-``form.bind("wx")``; ``form._wy_grad``, ``form._wx_grad`` on the XLA path):
+the box gradient needs the form's derivatives with respect to them (its ``wrt="wy"`` and
+``wrt="wx"``; ``form._wy_grad``, ``form._wx_grad`` on the XLA path):
 
     wy_grad[k, i, sy, a] = sum over j, sx, b of wx[k, j, sx, b] * d[k, i, j, sy, sx, a, b]
     wx_grad[k, j, sx, b] = sum over i, sy, a of wy[k, i, sy, a] * d[k, i, j, sy, sx, a, b]
@@ -10,12 +10,13 @@ the box gradient needs the form's derivatives with respect to them (``form.bind(
 
 (``live``: both corner indices are live, at least 0; a dead corner gives an exact 0, so a NaN
 or inf read at its clamped pixel, or a NaN cotangent, goes nowhere.) The two are the same sum
-with the axes' roles exchanged, so one kernel, :func:`corner_grad`, computes either: the
-*own* axis (y for ``wy``, x for ``wx``) is the one whose weights' gradient it writes, the
-*other* axis the one whose weights it reads. One program per (box ``k``, own bin ``o``), the
-other axis's ``n`` bins as a ``(bins, lanes)`` tile (as the forward kernel's bin row in
-``triton.py``); the program writes its ``(S_own, 2)`` gradients once, and nothing else writes
-them: no atomics, no partial sums outside the kernel, memory only for the outputs.
+with the axes' roles exchanged, so one kernel, :func:`corner_grad`, computes either: the *own*
+axis (y for ``wy``, x for ``wx``) is the one whose weights' gradient it writes, the *other*
+axis the one whose weights it reads. One program per (box ``k``, own bin ``o``), the other
+axis's ``n`` bins as a ``(bins, lanes)`` tile (as the forward kernel's bin row in
+``triton.py``, read from the box's level's table likewise); the program writes its
+``(S_own, 2)`` gradients once, and nothing else writes them: no atomics, no partial sums
+outside the kernel, memory only for the outputs.
 
 **Order** (float32 from +0, the same on every run). For each own sample ``s`` ascending and
 each of its corners ``a`` (0, then 1), the sum runs over the other axis's samples ``t``
@@ -130,7 +131,7 @@ def _kernel(base_ref, stride_ref, own_ref, other_ref, w_ref, ct_ref, *refs, star
 
 def corner_grad(wrt: str, base, stride, iy, ix, w, x, ct, *, dtype,
                 interpret: bool) -> jax.Array:
-  """``form.bind(wrt)`` of the average for ``wrt`` ``"wy"`` (``w`` is ``wx``) or ``"wx"``
+  """The form's ``wrt`` of the average for ``wrt`` ``"wy"`` (``w`` is ``wx``) or ``"wx"``
   (``w`` is ``wy``): the gradient of the corner weights along that axis, ``iy``'s shape
   ``(K, ph, Sy, 2)`` or ``ix``'s ``(K, pw, Sx, 2)``, in ``dtype``. ``x``: the levels' tables
   ``(P_l, C)`` (a tuple, or one table), ``base`` a row of their concatenation
