@@ -257,7 +257,6 @@ def test_the_gradient_bits_do_not_depend_on_the_tile(monkeypatch, tile):
   levels = (Level(2, 9, 21, 1.0, 0), Level(2, 5, 11, 0.5, 2 * 9 * 21))
   cfg = AlignConfig((3, 4), levels, 2, (2, 2), True, "avg")
   K, C = 12, 3
-  rows = 2 * 9 * 21 + 2 * 5 * 11
   image, level = rng.integers(0, 2, K).astype(np.int32), rng.integers(0, 2, K).astype(np.int32)
   coords = np.sort(rng.uniform(-3, 24, (K, 2, 2)), axis=1).transpose(0, 2, 1).reshape(K, 4)
   ct = rng.standard_normal((K, 3, 4, C)).astype(np.float32)
@@ -265,9 +264,9 @@ def test_the_gradient_bits_do_not_depend_on_the_tile(monkeypatch, tile):
   def grad():
     def f(image, coords, level, ct):
       ops, _, _, _ = align_plan(image, coords, level, cfg)
-      return triton.feature_grad(ops["base"], ops["iy"], ops["ix"], ops["wy"], ops["wx"], ct,
-                                 levels=levels, rows=rows, dtype=jnp.dtype(jnp.float32),
-                                 interpret=True)
+      return jnp.concatenate(triton.feature_grad(
+          ops["base"], ops["iy"], ops["ix"], ops["wy"], ops["wx"], ct, levels=levels,
+          dtype=jnp.dtype(jnp.float32), interpret=True))
     return np.asarray(jax.jit(f)(image, coords.astype(np.float32), level, ct))
 
   first = grad()
@@ -354,8 +353,8 @@ def test_kernels_lower_for_cuda(samples, channels):
     ops, _, _, _ = align_plan(image, coords, jnp.zeros(K, jnp.int32), cfg)
     y = triton.forward(ops["base"], ops["stride"], ops["iy"], ops["ix"], ops["wy"], ops["wx"],
                        x, dtype=jnp.dtype(x.dtype), interpret=False)
-    g = triton.feature_grad(ops["base"], ops["iy"], ops["ix"], ops["wy"], ops["wx"], ct,
-                            levels=levels, rows=rows, dtype=jnp.dtype(x.dtype), interpret=False)
+    g, = triton.feature_grad(ops["base"], ops["iy"], ops["ix"], ops["wy"], ops["wx"], ct,
+                             levels=levels, dtype=jnp.dtype(x.dtype), interpret=False)
     return y, g
 
   args = (jax.ShapeDtypeStruct((K, 4), jnp.float32),

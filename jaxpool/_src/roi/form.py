@@ -1,4 +1,4 @@
-"""ROI align's sampled sum as one 4-linear form, and its four derivatives as jaxpool primitives.
+"""ROI align's sampled sum as one 4-linear form, and its four derivatives on XLA.
 
 For fixed integer corner positions, ROI align (average or max over the samples) is
 
@@ -9,13 +9,13 @@ summed over the box ``k``, the bin ``(i, j)``, the channel ``c``, the sample ``s
 its corners ``(a, b)``: linear in each of the corner weights ``wy``, ``wx`` (functions of the
 boxes, written with ``jnp`` in ``plan.py``, so JAX differentiates them), the flat feature table
 ``x`` ``(P, C)`` and the output cotangent ``ct`` ``(K, ph, pw, C)``. ``sel`` is 1 (average) or,
-with the residual ``taps`` (max), 1 at the sample ``taps[k,i,j,c]`` only.
+with the residual ``taps`` (max), 1 at the sample ``taps[k,i,j,c]`` only. The table ``x`` may
+come as a group of tables (the levels' maps, each reshaped), whose concatenation it is.
 
-One primitive, ``jaxpool_roi_form``, computes ``dF/d(wrt)`` for ``wrt`` one of ``"ct"`` (the
-forward ``y``), ``"x"`` (the feature gradient), ``"wy"``, ``"wx"`` (the box gradient's parts),
-from the other three. Each is linear in each of its three operands, so its JVP is three binds and
-its transpose with respect to an operand ``u`` is the bind for ``wrt=u`` with the cotangent in the
-slot of the old ``wrt``: reverse, forward and higher order compose without ``custom_vjp``.
+:func:`evaluate` computes ``dF/d(wrt)`` for ``wrt`` one of ``"ct"`` (the forward ``y``), ``"x"``
+(the feature gradient), ``"wy"``, ``"wx"`` (the box gradient's parts), from the other three:
+the implementation of the primitives of ``primitive.py`` (their JVP, transpose and batching
+rules) on XLA.
 
 A dead sample (padding past a box's sample count, outside ``[-1, size]``, or in an unusable
 box) has the corner indices -1 in ``iy``/``ix``: it reads pixel 0 but counts as nothing
@@ -38,22 +38,51 @@ whose gathers and sorts keep the axis (XLA's partitioner splits them with the ba
 
 from __future__ import annotations
 
-import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.extend import core as jex_core
-from jax.interpreters import ad, batching, mlir
 
 F32 = jnp.float32
 SLOTS = ("wy", "wx", "x", "ct")  # the four linear slots, in operand order
 _RES = ("base", "stride", "iy", "ix", "taps")
 
 
-def _names(wrt: str, has_taps: bool) -> tuple[str, ...]:
+def operand_names(wrt: str, has_taps: bool, n_x: int = 1) -> tuple[str, ...]:
+  """The names of a bind's operands, in order: the residuals, then the slots but ``wrt``, the
+  ``"x"`` slot a group of ``n_x`` operands (the levels' tables, one name each)."""
   res = _RES if has_taps else _RES[:-1]
-  return (*res, *(s for s in SLOTS if s != wrt))
+  out = list(res)
+  for s in SLOTS:
+    if s != wrt:
+      out += [s] * (n_x if s == "x" else 1)
+  return tuple(out)
+
+
+def grouped(names, operands) -> dict:
+  """The operands by name, the ``"x"`` group as a tuple."""
+  ops: dict = {}
+  for n, a in zip(names, operands, strict=True):
+    if n == "x":
+      ops["x"] = (*ops.get("x", ()), a)
+    else:
+      ops[n] = a
+  return ops
+
+
+def ungrouped(names, ops) -> list:
+  """:func:`grouped`'s inverse: the operands in ``names``' order."""
+  out, used = [], 0
+  for n in names:
+    out.append(ops["x"][used] if n == "x" else ops[n])
+    used += n == "x"
+  return out
+
+
+def starts(parts) -> tuple[int, ...]:
+  """The first table row of each of the group's tables (``parts``: their rows)."""
+  return tuple(int(v) for v in (0, *itertools.accumulate(parts)))[:len(parts)]
 
 
 # ----------------------------------------------------------------------------- implementations
@@ -310,179 +339,25 @@ def _wx_grad(base, stride, iy, ix, taps, wy, x, ct, *, dtype):
   return out.astype(dtype)  # (K, pw, Sx, 2)
 
 
-def _impl(*operands, wrt, has_taps, dtype, rows, batched=False):
+def evaluate(*operands, wrt, has_taps, dtype, parts, want=(), batched=False):
+  """The form's derivative ``wrt`` (a list: for ``"x"``, the gradient of each table of the group
+  named by ``want``; else the one result) on XLA, the group's tables concatenated (each
+  table's gradient a slice of the whole one's: a pixel's sum has the same terms and order)."""
   if batched:  # a leading batch axis on every operand: each element on its own (see _batch)
-    return jax.vmap(lambda *o: _impl(*o, wrt=wrt, has_taps=has_taps, dtype=dtype,
-                                     rows=rows))(*operands)
-  ops = dict(zip(_names(wrt, has_taps), operands))
+    return jax.vmap(lambda *o: evaluate(*o, wrt=wrt, has_taps=has_taps, dtype=dtype,
+                                        parts=parts, want=want))(*operands)
+  ops = grouped(operand_names(wrt, has_taps, len(parts)), operands)
   res = (ops["base"], ops["stride"], ops["iy"], ops["ix"], ops.get("taps"))
-  if wrt == "ct":
-    return _forward(*res, ops["wy"], ops["wx"], ops["x"], dtype=dtype)
   if wrt == "x":
-    return _feature_grad(*res, ops["wy"], ops["wx"], ops["ct"], dtype=dtype, rows_out=rows)
+    table = _feature_grad(*res, ops["wy"], ops["wx"], ops["ct"], dtype=dtype,
+                          rows_out=sum(parts))
+    if len(parts) == 1:
+      return [table]
+    first = starts(parts)
+    return [table[first[p]:first[p] + parts[p]] for p in want]
+  x = ops["x"][0] if len(ops["x"]) == 1 else jnp.concatenate(ops["x"], axis=0)
+  if wrt == "ct":
+    return [_forward(*res, ops["wy"], ops["wx"], x, dtype=dtype)]
   if wrt == "wy":
-    return _wy_grad(*res, ops["wx"], ops["x"], ops["ct"], dtype=dtype)
-  return _wx_grad(*res, ops["wy"], ops["x"], ops["ct"], dtype=dtype)
-
-
-# ----------------------------------------------------------------------------- the primitive
-
-
-def define(name: str, impl, widen=None) -> jex_core.Primitive:
-  """A primitive of the form: ``impl(*operands, wrt, has_taps, dtype, rows, **extra)``
-  evaluates and lowers it; its JVP, transpose and batching rules are this module's, binding
-  the same primitive with ``extra`` passed on. Under ``vmap`` (``_batch``): with ``widen``
-  (``widen(extra, copies)``), the mapped axis always folds into the boxes, one copy of the
-  table per element; without it (the XLA path), a mapped feature table stays an axis
-  (``batched=True``). ``roi_form_p`` is the XLA path's; the GPU kernels define another
-  (``kernels.py``) with the same rules."""
-  prim = jex_core.Primitive(name)
-
-  @functools.cache
-  def jitted(params):
-    return jax.jit(functools.partial(impl, **dict(params)))
-
-  prim.def_impl(lambda *operands, **params: jitted(tuple(sorted(params.items())))(*operands))
-  prim.def_abstract_eval(_abstract_eval)
-  mlir.register_lowering(prim, mlir.lower_fun(impl, multiple_results=False))
-  ad.primitive_jvps[prim] = functools.partial(_jvp, prim)
-  ad.primitive_transposes[prim] = functools.partial(_transpose, prim)
-  batching.primitive_batchers[prim] = functools.partial(
-      _batch_folded if widen is not None else _batch, prim, widen)
-  return prim
-
-
-def _shape(ops, wrt, rows):
-  if wrt == "ct":
-    K, ph = ops["iy"].shape[:2]
-    return (K, ph, ops["ix"].shape[1], ops["x"].shape[1])
-  if wrt == "x":
-    return (rows, ops["ct"].shape[-1])
-  return ops["iy" if wrt == "wy" else "ix"].shape
-
-
-def _abstract_eval(*avals, wrt, has_taps, dtype, rows, batched=False, **extra):
-  ops = dict(zip(_names(wrt, has_taps), avals))
-  like = next(ops[s] for s in SLOTS if s in ops)
-  if batched:
-    one = {n: a.update(shape=a.shape[1:]) for n, a in ops.items()}
-    shape = (like.shape[0], *_shape(one, wrt, rows))
-  else:
-    shape = _shape(ops, wrt, rows)
-  return like.update(shape=shape, dtype=jnp.dtype(dtype), weak_type=False)
-
-
-def bind(wrt: str, *, base, stride, iy, ix, taps=None, dtype, rows=0, batched=False, **slots):
-  """``dF/d(wrt)`` from the other three slots (keyword arguments ``wy``, ``wx``, ``x``, ``ct``).
-  ``batched``: every operand has a leading batch axis, each element computed on its own (its
-  boxes on its own table ``x`` ``(B, P, C)``)."""
-  return bind_to(roi_form_p, wrt, base=base, stride=stride, iy=iy, ix=ix, taps=taps,
-                 dtype=dtype, rows=rows, extra={"batched": bool(batched)}, **slots)
-
-
-def bind_to(prim, wrt: str, *, base, stride, iy, ix, taps=None, dtype, rows=0, extra=None,
-            **slots):
-  """:func:`bind` for a primitive of :func:`define` (``extra``: its own static params)."""
-  names = _names(wrt, taps is not None)
-  given = dict(base=base, stride=stride, iy=iy, ix=ix, taps=taps, **slots)
-  return prim.bind(*(given[n] for n in names), wrt=wrt, has_taps=taps is not None,
-                   dtype=jnp.dtype(dtype).name, rows=int(rows), **(extra or {}))
-
-
-def _jvp(prim, primals, tangents, *, wrt, has_taps, **params):
-  names = _names(wrt, has_taps)
-  params = dict(wrt=wrt, has_taps=has_taps, **params)
-  out = prim.bind(*primals, **params)
-  total = None
-  for n, (name, t) in enumerate(zip(names, tangents)):
-    if name not in SLOTS or type(t) is ad.Zero:
-      continue
-    args = list(primals)
-    args[n] = t
-    term = prim.bind(*args, **params)
-    total = term if total is None else total + term
-  if total is None:
-    return out, ad.Zero.from_primal_value(out)
-  return out, total
-
-
-def _transpose(prim, ct_out, *operands, wrt, has_taps, dtype, rows, **extra):
-  names = _names(wrt, has_taps)
-  ops = dict(zip(names, operands))
-  undefined = [n for n in names if ad.is_undefined_primal(ops[n])]
-  assert len(undefined) == 1 and undefined[0] in SLOTS, undefined
-  u = undefined[0]
-  aval = ops[u].aval
-  if type(ct_out) is ad.Zero:
-    return [ad.Zero(aval) if n == u else None for n in names]
-  new = {n: v for n, v in ops.items() if n != u}
-  new[wrt] = ct_out
-  out_rows = aval.shape[int(bool(extra.get("batched")))] if u == "x" else 0
-  result = prim.bind(*(new[n] for n in _names(u, has_taps)), wrt=u, has_taps=has_taps,
-                     dtype=aval.dtype.name, rows=out_rows, **extra)
-  return [result if n == u else None for n in names]
-
-
-def _batch(prim, widen, args, dims, *, wrt, has_taps, dtype, rows, batched=False):
-  """The XLA path's rule. A mapped axis with the features (each batch element its own table:
-  ``x`` mapped, or the feature gradient) stays an axis: the bind ``batched=True`` runs each
-  element on its own (a ``vmap`` of the implementation, whose gathers and sorts keep the axis,
-  so XLA's partitioner splits them over a mesh axis that splits the batch, with no
-  collective). With one table for all, the mapped axis folds into the boxes
-  (:func:`_batch_folded`). Either way each pixel's contributions come in the same order: the
-  same bits."""
-  names = _names(wrt, has_taps)
-  size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
-  x_mapped = any(n == "x" and d is not None for n, d in zip(names, dims))
-  if not (batched or x_mapped or wrt == "x"):
-    return _batch_folded(prim, widen, args, dims, wrt=wrt, has_taps=has_taps, dtype=dtype,
-                         rows=rows, batched=False)
-  ops = [jnp.broadcast_to(a, (size, *a.shape)) if d is None else jnp.moveaxis(a, d, 0)
-         for a, d in zip(args, dims, strict=True)]
-  if batched:  # the new axis joins the existing one
-    ops = [a.reshape(size * a.shape[1], *a.shape[2:]) for a in ops]
-  out = prim.bind(*ops, wrt=wrt, has_taps=has_taps, dtype=dtype, rows=rows, batched=True)
-  return (out.reshape(size, out.shape[0] // size, *out.shape[1:]) if batched else out), 0
-
-
-def _batch_folded(prim, widen, args, dims, *, wrt, has_taps, dtype, rows, **extra):
-  """A mapped axis folds into the boxes (and the feature table's rows): the boxes of different
-  batch elements never meet, and ``base`` moves each element's boxes to its own table, one
-  copy of the table per element. ``widen(extra, copies)`` gives the primitive's own params for
-  a table of ``copies`` copies of the one it had (1: the table is not batched)."""
-  names = _names(wrt, has_taps)
-  size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
-  ops = {}
-  x_batched = wrt == "x"
-  table_rows = rows
-  for name, a, d in zip(names, args, dims):
-    if name == "x":
-      if d is not None:
-        a = jnp.moveaxis(a, d, 0)
-        x_batched = True
-        table_rows = a.shape[1]
-        a = a.reshape(size * a.shape[1], a.shape[2])
-      else:
-        table_rows = a.shape[0]
-    else:
-      a = jnp.broadcast_to(a, (size, *a.shape)) if d is None else jnp.moveaxis(a, d, 0)
-      a = a.reshape(size * a.shape[1], *a.shape[2:])
-    ops[name] = a
-  K = ops["base"].shape[0] // size
-  if x_batched:
-    shift = jnp.repeat(jnp.arange(size, dtype=ops["base"].dtype) * table_rows, K)
-    ops["base"] = ops["base"] + shift
-  if widen is not None:
-    extra = widen(extra, size if x_batched else 1)
-  out = prim.bind(*(ops[n] for n in names), wrt=wrt, has_taps=has_taps, dtype=dtype,
-                  rows=rows * size if wrt == "x" else rows, **extra)
-  return out.reshape(size, out.shape[0] // size, *out.shape[1:]), 0
-
-
-roi_form_p = define("jaxpool_roi_form", _impl)
-
-# What another primitive of the form (``kernels.py``) reuses: the operand names, the XLA
-# implementation of every derivative and the batching rule that folds a mapped axis.
-operand_names = _names
-evaluate = _impl
-batch_folded = _batch_folded
+    return [_wy_grad(*res, ops["wx"], x, ops["ct"], dtype=dtype)]
+  return [_wx_grad(*res, ops["wy"], x, ops["ct"], dtype=dtype)]

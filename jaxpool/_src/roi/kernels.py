@@ -5,12 +5,19 @@ The kernels compute the form's four derivatives (``form.py``) for the average: t
 (``wrt="ct"``) and the feature gradient (``wrt="x"``) in ``triton.py``, the box gradient's parts,
 the derivatives with respect to the corner weights ``wy`` and ``wx``, in ``triton_boxes.py``.
 They are the implementation of a second primitive of the form, ``roi_kernel_p``
-(``form.define``: the same JVP and transpose rules). So ``jax.grad`` through :func:`roi_align`
-with respect to the features and the boxes runs kernels only (JAX's autodiff of the plan,
-``plan.py``, turns the corner weights' gradients into the boxes'); forward mode and higher
-orders compose the same way. The max mode (``has_taps``) runs the XLA path's form. Under
-``vmap`` the mapped axis folds into the boxes and the feature table (one copy of the table per
-element, ``KernelOptions.copies``): the kernels run once on the whole batch.
+(``primitive.define``: the same JVP and transpose rules). So ``jax.grad`` through
+:func:`roi_align` with respect to the features and the boxes runs kernels only (JAX's autodiff
+of the plan, ``plan.py``, turns the corner weights' gradients into the boxes'); forward mode
+and higher orders compose the same way. The max mode (``has_taps``) runs the XLA path's form.
+
+The feature maps reach the kernels as they are: each level's map reshaped to a table
+``(N * H * W, C)`` (free), one operand each (the form's ``"x"`` group), never concatenated;
+the forward and the box gradient's programs read their box's level's array, and the feature
+gradient's kernel writes one array per level, each the gradient of that level's map (a
+gradient of only some levels, as ``grad`` of one level gives, runs only their programs;
+``triton_levels.py``). Under ``vmap`` the mapped axis folds into the boxes and each level's
+table (its copies one after the other, ``KernelOptions.copies``): the kernels run once on
+the whole batch.
 The per-image form (``batched=True`` binds: each image's boxes on its own table) runs the
 kernels the same way, its images folded into copies of a one-image table; on several devices
 they split along the batch, each device running them on its own images (``partition.py``,
@@ -36,7 +43,7 @@ import numpy as np
 from jax.interpreters import batching, mlir
 
 from jaxpool._src.pallas.calls import needs_devices, one_device
-from jaxpool._src.roi import form, partition
+from jaxpool._src.roi import form, partition, primitive
 from jaxpool._src.roi import xla as roi_xla
 from jaxpool._src.roi.plan import AlignConfig, Level
 
@@ -46,9 +53,9 @@ MAX_ELEMENTS = 2**31 - 1  # the kernels index in int32
 
 @dataclasses.dataclass(frozen=True)
 class KernelOptions:
-  """The kernels' static params: the feature table's levels (where each image lies, for the
-  gradient's tiles), how many copies of them the table holds one after the other (``vmap``
-  folds its axis into the table), and interpret mode (on a CPU)."""
+  """The kernels' static params: the levels (each one of the tables, for the gradient's
+  tiles), how many copies of itself each level's table holds one after the other (``vmap``
+  folds its axis into the tables), and interpret mode (on a CPU)."""
 
   levels: tuple[Level, ...]
   interpret: bool
@@ -81,67 +88,63 @@ def unsupported(x: jax.Array, config: Any) -> str | None:
 
 
 def _too_large(ops, table_rows: int, planes: int) -> bool:
-  """Whether the kernels' int32 indexing cannot reach the feature table (with the copies that
-  ``vmap`` folds into it), the boxes' outputs, or the gradient's box lists (at least one cell
-  of ``K`` entries per image of each level, ``planes`` of them): :func:`unsupported` sees
-  only one table."""
-  channels = int((ops["x"] if "x" in ops else ops["ct"]).shape[-1])
+  """Whether the kernels' int32 indexing cannot reach the feature tables (with the copies that
+  ``vmap`` folds into them), the boxes' outputs, or the gradient's box lists (at least one
+  cell of ``K`` entries per image of each level, ``planes`` of them): :func:`unsupported`
+  sees only one copy."""
+  channels = int((ops["x"][0] if "x" in ops else ops["ct"]).shape[-1])
   boxes = int(ops["iy"].shape[0])
   outputs = boxes * int(ops["iy"].shape[1]) * int(ops["ix"].shape[1])
   return max(table_rows, outputs) * channels > MAX_ELEMENTS or planes * boxes > MAX_ELEMENTS
 
 
-def _impl(*operands, wrt, has_taps, dtype, rows, kernel: KernelOptions, batched=False):
+def _impl(*operands, wrt, has_taps, dtype, parts, want=(), kernel: KernelOptions,
+          batched=False):
   if batched:
-    return _impl_batched(*operands, wrt=wrt, has_taps=has_taps, dtype=dtype, rows=rows,
-                         kernel=kernel)
-  names = form.operand_names(wrt, has_taps)
-  ops = dict(zip(names, operands))
+    return _impl_batched(*operands, wrt=wrt, has_taps=has_taps, dtype=dtype, parts=parts,
+                         want=want, kernel=kernel)
+  ops = form.grouped(form.operand_names(wrt, has_taps, len(parts)), operands)
   table_rows = kernel.copies * sum(lv.images * lv.height * lv.width for lv in kernel.levels)
   planes = kernel.copies * sum(lv.images for lv in kernel.levels)
   if has_taps or _too_large(ops, table_rows, planes):
     # (the max mode, and sizes the kernels' int32 indexing cannot reach: XLA)
-    return form.evaluate(*operands, wrt=wrt, has_taps=has_taps, dtype=dtype, rows=rows)
+    return form.evaluate(*operands, wrt=wrt, has_taps=has_taps, dtype=dtype, parts=parts,
+                         want=want)
+  levels = tuple(kernel.copies * lv.images * lv.height * lv.width for lv in kernel.levels)
+  if parts != levels:
+    raise AssertionError(f"tables of {parts} rows for {kernel}")
   from jaxpool._src.roi import triton, triton_boxes  # (Pallas, imported when traced)
   if wrt in ("wy", "wx"):
-    return triton_boxes.corner_grad(wrt, ops["base"], ops["stride"], ops["iy"], ops["ix"],
-                                    ops["wx" if wrt == "wy" else "wy"], ops["x"], ops["ct"],
-                                    dtype=jnp.dtype(dtype), interpret=kernel.interpret)
-  if wrt == "x" and rows != table_rows:
-    raise AssertionError(f"a feature table of {rows} rows for {kernel}")
+    return [triton_boxes.corner_grad(wrt, ops["base"], ops["stride"], ops["iy"], ops["ix"],
+                                     ops["wx" if wrt == "wy" else "wy"], ops["x"], ops["ct"],
+                                     dtype=jnp.dtype(dtype), interpret=kernel.interpret)]
   if wrt == "ct":
-    return triton.forward(ops["base"], ops["stride"], ops["iy"], ops["ix"], ops["wy"],
-                          ops["wx"], ops["x"], dtype=jnp.dtype(dtype), interpret=kernel.interpret)
+    return [triton.forward(ops["base"], ops["stride"], ops["iy"], ops["ix"], ops["wy"],
+                           ops["wx"], ops["x"], dtype=jnp.dtype(dtype),
+                           interpret=kernel.interpret)]
   return triton.feature_grad(ops["base"], ops["iy"], ops["ix"], ops["wy"], ops["wx"],
-                             ops["ct"], levels=kernel.levels, copies=kernel.copies, rows=rows,
+                             ops["ct"], levels=kernel.levels, copies=kernel.copies, want=want,
                              dtype=jnp.dtype(dtype), interpret=kernel.interpret)
 
 
-def _impl_batched(*operands, wrt, has_taps, dtype, rows, kernel: KernelOptions):
+def _impl_batched(*operands, wrt, has_taps, dtype, parts, want, kernel: KernelOptions):
   """The per-image form (``batched=True``: every operand has a leading axis of ``N`` images,
-  each image's boxes on its own table ``x`` ``(N, P, C)``) on the kernels: the images fold
-  into the boxes and into ``N`` copies of the one-image table, the kernels run once, and the
-  axis comes back. The flat form of the same boxes gives the same bits: the same table, the
-  same boxes in the same order."""
-  names = form.operand_names(wrt, has_taps)
-  ops = dict(zip(names, operands))
-  n, k = ops["base"].shape[:2]
-  per_table = rows if wrt == "x" else ops["x"].shape[1]
-  flat = {}
-  for name, a in ops.items():
-    if name == "x":
-      flat[name] = a.reshape(n * a.shape[1], a.shape[2])
-    else:
-      flat[name] = a.reshape(n * a.shape[1], *a.shape[2:])
-  shift = (jnp.arange(n, dtype=flat["base"].dtype) * per_table)[:, None]
-  flat["base"] = (ops["base"] + shift).reshape(n * k)
-  out = _impl(*(flat[name] for name in names), wrt=wrt, has_taps=has_taps, dtype=dtype,
-              rows=n * rows if wrt == "x" else rows,
-              kernel=dataclasses.replace(kernel, copies=kernel.copies * n))
-  return out.reshape(n, out.shape[0] // n, *out.shape[1:])
+  each image's boxes on its own table ``x`` ``(N, P, C)``, one level) on the kernels: the
+  images fold into the boxes and into ``N`` copies of the one-image table, the kernels run
+  once, and the axis comes back. The flat form of the same boxes gives the same bits: the same
+  table, the same boxes in the same order."""
+  assert len(parts) == 1, parts
+  names = form.operand_names(wrt, has_taps, 1)
+  n, k = operands[0].shape[:2]
+  flat = [a.reshape(n * a.shape[1], *a.shape[2:]) for a in operands]
+  shift = (jnp.arange(n, dtype=flat[0].dtype) * parts[0])[:, None]
+  flat[names.index("base")] = (operands[0] + shift).reshape(n * k)
+  outs = _impl(*flat, wrt=wrt, has_taps=has_taps, dtype=dtype, parts=(n * parts[0],),
+               want=want, kernel=dataclasses.replace(kernel, copies=kernel.copies * n))
+  return [o.reshape(n, o.shape[0] // n, *o.shape[1:]) for o in outs]
 
 
-roi_kernel_p = form.define("jaxpool_roi_form_kernels", _impl, _widen)
+roi_kernel_p = primitive.define("jaxpool_roi_form_kernels", _impl, _widen)
 
 
 def _single_device(ctx) -> bool:
@@ -170,7 +173,7 @@ def _lowering(ctx, *operands, **params):
       # (interpreted inside a ``shard_map``, the kernels fail JAX's check of the manual axes
       # their values vary over: the XLA form there, on a CPU only)
       fn = xla_form
-  return mlir.lower_fun(fn, multiple_results=False)(ctx, *operands)
+  return mlir.lower_fun(fn, multiple_results=True)(ctx, *operands)
 
 
 mlir.register_lowering(roi_kernel_p, _lowering)
@@ -187,11 +190,11 @@ def _batch(args, dims, **params):
   ops = [jnp.broadcast_to(a, (size, *a.shape)) if d is None else jnp.moveaxis(a, d, 0)
          for a, d in zip(args, dims, strict=True)]
   ops = [a.reshape(size * a.shape[1], *a.shape[2:]) for a in ops]
-  out = roi_kernel_p.bind(*ops, **params)
-  return out.reshape(size, out.shape[0] // size, *out.shape[1:]), 0
+  outs = roi_kernel_p.bind(*ops, **params)
+  return [o.reshape(size, o.shape[0] // size, *o.shape[1:]) for o in outs], [0] * len(outs)
 
 
-_batch_folded = functools.partial(form.batch_folded, roi_kernel_p, _widen)
+_batch_folded = functools.partial(primitive.batch_folded, roi_kernel_p, _widen)
 batching.primitive_batchers[roi_kernel_p] = _batch
 
 
@@ -202,7 +205,7 @@ def _roi_align(maps, image, coords, level, cfg: AlignConfig, interpret: bool) ->
   options = KernelOptions(levels, interpret)
 
   def bind(wrt, *, batched=False, **kw):
-    return form.bind_to(roi_kernel_p, wrt, extra=dict(kernel=options, batched=batched), **kw)
+    return primitive.bind_to(roi_kernel_p, wrt, extra=dict(kernel=options, batched=batched), **kw)
 
   return roi_xla.roi_align(maps, image, coords, level, cfg, bind=bind)
 
@@ -213,7 +216,7 @@ _roi_align_jit = jax.jit(_roi_align, static_argnums=(4, 5))
 def roi_align(maps: tuple[jax.Array, ...], image: jax.Array, coords: jax.Array,
               level: jax.Array, cfg: AlignConfig, *, interpret: bool) -> jax.Array:
   """The XLA path's ``roi_align`` (``xla.py``) with the average's sampled sum and its
-  derivatives (the feature gradient, the corner weights' gradients) on the kernels:
-  ``(K, ph, pw, C)``."""
+  derivatives (the feature gradient, the corner weights' gradients) on the kernels, the maps
+  their operands as they are (no copy): ``(K, ph, pw, C)``."""
   assert cfg.mode == "avg" and math.prod(cfg.output_size) > 0
   return _roi_align_jit(maps, image, coords, level, cfg, interpret)

@@ -1,8 +1,10 @@
 """``multi_scale_roi_align``: torchvision's ``MultiScaleRoIAlign`` over FPN levels.
 
-Each box is pooled once, from the level its size maps to: the levels' maps form one table of
-pixels (``roi/xla.flat_table``), and each box's plan addresses its own level's rows, scale and
-size (``plan.Level``), so no box is pooled at a level it does not use.
+Each box is pooled once, from the level its size maps to: the levels' maps are tables of
+pixels one after the other (``plan.Level``: the XLA path concatenates them, ``roi/xla.py``; the
+GPU kernels read each level's map where it is, ``roi/kernels.py``), and each box's plan
+addresses its own level's rows, scale and size, so no box is pooled at a level it does not
+use.
 """
 
 from __future__ import annotations

@@ -24,28 +24,30 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 
-def _whole(impl: Callable, params: tuple, *operands):
+def _whole(impl: Callable, params: tuple, *operands) -> tuple:
   # (under ``jit``: ``custom_partitioning`` takes a function whose trace holds no constants of
   # its own, and the kernels' tables of static numbers would be such constants)
-  return jax.jit(functools.partial(impl, **dict(params)))(*operands)
+  return tuple(jax.jit(functools.partial(impl, **dict(params)))(*operands))
 
 
 _partitioned = custom_partitioning(_whole, static_argnums=(0, 1))
 
 
-def split(impl: Callable, params: dict, *operands):
-  """``impl(*operands, **params)`` (a ``batched=True`` bind's implementation), split along the
-  operands' leading (batch) axis over the devices the program runs on."""
-  return _partitioned(impl, tuple(sorted(params.items())), *operands)
+def split(impl: Callable, params: dict, *operands) -> list:
+  """``impl(*operands, **params)`` (a ``batched=True`` bind's implementation: a list of
+  results), split along the operands' and the results' leading (batch) axis over the devices
+  the program runs on."""
+  return list(_partitioned(impl, tuple(sorted(params.items())), *operands))
 
 
 def _rule(impl, params, mesh, operand_types, result_types):
-  """The Shardy rule: the batch axis ``b`` is one factor of every operand and of the result;
-  every other axis its own factor."""
+  """The Shardy rule: the batch axis ``b`` is one factor of every operand and result; every
+  other axis its own factor."""
   del impl, params, mesh
   dims = lambda name, t: " ".join(["b", *(f"{name}{d}" for d in range(1, len(t.shape)))])
   operands = ", ".join(dims(f"o{i}_", t) for i, t in enumerate(operand_types))
-  return f"{operands} -> {dims('r', result_types[0])}"
+  results = ", ".join(dims(f"r{i}_", t) for i, t in enumerate(result_types))
+  return f"{operands} -> {results}"
 
 
 def _batch_axes(shapes):
@@ -59,16 +61,18 @@ def _batch_axes(shapes):
 
 
 def _partition(impl, params, mesh, arg_shapes, result_shape):
-  """Called by XLA's partitioner: every operand and the result split along the batch as the
-  result (else the first operand that says how), the rest whole; each device runs ``impl`` on
-  its images."""
-  axes = _batch_axes((result_shape, *arg_shapes)) if not mesh.empty else None
+  """Called by XLA's partitioner: every operand and result split along the batch as the
+  first result (else the first operand that says how), the rest whole; each device runs
+  ``impl`` on its images."""
+  results = tuple(result_shape) if isinstance(result_shape, (tuple, list)) else (result_shape,)
+  axes = _batch_axes((*results, *arg_shapes)) if not mesh.empty else None
 
   def sharding(shape):
     return NamedSharding(mesh, P(axes, *((None,) * (len(shape.shape) - 1))))
 
   lower = functools.partial(_whole, impl, params)
-  return mesh, lower, sharding(result_shape), tuple(sharding(a) for a in arg_shapes)
+  return (mesh, lower, tuple(sharding(r) for r in results),
+          tuple(sharding(a) for a in arg_shapes))
 
 
 _partitioned.def_partition(partition=_partition, sharding_rule=_rule)

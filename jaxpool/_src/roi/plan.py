@@ -137,7 +137,7 @@ def align_plan(image: jax.Array, coords: jax.Array, level: jax.Array, cfg: Align
     level: ``(K,)`` int32 index into ``cfg.levels``.
 
   Returns:
-    ``dict(base, stride, iy, ix, wy, wx)`` (``form.bind``'s operands), the per-box sample count
+    ``dict(base, stride, iy, ix, wy, wx)`` (``primitive.bind``'s operands), the per-box sample count
     ``(K,)`` float32 (at least 1), and ``finite`` ``(K,)`` (False: a NaN or infinite coordinate).
   """
   scale, height, width, base, ok, finite = _box_frame(cfg.levels, image, coords, level)

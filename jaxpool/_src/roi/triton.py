@@ -5,15 +5,16 @@
 
 Both kernels take the plan of ``plan.py`` (per box and axis: the corner indices ``iy``, ``ix``
 ``(K, n_out, S, 2)``, -1 for a dead sample, and the corner weights ``wy``, ``wx``), flattened,
-and the flat feature table ``(P, C)`` (channels last: a pixel's channels are contiguous), so
-they compute exactly the form of ``form.py`` (what ``form.bind("ct")`` and ``form.bind("x")``
-give), in float32, without atomics. Every load and store stays in bounds: corner indices and
-channels are clamped, and the values at clamped columns and channels are computed again and
-stored masked (compiled) or stored again with the same bits (interpret mode, where a masked
-store could restore an old value).
+and the levels' feature tables ``(P_l, C)`` (channels last: a pixel's channels are contiguous;
+each level its own array, ``triton_levels.py``), so they compute exactly the form of
+``form.py`` (its ``wrt="ct"`` and ``wrt="x"``), in float32, without atomics. Every load and
+store stays in bounds: corner indices and channels are clamped, and the values at clamped
+columns and channels are computed again and stored masked (compiled) or stored again with the
+same bits (interpret mode, where a masked store could restore an old value).
 
 **Forward** (:func:`forward`): one program per (box ``k``, bin row ``i``, block of
-``block_lanes`` channels), the bin row's ``pw`` bins as a ``(cols, lanes)`` tile. For each
+``block_lanes`` channels), the bin row's ``pw`` bins as a ``(cols, lanes)`` tile, read from the
+box's level's table (a switch over the levels, ``triton_levels.on_level``). For each
 sample in row-major order ``(sy, sx)``, the four corners are gathered as channel vectors and
 added in torchvision's order ``(0, 0), (0, 1), (1, 0), (1, 1)``, each ``where(live, (wy * wx) *
 x, 0)``; the sample's value is added to the running sum: the order of the XLA path's
@@ -21,7 +22,8 @@ x, 0)``; the sample's value is added to the running sum: the order of the XLA pa
 
 **Feature gradient** (:func:`feature_grad`): one program per tile of ``GRAD_ROWS`` pixel rows x
 ``GRAD_COLS`` columns of one image of one level x a block of channels; the program owns its
-tile, writes it once, and nothing else writes it. Outside the kernel, each cell of
+tile, writes it once into its level's output (one output per level), and nothing else writes
+it. Outside the kernel, each cell of
 ``GRAD_BAND`` rows x ``GRAD_CBAND`` columns of an image (level) gets the list of the boxes
 whose live corner rows and columns meet it, ascending (a mask, a running count and a write at
 unique places: no sort). A program walks its cell's list, skipping a box whose live corner
@@ -54,12 +56,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
 from jaxpool._src.pallas.calls import out_struct
 from jaxpool._src.pallas.triton.tile import compiler_params, load, plgpu
+from jaxpool._src.roi import form
+from jaxpool._src.roi.triton_levels import box_lists, cells, extents, on_level, planes
 
 F32 = jnp.float32
 I32 = jnp.int32
@@ -141,8 +144,9 @@ def _over(n: int, body, carry, alive):
 # ----------------------------------------------------------------------------- forward
 
 
-def _forward_kernel(base_ref, stride_ref, iy_ref, ix_ref, wy_ref, wx_ref, x_ref, o_ref, *,
-                    ph, pw, sy_n, sx_n, lanes, block_cols, block_lanes, interpret):
+def _forward_kernel(base_ref, stride_ref, iy_ref, ix_ref, wy_ref, wx_ref, *refs, starts, ph,
+                    pw, sy_n, sx_n, lanes, block_cols, block_lanes, interpret):
+  *x_refs, o_ref = refs  # (the levels' tables, then the output)
   n_lb = pl.cdiv(lanes, block_lanes)
   pid = pl.program_id(0)
   lb = pid % n_lb
@@ -152,109 +156,90 @@ def _forward_kernel(base_ref, stride_ref, iy_ref, ix_ref, wy_ref, wx_ref, x_ref,
   cols = jnp.arange(block_cols, dtype=I32)
   col_mask = None if pw == block_cols else cols < pw
   j = jnp.minimum(cols, pw - 1)
-  base, stride = base_ref[k], stride_ref[k]
+  stride = stride_ref[k]
 
-  def row_sample(sy, acc):
-    at_y = [((k * ph + i) * sy_n + sy) * 2 + a for a in (0, 1)]
-    r = [iy_ref[at] for at in at_y]
-    u = [wy_ref[at] for at in at_y]
+  def level_sum(level, base):  # (the box's level's table, its first row there)
+    x_ref = x_refs[level]
 
-    def col_sample(sx, acc):
-      at_x = [((k * pw + j) * sx_n + sx) * 2 + b for b in (0, 1)]
-      c = [load(ix_ref, (at,)) for at in at_x]
-      t = [load(wx_ref, (at,)) for at in at_x]
-      v = None
-      for a in (0, 1):
-        for b in (0, 1):
-          rows = base + jnp.maximum(r[a], 0) * stride + jnp.maximum(c[b], 0)
-          g = load(x_ref, lane.tile(rows)).astype(F32)
-          live = (r[a] >= 0) & (c[b] >= 0)
-          term = jnp.where(live[:, None], (u[a] * t[b])[:, None] * g, 0.0)
-          v = term if v is None else v + term
-      return acc + v
+    def row_sample(sy, acc):
+      at_y = [((k * ph + i) * sy_n + sy) * 2 + a for a in (0, 1)]
+      r = [iy_ref[at] for at in at_y]
+      u = [wy_ref[at] for at in at_y]
 
-    def col_alive(sx):
-      return jnp.max(load(ix_ref, (((k * pw + j) * sx_n + sx) * 2,))) >= 0
+      def col_sample(sx, acc):
+        at_x = [((k * pw + j) * sx_n + sx) * 2 + b for b in (0, 1)]
+        c = [load(ix_ref, (at,)) for at in at_x]
+        t = [load(wx_ref, (at,)) for at in at_x]
+        v = None
+        for a in (0, 1):
+          for b in (0, 1):
+            rows = base + jnp.maximum(r[a], 0) * stride + jnp.maximum(c[b], 0)
+            g = load(x_ref, lane.tile(rows)).astype(F32)
+            live = (r[a] >= 0) & (c[b] >= 0)
+            term = jnp.where(live[:, None], (u[a] * t[b])[:, None] * g, 0.0)
+            v = term if v is None else v + term
+        return acc + v
 
-    return _over(sx_n, col_sample, acc, col_alive)
+      def col_alive(sx):
+        return jnp.max(load(ix_ref, (((k * pw + j) * sx_n + sx) * 2,))) >= 0
 
-  def row_alive(sy):
-    return iy_ref[((k * ph + i) * sy_n + sy) * 2] >= 0
+      return _over(sx_n, col_sample, acc, col_alive)
 
-  acc = _over(sy_n, row_sample, jnp.zeros((block_cols, block_lanes), F32), row_alive)
+    def row_alive(sy):
+      return iy_ref[((k * ph + i) * sy_n + sy) * 2] >= 0
+
+    return _over(sy_n, row_sample, jnp.zeros((block_cols, block_lanes), F32), row_alive)
+
+  acc = on_level(base_ref[k], starts, level_sum)
   lane.store(o_ref, (k * ph + i) * pw + j, acc.astype(o_ref.dtype), col_mask)
 
 
 def forward(base, stride, iy, ix, wy, wx, x, *, dtype, interpret: bool) -> jax.Array:
-  """``form.bind("ct")`` of the average: ``(K, ph, pw, C)``, the float32 sums rounded once to
-  ``dtype``. ``x``: the flat table ``(P, C)``; the rest as ``plan.align_plan``'s."""
+  """The form's ``wrt="ct"`` of the average: ``(K, ph, pw, C)``, the float32 sums rounded
+  once to ``dtype``. ``x``: the levels' tables ``(P_l, C)`` (a tuple, or one table), ``base``
+  a row of their concatenation (``triton_levels``); the rest as ``plan.align_plan``'s."""
+  x = tuple(x) if isinstance(x, (tuple, list)) else (x,)
   K, ph, sy_n, _ = iy.shape
   pw, sx_n = ix.shape[1:3]
-  C = x.shape[1]
+  C = x[0].shape[1]
   if K == 0:
     return jnp.zeros((0, ph, pw, C), dtype)
   block_cols = _pow2(pw)
   block_lanes = min(_pow2(C), FWD_LANES, max(16, FWD_TILE // block_cols))
-  kernel = functools.partial(_forward_kernel, ph=ph, pw=pw, sy_n=sy_n, sx_n=sx_n, lanes=C,
+  kernel = functools.partial(_forward_kernel, starts=form.starts(tuple(a.shape[0] for a in x)),
+                             ph=ph, pw=pw, sy_n=sy_n, sx_n=sx_n, lanes=C,
                              block_cols=block_cols, block_lanes=block_lanes,
                              interpret=interpret)
   grid = (K * ph * pl.cdiv(C, block_lanes),)
   n_out = K * ph * pw * C
   out = pl.pallas_call(
-      kernel, out_shape=out_struct((K * ph * pw, C), dtype, x), grid=grid, interpret=interpret,
+      kernel, out_shape=out_struct((K * ph * pw, C), dtype, x[0]), grid=grid,
+      interpret=interpret,
       name="jaxpool_roi_align_fwd",
       cost_estimate=pl.CostEstimate(flops=8 * n_out * sy_n * sx_n, transcendentals=0,
                                     bytes_accessed=4 * n_out * (1 + 4 * sy_n * sx_n)),
       **_call_kwargs(interpret))(
           base.astype(I32), stride.astype(I32), iy.reshape(-1).astype(I32),
           ix.reshape(-1).astype(I32), wy.reshape(-1).astype(F32), wx.reshape(-1).astype(F32),
-          x)
+          *x)
   return out.reshape(K, ph, pw, C)
 
 
 # ----------------------------------------------------------------------------- feature gradient
 
 
-def _planes(levels, copies: int, band: int, cband: int, group: int, cols: int,
-            programs_per_tile: int) -> tuple[tuple[int, ...], ...]:
-  """Per level of each copy of the table, in the order of their programs: (first program,
-  height, width, first table row, first cell, bands per image, column bands, row groups per
-  image, column blocks); a row group is ``group`` pixel rows of one image, a column block
-  ``cols`` columns, a cell ``band`` rows (a multiple of ``group``) x ``cband`` columns (a
-  multiple of ``cols``) of one image, numbered row band by row band; each tile (group x
-  block) has ``programs_per_tile`` programs (lane blocks). The coarsest level's programs come
-  first: a coarse level's boxes cover more of it, so its programs run longest, and the GPU
-  starts them while the finer levels' many short ones fill in around them."""
-  entries: list[tuple[int, int, int, tuple[int, ...]]] = []
-  first_cell = 0
-  table = sum(lv.images * lv.height * lv.width for lv in levels)
-  for copy in range(copies):
-    for lv in levels:
-      bands, cbands = -(-lv.height // band), -(-lv.width // cband)
-      groups, blocks = -(-lv.height // group), -(-lv.width // cols)
-      entries.append((lv.height * lv.width, len(entries), lv.images * groups * blocks,
-                      (lv.height, lv.width, copy * table + lv.offset, first_cell, bands,
-                       cbands, groups, blocks)))
-      first_cell += lv.images * bands * cbands
-  out, first_program = [], 0
-  for _, _, tiles, entry in sorted(entries):
-    out.append((first_program, *entry))
-    first_program += tiles * programs_per_tile
-  return tuple(out)
-
-
 def _grad_kernel(count_ref, list_ref, ext_ref, rext_ref, cext_ref, iy_ref, ix_ref, wy_ref,
-                 wx_ref, finite_ref, ct_ref, o_ref, *, planes, band_rows, band_cols, n_boxes,
+                 wx_ref, finite_ref, ct_ref, *o_refs, planes, band_rows, band_cols, n_boxes,
                  ph, pw, sy_n, sx_n, lanes, block_rows, block_cols, block_lanes, interpret):
   n_lb = pl.cdiv(lanes, block_lanes)
   pid = pl.program_id(0)
-  first, height, width, offset, first_cell, bands, cbands, groups, blocks = (
+  first, height, width, offset, first_cell, bands, cbands, groups, blocks, out = (
       jnp.int32(v) for v in planes[0])
   for p in planes[1:]:  # this program's level (static: a few levels)
     later = pid >= p[0]
-    first, height, width, offset, first_cell, bands, cbands, groups, blocks = (
+    first, height, width, offset, first_cell, bands, cbands, groups, blocks, out = (
         jnp.where(later, jnp.int32(new), old) for new, old in
-        zip(p, (first, height, width, offset, first_cell, bands, cbands, groups, blocks)))
+        zip(p, (first, height, width, offset, first_cell, bands, cbands, groups, blocks, out)))
   local = pid - first  # (row group of an image, column block, lane block), the lanes fastest
   lb = local % n_lb
   cb = (local // n_lb) % blocks
@@ -347,120 +332,59 @@ def _grad_kernel(count_ref, list_ref, ext_ref, rext_ref, cext_ref, iy_ref, ix_re
 
   acc = jnp.zeros((block_rows * block_cols, block_lanes), F32)
   acc = lax.fori_loop(0, count, box, (acc, list_ref[cell * n_boxes]))[0]
-  lane.store(o_ref, offset + (n * height + r) * width + c, acc.astype(o_ref.dtype),
-             (raw_r < height) & (raw_c < width))
+  def store(o_ref):  # (into the program's level's output)
+    lane.store(o_ref, offset + (n * height + r) * width + c, acc.astype(o_ref.dtype),
+               (raw_r < height) & (raw_c < width))
+
+  if len(o_refs) == 1:
+    store(o_refs[0])
+  for index, o_ref in enumerate(o_refs if len(o_refs) > 1 else ()):
+    pl.when(out == index)(functools.partial(store, o_ref))
 
 
-def _extents(idx, axes: int) -> jax.Array:
-  """The lowest and highest live corner index along an axis, over the last ``axes`` axes of
-  ``idx`` ``(..., 2)`` (an empty range, ``(2**30, -1)``, where none is live)."""
-  flat = idx.reshape(*idx.shape[:idx.ndim - axes], -1)
-  live = flat >= 0
-  lo = jnp.min(jnp.where(live, flat, 2**30), axis=-1, initial=2**30)
-  hi = jnp.max(jnp.where(live, flat, -1), axis=-1, initial=-1)
-  return jnp.stack([lo, hi], axis=-1)
-
-
-def _cells(levels, copies: int, K: int, budget: int, block_rows: int,
-           block_cols: int) -> tuple[int, int]:
-  """The box lists' cells, ``(rows, columns)`` (powers of two, from ``GRAD_BAND`` x
-  ``GRAD_CBAND`` and at least a tile): the smallest whose lists, ``cells x K`` entries, fit
-  ``budget``, the rows grown first (or one cell per image)."""
-  band, cband = max(GRAD_BAND, block_rows), max(GRAD_CBAND, block_cols)
-  tallest, widest = max(lv.height for lv in levels), max(lv.width for lv in levels)
-  while band < tallest or cband < widest:
-    cells = copies * sum(lv.images * -(-lv.height // band) * -(-lv.width // cband)
-                         for lv in levels)
-    if cells * K <= budget:
-      break
-    if band < tallest:
-      band *= 2
-    else:
-      cband *= 2
-  return band, cband
-
-
-def _box_lists(base, ext, levels, copies: int, band: int, cband: int):
-  """Per cell (``band`` rows x ``cband`` columns of one image of one level; ``_planes``'
-  numbering): how many boxes meet it and their indices, ascending, ``(cells,)`` and
-  ``(cells * K,)``: a box meets a cell when it samples that image (level) and its live corner
-  rows and columns meet the cell's. ``ext``: ``(K, 4)``, the rows' then the columns' extents."""
-  table = sum(lv.images * lv.height * lv.width for lv in levels)
-  firsts, plane, lo, hi, clo, chi = [], [], [], [], [], []
-  for copy in range(copies):
-    for lv in levels:
-      for n in range(lv.images):
-        firsts.append(copy * table + lv.offset + n * lv.height * lv.width)
-        for q in range(-(-lv.height // band)):
-          for u in range(-(-lv.width // cband)):
-            plane.append(len(firsts) - 1)
-            lo.append(q * band)
-            hi.append(min(lv.height, (q + 1) * band) - 1)
-            clo.append(u * cband)
-            chi.append(min(lv.width, (u + 1) * cband) - 1)
-  # A box's image (level): the last whose first table row is at most its own (as the rows
-  # of its samples lie there). (A count of comparisons, not ``searchsorted``, whose default
-  # method is a while loop: on a GPU, a round trip to the host per step.)
-  starts = jnp.asarray(np.asarray(firsts, np.int32))
-  box_plane = jnp.sum(starts[None, :] <= base[:, None], axis=1, dtype=I32) - 1
-  col = lambda v: jnp.asarray(np.asarray(v, np.int32))[:, None]  # noqa: E731
-  meets = ((box_plane[None, :] == col(plane))
-           & (ext[None, :, 0] <= col(hi)) & (ext[None, :, 1] >= col(lo))
-           & (ext[None, :, 2] <= col(chi)) & (ext[None, :, 3] >= col(clo)))
-  # Each cell's boxes in ascending order: a running count gives each its place, and a write
-  # at those places (unique: no two boxes share one) fills the lists; no sort.
-  K = ext.shape[0]
-  # (A box that misses the cell goes to a place past the list, its own, and is dropped.)
-  place = jnp.where(meets, jnp.cumsum(meets, axis=1, dtype=I32) - 1,
-                    K + jnp.arange(K, dtype=I32)[None, :])
-  cells = len(plane)
-  rows = jnp.broadcast_to(jnp.arange(cells, dtype=I32)[:, None], (cells, K))
-  boxes = jnp.broadcast_to(jnp.arange(K, dtype=I32)[None, :], (cells, K))
-  lists = jnp.zeros((cells, K), I32).at[rows, place].set(boxes, mode="drop",
-                                                          unique_indices=True)
-  return jnp.sum(meets, axis=1, dtype=I32), lists.reshape(-1)
-
-
-def feature_grad(base, iy, ix, wy, wx, ct, *, levels, rows: int, dtype, interpret: bool,
-                 copies: int = 1) -> jax.Array:
-  """``form.bind("x")`` of the average: the feature gradient ``(rows, C)`` in ``dtype``, for
-  the table of ``copies`` copies of ``levels`` (``plan.Level``: where each level's images lie
-  in the table)."""
+def feature_grad(base, iy, ix, wy, wx, ct, *, levels, dtype, interpret: bool, copies: int = 1,
+                 want: tuple[int, ...] | None = None) -> list[jax.Array]:
+  """The form's ``wrt="x"`` of the average: the feature gradient of each level in ``want``
+  (default: all), ``(copies * N_l * H_l * W_l, C)`` each in ``dtype``, written by the kernel's
+  programs of that level (one call). ``levels`` (``plan.Level``) and ``copies``: the tables
+  ``base`` addresses (``copies`` copies of each level one after the other, level by level:
+  ``triton_levels``)."""
   K, ph, sy_n, _ = iy.shape
   pw, sx_n = ix.shape[1:3]
   C = ct.shape[-1]
-  table = sum(lv.images * lv.height * lv.width for lv in levels)
-  assert rows == copies * table, (rows, copies, levels)
+  want = tuple(range(len(levels))) if want is None else tuple(want)
+  shapes = [(copies * levels[p].images * levels[p].height * levels[p].width, C) for p in want]
   if K == 0:
-    return jnp.zeros((rows, C), dtype)
+    return [jnp.zeros(s, dtype) for s in shapes]
   block_rows = GRAD_ROWS
   block_cols = min(GRAD_COLS, _pow2(max(lv.width for lv in levels)))
-  band, cband = _cells(levels, copies, K, max(2**20, K * ph * pw * C // 4), block_rows,
-                       block_cols)
-  rext, cext = _extents(iy, 2), _extents(ix, 2)  # (K, ph, 2), (K, pw, 2)
-  ext_y, ext_x = _extents(iy, 3), _extents(ix, 3)  # (K, 2)
+  band, cband = cells(levels, copies, K, max(2**20, K * ph * pw * C // 4),
+                      max(GRAD_BAND, block_rows), max(GRAD_CBAND, block_cols))
+  rext, cext = extents(iy, 2), extents(ix, 2)  # (K, ph, 2), (K, pw, 2)
+  ext_y, ext_x = extents(iy, 3), extents(ix, 3)  # (K, 2)
   ext = jnp.concatenate([ext_y, ext_x], axis=1).astype(I32)  # (K, 4)
-  count, lists = _box_lists(base, ext, levels, copies, band, cband)
+  count, lists = box_lists(base, ext, levels, copies, band, cband)
   ext = ext.reshape(-1)
   block_lanes = min(_pow2(C), GRAD_LANES)
   n_lb = pl.cdiv(C, block_lanes)
-  planes = _planes(levels, copies, band, cband, block_rows, block_cols, n_lb)
-  kernel = functools.partial(_grad_kernel, planes=planes, band_rows=band, band_cols=cband,
+  schedule = planes(levels, copies, band, cband, block_rows, block_cols, n_lb, want)
+  kernel = functools.partial(_grad_kernel, planes=schedule, band_rows=band, band_cols=cband,
                              n_boxes=K, ph=ph,
                              pw=pw, sy_n=sy_n, sx_n=sx_n, lanes=C, block_rows=block_rows,
                              block_cols=block_cols, block_lanes=block_lanes,
                              interpret=interpret)
-  grid = (copies * sum(lv.images * -(-lv.height // block_rows) * -(-lv.width // block_cols)
-                      for lv in levels) * n_lb,)
+  grid = (copies * sum(levels[p].images * -(-levels[p].height // block_rows)
+                       * -(-levels[p].width // block_cols) for p in want) * n_lb,)
   n_ct = math.prod(ct.shape)
   # Per box: whether its cotangents are all finite (its terms then take the shorter form).
   finite = jnp.all(jnp.isfinite(ct.reshape(K, -1)), axis=1).astype(I32)
-  return pl.pallas_call(
-      kernel, out_shape=out_struct((rows, C), dtype, ct), grid=grid, interpret=interpret,
-      name="jaxpool_roi_align_bwd",
+  rows = sum(s[0] for s in shapes)
+  return list(pl.pallas_call(
+      kernel, out_shape=tuple(out_struct(s, dtype, ct) for s in shapes), grid=grid,
+      interpret=interpret, name="jaxpool_roi_align_bwd",
       cost_estimate=pl.CostEstimate(flops=4 * n_ct * sy_n * sx_n, transcendentals=0,
                                     bytes_accessed=4 * (n_ct * 2 * sy_n + rows * C)),
       **_call_kwargs(interpret, GRAD_WARPS))(
           count, lists, ext, rext.reshape(-1).astype(I32), cext.reshape(-1).astype(I32),
           iy.reshape(-1).astype(I32), ix.reshape(-1).astype(I32), wy.reshape(-1).astype(F32),
-          wx.reshape(-1).astype(F32), finite, ct.reshape(K * ph * pw, C))
+          wx.reshape(-1).astype(F32), finite, ct.reshape(K * ph * pw, C)))

@@ -1,8 +1,8 @@
 """ROI align's GPU kernel for the box gradient (Pallas Triton): the average's corner weights.
 
 JAX differentiates the corner weights ``wy``, ``wx`` of ``plan.py`` into the box gradient, so
-the box gradient needs the form's derivatives with respect to them (``form.bind("wy")`` and
-``form.bind("wx")``; ``form._wy_grad``, ``form._wx_grad`` on the XLA path):
+the box gradient needs the form's derivatives with respect to them (its ``wrt="wy"`` and
+``wrt="wx"``; ``form._wy_grad``, ``form._wx_grad`` on the XLA path):
 
     wy_grad[k, i, sy, a] = sum over j, sx, b of wx[k, j, sx, b] * d[k, i, j, sy, sx, a, b]
     wx_grad[k, j, sx, b] = sum over i, sy, a of wy[k, i, sy, a] * d[k, i, j, sy, sx, a, b]
@@ -10,12 +10,13 @@ the box gradient needs the form's derivatives with respect to them (``form.bind(
 
 (``live``: both corner indices are live, at least 0; a dead corner gives an exact 0, so a NaN
 or inf read at its clamped pixel, or a NaN cotangent, goes nowhere.) The two are the same sum
-with the axes' roles exchanged, so one kernel, :func:`corner_grad`, computes either: the
-*own* axis (y for ``wy``, x for ``wx``) is the one whose weights' gradient it writes, the
-*other* axis the one whose weights it reads. One program per (box ``k``, own bin ``o``), the
-other axis's ``n`` bins as a ``(bins, lanes)`` tile (as the forward kernel's bin row in
-``triton.py``); the program writes its ``(S_own, 2)`` gradients once, and nothing else writes
-them: no atomics, no partial sums outside the kernel, memory only for the outputs.
+with the axes' roles exchanged, so one kernel, :func:`corner_grad`, computes either: the *own*
+axis (y for ``wy``, x for ``wx``) is the one whose weights' gradient it writes, the *other*
+axis the one whose weights it reads. One program per (box ``k``, own bin ``o``), the other
+axis's ``n`` bins as a ``(bins, lanes)`` tile (as the forward kernel's bin row in
+``triton.py``, read from the box's level's table likewise); the program writes its
+``(S_own, 2)`` gradients once, and nothing else writes them: no atomics, no partial sums
+outside the kernel, memory only for the outputs.
 
 **Order** (float32 from +0, the same on every run). For each own sample ``s`` ascending and
 each of its corners ``a`` (0, then 1), the sum runs over the other axis's samples ``t``
@@ -42,21 +43,24 @@ from jax.experimental import pallas as pl
 
 from jaxpool._src.pallas.calls import out_struct
 from jaxpool._src.pallas.triton.tile import load
+from jaxpool._src.roi import form
 from jaxpool._src.roi.triton import FWD_LANES, FWD_TILE, _call_kwargs, _Lanes, _over, _pow2
+from jaxpool._src.roi.triton_levels import on_level
 
 F32 = jnp.float32
 I32 = jnp.int32
 
 
-def _kernel(base_ref, stride_ref, own_ref, other_ref, w_ref, ct_ref, x_ref, o_ref, *, own_y,
-            ph, pw, s_own, s_other, lanes, block_bins, block_lanes, interpret):
+def _kernel(base_ref, stride_ref, own_ref, other_ref, w_ref, ct_ref, *refs, starts, own_y, ph,
+            pw, s_own, s_other, lanes, block_bins, block_lanes, interpret):
+  *x_refs, o_ref = refs  # (the levels' tables, then the output)
   n_own, n_other = (ph, pw) if own_y else (pw, ph)
   pid = pl.program_id(0)
   k, o = pid // n_own, pid % n_own
   bins = jnp.arange(block_bins, dtype=I32)
   bin_mask = None if block_bins == n_other else bins < n_other
   m = jnp.minimum(bins, n_other - 1)  # the other axis's bins (clamped)
-  base, stride = base_ref[k], stride_ref[k]
+  stride = stride_ref[k]
   # The cotangent's rows of the tile: bin (o, m) (y own) or (m, o) (x own).
   ct_rows = (k * ph + o) * pw + m if own_y else (k * ph + m) * pw + o
   n_lb = pl.cdiv(lanes, block_lanes)
@@ -64,73 +68,80 @@ def _kernel(base_ref, stride_ref, own_ref, other_ref, w_ref, ct_ref, x_ref, o_re
     lane = _Lanes(block_lanes, lanes, 0, interpret)
     ct_whole = load(ct_ref, lane.tile(ct_rows)).astype(F32)
 
-  def block_dot(rows, lb, ct=None):
-    """The tile's channel block ``lb``: ``sum_c ct * x[rows]`` per bin (clamped lanes add 0)."""
-    lane = _Lanes(block_lanes, lanes, lb, interpret)
-    if ct is None:
-      ct = load(ct_ref, lane.tile(ct_rows)).astype(F32)
-    prod = ct * load(x_ref, lane.tile(rows)).astype(F32)
-    if lane.mask is not None:
-      prod = jnp.where(lane.mask[None, :], prod, 0.0)
-    return jnp.sum(prod, axis=1)
+  def level_grad(level, base):  # (the box's level's table, its first row there)
+    x_ref = x_refs[level]
 
-  def dot(rows):
-    if n_lb == 1:
-      return block_dot(rows, 0, ct_whole)
-    return lax.fori_loop(0, n_lb, lambda lb, acc: acc + block_dot(rows, lb),
-                         jnp.zeros((block_bins,), F32))
+    def block_dot(rows, lb, ct=None):
+      """The tile's channel block ``lb``: ``sum_c ct * x[rows]`` per bin (clamped lanes add 0)."""
+      lane = _Lanes(block_lanes, lanes, lb, interpret)
+      if ct is None:
+        ct = load(ct_ref, lane.tile(ct_rows)).astype(F32)
+      prod = ct * load(x_ref, lane.tile(rows)).astype(F32)
+      if lane.mask is not None:
+        prod = jnp.where(lane.mask[None, :], prod, 0.0)
+      return jnp.sum(prod, axis=1)
 
-  def own_sample(s, acc):
-    at_own = [((k * n_own + o) * s_own + s) * 2 + a for a in (0, 1)]
-    p = [own_ref[at] for at in at_own]
+    def dot(rows):
+      if n_lb == 1:
+        return block_dot(rows, 0, ct_whole)
+      return lax.fori_loop(0, n_lb, lambda lb, acc: acc + block_dot(rows, lb),
+                           jnp.zeros((block_bins,), F32))
 
-    def other_sample(t, sums):
-      at = [((k * n_other + m) * s_other + t) * 2 + b for b in (0, 1)]
-      q = [load(other_ref, (a,)) for a in at]
-      w = [load(w_ref, (a,)) for a in at]
-      out = []
-      for a in (0, 1):
-        v = None
-        for b in (0, 1):
-          y, x = (p[a], q[b]) if own_y else (q[b], p[a])
-          rows = base + jnp.maximum(y, 0) * stride + jnp.maximum(x, 0)
-          live = (p[a] >= 0) & (q[b] >= 0)
-          term = jnp.where(live, dot(rows), 0.0) * w[b]
-          v = term if v is None else v + term
-        if bin_mask is not None:
-          v = jnp.where(bin_mask, v, 0.0)
-        out.append(sums[a] + jnp.sum(v))
-      return tuple(out)
+    def own_sample(s, acc):
+      at_own = [((k * n_own + o) * s_own + s) * 2 + a for a in (0, 1)]
+      p = [own_ref[at] for at in at_own]
 
-    def other_alive(t):
-      return jnp.max(load(other_ref, (((k * n_other + m) * s_other + t) * 2,))) >= 0
+      def other_sample(t, sums):
+        at = [((k * n_other + m) * s_other + t) * 2 + b for b in (0, 1)]
+        q = [load(other_ref, (a,)) for a in at]
+        w = [load(w_ref, (a,)) for a in at]
+        out = []
+        for a in (0, 1):
+          v = None
+          for b in (0, 1):
+            y, x = (p[a], q[b]) if own_y else (q[b], p[a])
+            rows = base + jnp.maximum(y, 0) * stride + jnp.maximum(x, 0)
+            live = (p[a] >= 0) & (q[b] >= 0)
+            term = jnp.where(live, dot(rows), 0.0) * w[b]
+            v = term if v is None else v + term
+          if bin_mask is not None:
+            v = jnp.where(bin_mask, v, 0.0)
+          out.append(sums[a] + jnp.sum(v))
+        return tuple(out)
 
-    zero = jnp.zeros((), F32)
-    sums = _over(s_other, other_sample, (zero, zero), other_alive)
-    for a in (0, 1):  # (entries past 2 * s_own repeat the last one's updates: clamped)
-      acc = jnp.where(slots == s * 2 + a, sums[a], acc)
-    return acc
+      def other_alive(t):
+        return jnp.max(load(other_ref, (((k * n_other + m) * s_other + t) * 2,))) >= 0
 
-  def own_alive(s):
-    return own_ref[((k * n_own + o) * s_own + s) * 2] >= 0
+      zero = jnp.zeros((), F32)
+      sums = _over(s_other, other_sample, (zero, zero), other_alive)
+      for a in (0, 1):  # (entries past 2 * s_own repeat the last one's updates: clamped)
+        acc = jnp.where(slots == s * 2 + a, sums[a], acc)
+      return acc
+
+    def own_alive(s):
+      return own_ref[((k * n_own + o) * s_own + s) * 2] >= 0
+
+    return _over(s_own, own_sample, jnp.zeros(slots.shape, F32), own_alive)
 
   out = _Lanes(_pow2(2 * s_own), 2 * s_own, 0, interpret)
   slots = jnp.minimum(jnp.arange(_pow2(2 * s_own), dtype=I32), 2 * s_own - 1)
-  acc = _over(s_own, own_sample, jnp.zeros(slots.shape, F32), own_alive)
+  acc = on_level(base_ref[k], starts, level_grad)
   out.store(o_ref, jnp.full((1,), k * n_own + o, I32), acc[None, :].astype(o_ref.dtype))
 
 
 def corner_grad(wrt: str, base, stride, iy, ix, w, x, ct, *, dtype,
                 interpret: bool) -> jax.Array:
-  """``form.bind(wrt)`` of the average for ``wrt`` ``"wy"`` (``w`` is ``wx``) or ``"wx"``
+  """The form's ``wrt`` of the average for ``wrt`` ``"wy"`` (``w`` is ``wx``) or ``"wx"``
   (``w`` is ``wy``): the gradient of the corner weights along that axis, ``iy``'s shape
-  ``(K, ph, Sy, 2)`` or ``ix``'s ``(K, pw, Sx, 2)``, in ``dtype``. ``x``: the flat table
-  ``(P, C)``; ``ct``: ``(K, ph, pw, C)``; the rest as ``plan.align_plan``'s."""
+  ``(K, ph, Sy, 2)`` or ``ix``'s ``(K, pw, Sx, 2)``, in ``dtype``. ``x``: the levels' tables
+  ``(P_l, C)`` (a tuple, or one table), ``base`` a row of their concatenation
+  (``triton_levels``); ``ct``: ``(K, ph, pw, C)``; the rest as ``plan.align_plan``'s."""
   assert wrt in ("wy", "wx"), wrt
+  x = tuple(x) if isinstance(x, (tuple, list)) else (x,)
   own_y = wrt == "wy"
   K, ph, sy_n, _ = iy.shape
   pw, sx_n = ix.shape[1:3]
-  C = x.shape[1]
+  C = x[0].shape[1]
   own, other = (iy, ix) if own_y else (ix, iy)
   n_own, s_own = own.shape[1:3]
   n_other, s_other = other.shape[1:3]
@@ -138,17 +149,18 @@ def corner_grad(wrt: str, base, stride, iy, ix, w, x, ct, *, dtype,
     return jnp.zeros(own.shape, dtype)
   block_bins = _pow2(n_other)
   block_lanes = min(_pow2(C), FWD_LANES, max(16, FWD_TILE // block_bins))
-  kernel = functools.partial(_kernel, own_y=own_y, ph=ph, pw=pw, s_own=s_own, s_other=s_other,
+  kernel = functools.partial(_kernel, starts=form.starts(tuple(a.shape[0] for a in x)),
+                             own_y=own_y, ph=ph, pw=pw, s_own=s_own, s_other=s_other,
                              lanes=C, block_bins=block_bins, block_lanes=block_lanes,
                              interpret=interpret)
   n_terms = K * ph * pw * sy_n * sx_n * 4 * C
   out = pl.pallas_call(
-      kernel, out_shape=out_struct((K * n_own, 2 * s_own), dtype, x), grid=(K * n_own,),
+      kernel, out_shape=out_struct((K * n_own, 2 * s_own), dtype, x[0]), grid=(K * n_own,),
       interpret=interpret, name=f"jaxpool_roi_align_{wrt}_grad",
       cost_estimate=pl.CostEstimate(flops=2 * n_terms, transcendentals=0,
                                     bytes_accessed=4 * 2 * n_terms),
       **_call_kwargs(interpret))(
           base.astype(I32), stride.astype(I32), own.reshape(-1).astype(I32),
           other.reshape(-1).astype(I32), w.reshape(-1).astype(F32),
-          ct.reshape(K * ph * pw, C), x)
+          ct.reshape(K * ph * pw, C), *x)
   return out.reshape(own.shape)

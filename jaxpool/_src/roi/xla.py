@@ -16,17 +16,28 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxpool._src.linear import LinearPair
-from jaxpool._src.roi import form
+from jaxpool._src.roi import form, primitive
 from jaxpool._src.roi.plan import POOL_FLOOR, AlignConfig, PoolConfig, align_plan, pool_bins
 
 F32 = jnp.float32
 
 
+def tables(maps: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+  """Each feature map ``(N, H, W, C)`` as a table of pixels ``(N * H * W, C)`` (a reshape, no
+  copy)."""
+  return tuple(m.reshape(-1, m.shape[-1]) for m in maps)
+
+
 def flat_table(maps: tuple[jax.Array, ...]) -> jax.Array:
-  """The feature maps ``(N, H, W, C)`` as one table of pixels ``(rows, C)``."""
-  C = maps[0].shape[-1]
-  flat = [m.reshape(-1, C) for m in maps]
+  """The feature maps ``(N, H, W, C)`` as one table of pixels ``(rows, C)``: the levels'
+  tables one after the other (``plan.Level.offset``)."""
+  flat = tables(maps)
   return flat[0] if len(flat) == 1 else jnp.concatenate(flat, axis=0)
+
+
+def bind_table(wrt: str, *, x, **kw) -> jax.Array:
+  """The XLA path's bind (``primitive.bind``) of the levels' tables ``x``, concatenated."""
+  return primitive.bind(wrt, x=x[0] if len(x) == 1 else jnp.concatenate(x, axis=0), **kw)
 
 
 def _align_taps(ops, counts, x):
@@ -66,29 +77,30 @@ def _mean_weights(ops: dict, count: jax.Array) -> dict:
 
 
 def roi_align(maps: tuple[jax.Array, ...], image: jax.Array, coords: jax.Array,
-              level: jax.Array, cfg: AlignConfig, bind=form.bind) -> jax.Array:
+              level: jax.Array, cfg: AlignConfig, bind=bind_table) -> jax.Array:
   """``(K, ph, pw, C)`` in the maps' dtype.
 
   Args:
     maps: the feature maps, ``(N, H_l, W_l, C)`` each (``cfg.levels`` describes them).
     image: ``(K,)`` int32; coords: ``(K, 4)`` float32; level: ``(K,)`` int32.
-    bind: how the average's sampled sum is bound (``form.bind``; the GPU kernels' primitive
-      in ``kernels.py``).
+    bind: how the average's sampled sum is bound, given the levels' tables (``x``, a tuple):
+      :func:`bind_table` (the XLA path's primitive on one table), or the GPU kernels'
+      primitive (``kernels.py``), which takes them as they are.
   """
   if cfg.per_image:
     return _per_image(maps[0], image, coords, level, cfg, bind)
-  x = flat_table(maps)
   ops, count, counts, finite = align_plan(image, coords, level, cfg)
   if cfg.mode == "max":
+    x = flat_table(maps)
     taps = _align_taps(ops, counts, x)
-    y = form.bind("ct", **ops, taps=taps, x=x, dtype=F32)
+    y = primitive.bind("ct", **ops, taps=taps, x=x, dtype=F32)
   else:
-    y = bind("ct", **_mean_weights(ops, count), x=x, dtype=x.dtype)
+    y = bind("ct", **_mean_weights(ops, count), x=tables(maps), dtype=maps[0].dtype)
   y = jnp.where(finite[:, None, None, None], y, jnp.nan)
-  return y.astype(x.dtype)
+  return y.astype(maps[0].dtype)
 
 
-def _per_image(x, image, coords, level, cfg, bind=form.bind):
+def _per_image(x, image, coords, level, cfg, bind=bind_table):
   """``cfg.per_image = K``: the plan of every box as in the flat form (the same bits), then the
   batch kept as an axis (``form``'s ``batched`` binds: each image's boxes on its own table), so
   that XLA's partitioner splits the program with a batch-sharded ``x``, with no collective.
@@ -102,10 +114,10 @@ def _per_image(x, image, coords, level, cfg, bind=form.bind):
   table = x.reshape(N, H * W, C)
   if cfg.mode == "max":
     taps = jax.vmap(_align_taps)(ops, tuple(c.reshape(N, K) for c in counts), table)
-    y = form.bind("ct", **ops, taps=taps, x=table, dtype=F32, batched=True)
+    y = primitive.bind("ct", **ops, taps=taps, x=table, dtype=F32, batched=True)
   else:
     ops = _mean_weights(ops, count.reshape(N, K))
-    y = bind("ct", **ops, x=table, dtype=x.dtype, batched=True)
+    y = bind("ct", **ops, x=(table,), dtype=x.dtype, batched=True)
   y = y.reshape(N * K, *y.shape[2:])
   y = jnp.where(finite[:, None, None, None], y, jnp.nan)
   return y.astype(x.dtype)
