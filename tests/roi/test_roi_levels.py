@@ -182,3 +182,21 @@ def test_levels_under_the_transforms(rng):
   hess = {impl: jax.jit(jax.grad(functools.partial(second, impl=impl)))(boxes)
           for impl in ("pallas", "xla")}
   np.testing.assert_allclose(hess["pallas"], hess["xla"], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_second_order_through_the_gradient_of_one_level(rng):
+  """Reverse over reverse where the inner gradient is of one level only (the others closed
+  over): the transpose of a feature gradient that gives some of the levels reads zeros for the
+  others. It raised a ``KeyError`` on the kernels (the XLA path, one table, never gives some
+  levels only); it agrees with the XLA path."""
+  feats = _features(rng, levels=2)
+  boxes = _boxes(rng, 2)[:-1]  # (P2 and P3 boxes: the levels the two maps make)
+
+  def outer(b, impl):
+    inner = lambda p2: jnp.sum(_msra([p2, feats[1]], b, impl=impl) ** 2)  # noqa: E731
+    return jnp.sum(jax.grad(inner)(feats[0]) ** 2)
+
+  got = {impl: jax.jit(jax.grad(functools.partial(outer, impl=impl)))(boxes)
+         for impl in ("pallas", "xla")}
+  np.testing.assert_allclose(got["pallas"], got["xla"], rtol=1e-4, atol=1e-4)

@@ -128,7 +128,7 @@ def _transpose(prim, cts, *operands, wrt, has_taps, dtype, parts, want=(), **ext
     like = next(c for c in cts if type(c) is not ad.Zero)
     lead = like.shape[:1] if batched else ()
     ops["x"] = tuple(jnp.zeros((*lead, rows, like.shape[-1]), like.dtype)
-                     if type(given.get(p, ad.Zero)) is ad.Zero else given[p]
+                     if p not in given or type(given[p]) is ad.Zero else given[p]
                      for p, rows in enumerate(parts))
   else:
     ops[wrt] = cts[0]
