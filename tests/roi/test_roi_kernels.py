@@ -143,6 +143,20 @@ def test_the_box_lists_past_int32_indexing_leave_the_kernels():
   assert kernels._too_large(ops, table_rows=1000, planes=2**21 + 1)
 
 
+def test_sample_grids_past_int32_indexing_leave_the_kernels():
+  """The samples' corner indices (``K x bins x samples x 2`` an axis, indexed flat in the
+  kernels, and the shape of the box gradient's results) past int32 indexing: the XLA path's
+  form, even where the outputs and the tables fit (one channel, a large ``max_samples``)."""
+  from types import SimpleNamespace as Shape
+
+  from jaxpool._src.roi import kernels
+  small = dict(iy=Shape(shape=(4096, 7, 4096, 2)), ix=Shape(shape=(4096, 7, 2, 2)),
+               ct=Shape(shape=(4096, 7, 7, 1)))
+  assert not kernels._too_large(small, table_rows=1000, planes=8)
+  large = dict(small, iy=Shape(shape=(4096, 7, 40000, 2)))
+  assert kernels._too_large(large, table_rows=1000, planes=8)
+
+
 def test_wide_levels_under_vmap_span_several_column_cells():
   """Maps wider than a cell (32 columns) on two levels, under vmap (two copies of the table):
   every cell's list finds its boxes; the kernels agree with the XLA path."""

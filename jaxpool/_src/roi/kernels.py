@@ -89,13 +89,16 @@ def unsupported(x: jax.Array, config: Any) -> str | None:
 
 def _too_large(ops, table_rows: int, planes: int) -> bool:
   """Whether the kernels' int32 indexing cannot reach the feature tables (with the copies that
-  ``vmap`` folds into them), the boxes' outputs, or the gradient's box lists (at least one
-  cell of ``K`` entries per image of each level, ``planes`` of them): :func:`unsupported`
-  sees only one copy."""
+  ``vmap`` folds into them), the boxes' outputs, the gradient's box lists (at least one cell
+  of ``K`` entries per image of each level, ``planes`` of them), or the samples' corner
+  indices and weights (``K x bins x samples x 2`` along each axis, which the box gradient's
+  results have too): :func:`unsupported` sees only one copy."""
   channels = int((ops["x"][0] if "x" in ops else ops["ct"]).shape[-1])
   boxes = int(ops["iy"].shape[0])
   outputs = boxes * int(ops["iy"].shape[1]) * int(ops["ix"].shape[1])
-  return max(table_rows, outputs) * channels > MAX_ELEMENTS or planes * boxes > MAX_ELEMENTS
+  samples = max(math.prod(ops["iy"].shape), math.prod(ops["ix"].shape))
+  return (max(table_rows, outputs) * channels > MAX_ELEMENTS or planes * boxes > MAX_ELEMENTS
+          or samples > MAX_ELEMENTS)
 
 
 def _impl(*operands, wrt, has_taps, dtype, parts, want=(), kernel: KernelOptions,
