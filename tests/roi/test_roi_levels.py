@@ -124,6 +124,7 @@ def _each_level(rng, levels, boxes_too):
   assert np.isnan(dfeats[1]).any() and not np.isnan(dfeats[0]).any()
 
 
+@pytest.mark.slow
 def test_a_level_has_the_bits_of_that_level_alone(rng):
   """Two levels, the maps' gradient: the second level's values and feature gradient have the
   bits of its boxes pooled from its map alone; a NaN cotangent included."""
