@@ -98,6 +98,18 @@ def test_adaptive_count_the_same_under_jit_and_outside(rng):
                              rtol=1e-5, atol=1e-5)
 
 
+def test_adaptive_count_of_a_whole_bin_size_under_jit(rng):
+  """A box whose bin size ``roi / n`` is a whole number in float32 (14 / 7, 21 / 7, 28 / 7)
+  takes ``ceil`` of exactly that many samples under ``jit`` too: XLA turns a division by a
+  constant into a product with its inverse, one bit larger, which took one sample more a
+  bin (values off by 0.03 here)."""
+  x = rng.standard_normal((1, 30, 40, 2)).astype(np.float32)
+  boxes = np.array([[0, 3.0, 2.0, 17.0, 16.0], [0, 1.0, 1.0, 22.0, 29.0]], np.float32)
+  y = jax.jit(lambda v, b: jaxpool.roi_align(v, b, 7, sampling_ratio=0))(x, boxes)
+  np.testing.assert_allclose(y, rref.roi_align(x, boxes, 7, sampling_ratio=0), rtol=1e-5,
+                             atol=1e-5)
+
+
 def test_box_gradient_matches_finite_differences(rng):
   """Away from pixel boundaries and the clamp bands: boxes well inside the map, a float64
   reference for the differences."""

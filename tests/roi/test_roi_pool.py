@@ -113,3 +113,18 @@ def test_bin_of_only_nan_and_minus_inf(dtype):
   want = -np.finfo(np.float32).max if dtype == jnp.float32 else -np.inf
   np.testing.assert_array_equal(np.asarray(y, np.float32), want)
   np.testing.assert_array_equal(idx, -1)
+
+
+def test_bins_whose_size_divides_exactly_under_jit():
+  """A bin size ``roi / n`` that is a whole multiple in float32 (11 / 7 * 7 == 11) keeps its
+  last bin's end under ``jit``: XLA turns a division by a constant into a product with its
+  inverse, ``11 * (1 / 7)``, one bit larger, whose ``ceil`` reached one pixel further (a
+  column and a row of every such box's last bins took a pixel outside them)."""
+  x = np.zeros((1, 30, 50, 1), np.float32)
+  x[0, 9, 43, 0] = 5.0  # just right of the box's last column (42)
+  x[0, 23, 33, 0] = 7.0  # just below its last row (22)
+  boxes = np.array([[0, 32.0, 8.0, 42.0, 22.0]], np.float32)  # 11 x 15 pixels
+  ry, ridx = rref.roi_pool(x, boxes, 7)
+  y, idx = jax.jit(lambda v, b: jaxpool.roi_pool(v, b, 7, return_indices=True))(x, boxes)
+  np.testing.assert_array_equal(idx, ridx)
+  np.testing.assert_array_equal(y, ry.astype(np.float32))

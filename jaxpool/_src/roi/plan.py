@@ -14,6 +14,7 @@ from the rules written here (``docs/roi.md``, "Gradients"):
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -88,11 +89,57 @@ def _box_frame(levels, image, coords, level):
   return scale, height, width, base, ok, finite
 
 
+def exact_quotient(a: jax.Array, b) -> jax.Array:
+  """``a / b`` as a division in every program: the divisor an array of the quotient's shape,
+  mapped wherever ``a`` is under ``vmap`` (a select on ``a``), behind a barrier. XLA rewrites a
+  division by a constant or a broadcast value into a product with its inverse in some programs
+  only, so the last bit of a box gradient moved with the mesh. (A quotient that meets ``floor``
+  or ``ceil`` takes :func:`divide_by_count`.)"""
+  b = jnp.asarray(b, F32)
+  return a / jax.lax.optimization_barrier(jnp.where(jnp.isnan(a), b, b))
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
+def divide_by_count(a: jax.Array, n: int) -> jax.Array:
+  """``a / n`` (float32 ``a``, a positive Python int ``n``) rounded once to nearest even, as
+  torchvision's kernels divide, on every backend: a GPU's float32 division under XLA need not
+  be correctly rounded, and XLA turns a division by a constant into a product with its
+  inverse. It matters where a whole quotient meets ``floor`` or ``ceil`` (roi_pool's bin
+  edges, ROI align's adaptive sample count: 11 / 7 * 7 is 11 in float32, 11 * (1 / 7) * 7 is
+  not). Integer long division of ``a``'s 24-bit significand by ``n``: exact."""
+  n = int(n)
+  if n & (n - 1) == 0:  # (a power of two: a product with its inverse is exact)
+    return a * (1.0 / n)
+  extra = n.bit_length() + 1  # (quotient bits past the significand's: 25 or 26 in all)
+  m, e = jnp.frexp(jnp.abs(a))
+  sig = (m * 2.0**24).astype(I32)  # |a| = sig * 2**(e - 24), sig < 2**24
+  q, r = sig // n, sig % n
+  for _ in range(extra):  # long division, one bit a step: q = floor(sig * 2**extra / n)
+    r = 2 * r
+    bit = r >= n
+    q, r = 2 * q + bit.astype(I32), jnp.where(bit, r - n, r)
+  drop = (32 - jax.lax.clz(q)) - 24  # bits past float32's 24 (1 or 2; q >= 2**24 if sig > 0)
+  drop = jnp.maximum(drop, 0)
+  half = jnp.left_shift(jnp.int32(1), jnp.maximum(drop - 1, 0))
+  low = q & (jnp.left_shift(jnp.int32(1), drop) - 1)
+  top = jnp.right_shift(q, drop)
+  up = (drop > 0) & ((low > half) | ((low == half) & ((r != 0) | (top & 1 == 1))))
+  out = jnp.ldexp((top + up.astype(I32)).astype(F32), e - 24 - extra + drop)
+  out = jnp.where(a < 0, -out, out)
+  return jnp.where(jnp.isfinite(a), out, a / n)
+
+
+@divide_by_count.defjvp
+def _divide_by_count_jvp(n, primals, tangents):
+  (a,), (t,) = primals, tangents
+  return divide_by_count(a, n), t / n
+
+
 def _axis(start, roi, n_out, cap, size, ok, ratio):
   """One axis of the sample grid: corner indices (-1 for a dead sample: padding, outside
   ``[-1, size]`` or an unusable box; form.py reads such a sample as nothing) and weights
   ``(K, n_out, cap, 2)``, and the per-box sample count ``(K,)``."""
-  bin_size = roi / n_out
+  bin_size = divide_by_count(roi, n_out)
   K = start.shape[0]
   if ratio > 0:
     count = jnp.full((K,), ratio, I32)
@@ -105,11 +152,7 @@ def _axis(start, roi, n_out, cap, size, ok, ratio):
   s = jnp.arange(cap, dtype=F32)[None, None, :]
   b = bin_size[:, None, None]
   step = (s + 0.5) * b
-  # (The divisor as an array of the quotient's shape behind a barrier: XLA rewrites a division
-  # by a broadcast value into a product with its inverse in some programs only, so the last
-  # bit of a box gradient moved with the mesh.)
-  pos = (start[:, None, None] + i * b) + step / jax.lax.optimization_barrier(
-      jnp.broadcast_to(gsize, step.shape))
+  pos = (start[:, None, None] + i * b) + exact_quotient(step, gsize)
   sz = size.astype(F32)[:, None, None]
   live = ((jnp.arange(cap)[None, None, :] < count[:, None, None]) & ok[:, None, None]
           & ~((pos < -1.0) | (pos > sz)))
@@ -177,7 +220,7 @@ def pool_bins(image: jax.Array, coords: jax.Array, cfg: PoolConfig):
   roi_h = jnp.maximum(eh - sh + 1, 1)
 
   def edges(start, roi, n_out, size):
-    b = (roi.astype(F32) / n_out)[:, None]
+    b = divide_by_count(roi.astype(F32), n_out)[:, None]
     i = jnp.arange(n_out, dtype=F32)[None, :]
     lo = jnp.floor(i * b).astype(I32) + start[:, None]
     hi = jnp.ceil((i + 1) * b).astype(I32) + start[:, None]
