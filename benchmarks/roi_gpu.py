@@ -357,12 +357,17 @@ def main():
             f"(x{rows['speedup_fwd+dx+dboxes_vs_xla_path']:.1f}); dboxes default vs XLA "
             f"{rows['max_abs_diff_dboxes_default_vs_xla']:.3g}", flush=True)
   print_box_table(results)
-  path = args.out or result_path(__file__, device_tag(dev.device_kind), quick=args.quick)
-  meta = {"device": dev.device_kind, "jax": jax.__version__, "copy_GBps": copy_gbs,
-          "bytes": "fwd: |features| + |y|; fwd+dx: 2 |features| + 2 |y|",
-          "bytes_fwd+dx+dboxes": "2 |features| + 2 |y| (as fwd+dx)",
-          "peak": "XLA memory analysis: (arguments + outputs + temporaries) / (arguments + "
-                  "outputs)"}
+  save(args.out or result_path(__file__, device_tag(dev.device_kind), quick=args.quick),
+       {"device": dev.device_kind, "jax": jax.__version__, "copy_GBps": copy_gbs,
+        "bytes": "fwd: |features| + |y|; fwd+dx: 2 |features| + 2 |y|",
+        "bytes_fwd+dx+dboxes": "2 |features| + 2 |y| (as fwd+dx)", "peak": PEAK}, results)
+
+
+PEAK = "XLA memory analysis: (arguments + outputs + temporaries) / (arguments + outputs)"
+
+
+def save(path, meta, results):
+  """The results' JSON: ``{"meta": meta, "cases": results}``."""
   os.makedirs(os.path.dirname(path), exist_ok=True)
   with open(path, "w") as f:
     json.dump({"meta": meta, "cases": results}, f, indent=1)

@@ -480,7 +480,7 @@ def large_windows() -> list[str]:
 
 
 def roi() -> list[str]:
-  """docs/roi.md: the measured table's rows."""
+  """docs/roi.md: the measured tables' rows (roi_align, roi_pool)."""
   rows = []
   for c in load("roi_gpu_h200.json")["cases"]:
     r, tv = c["rows"], c["rows"]["torchvision"]
@@ -489,6 +489,13 @@ def roi() -> list[str]:
     rows.append(f"| {c['dtype']}, {grid} | {r['jaxpool']['fwd']['ms']:.3f} | "
                 f"{r['jaxpool']['fwd+dx']['ms']:.3f} | {tv_ms} | "
                 f"{r['plain_jnp']['fwd+dx']['ms']:.3f} | {r['jaxpool_xla']['fwd+dx']['ms']:.3f} |")
+  for c in load("roi_pool_gpu_h200.json")["cases"]:
+    r, tv = c["rows"], c["rows"]["torchvision"]
+    tv_ms = (f"{tv['fwd_ms']:.3f} | {tv['fwd+dx_ms']:.3f}" if "fwd+dx_ms" in tv
+             else f"(no {c['dtype']}) | (no {c['dtype']})")
+    rows.append(f"| {c['dtype']} | {r['jaxpool']['fwd']['ms']:.3f} | "
+                f"{r['jaxpool']['fwd+dx']['ms']:.3f} | {tv_ms} | "
+                f"{r['jaxpool_xla']['fwd+dx']['ms']:.3f} |")
   return rows
 
 

@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 import jaxpool
 from jaxpool._src import dispatch
 from jaxpool._src.roi import form
-from jaxpool._src.roi.plan import AlignConfig, Level, PoolConfig
+from jaxpool._src.roi.plan import AlignConfig, Level
 
 N, H, W, C = 2, 7, 9, 3
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -317,23 +317,20 @@ def test_levels_and_images_withoutrandom_boxes():
 
 def test_the_registry_rule(monkeypatch):
   """On an NVIDIA GPU, implementation=None runs the kernels for mode="avg" and the XLA path for
-  mode="max" and roi_pool; implementation="pallas" refuses those, naming why."""
+  mode="max"; implementation="pallas" refuses it, naming why (roi_pool's kernels:
+  test_roi_pool_kernels.py)."""
   x = jnp.ones((1, 4, 4, 2))
   lv = (Level(1, 4, 4, 1.0, 0),)
   avg = AlignConfig((2, 2), lv, 2, (2, 2), True, "avg")
   mx = AlignConfig((2, 2), lv, 2, (2, 2), True, "max")
-  pool = PoolConfig((2, 2), lv[0])
   monkeypatch.delenv(dispatch.ENV, raising=False)
   for where, expected in (("cuda", "pallas"), ("cpu", "xla")):
     monkeypatch.setattr(dispatch, "platform", lambda w=where: w)
     assert dispatch.choose("roi_align", None, x, None, config=avg).name == expected
     assert dispatch.choose("roi_align", None, x, None, config=mx).name == "xla"
-    assert dispatch.choose("roi_pool", None, x, None, config=pool).name == "xla"
   with pytest.raises(ValueError, match="mode='max' runs on the XLA path"):
     jaxpool.roi_align(x, jnp.array([[0, 0., 0., 2., 2.]]), 2, mode="max",
                       implementation="pallas")
-  with pytest.raises(ValueError, match="no Pallas kernel for roi_pool"):
-    jaxpool.roi_pool(x, jnp.array([[0, 0., 0., 2., 2.]]), 2, implementation="pallas")
   assert "TPU" in dispatch.PALLAS_TPU.supports(dispatch.Op.ROI_ALIGN, x, None, None, avg)
 
 

@@ -115,6 +115,11 @@ class PallasBackend(Backend):
     assert self.kernels == "triton"  # (supports refuses the TPU kernels)
     return _roi().roi_align(maps, image, coords, level, config, interpret=_interpret())
 
+  def roi_pool(self, x: jax.Array, image: jax.Array, coords: jax.Array,
+               config: Any) -> tuple[jax.Array, jax.Array]:
+    assert self.kernels == "triton"
+    return _roi().roi_pool(x, image, coords, config, interpret=_interpret())
+
 
 PALLAS_TRITON = PallasBackend("triton", "Pallas Triton")
 PALLAS_TPU = PallasBackend("tpu", "Pallas TPU")

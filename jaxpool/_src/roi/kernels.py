@@ -27,7 +27,8 @@ they split along the batch, each device running them on its own images (``partit
 ``roi_align`` and ``multi_scale_roi_align`` with ``mode="avg"`` in float32, bfloat16 and
 float16 (a static sample grid: ``sampling_ratio > 0``, or the ``max_samples`` grid of the
 adaptive count, whose padding samples are dead), maps not split over an Explicit mesh;
-``mode="max"`` and ``roi_pool`` run on XLA.
+``mode="max"`` runs on XLA. :func:`roi_pool` runs its argmax and its gradient on the kernels of
+``triton_pool.py`` (the same dtypes and maps), the rest as the XLA path.
 """
 
 from __future__ import annotations
@@ -39,13 +40,15 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 from jax.interpreters import batching, mlir
 
 from jaxpool._src.pallas.calls import needs_devices, one_device
 from jaxpool._src.roi import form, partition, primitive
 from jaxpool._src.roi import xla as roi_xla
-from jaxpool._src.roi.plan import AlignConfig, Level
+from jaxpool._src.linear import LinearPair
+from jaxpool._src.roi.plan import AlignConfig, Level, PoolConfig
 
 _DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(np.float16))
 MAX_ELEMENTS = 2**31 - 1  # the kernels index in int32
@@ -69,19 +72,20 @@ def _widen(extra, copies: int):
 
 def unsupported(x: jax.Array, config: Any) -> str | None:
   """Why the ROI kernels cannot serve a call (None: they can). ``x``: the (first) feature map,
-  channels last; ``config``: the call's ``AlignConfig`` (None or a ``PoolConfig``: roi_pool)."""
-  if not isinstance(config, AlignConfig):
-    return "there is no Pallas kernel for roi_pool"
-  if config.mode != "avg":
+  channels last; ``config``: the call's ``AlignConfig`` or ``PoolConfig`` (roi_pool)."""
+  pool = isinstance(config, PoolConfig)
+  what = "roi_pool" if pool else "ROI align"
+  if not pool and config.mode != "avg":
     return (f"the ROI align kernels average the samples; mode={config.mode!r} runs on the XLA "
             f"path")
   if np.dtype(x.dtype) not in _DTYPES:
-    return f"the ROI align kernels take float32, bfloat16 and float16, not {np.dtype(x.dtype)}"
+    return f"the {what} kernels take float32, bfloat16 and float16, not {np.dtype(x.dtype)}"
   spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None)
   if spec is not None and any(p is not None for p in spec):
-    return ("the ROI align kernels take maps that are not split over an Explicit mesh (the "
+    return (f"the {what} kernels take maps that are not split over an Explicit mesh (the "
             "XLA path serves them)")
-  pixels = sum(lv.images * lv.height * lv.width for lv in config.levels)
+  levels = (config.level,) if pool else config.levels
+  pixels = sum(lv.images * lv.height * lv.width for lv in levels)
   if pixels * int(x.shape[-1]) > MAX_ELEMENTS:
     return f"the feature maps have over {MAX_ELEMENTS} elements (the kernels index in int32)"
   return None
@@ -223,3 +227,73 @@ def roi_align(maps: tuple[jax.Array, ...], image: jax.Array, coords: jax.Array,
   their operands as they are (no copy): ``(K, ph, pw, C)``."""
   assert cfg.mode == "avg" and math.prod(cfg.output_size) > 0
   return _roi_align_jit(maps, image, coords, level, cfg, interpret)
+
+
+# ----------------------------------------------------------------------------- roi_pool
+
+
+def _pick(rows, hs, he, ws, we, base, ok, table, *, level, interpret):
+  if rows.ndim > 4:  # (a mapped axis in front: LinearPair's batching)
+    fn = functools.partial(_pick, level=level, interpret=interpret)
+    return jax.vmap(fn)(rows, hs, he, ws, we, base, ok, table)
+  return roi_xla.pick(rows, table)
+
+
+def _pick_transpose(rows, hs, he, ws, we, base, ok, ct, *, level, interpret):
+  if rows.ndim > 4:
+    fn = functools.partial(_pick_transpose, level=level, interpret=interpret)
+    return jax.vmap(fn)(rows, hs, he, ws, we, base, ok, ct)
+  from jaxpool._src.roi import triton_pool  # (Pallas, imported when traced)
+  return triton_pool.pick_transpose(rows, ((hs, he), (ws, we)), base, ok, ct, level=level,
+                                    interpret=interpret)
+
+
+# The gather of the maxima, ``table.reshape(-1)[rows * C + c]``, whose transpose (the feature
+# gradient) is the kernel; the bins and boxes ride along as residuals for it.
+_PICK = LinearPair(
+    "roi_pool_pick_kernels", _pick, _pick_transpose,
+    forward_shape=lambda rows, *res, **kw: tuple(rows),
+    transpose_shape=lambda rows, *res, level, interpret: (
+        *rows[:-4], level.images * level.height * level.width, rows[-1]))
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
+def _maxima(level, interpret, values, rows, hs, he, ws, we, base, ok, table):
+  """The maxima ``values`` (the argmax kernel's), as a function of ``table``: ``table``'s
+  elements at ``rows`` (the tangent :data:`_PICK` of the table's, and so its transpose the
+  gradient kernel). The forward keeps the kernel's values and gathers nothing."""
+  del level, interpret, rows, hs, he, ws, we, base, ok, table
+  return values
+
+
+@_maxima.defjvp
+def _maxima_jvp(level, interpret, primals, tangents):
+  values, rows, hs, he, ws, we, base, ok, table = primals
+  t = _PICK.forward(rows, hs, he, ws, we, base, ok, tangents[-1], level=level,
+                    interpret=interpret)
+  # (the primal through the rule again, so that a derivative of this one, a second order,
+  # takes the same rule: the kernel's values alone would carry no tangent)
+  return _maxima(level, interpret, *primals), t
+
+
+def _roi_pool(x, image, coords, cfg: PoolConfig, interpret: bool):
+  from jaxpool._src.roi import triton_pool  # (Pallas, imported when traced)
+
+  def select(table, bins, base, ok):
+    (hs, he), (ws, we) = bins
+    rows, values = triton_pool.argmax(lax.stop_gradient(table), bins, base, ok,
+                                      width=cfg.level.width, interpret=interpret)
+    return rows, _maxima(cfg.level, interpret, values, rows, hs, he, ws, we, base, ok, table)
+
+  return roi_xla.roi_pool(x, image, coords, cfg, select=select)
+
+
+_roi_pool_jit = jax.jit(_roi_pool, static_argnums=(3, 4))
+
+
+def roi_pool(x: jax.Array, image: jax.Array, coords: jax.Array, cfg: PoolConfig, *,
+             interpret: bool) -> tuple[jax.Array, jax.Array]:
+  """The XLA path's ``roi_pool`` (``xla.py``) with each bin's argmax and maximum and the
+  feature gradient on the kernels (``triton_pool.py``): ``(y, indices)``, the XLA path's bits;
+  the gradient equal to it to float32 rounding."""
+  return _roi_pool_jit(x, image, coords, cfg, interpret)

@@ -1,7 +1,9 @@
 """ROI align's GPU kernels (Pallas Triton): the averaged sampled sum and its feature gradient.
 
 (The box gradient's kernel, the derivatives with respect to the corner weights, is in
-``triton_boxes.py``, with its summation order; it shares this module's helpers.)
+``triton_boxes.py``, with its summation order; it shares this module's helpers, and roi_pool's
+gradient kernel, ``triton_pool.py``, the feature gradient's schedule: :class:`Tile`,
+:func:`schedule`.)
 
 Both kernels take the plan of ``plan.py`` (per box and axis: the corner indices ``iy``, ``ix``
 ``(K, n_out, S, 2)``, -1 for a dead sample, and the corner weights ``wy``, ``wx``), flattened,
@@ -144,18 +146,23 @@ def _over(n: int, body, carry, alive):
 # ----------------------------------------------------------------------------- forward
 
 
+def bin_row_program(ph, pw, lanes, block_cols, block_lanes, interpret):
+  """A program of one box ``k``, bin row ``i`` and block of channels (the lanes fastest in
+  ``pl.program_id``), its bins as the ``block_cols`` rows of a tile: ``(k, i, lane, j,
+  col_mask)``, ``j`` the bins (clamped), ``col_mask`` the real ones (None: all are)."""
+  n_lb = pl.cdiv(lanes, block_lanes)
+  pid = pl.program_id(0)
+  ki = pid // n_lb
+  lane = _Lanes(block_lanes, lanes, pid % n_lb, interpret)
+  cols = jnp.arange(block_cols, dtype=I32)
+  col_mask = None if pw == block_cols else cols < pw
+  return ki // ph, ki % ph, lane, jnp.minimum(cols, pw - 1), col_mask
+
+
 def _forward_kernel(base_ref, stride_ref, iy_ref, ix_ref, wy_ref, wx_ref, *refs, starts, ph,
                     pw, sy_n, sx_n, lanes, block_cols, block_lanes, interpret):
   *x_refs, o_ref = refs  # (the levels' tables, then the output)
-  n_lb = pl.cdiv(lanes, block_lanes)
-  pid = pl.program_id(0)
-  lb = pid % n_lb
-  ki = pid // n_lb
-  k, i = ki // ph, ki % ph
-  lane = _Lanes(block_lanes, lanes, lb, interpret)
-  cols = jnp.arange(block_cols, dtype=I32)
-  col_mask = None if pw == block_cols else cols < pw
-  j = jnp.minimum(cols, pw - 1)
+  k, i, lane, j, col_mask = bin_row_program(ph, pw, lanes, block_cols, block_lanes, interpret)
   stride = stride_ref[k]
 
   def level_sum(level, base):  # (the box's level's table, its first row there)
@@ -228,33 +235,115 @@ def forward(base, stride, iy, ix, wy, wx, x, *, dtype, interpret: bool) -> jax.A
 # ----------------------------------------------------------------------------- feature gradient
 
 
+class Tile:
+  """A feature-gradient program's tile (its index from ``pl.program_id``; ``planes``: the
+  schedule of ``triton_levels.planes``): ``block_rows`` x ``block_cols`` pixels of one image of
+  one level, row-major (``r``, ``c``, clamped into the map: a clamped pixel computes its
+  clamp's value again and is stored masked or with the same bits), a lane block ``lb``, and
+  the cell whose box list it walks. Shared by ROI align's and roi_pool's gradient kernels."""
+
+  def __init__(self, planes, n_lb, block_rows, block_cols, band_rows, band_cols):
+    pid = pl.program_id(0)
+    first, height, width, offset, first_cell, bands, cbands, groups, blocks, out = (
+        jnp.int32(v) for v in planes[0])
+    for p in planes[1:]:  # this program's level (static: a few levels)
+      later = pid >= p[0]
+      first, height, width, offset, first_cell, bands, cbands, groups, blocks, out = (
+          jnp.where(later, jnp.int32(new), old) for new, old in
+          zip(p, (first, height, width, offset, first_cell, bands, cbands, groups, blocks,
+                  out)))
+    local = pid - first  # (row group of an image, column block, lane block), the lanes fastest
+    self.lb = local % n_lb
+    cb = (local // n_lb) % blocks
+    group = local // (n_lb * blocks)
+    self.n, self.row0 = group // groups, (group % groups) * block_rows
+    self.col0 = cb * block_cols
+    self.cell = (first_cell + (self.n * bands + self.row0 // band_rows) * cbands
+                 + self.col0 // band_cols)
+    self.row_last = jnp.minimum(self.row0 + block_rows, height) - 1
+    self.col_last = jnp.minimum(self.col0 + block_cols, width) - 1
+    at = jnp.arange(block_rows * block_cols, dtype=I32)
+    self.raw_r, self.raw_c = self.row0 + at // block_cols, self.col0 + at % block_cols
+    self.r = jnp.minimum(self.raw_r, height - 1)
+    self.c = jnp.minimum(self.raw_c, width - 1)
+    self.height, self.width, self.offset, self.out = height, width, offset, out
+
+  def walk(self, count_ref, list_ref, ext_ref, n_boxes, visit, acc):
+    """``acc = visit(kk, acc)`` for the boxes ``kk`` of the cell's list, ascending, whose
+    extents (``ext_ref``: per box, the live rows' then columns' lowest and highest) meet the
+    tile (the next box's index loaded ahead)."""
+    count = count_ref[self.cell]
+
+    def box(t, carry):
+      acc, kk = carry
+      # The next box's index, issued before this box's work (the last step loads its own).
+      kk_next = list_ref[self.cell * n_boxes + jnp.minimum(t + 1, count - 1)]
+      hit = ((ext_ref[4 * kk] <= self.row_last) & (ext_ref[4 * kk + 1] >= self.row0)
+             & (ext_ref[4 * kk + 2] <= self.col_last) & (ext_ref[4 * kk + 3] >= self.col0))
+      return lax.cond(hit, functools.partial(visit, kk), lambda acc: acc, acc), kk_next
+
+    return lax.fori_loop(0, count, box, (acc, list_ref[self.cell * n_boxes]))[0]
+
+  def bin_columns(self, cext_ref, kk, pw):
+    """The first and last bin ``j`` of box ``kk`` whose live columns (``cext_ref``: per bin,
+    lowest and highest) meet the tile's (``pw`` and -1: none)."""
+    def col_range(j, carry):
+      lo, hi = carry
+      on = ((cext_ref[2 * (kk * pw + j)] <= self.col_last)
+            & (cext_ref[2 * (kk * pw + j) + 1] >= self.col0))
+      return jnp.where(on, jnp.minimum(lo, j), lo), jnp.where(on, j, hi)
+
+    return lax.fori_loop(0, pw, col_range, (jnp.int32(pw), jnp.int32(-1)))
+
+  def bin_rows(self, rext_ref, kk, ph, fn, acc):
+    """``acc = fn(i, acc)`` for the bin rows ``i`` of box ``kk``, ascending, whose live rows
+    meet the tile's."""
+    def row(i, acc):
+      on = ((rext_ref[2 * (kk * ph + i)] <= self.row_last)
+            & (rext_ref[2 * (kk * ph + i) + 1] >= self.row0))
+      return lax.cond(on, functools.partial(fn, i), lambda acc: acc, acc)
+
+    return lax.fori_loop(0, ph, row, acc)
+
+  def store(self, o_refs, lane, acc):
+    """The tile's sums into its level's output (one output per level, or the one)."""
+    def store(o_ref):
+      lane.store(o_ref, self.offset + (self.n * self.height + self.r) * self.width + self.c,
+                 acc.astype(o_ref.dtype),
+                 (self.raw_r < self.height) & (self.raw_c < self.width))
+
+    if len(o_refs) == 1:
+      store(o_refs[0])
+    for index, o_ref in enumerate(o_refs if len(o_refs) > 1 else ()):
+      pl.when(self.out == index)(functools.partial(store, o_ref))
+
+
+def schedule(base, ext, levels, copies: int, K: int, entries: int, block_rows: int,
+             block_cols: int, lanes: int, want: tuple[int, ...], max_lanes: int = GRAD_LANES,
+             cell: tuple[int, int] = (GRAD_BAND, GRAD_CBAND)):
+  """A gradient kernel's launch: the cells (``triton_levels.cells``, lists of at most about
+  ``entries`` / 4 entries), their box lists, the programs' plan (``planes``), the lane block
+  and the grid (lane blocks of at most ``max_lanes``; cells of at least ``cell`` pixels).
+  ``ext``: ``(K, 4)`` per box, the live rows' and columns' extents."""
+  band, cband = cells(levels, copies, K, max(2**20, entries // 4),
+                      max(cell[0], block_rows), max(cell[1], block_cols))
+  count, lists = box_lists(base, ext, levels, copies, band, cband)
+  block_lanes = min(_pow2(lanes), max_lanes)
+  n_lb = pl.cdiv(lanes, block_lanes)
+  plan = planes(levels, copies, band, cband, block_rows, block_cols, n_lb, want)
+  grid = (copies * sum(levels[p].images * -(-levels[p].height // block_rows)
+                       * -(-levels[p].width // block_cols) for p in want) * n_lb,)
+  return dict(band_rows=band, band_cols=cband, planes=plan, block_lanes=block_lanes,
+              block_rows=block_rows, block_cols=block_cols), count, lists, grid
+
+
 def _grad_kernel(count_ref, list_ref, ext_ref, rext_ref, cext_ref, iy_ref, ix_ref, wy_ref,
                  wx_ref, finite_ref, ct_ref, *o_refs, planes, band_rows, band_cols, n_boxes,
                  ph, pw, sy_n, sx_n, lanes, block_rows, block_cols, block_lanes, interpret):
   n_lb = pl.cdiv(lanes, block_lanes)
-  pid = pl.program_id(0)
-  first, height, width, offset, first_cell, bands, cbands, groups, blocks, out = (
-      jnp.int32(v) for v in planes[0])
-  for p in planes[1:]:  # this program's level (static: a few levels)
-    later = pid >= p[0]
-    first, height, width, offset, first_cell, bands, cbands, groups, blocks, out = (
-        jnp.where(later, jnp.int32(new), old) for new, old in
-        zip(p, (first, height, width, offset, first_cell, bands, cbands, groups, blocks, out)))
-  local = pid - first  # (row group of an image, column block, lane block), the lanes fastest
-  lb = local % n_lb
-  cb = (local // n_lb) % blocks
-  group = local // (n_lb * blocks)
-  n, row0 = group // groups, (group % groups) * block_rows
-  col0 = cb * block_cols
-  cell = first_cell + (n * bands + row0 // band_rows) * cbands + col0 // band_cols
-  row_last = jnp.minimum(row0 + block_rows, height) - 1
-  col_last = jnp.minimum(col0 + block_cols, width) - 1
-  lane = _Lanes(block_lanes, lanes, lb, interpret)
-  # The tile's pixels, row-major: (rows x cols) of them, clamped into the map (a clamped
-  # pixel computes its clamp's value again and is stored masked or with the same bits).
-  at = jnp.arange(block_rows * block_cols, dtype=I32)
-  raw_r, raw_c = row0 + at // block_cols, col0 + at % block_cols
-  r, c = jnp.minimum(raw_r, height - 1), jnp.minimum(raw_c, width - 1)
+  tile = Tile(planes, n_lb, block_rows, block_cols, band_rows, band_cols)
+  lane = _Lanes(block_lanes, lanes, tile.lb, interpret)
+  r, c = tile.r, tile.c
 
   def axis_weights(pixel, index_ref, weight_ref, first, n):
     """One bin's samples ``first .. first + n - 1`` along one axis: the summed weight of
@@ -298,48 +387,18 @@ def _grad_kernel(count_ref, list_ref, ext_ref, rext_ref, cext_ref, iy_ref, ix_re
 
     return lax.fori_loop(j_first, j_last + 1, one, (acc, fetch(j_first)))[0]
 
-  count = count_ref[cell]
+  def add(kk, acc):
+    j_first, j_last = tile.bin_columns(cext_ref, kk, pw)
 
-  def box(t, carry):
-    acc, kk = carry
-    # The next box's index, issued before this box's work (the last step loads its own).
-    kk_next = list_ref[cell * n_boxes + jnp.minimum(t + 1, count - 1)]
-    hit = ((ext_ref[4 * kk] <= row_last) & (ext_ref[4 * kk + 1] >= row0)
-           & (ext_ref[4 * kk + 2] <= col_last) & (ext_ref[4 * kk + 3] >= col0))
+    def rows(finite, acc):
+      return tile.bin_rows(rext_ref, kk, ph,
+                           functools.partial(bin_row, kk, j_first, j_last, finite), acc)
 
-    def add(acc):
-      def col_range(j, carry):  # the bins whose live corner columns meet the tile's
-        lo, hi = carry
-        on = ((cext_ref[2 * (kk * pw + j)] <= col_last)
-              & (cext_ref[2 * (kk * pw + j) + 1] >= col0))
-        return jnp.where(on, jnp.minimum(lo, j), lo), jnp.where(on, j, hi)
-
-      j_first, j_last = lax.fori_loop(0, pw, col_range, (jnp.int32(pw), jnp.int32(-1)))
-
-      def rows(finite, acc):
-        def row(i, acc):  # a bin row whose live corner rows meet the tile's
-          on = ((rext_ref[2 * (kk * ph + i)] <= row_last)
-                & (rext_ref[2 * (kk * ph + i) + 1] >= row0))
-          return lax.cond(on, functools.partial(bin_row, kk, j_first, j_last, finite, i),
-                          lambda acc: acc, acc)
-
-        return lax.fori_loop(0, ph, row, acc)
-
-      return lax.cond(finite_ref[kk] != 0, functools.partial(rows, True),
-                      functools.partial(rows, False), acc)
-
-    return lax.cond(hit, add, lambda acc: acc, acc), kk_next
+    return lax.cond(finite_ref[kk] != 0, functools.partial(rows, True),
+                    functools.partial(rows, False), acc)
 
   acc = jnp.zeros((block_rows * block_cols, block_lanes), F32)
-  acc = lax.fori_loop(0, count, box, (acc, list_ref[cell * n_boxes]))[0]
-  def store(o_ref):  # (into the program's level's output)
-    lane.store(o_ref, offset + (n * height + r) * width + c, acc.astype(o_ref.dtype),
-               (raw_r < height) & (raw_c < width))
-
-  if len(o_refs) == 1:
-    store(o_refs[0])
-  for index, o_ref in enumerate(o_refs if len(o_refs) > 1 else ()):
-    pl.when(out == index)(functools.partial(store, o_ref))
+  tile.store(o_refs, lane, tile.walk(count_ref, list_ref, ext_ref, n_boxes, add, acc))
 
 
 def feature_grad(base, iy, ix, wy, wx, ct, *, levels, dtype, interpret: bool, copies: int = 1,
@@ -356,25 +415,14 @@ def feature_grad(base, iy, ix, wy, wx, ct, *, levels, dtype, interpret: bool, co
   shapes = [(copies * levels[p].images * levels[p].height * levels[p].width, C) for p in want]
   if K == 0:
     return [jnp.zeros(s, dtype) for s in shapes]
-  block_rows = GRAD_ROWS
-  block_cols = min(GRAD_COLS, _pow2(max(lv.width for lv in levels)))
-  band, cband = cells(levels, copies, K, max(2**20, K * ph * pw * C // 4),
-                      max(GRAD_BAND, block_rows), max(GRAD_CBAND, block_cols))
   rext, cext = extents(iy, 2), extents(ix, 2)  # (K, ph, 2), (K, pw, 2)
   ext_y, ext_x = extents(iy, 3), extents(ix, 3)  # (K, 2)
   ext = jnp.concatenate([ext_y, ext_x], axis=1).astype(I32)  # (K, 4)
-  count, lists = box_lists(base, ext, levels, copies, band, cband)
-  ext = ext.reshape(-1)
-  block_lanes = min(_pow2(C), GRAD_LANES)
-  n_lb = pl.cdiv(C, block_lanes)
-  schedule = planes(levels, copies, band, cband, block_rows, block_cols, n_lb, want)
-  kernel = functools.partial(_grad_kernel, planes=schedule, band_rows=band, band_cols=cband,
-                             n_boxes=K, ph=ph,
-                             pw=pw, sy_n=sy_n, sx_n=sx_n, lanes=C, block_rows=block_rows,
-                             block_cols=block_cols, block_lanes=block_lanes,
-                             interpret=interpret)
-  grid = (copies * sum(levels[p].images * -(-levels[p].height // block_rows)
-                       * -(-levels[p].width // block_cols) for p in want) * n_lb,)
+  params, count, lists, grid = schedule(
+      base, ext, levels, copies, K, K * ph * pw * C, GRAD_ROWS,
+      min(GRAD_COLS, _pow2(max(lv.width for lv in levels))), C, want)
+  kernel = functools.partial(_grad_kernel, n_boxes=K, ph=ph, pw=pw, sy_n=sy_n, sx_n=sx_n,
+                             lanes=C, interpret=interpret, **params)
   n_ct = math.prod(ct.shape)
   # Per box: whether its cotangents are all finite (its terms then take the shorter form).
   finite = jnp.all(jnp.isfinite(ct.reshape(K, -1)), axis=1).astype(I32)
@@ -385,6 +433,7 @@ def feature_grad(base, iy, ix, wy, wx, ct, *, levels, dtype, interpret: bool, co
       cost_estimate=pl.CostEstimate(flops=4 * n_ct * sy_n * sx_n, transcendentals=0,
                                     bytes_accessed=4 * (n_ct * 2 * sy_n + rows * C)),
       **_call_kwargs(interpret, GRAD_WARPS))(
-          count, lists, ext, rext.reshape(-1).astype(I32), cext.reshape(-1).astype(I32),
+          count, lists, ext.reshape(-1), rext.reshape(-1).astype(I32),
+          cext.reshape(-1).astype(I32),
           iy.reshape(-1).astype(I32), ix.reshape(-1).astype(I32), wy.reshape(-1).astype(F32),
           wx.reshape(-1).astype(F32), finite, ct.reshape(K * ph * pw, C)))

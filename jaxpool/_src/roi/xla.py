@@ -179,19 +179,33 @@ def _pool_argmax(x, bins, base, width):
   return lax.fori_loop(0, ey * ex, body, init)[1]
 
 
-def roi_pool(x: jax.Array, image: jax.Array, coords: jax.Array,
-             cfg: PoolConfig) -> tuple[jax.Array, jax.Array]:
+def pick(rows, table):
+  """``table.reshape(-1)[rows * C + c]`` (-1: none, read as row 0) on XLA: linear in
+  ``table``, its transpose the deterministic sorted sum."""
+  C = table.shape[1]
+  elems = jnp.where(rows >= 0, rows * C + jnp.arange(C, dtype=rows.dtype)[None, None, None], -1)
+  return PICK.forward(elems, table, rows=table.shape[0])
+
+
+def roi_pool(x: jax.Array, image: jax.Array, coords: jax.Array, cfg: PoolConfig, *,
+             select=None) -> tuple[jax.Array, jax.Array]:
   """``(y, indices)`` ``(K, ph, pw, C)``: torchvision's max over each integer bin, and the
-  flat index ``h * W + w`` of each maximum in its image's plane (-1: none)."""
+  flat index ``h * W + w`` of each maximum in its image's plane (-1: none).
+
+  ``select(table, bins, base, ok)`` may give each bin's maxima: ``(rows, values)``, the table
+  rows of the maxima (``_pool_argmax``'s) and their values, differentiable in ``table`` as
+  :func:`pick` of the rows (the GPU kernels', ``kernels.py``); by default, XLA's."""
   table = flat_table((x,))
   (hs, he), (ws, we), base, width, ok, finite = pool_bins(image, coords, cfg)
   bins = ((hs, he), (ws, we))
   empty = (he <= hs)[:, :, None] | (we <= ws)[:, None, :]
   usable = (ok[:, None, None] & ~empty)[..., None]
-  rows = jnp.where(usable, _pool_argmax(table, bins, base, width), -1)
-  C = table.shape[1]
-  elems = jnp.where(rows >= 0, rows * C + jnp.arange(C, dtype=rows.dtype)[None, None, None], -1)
-  picked = PICK.forward(elems, table, rows=table.shape[0])
+  if select is None:
+    rows = jnp.where(usable, _pool_argmax(table, bins, base, width), -1)
+    picked = pick(rows, table)
+  else:
+    rows, picked = select(table, bins, base, ok)
+    rows = jnp.where(usable, rows, -1)
   fill = jnp.where(usable, POOL_FLOOR, 0.0).astype(x.dtype)
   y = jnp.where(rows >= 0, picked, fill)
   y = jnp.where(finite[:, None, None, None], y, jnp.nan).astype(x.dtype)
