@@ -480,7 +480,7 @@ def large_windows() -> list[str]:
 
 
 def roi() -> list[str]:
-  """docs/roi.md: the measured tables' rows (roi_align, roi_pool)."""
+  """docs/roi.md: the measured tables' rows (roi_align, a detection head's step, roi_pool)."""
   rows = []
   for c in load("roi_gpu_h200.json")["cases"]:
     r, tv = c["rows"], c["rows"]["torchvision"]
@@ -489,6 +489,10 @@ def roi() -> list[str]:
     rows.append(f"| {c['dtype']}, {grid} | {r['jaxpool']['fwd']['ms']:.3f} | "
                 f"{r['jaxpool']['fwd+dx']['ms']:.3f} | {tv_ms} | "
                 f"{r['plain_jnp']['fwd+dx']['ms']:.3f} | {r['jaxpool_xla']['fwd+dx']['ms']:.3f} |")
+  for c in load("detection_gpu_h200.json")["cases"]:
+    steps = [c["rows"][n]["step_ms"] for n in ("jaxpool", "jaxpool_xla", "plain_jnp",
+                                                "no_pooling")]
+    rows.append(f"| {c['dtype']} | " + " | ".join(f"{v:.3f}" for v in steps) + " |")
   for c in load("roi_pool_gpu_h200.json")["cases"]:
     r, tv = c["rows"], c["rows"]["torchvision"]
     tv_ms = (f"{tv['fwd_ms']:.3f} | {tv['fwd+dx_ms']:.3f}" if "fwd+dx_ms" in tv
