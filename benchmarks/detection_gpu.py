@@ -23,7 +23,6 @@ Writes ``benchmarks/results/detection_gpu_<device>.json``; ``--quick``: small sh
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -36,7 +35,7 @@ import jaxpool  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from result_path import device_tag, result_path  # noqa: E402
-from roi_gpu import (MASK_RCNN, STRIDES, make_case, plain_multi_scale_roi_align,  # noqa: E402
+from roi_gpu import (STRIDES, cli, make_case, plain_multi_scale_roi_align,  # noqa: E402
                      save, time_jax)
 
 CLASSES = 91
@@ -75,13 +74,7 @@ def step_fn(pool):
 
 
 def main():
-  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  ap.add_argument("--quick", action="store_true", help="small shapes, any device")
-  ap.add_argument("--out", help="the JSON's path (default: benchmarks/results/...)")
-  args = ap.parse_args()
-  dev = jax.devices()[0]
-  case = (dict(batch=1, image=(128, 192), channels=8, per_image=16, reps=3) if args.quick
-          else MASK_RCNN)
+  args, dev, case = cli(__doc__)
   grid = 7
   shapes = [case["image"]] * case["batch"]
   scales = tuple(1.0 / s for s in STRIDES)

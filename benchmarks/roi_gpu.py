@@ -316,14 +316,21 @@ def print_box_table(results):
           f"| {x['fwd+dx']['ms']:.3f} | {x['fwd+dx+dboxes']['ms']:.3f} |")
 
 
-def main():
-  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+QUICK = dict(batch=1, image=(128, 192), channels=8, per_image=16, sizes=[(7, 7)], reps=3)
+
+
+def cli(doc: str, parser=None):
+  """``(args, device, case)`` of a ROI benchmark's command line (``--quick``: small shapes,
+  :data:`QUICK`, else :data:`MASK_RCNN`; ``--out``)."""
+  ap = parser or argparse.ArgumentParser(description=doc.split("\n")[0])
   ap.add_argument("--quick", action="store_true", help="small shapes, any device")
-  ap.add_argument("--out", help="the JSON's path (default: benchmarks/results/roi_gpu_...)")
+  ap.add_argument("--out", help="the JSON's path (default: benchmarks/results/...)")
   args = ap.parse_args()
-  dev = jax.devices()[0]
-  case = (dict(batch=1, image=(128, 192), channels=8, per_image=16, sizes=[(7, 7)], reps=3)
-          if args.quick else MASK_RCNN)
+  return args, jax.devices()[0], QUICK if args.quick else MASK_RCNN
+
+
+def main():
+  args, dev, case = cli(__doc__)
   batch, image, channels, per_image, sizes, reps = (
       case[k] for k in ("batch", "image", "channels", "per_image", "sizes", "reps"))
   dtypes = [jnp.float32] if args.quick else [jnp.float32, jnp.bfloat16]

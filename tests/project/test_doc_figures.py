@@ -480,7 +480,8 @@ def large_windows() -> list[str]:
 
 
 def roi() -> list[str]:
-  """docs/roi.md: the measured tables' rows (roi_align, a detection head's step, roi_pool)."""
+  """docs/roi.md: the measured tables' rows (roi_align, its max mode, a detection head's step,
+  roi_pool)."""
   rows = []
   for c in load("roi_gpu_h200.json")["cases"]:
     r, tv = c["rows"], c["rows"]["torchvision"]
@@ -489,6 +490,11 @@ def roi() -> list[str]:
     rows.append(f"| {c['dtype']}, {grid} | {r['jaxpool']['fwd']['ms']:.3f} | "
                 f"{r['jaxpool']['fwd+dx']['ms']:.3f} | {tv_ms} | "
                 f"{r['plain_jnp']['fwd+dx']['ms']:.3f} | {r['jaxpool_xla']['fwd+dx']['ms']:.3f} |")
+  for c in load("roi_max_gpu_h200.json")["cases"]:
+    j, x = c["rows"]["jaxpool"], c["rows"]["jaxpool_xla"]
+    parts = ("fwd", "fwd+dx", "fwd+dx+dboxes")
+    rows.append(f"| {c['dtype']}, {'x'.join(map(str, c['output_size']))} | "
+                + " | ".join(f"{r[p]['ms']:.3f}" for r in (j, x) for p in parts) + " |")
   for c in load("detection_gpu_h200.json")["cases"]:
     steps = [c["rows"][n]["step_ms"] for n in ("jaxpool", "jaxpool_xla", "plain_jnp",
                                                 "no_pooling")]

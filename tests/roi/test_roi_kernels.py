@@ -316,20 +316,22 @@ def test_levels_and_images_withoutrandom_boxes():
 
 
 def test_the_registry_rule(monkeypatch):
-  """On an NVIDIA GPU, implementation=None runs the kernels for mode="avg" and the XLA path for
-  mode="max"; implementation="pallas" refuses it, naming why (roi_pool's kernels:
-  test_roi_pool_kernels.py)."""
+  """On an NVIDIA GPU, implementation=None runs the kernels for both modes, and the XLA path
+  for the max mode with per-image boxes; implementation="pallas" refuses that, naming why
+  (roi_pool's kernels: test_roi_pool_kernels.py)."""
   x = jnp.ones((1, 4, 4, 2))
   lv = (Level(1, 4, 4, 1.0, 0),)
   avg = AlignConfig((2, 2), lv, 2, (2, 2), True, "avg")
   mx = AlignConfig((2, 2), lv, 2, (2, 2), True, "max")
+  mx_per_image = AlignConfig((2, 2), lv, 2, (2, 2), True, "max", per_image=1)
   monkeypatch.delenv(dispatch.ENV, raising=False)
   for where, expected in (("cuda", "pallas"), ("cpu", "xla")):
     monkeypatch.setattr(dispatch, "platform", lambda w=where: w)
     assert dispatch.choose("roi_align", None, x, None, config=avg).name == expected
-    assert dispatch.choose("roi_align", None, x, None, config=mx).name == "xla"
-  with pytest.raises(ValueError, match="mode='max' runs on the XLA path"):
-    jaxpool.roi_align(x, jnp.array([[0, 0., 0., 2., 2.]]), 2, mode="max",
+    assert dispatch.choose("roi_align", None, x, None, config=mx).name == expected
+    assert dispatch.choose("roi_align", None, x, None, config=mx_per_image).name == "xla"
+  with pytest.raises(ValueError, match="per-image boxes .N, K, 4. run it on the XLA path"):
+    jaxpool.roi_align(x, jnp.array([[[0., 0., 2., 2.]]]), 2, mode="max",
                       implementation="pallas")
   assert "TPU" in dispatch.PALLAS_TPU.supports(dispatch.Op.ROI_ALIGN, x, None, None, avg)
 

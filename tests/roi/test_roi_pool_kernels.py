@@ -137,6 +137,7 @@ def test_out_of_range_image_under_jit(rng):
   assert (np.asarray(ours[1][3]) == -1).all()
 
 
+@pytest.mark.slow
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 2**16), ph=st.integers(1, 4), pw=st.integers(1, 4),
        scale=st.sampled_from([1.0, 0.5, 0.25]), k=st.integers(0, 6))
@@ -225,3 +226,20 @@ def test_gpu_kernels_match_xla_and_torchvision(dtype):
   np.testing.assert_array_equal(ours[0], ty.detach().permute(0, 2, 3, 1).cpu().numpy())
   np.testing.assert_allclose(ours[2], tx.grad.permute(0, 2, 3, 1).cpu().numpy(), rtol=1e-5,
                              atol=1e-5)
+
+
+def test_outputs_past_int32_indexing_leave_the_kernels():
+  """Outputs of 2**31 elements or more (65,536 boxes x 7x7 x 1,024 channels) take the XLA
+  path: the kernels index in int32 (found in review: the kernels took them)."""
+  from jaxpool._src.roi import kernels
+
+  def f(x, boxes):
+    cfg = PoolConfig((7, 7), Level(2, 10, 15, 1.0, 0))
+    return kernels.roi_pool(x, boxes[:, 0].astype(jnp.int32), boxes[:, 1:], cfg,
+                            interpret=False)[0]
+
+  for boxes, calls in ((65536, 0), (64, 1)):
+    args = (jax.ShapeDtypeStruct((2, 10, 15, 1024), jnp.float32),
+            jax.ShapeDtypeStruct((boxes, 5), jnp.float32))
+    text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("xla.gpu.triton") == calls, boxes

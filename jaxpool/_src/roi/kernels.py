@@ -8,7 +8,8 @@ They are the implementation of a second primitive of the form, ``roi_kernel_p``
 (``primitive.define``: the same JVP and transpose rules). So ``jax.grad`` through
 :func:`roi_align` with respect to the features and the boxes runs kernels only (JAX's autodiff
 of the plan, ``plan.py``, turns the corner weights' gradients into the boxes'); forward mode
-and higher orders compose the same way. The max mode (``has_taps``) runs the XLA path's form.
+and higher orders compose the same way. The max mode (``has_taps``): its taps and forward on the
+kernels of ``triton_max.py``, its gradients on the XLA path's form.
 
 The feature maps reach the kernels as they are: each level's map reshaped to a table
 ``(N * H * W, C)`` (free), one operand each (the form's ``"x"`` group), never concatenated;
@@ -27,7 +28,8 @@ they split along the batch, each device running them on its own images (``partit
 ``roi_align`` and ``multi_scale_roi_align`` with ``mode="avg"`` in float32, bfloat16 and
 float16 (a static sample grid: ``sampling_ratio > 0``, or the ``max_samples`` grid of the
 adaptive count, whose padding samples are dead), maps not split over an Explicit mesh;
-``mode="max"`` runs on XLA. :func:`roi_pool` runs its argmax and its gradient on the kernels of
+``mode="max"`` with boxes ``(K, 5)`` or a list (its gradients on the XLA path's form; per-image
+boxes on the XLA path). :func:`roi_pool` runs its argmax and its gradient on the kernels of
 ``triton_pool.py`` (the same dtypes and maps), the rest as the XLA path.
 """
 
@@ -75,15 +77,14 @@ def unsupported(x: jax.Array, config: Any) -> str | None:
   channels last; ``config``: the call's ``AlignConfig`` or ``PoolConfig`` (roi_pool)."""
   pool = isinstance(config, PoolConfig)
   what = "roi_pool" if pool else "ROI align"
-  if not pool and config.mode != "avg":
-    return (f"the ROI align kernels average the samples; mode={config.mode!r} runs on the XLA "
-            f"path")
+  if not pool and config.mode != "avg" and config.per_image:
+    return (f"the ROI align kernels take mode={config.mode!r} with boxes (K, 5) or a list; "
+            f"per-image boxes (N, K, 4) run it on the XLA path")
   if np.dtype(x.dtype) not in _DTYPES:
     return f"the {what} kernels take float32, bfloat16 and float16, not {np.dtype(x.dtype)}"
   spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None)
   if spec is not None and any(p is not None for p in spec):
-    return (f"the {what} kernels take maps that are not split over an Explicit mesh (the "
-            "XLA path serves them)")
+    return f"the {what} kernels take maps that are not split over an Explicit mesh"
   levels = (config.level,) if pool else config.levels
   pixels = sum(lv.images * lv.height * lv.width for lv in levels)
   if pixels * int(x.shape[-1]) > MAX_ELEMENTS:
@@ -113,25 +114,35 @@ def _impl(*operands, wrt, has_taps, dtype, parts, want=(), kernel: KernelOptions
   ops = form.grouped(form.operand_names(wrt, has_taps, len(parts)), operands)
   table_rows = kernel.copies * sum(lv.images * lv.height * lv.width for lv in kernel.levels)
   planes = kernel.copies * sum(lv.images for lv in kernel.levels)
-  if has_taps or _too_large(ops, table_rows, planes):
-    # (the max mode, and sizes the kernels' int32 indexing cannot reach: XLA)
+  from jaxpool._src.roi import triton_max  # (Pallas, imported when traced)
+  big_grid = ops["iy"].shape[2] * ops["ix"].shape[2] > triton_max.MAX_GRAD_SAMPLES
+  if (has_taps and wrt == "x" and big_grid) or _too_large(ops, table_rows, planes):
+    # (the max mode's feature gradient on grids of many samples a bin, and sizes the kernels'
+    # int32 indexing cannot reach: XLA)
     return form.evaluate(*operands, wrt=wrt, has_taps=has_taps, dtype=dtype, parts=parts,
                          want=want)
   levels = tuple(kernel.copies * lv.images * lv.height * lv.width for lv in kernel.levels)
   if parts != levels:
     raise AssertionError(f"tables of {parts} rows for {kernel}")
   from jaxpool._src.roi import triton, triton_boxes  # (Pallas, imported when traced)
+  taps = ops.get("taps")
   if wrt in ("wy", "wx"):
     return [triton_boxes.corner_grad(wrt, ops["base"], ops["stride"], ops["iy"], ops["ix"],
                                      ops["wx" if wrt == "wy" else "wy"], ops["x"], ops["ct"],
-                                     dtype=jnp.dtype(dtype), interpret=kernel.interpret)]
+                                     dtype=jnp.dtype(dtype), interpret=kernel.interpret,
+                                     taps=taps)]
+  if wrt == "ct" and has_taps:
+    return [triton_max.at_taps(ops["base"], ops["stride"], ops["iy"], ops["ix"], ops["wy"],
+                               ops["wx"], ops["taps"], ops["x"], dtype=jnp.dtype(dtype),
+                               interpret=kernel.interpret)]
   if wrt == "ct":
     return [triton.forward(ops["base"], ops["stride"], ops["iy"], ops["ix"], ops["wy"],
                            ops["wx"], ops["x"], dtype=jnp.dtype(dtype),
                            interpret=kernel.interpret)]
   return triton.feature_grad(ops["base"], ops["iy"], ops["ix"], ops["wy"], ops["wx"],
                              ops["ct"], levels=kernel.levels, copies=kernel.copies, want=want,
-                             dtype=jnp.dtype(dtype), interpret=kernel.interpret)
+                             dtype=jnp.dtype(dtype), interpret=kernel.interpret, taps=taps,
+                             taps_kernel=triton_max.grad_kernel)
 
 
 def _impl_batched(*operands, wrt, has_taps, dtype, parts, want, kernel: KernelOptions):
@@ -214,7 +225,14 @@ def _roi_align(maps, image, coords, level, cfg: AlignConfig, interpret: bool) ->
   def bind(wrt, *, batched=False, **kw):
     return primitive.bind_to(roi_kernel_p, wrt, extra=dict(kernel=options, batched=batched), **kw)
 
-  return roi_xla.roi_align(maps, image, coords, level, cfg, bind=bind)
+  def find_taps(ops, counts, maps):  # (the max mode's selected samples: not differentiated)
+    from jaxpool._src.roi import triton_max
+    ops = {k: lax.stop_gradient(v) for k, v in ops.items()}
+    return triton_max.taps(ops["base"], ops["stride"], ops["iy"], ops["ix"], ops["wy"],
+                           ops["wx"], lax.stop_gradient(roi_xla.tables(maps)), *counts,
+                           interpret=interpret)
+
+  return roi_xla.roi_align(maps, image, coords, level, cfg, bind=bind, taps=find_taps)
 
 
 _roi_align_jit = jax.jit(_roi_align, static_argnums=(4, 5))
@@ -224,8 +242,9 @@ def roi_align(maps: tuple[jax.Array, ...], image: jax.Array, coords: jax.Array,
               level: jax.Array, cfg: AlignConfig, *, interpret: bool) -> jax.Array:
   """The XLA path's ``roi_align`` (``xla.py``) with the average's sampled sum and its
   derivatives (the feature gradient, the corner weights' gradients) on the kernels, the maps
-  their operands as they are (no copy): ``(K, ph, pw, C)``."""
-  assert cfg.mode == "avg" and math.prod(cfg.output_size) > 0
+  their operands as they are (no copy): ``(K, ph, pw, C)``; the max mode's taps and values on
+  the kernels (``triton_max.py``), its gradients on the XLA path's form."""
+  assert math.prod(cfg.output_size) > 0
   return _roi_align_jit(maps, image, coords, level, cfg, interpret)
 
 
@@ -277,6 +296,10 @@ def _maxima_jvp(level, interpret, primals, tangents):
 
 
 def _roi_pool(x, image, coords, cfg: PoolConfig, interpret: bool):
+  K, C = image.shape[0], x.shape[-1]
+  if K * math.prod(cfg.output_size) * C > MAX_ELEMENTS or x.shape[0] * K > MAX_ELEMENTS:
+    # (outputs or box lists past the kernels' int32 indexing: the XLA path)
+    return roi_xla.roi_pool(x, image, coords, cfg)
   from jaxpool._src.roi import triton_pool  # (Pallas, imported when traced)
 
   def select(table, bins, base, ok):

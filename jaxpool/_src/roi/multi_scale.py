@@ -24,7 +24,7 @@ from jaxpool._src.checks import check_bool, check_name, is_int
 from jaxpool._src.roi.api import (Boxes, Mode, check_elements, check_maps, check_sampling,
                                   finite_number, output_size_pair, positive_scale, sample_grid,
                                   split_boxes)
-from jaxpool._src.roi.plan import MODES, AlignConfig, Level, exact_quotient
+from jaxpool._src.roi.plan import MODES, AlignConfig, Level
 from jaxpool._src.windows import DATA_FORMATS
 
 
@@ -63,7 +63,7 @@ def map_levels(coords: jax.Array, scales: tuple[float, ...], canonical_scale: fl
   k_max = int(-math.log2(scales[-1]))
   c = jax.lax.stop_gradient(coords.astype(jnp.float32))
   area = (c[:, 2] - c[:, 0]) * (c[:, 3] - c[:, 1])
-  lvl = jnp.floor(canonical_level + jnp.log2(exact_quotient(jnp.sqrt(area), canonical_scale))
+  lvl = jnp.floor(canonical_level + jnp.log2(jnp.sqrt(area) / canonical_scale)
                   + jnp.float32(eps))
   lvl = jnp.where(jnp.isnan(lvl), k_min, jnp.clip(lvl, k_min, k_max))
   return lvl.astype(jnp.int32) - k_min

@@ -106,10 +106,12 @@ def divide_by_count(a: jax.Array, n: int) -> jax.Array:
   be correctly rounded, and XLA turns a division by a constant into a product with its
   inverse. It matters where a whole quotient meets ``floor`` or ``ceil`` (roi_pool's bin
   edges, ROI align's adaptive sample count: 11 / 7 * 7 is 11 in float32, 11 * (1 / 7) * 7 is
-  not). Integer long division of ``a``'s 24-bit significand by ``n``: exact."""
+  not). Integer long division of ``a``'s 24-bit significand by ``n`` (below 2**24): exact."""
   n = int(n)
   if n & (n - 1) == 0:  # (a power of two: a product with its inverse is exact)
     return a * (1.0 / n)
+  if n >= 2**24:  # (past the long division's int32 range; no grid is that large)
+    return exact_quotient(a, n)
   extra = n.bit_length() + 1  # (quotient bits past the significand's: 25 or 26 in all)
   m, e = jnp.frexp(jnp.abs(a))
   sig = (m * 2.0**24).astype(I32)  # |a| = sig * 2**(e - 24), sig < 2**24
@@ -125,7 +127,7 @@ def divide_by_count(a: jax.Array, n: int) -> jax.Array:
   top = jnp.right_shift(q, drop)
   up = (drop > 0) & ((low > half) | ((low == half) & ((r != 0) | (top & 1 == 1))))
   out = jnp.ldexp((top + up.astype(I32)).astype(F32), e - 24 - extra + drop)
-  out = jnp.where(a < 0, -out, out)
+  out = jnp.copysign(out, a)
   return jnp.where(jnp.isfinite(a), out, a / n)
 
 

@@ -159,21 +159,30 @@ def bin_row_program(ph, pw, lanes, block_cols, block_lanes, interpret):
   return ki // ph, ki % ph, lane, jnp.minimum(cols, pw - 1), col_mask
 
 
-def _forward_kernel(base_ref, stride_ref, iy_ref, ix_ref, wy_ref, wx_ref, *refs, starts, ph,
-                    pw, sy_n, sx_n, lanes, block_cols, block_lanes, interpret):
-  *x_refs, o_ref = refs  # (the levels' tables, then the output)
-  k, i, lane, j, col_mask = bin_row_program(ph, pw, lanes, block_cols, block_lanes, interpret)
+def sample_values(refs, k, i, j, lane, *, starts, ph, pw, sy_n, sx_n, step, init, alive=None):
+  """Bin row ``i`` of box ``k`` (its bins ``j``, a block of channels ``lane``): ``carry =
+  step(s, v, carry)`` from ``init`` for each sample ``s = sy * sx_n + sx`` in row-major order,
+  ``v`` its bilinear value ``(cols, lanes)`` in float32 (the four corners gathered as channel
+  vectors and added in torchvision's order, each ``where(live, (wy * wx) * x, 0)``), read from
+  the box's level's table. ``refs``: ``(base, stride, iy, ix, wy, wx)`` refs and the levels'
+  tables. A loop over more than ``UNROLL`` samples skips those ``alive`` (a pair of
+  predicates on ``sy`` and ``sx``) calls dead; by default the dead samples (all corners -1),
+  whose ``v`` is +0."""
+  base_ref, stride_ref, iy_ref, ix_ref, wy_ref, wx_ref, x_refs = refs
   stride = stride_ref[k]
+  if alive is None:
+    alive = (lambda sy: iy_ref[((k * ph + i) * sy_n + sy) * 2] >= 0,
+             lambda sx: jnp.max(load(ix_ref, (((k * pw + j) * sx_n + sx) * 2,))) >= 0)
 
   def level_sum(level, base):  # (the box's level's table, its first row there)
     x_ref = x_refs[level]
 
-    def row_sample(sy, acc):
+    def row_sample(sy, carry):
       at_y = [((k * ph + i) * sy_n + sy) * 2 + a for a in (0, 1)]
       r = [iy_ref[at] for at in at_y]
       u = [wy_ref[at] for at in at_y]
 
-      def col_sample(sx, acc):
+      def col_sample(sx, carry):
         at_x = [((k * pw + j) * sx_n + sx) * 2 + b for b in (0, 1)]
         c = [load(ix_ref, (at,)) for at in at_x]
         t = [load(wx_ref, (at,)) for at in at_x]
@@ -185,19 +194,23 @@ def _forward_kernel(base_ref, stride_ref, iy_ref, ix_ref, wy_ref, wx_ref, *refs,
             live = (r[a] >= 0) & (c[b] >= 0)
             term = jnp.where(live[:, None], (u[a] * t[b])[:, None] * g, 0.0)
             v = term if v is None else v + term
-        return acc + v
+        return step(sy * sx_n + sx, v, carry)
 
-      def col_alive(sx):
-        return jnp.max(load(ix_ref, (((k * pw + j) * sx_n + sx) * 2,))) >= 0
+      return _over(sx_n, col_sample, carry, alive[1])
 
-      return _over(sx_n, col_sample, acc, col_alive)
+    return _over(sy_n, row_sample, init, alive[0])
 
-    def row_alive(sy):
-      return iy_ref[((k * ph + i) * sy_n + sy) * 2] >= 0
+  return on_level(base_ref[k], starts, level_sum)
 
-    return _over(sy_n, row_sample, jnp.zeros((block_cols, block_lanes), F32), row_alive)
 
-  acc = on_level(base_ref[k], starts, level_sum)
+def _forward_kernel(base_ref, stride_ref, iy_ref, ix_ref, wy_ref, wx_ref, *refs, starts, ph,
+                    pw, sy_n, sx_n, lanes, block_cols, block_lanes, interpret):
+  *x_refs, o_ref = refs  # (the levels' tables, then the output)
+  k, i, lane, j, col_mask = bin_row_program(ph, pw, lanes, block_cols, block_lanes, interpret)
+  acc = sample_values((base_ref, stride_ref, iy_ref, ix_ref, wy_ref, wx_ref, x_refs), k, i, j,
+                      lane, starts=starts, ph=ph, pw=pw, sy_n=sy_n, sx_n=sx_n,
+                      step=lambda s, v, acc: acc + v,
+                      init=jnp.zeros((block_cols, block_lanes), F32))
   lane.store(o_ref, (k * ph + i) * pw + j, acc.astype(o_ref.dtype), col_mask)
 
 
@@ -205,6 +218,15 @@ def forward(base, stride, iy, ix, wy, wx, x, *, dtype, interpret: bool) -> jax.A
   """The form's ``wrt="ct"`` of the average: ``(K, ph, pw, C)``, the float32 sums rounded
   once to ``dtype``. ``x``: the levels' tables ``(P_l, C)`` (a tuple, or one table), ``base``
   a row of their concatenation (``triton_levels``); the rest as ``plan.align_plan``'s."""
+  return bin_row_call(_forward_kernel, base, stride, iy, ix, wy, wx, x, (), dtype=dtype,
+                      name="jaxpool_roi_align_fwd", interpret=interpret)
+
+
+def bin_row_call(body, base, stride, iy, ix, wy, wx, x, extra, *, dtype, name, interpret,
+                 **static):
+  """A kernel of one program per box, bin row and block of channels (:func:`bin_row_program`)
+  over the plan and the levels' tables ``x``: ``body(base, stride, iy, ix, wy, wx, *extra,
+  *x, out, **static, starts=, ph=, ...)`` writing ``(K, ph, pw, C)`` in ``dtype``."""
   x = tuple(x) if isinstance(x, (tuple, list)) else (x,)
   K, ph, sy_n, _ = iy.shape
   pw, sx_n = ix.shape[1:3]
@@ -213,22 +235,20 @@ def forward(base, stride, iy, ix, wy, wx, x, *, dtype, interpret: bool) -> jax.A
     return jnp.zeros((0, ph, pw, C), dtype)
   block_cols = _pow2(pw)
   block_lanes = min(_pow2(C), FWD_LANES, max(16, FWD_TILE // block_cols))
-  kernel = functools.partial(_forward_kernel, starts=form.starts(tuple(a.shape[0] for a in x)),
+  kernel = functools.partial(body, starts=form.starts(tuple(a.shape[0] for a in x)),
                              ph=ph, pw=pw, sy_n=sy_n, sx_n=sx_n, lanes=C,
                              block_cols=block_cols, block_lanes=block_lanes,
-                             interpret=interpret)
-  grid = (K * ph * pl.cdiv(C, block_lanes),)
+                             interpret=interpret, **static)
   n_out = K * ph * pw * C
   out = pl.pallas_call(
-      kernel, out_shape=out_struct((K * ph * pw, C), dtype, x[0]), grid=grid,
-      interpret=interpret,
-      name="jaxpool_roi_align_fwd",
+      kernel, out_shape=out_struct((K * ph * pw, C), dtype, x[0]),
+      grid=(K * ph * pl.cdiv(C, block_lanes),), interpret=interpret, name=name,
       cost_estimate=pl.CostEstimate(flops=8 * n_out * sy_n * sx_n, transcendentals=0,
                                     bytes_accessed=4 * n_out * (1 + 4 * sy_n * sx_n)),
       **_call_kwargs(interpret))(
           base.astype(I32), stride.astype(I32), iy.reshape(-1).astype(I32),
           ix.reshape(-1).astype(I32), wy.reshape(-1).astype(F32), wx.reshape(-1).astype(F32),
-          *x)
+          *extra, *x)
   return out.reshape(K, ph, pw, C)
 
 
@@ -402,12 +422,14 @@ def _grad_kernel(count_ref, list_ref, ext_ref, rext_ref, cext_ref, iy_ref, ix_re
 
 
 def feature_grad(base, iy, ix, wy, wx, ct, *, levels, dtype, interpret: bool, copies: int = 1,
-                 want: tuple[int, ...] | None = None) -> list[jax.Array]:
-  """The form's ``wrt="x"`` of the average: the feature gradient of each level in ``want``
-  (default: all), ``(copies * N_l * H_l * W_l, C)`` each in ``dtype``, written by the kernel's
-  programs of that level (one call). ``levels`` (``plan.Level``) and ``copies``: the tables
-  ``base`` addresses (``copies`` copies of each level one after the other, level by level:
-  ``triton_levels``)."""
+                 want: tuple[int, ...] | None = None, taps=None,
+                 taps_kernel=None) -> list[jax.Array]:
+  """The form's ``wrt="x"``: the feature gradient of each level in ``want`` (default: all),
+  ``(copies * N_l * H_l * W_l, C)`` each in ``dtype``, written by the kernel's programs of that
+  level (one call). ``levels`` (``plan.Level``) and ``copies``: the tables ``base`` addresses
+  (``copies`` copies of each level one after the other, level by level: ``triton_levels``).
+  ``taps``: the max mode's selected samples, with ``taps_kernel`` its kernel
+  (``triton_max.grad_kernel``); None: the average."""
   K, ph, sy_n, _ = iy.shape
   pw, sx_n = ix.shape[1:3]
   C = ct.shape[-1]
@@ -421,11 +443,16 @@ def feature_grad(base, iy, ix, wy, wx, ct, *, levels, dtype, interpret: bool, co
   params, count, lists, grid = schedule(
       base, ext, levels, copies, K, K * ph * pw * C, GRAD_ROWS,
       min(GRAD_COLS, _pow2(max(lv.width for lv in levels))), C, want)
-  kernel = functools.partial(_grad_kernel, n_boxes=K, ph=ph, pw=pw, sy_n=sy_n, sx_n=sx_n,
+  if taps is None:
+    body = _grad_kernel
+    # Per box: whether its cotangents are all finite (its terms then take the shorter form).
+    per_box = jnp.all(jnp.isfinite(ct.reshape(K, -1)), axis=1).astype(I32)
+  else:
+    body = taps_kernel
+    per_box = taps.reshape(K * ph * pw, C).astype(I32)
+  kernel = functools.partial(body, n_boxes=K, ph=ph, pw=pw, sy_n=sy_n, sx_n=sx_n,
                              lanes=C, interpret=interpret, **params)
   n_ct = math.prod(ct.shape)
-  # Per box: whether its cotangents are all finite (its terms then take the shorter form).
-  finite = jnp.all(jnp.isfinite(ct.reshape(K, -1)), axis=1).astype(I32)
   rows = sum(s[0] for s in shapes)
   return list(pl.pallas_call(
       kernel, out_shape=tuple(out_struct(s, dtype, ct) for s in shapes), grid=grid,
@@ -436,4 +463,4 @@ def feature_grad(base, iy, ix, wy, wx, ct, *, levels, dtype, interpret: bool, co
           count, lists, ext.reshape(-1), rext.reshape(-1).astype(I32),
           cext.reshape(-1).astype(I32),
           iy.reshape(-1).astype(I32), ix.reshape(-1).astype(I32), wy.reshape(-1).astype(F32),
-          wx.reshape(-1).astype(F32), finite, ct.reshape(K * ph * pw, C)))
+          wx.reshape(-1).astype(F32), per_box, ct.reshape(K * ph * pw, C)))

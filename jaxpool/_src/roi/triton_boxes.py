@@ -51,9 +51,10 @@ F32 = jnp.float32
 I32 = jnp.int32
 
 
-def _kernel(base_ref, stride_ref, own_ref, other_ref, w_ref, ct_ref, *refs, starts, own_y, ph,
-            pw, s_own, s_other, lanes, block_bins, block_lanes, interpret):
-  *x_refs, o_ref = refs  # (the levels' tables, then the output)
+def _kernel(base_ref, stride_ref, own_ref, other_ref, w_ref, ct_ref, *refs, has_taps, starts,
+            own_y, ph, pw, s_own, s_other, lanes, block_bins, block_lanes, interpret):
+  # (the max mode's taps, then the levels' tables, then the output)
+  taps_ref, *x_refs, o_ref = refs if has_taps else (None, *refs)
   n_own, n_other = (ph, pw) if own_y else (pw, ph)
   pid = pl.program_id(0)
   k, o = pid // n_own, pid % n_own
@@ -67,24 +68,29 @@ def _kernel(base_ref, stride_ref, own_ref, other_ref, w_ref, ct_ref, *refs, star
   if n_lb == 1:
     lane = _Lanes(block_lanes, lanes, 0, interpret)
     ct_whole = load(ct_ref, lane.tile(ct_rows)).astype(F32)
+    taps_whole = load(taps_ref, lane.tile(ct_rows)) if has_taps else None
 
   def level_grad(level, base):  # (the box's level's table, its first row there)
     x_ref = x_refs[level]
 
-    def block_dot(rows, lb, ct=None):
-      """The tile's channel block ``lb``: ``sum_c ct * x[rows]`` per bin (clamped lanes add 0)."""
+    def block_dot(rows, lb, sample, ct=None, taps=None):
+      """The tile's channel block ``lb``: ``sum_c ct * x[rows]`` per bin (clamped lanes add 0;
+      with taps, the channels whose tap is ``sample``)."""
       lane = _Lanes(block_lanes, lanes, lb, interpret)
       if ct is None:
         ct = load(ct_ref, lane.tile(ct_rows)).astype(F32)
+        taps = load(taps_ref, lane.tile(ct_rows)) if has_taps else None
       prod = ct * load(x_ref, lane.tile(rows)).astype(F32)
+      if has_taps:
+        prod = jnp.where(taps == sample, prod, 0.0)
       if lane.mask is not None:
         prod = jnp.where(lane.mask[None, :], prod, 0.0)
       return jnp.sum(prod, axis=1)
 
-    def dot(rows):
+    def dot(rows, sample):
       if n_lb == 1:
-        return block_dot(rows, 0, ct_whole)
-      return lax.fori_loop(0, n_lb, lambda lb, acc: acc + block_dot(rows, lb),
+        return block_dot(rows, 0, sample, ct_whole, taps_whole)
+      return lax.fori_loop(0, n_lb, lambda lb, acc: acc + block_dot(rows, lb, sample),
                            jnp.zeros((block_bins,), F32))
 
     def own_sample(s, acc):
@@ -102,7 +108,8 @@ def _kernel(base_ref, stride_ref, own_ref, other_ref, w_ref, ct_ref, *refs, star
             y, x = (p[a], q[b]) if own_y else (q[b], p[a])
             rows = base + jnp.maximum(y, 0) * stride + jnp.maximum(x, 0)
             live = (p[a] >= 0) & (q[b] >= 0)
-            term = jnp.where(live, dot(rows), 0.0) * w[b]
+            sample = s * s_other + t if own_y else t * s_own + s  # (row-major: sy, sx)
+            term = jnp.where(live, dot(rows, sample), 0.0) * w[b]
             v = term if v is None else v + term
           if bin_mask is not None:
             v = jnp.where(bin_mask, v, 0.0)
@@ -129,13 +136,14 @@ def _kernel(base_ref, stride_ref, own_ref, other_ref, w_ref, ct_ref, *refs, star
   out.store(o_ref, jnp.full((1,), k * n_own + o, I32), acc[None, :].astype(o_ref.dtype))
 
 
-def corner_grad(wrt: str, base, stride, iy, ix, w, x, ct, *, dtype,
-                interpret: bool) -> jax.Array:
+def corner_grad(wrt: str, base, stride, iy, ix, w, x, ct, *, dtype, interpret: bool,
+                taps=None) -> jax.Array:
   """The form's ``wrt`` of the average for ``wrt`` ``"wy"`` (``w`` is ``wx``) or ``"wx"``
   (``w`` is ``wy``): the gradient of the corner weights along that axis, ``iy``'s shape
   ``(K, ph, Sy, 2)`` or ``ix``'s ``(K, pw, Sx, 2)``, in ``dtype``. ``x``: the levels' tables
   ``(P_l, C)`` (a tuple, or one table), ``base`` a row of their concatenation
-  (``triton_levels``); ``ct``: ``(K, ph, pw, C)``; the rest as ``plan.align_plan``'s."""
+  (``triton_levels``); ``ct``: ``(K, ph, pw, C)``; ``taps``: the max mode's selected samples
+  (``(K, ph, pw, C)``; None: the average); the rest as ``plan.align_plan``'s."""
   assert wrt in ("wy", "wx"), wrt
   x = tuple(x) if isinstance(x, (tuple, list)) else (x,)
   own_y = wrt == "wy"
@@ -149,7 +157,8 @@ def corner_grad(wrt: str, base, stride, iy, ix, w, x, ct, *, dtype,
     return jnp.zeros(own.shape, dtype)
   block_bins = _pow2(n_other)
   block_lanes = min(_pow2(C), FWD_LANES, max(16, FWD_TILE // block_bins))
-  kernel = functools.partial(_kernel, starts=form.starts(tuple(a.shape[0] for a in x)),
+  kernel = functools.partial(_kernel, has_taps=taps is not None,
+                             starts=form.starts(tuple(a.shape[0] for a in x)),
                              own_y=own_y, ph=ph, pw=pw, s_own=s_own, s_other=s_other,
                              lanes=C, block_bins=block_bins, block_lanes=block_lanes,
                              interpret=interpret)
@@ -162,5 +171,6 @@ def corner_grad(wrt: str, base, stride, iy, ix, w, x, ct, *, dtype,
       **_call_kwargs(interpret))(
           base.astype(I32), stride.astype(I32), own.reshape(-1).astype(I32),
           other.reshape(-1).astype(I32), w.reshape(-1).astype(F32),
-          ct.reshape(K * ph * pw, C), *x)
+          ct.reshape(K * ph * pw, C),
+          *(() if taps is None else (taps.reshape(K * ph * pw, C).astype(I32),)), *x)
   return out.reshape(own.shape)

@@ -1,9 +1,10 @@
 """roi_pool's GPU kernels (Pallas Triton): each bin's argmax and the gradient to it.
 
 ``roi_pool`` on the kernels (``kernels.py``) is the XLA path's (``xla.roi_pool``) with two of
-its parts replaced: the argmax over each integer bin, and the transpose of the gather of the
-maxima (the feature gradient). The gather itself, ``y = x[argmax]``, stays an XLA gather (a
-linear map of the features, so forward mode and ``vmap`` compose as on the XLA path).
+its parts replaced: each bin's argmax and maximum, and the feature gradient. The maxima
+differentiate as the gather ``x[argmax]`` (a linear map of the features, an XLA gather, which
+runs only for a tangent: forward mode and ``vmap`` compose as on the XLA path), whose transpose
+is the gradient kernel.
 
 **Argmax** (:func:`argmax`): one program per (box ``k``, bin row ``i``, block of channels), the
 bin row's ``pw`` bins as a ``(cols, lanes)`` tile. It walks the bin row's pixel rows

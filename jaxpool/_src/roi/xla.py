@@ -77,7 +77,7 @@ def _mean_weights(ops: dict, count: jax.Array) -> dict:
 
 
 def roi_align(maps: tuple[jax.Array, ...], image: jax.Array, coords: jax.Array,
-              level: jax.Array, cfg: AlignConfig, bind=bind_table) -> jax.Array:
+              level: jax.Array, cfg: AlignConfig, bind=bind_table, taps=None) -> jax.Array:
   """``(K, ph, pw, C)`` in the maps' dtype.
 
   Args:
@@ -86,14 +86,18 @@ def roi_align(maps: tuple[jax.Array, ...], image: jax.Array, coords: jax.Array,
     bind: how the average's sampled sum is bound, given the levels' tables (``x``, a tuple):
       :func:`bind_table` (the XLA path's primitive on one table), or the GPU kernels'
       primitive (``kernels.py``), which takes them as they are.
+    taps: the max mode's selected samples, ``taps(ops, counts, maps)`` (default
+      :func:`_align_taps` on the levels' table; the kernels' ``triton_max.taps``).
   """
   if cfg.per_image:
     return _per_image(maps[0], image, coords, level, cfg, bind)
   ops, count, counts, finite = align_plan(image, coords, level, cfg)
   if cfg.mode == "max":
-    x = flat_table(maps)
-    taps = _align_taps(ops, counts, x)
-    y = primitive.bind("ct", **ops, taps=taps, x=x, dtype=F32)
+    if taps is None:
+      selected = _align_taps(ops, counts, flat_table(maps))
+    else:
+      selected = taps(ops, counts, maps)
+    y = bind("ct", **ops, taps=selected, x=tables(maps), dtype=F32)
   else:
     y = bind("ct", **_mean_weights(ops, count), x=tables(maps), dtype=maps[0].dtype)
   y = jnp.where(finite[:, None, None, None], y, jnp.nan)
