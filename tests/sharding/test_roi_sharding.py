@@ -31,7 +31,7 @@ def _run(*flags: str) -> tuple[int, list[dict]]:
 @pytest.mark.slow
 def test_per_image_boxes_split_with_the_batch():
   rc, checks = _run()
-  assert len(checks) == 10, checks
+  assert len(checks) == 15, checks
   bad = [c for c in checks if not c["ok"]]
   assert not bad and rc == 0, bad
 

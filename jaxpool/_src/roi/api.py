@@ -51,6 +51,21 @@ def check_maps(name: str, x: Any, data_format: Any) -> jax.Array:
   return x
 
 
+def unsplit(a: Any) -> Any:
+  """``a`` whole on every device where an Explicit mesh splits it (else as it is, lists item by
+  item). A box may name any image, and the sampling plan's arrays carry no mesh axes, so the
+  ROI functions read their inputs whole, as XLA arranges by itself under an Auto mesh (there the
+  per-image form splits with the batch: docs/roi.md, "Sharding")."""
+  if isinstance(a, (list, tuple)):
+    return type(a)(unsplit(v) for v in a)
+  if not isinstance(a, jax.Array):
+    return a
+  spec = getattr(getattr(jax.typeof(a), "sharding", None), "spec", None)
+  if spec is None or all(p is None for p in spec):
+    return a
+  return jax.sharding.reshard(a, jax.sharding.PartitionSpec())
+
+
 def check_elements(name: str, size: int) -> None:
   """The max modes address single elements of the feature maps with int32."""
   if size >= 2**31:
@@ -246,7 +261,8 @@ def roi_align(x: Any, boxes: Boxes, output_size: int | Sequence[int], *,
     Array([[[5.]]], dtype=float32)
   """
   check_name("data_format", data_format, DATA_FORMATS)
-  x = check_maps("x", x, data_format)
+  x = unsplit(check_maps("x", x, data_format))
+  boxes, mask = unsplit(boxes), unsplit(mask)
   output_size = output_size_pair(output_size)
   scale = positive_scale("spatial_scale", spatial_scale)
   ratio, cap = check_sampling(sampling_ratio, max_samples)
@@ -308,7 +324,8 @@ def roi_pool(x: Any, boxes: Boxes, output_size: int | Sequence[int], *,
            [13., 15.]], dtype=float32)
   """
   check_name("data_format", data_format, DATA_FORMATS)
-  x = check_maps("x", x, data_format)
+  x = unsplit(check_maps("x", x, data_format))
+  boxes = unsplit(boxes)
   output_size = output_size_pair(output_size)
   scale = positive_scale("spatial_scale", spatial_scale)
   return_indices = check_bool("return_indices", return_indices)

@@ -23,7 +23,7 @@ from jaxpool._src.backend import Op
 from jaxpool._src.checks import check_bool, check_name, is_int
 from jaxpool._src.roi.api import (Boxes, Mode, check_elements, check_maps, check_sampling,
                                   finite_number, output_size_pair, positive_scale, sample_grid,
-                                  split_boxes)
+                                  split_boxes, unsplit)
 from jaxpool._src.roi.plan import MODES, AlignConfig, Level
 from jaxpool._src.windows import DATA_FORMATS
 
@@ -105,7 +105,9 @@ def multi_scale_roi_align(features: Sequence[Any], boxes: Boxes,
   check_name("data_format", data_format, DATA_FORMATS)
   if isinstance(features, (str, bytes)) or not isinstance(features, Sequence) or not features:
     raise TypeError(f"features must be a non-empty list of feature maps; got {features!r}.")
-  maps = tuple(check_maps(f"features[{i}]", f, data_format) for i, f in enumerate(features))
+  maps = tuple(unsplit(check_maps(f"features[{i}]", f, data_format))
+               for i, f in enumerate(features))
+  boxes = unsplit(boxes)
   first = maps[0]
   for i, m in enumerate(maps):
     if m.shape[0] != first.shape[0] or m.shape[3] != first.shape[3] or m.dtype != first.dtype:
