@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import roi_reference as rref
-from roi_cases import EDGE, random_boxes
+from roi_cases import EDGE, gpu_case, random_boxes
 
 import jaxpool
 
@@ -183,11 +183,8 @@ def test_gpu_box_gradient_matches_xla(output_size, dtype):
   if jax.default_backend() != "gpu":
     pytest.skip("needs a GPU")
   rng = np.random.default_rng(9)
-  x = jnp.asarray(rng.standard_normal((2, 50, 76, 256)), dtype)
-  side = np.exp(rng.uniform(np.log(2), np.log(60), (300, 2)))
-  x1, y1 = rng.uniform(-4, 76 - side[:, 0] / 2), rng.uniform(-4, 50 - side[:, 1] / 2)
-  boxes = np.stack([rng.integers(0, 2, 300), x1, y1, x1 + side[:, 0], y1 + side[:, 1]],
-                   1).astype(np.float32)
+  x, boxes = gpu_case(rng)
+  x = jnp.asarray(x, dtype)
   dy = jnp.asarray(rng.standard_normal((300, *output_size, 256)), dtype)
 
   def grad(impl):

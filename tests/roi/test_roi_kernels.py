@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import roi_reference as rref
-from roi_cases import EDGE, random_boxes
+from roi_cases import EDGE, gpu_case, random_boxes
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -470,11 +470,8 @@ def test_gpu_kernels_match_xla_and_torchvision(output_size):
   if jax.default_backend() != "gpu":
     pytest.skip("needs a GPU")
   rng = np.random.default_rng(3)
-  x = rng.standard_normal((2, 50, 76, 256)).astype(np.float32)
-  side = np.exp(rng.uniform(np.log(2), np.log(60), (300, 2)))
-  x1, y1 = rng.uniform(-4, 76 - side[:, 0] / 2), rng.uniform(-4, 50 - side[:, 1] / 2)
-  boxes = np.stack([rng.integers(0, 2, 300), x1, y1, x1 + side[:, 0], y1 + side[:, 1]],
-                   1).astype(np.float32)
+  x, boxes = gpu_case(rng)
+  x = x.astype(np.float32)
   kw = dict(output_size=output_size, spatial_scale=1.0, sampling_ratio=2, aligned=True)
   dy = rng.standard_normal((300, *output_size, 256)).astype(np.float32)
   ours, xla = _both(x, boxes, dy, **kw)

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import roi_reference as rref
-from roi_cases import EDGE, random_boxes
+from roi_cases import EDGE, gpu_case, random_boxes
 
 import jaxpool
 from jaxpool._src.roi import form
@@ -116,11 +116,8 @@ def test_gpu_max_mode_matches_the_xla_path():
   if jax.default_backend() != "gpu":
     pytest.skip("needs a GPU")
   rng = np.random.default_rng(4)
-  x = rng.standard_normal((2, 50, 76, 256)).astype(np.float32)
-  side = np.exp(rng.uniform(np.log(2), np.log(60), (300, 2)))
-  x1, y1 = rng.uniform(-4, 76 - side[:, 0] / 2), rng.uniform(-4, 50 - side[:, 1] / 2)
-  boxes = np.stack([rng.integers(0, 2, 300), x1, y1, x1 + side[:, 0], y1 + side[:, 1]],
-                   1).astype(np.float32)
+  x, boxes = gpu_case(rng)
+  x = x.astype(np.float32)
   kw = tuple(sorted(dict(output_size=(7, 7), sampling_ratio=2, aligned=True).items()))
   dy = rng.standard_normal((300, 7, 7, 256)).astype(np.float32)
   ours = _vjp_fn(None, kw)(x, boxes, dy)

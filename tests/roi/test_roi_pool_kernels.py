@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import roi_reference as rref
+from roi_cases import gpu_case
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -197,11 +198,8 @@ def test_gpu_kernels_match_xla_and_torchvision(dtype):
   if jax.default_backend() != "gpu":
     pytest.skip("needs a GPU")
   rng = np.random.default_rng(5)
-  x = jnp.asarray(rng.standard_normal((2, 50, 76, 256)), dtype)
-  side = np.exp(rng.uniform(np.log(2), np.log(60), (300, 2)))
-  x1, y1 = rng.uniform(-4, 76 - side[:, 0] / 2), rng.uniform(-4, 50 - side[:, 1] / 2)
-  boxes = np.stack([rng.integers(0, 2, 300), x1, y1, x1 + side[:, 0], y1 + side[:, 1]],
-                   1).astype(np.float32)
+  x, boxes = gpu_case(rng)
+  x = jnp.asarray(x, dtype)
   dy = jnp.asarray(rng.standard_normal((300, 7, 7, 256)), dtype)
   ours = _run(None, 7, 1.0)(x, boxes, dy)
   xla = _run("xla", 7, 1.0)(x, boxes, dy)

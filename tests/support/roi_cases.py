@@ -17,3 +17,15 @@ def random_boxes(rng, k, n=2, lo=-2.0, hi=10.0):
   return np.stack([rng.integers(0, n, k).astype(np.float32),
                    np.minimum(pts[:, 0], pts[:, 2]), np.minimum(pts[:, 1], pts[:, 3]),
                    np.maximum(pts[:, 0], pts[:, 2]), np.maximum(pts[:, 1], pts[:, 3])], 1)
+
+
+def gpu_case(rng, k=300):
+  """The GPU tests' inputs: maps (2, 50, 76, 256) float64 (standard normal; the caller casts)
+  and ``k`` boxes ``(K, 5)`` of sides 2-60 pixels, some partly outside, spread over both
+  images."""
+  x = rng.standard_normal((2, 50, 76, 256))
+  side = np.exp(rng.uniform(np.log(2), np.log(60), (k, 2)))
+  x1, y1 = rng.uniform(-4, 76 - side[:, 0] / 2), rng.uniform(-4, 50 - side[:, 1] / 2)
+  boxes = np.stack([rng.integers(0, 2, k), x1, y1, x1 + side[:, 0], y1 + side[:, 1]],
+                   1).astype(np.float32)
+  return x, boxes
