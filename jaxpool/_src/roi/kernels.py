@@ -9,7 +9,9 @@ They are the implementation of a second primitive of the form, ``roi_kernel_p``
 :func:`roi_align` with respect to the features and the boxes runs kernels only (JAX's autodiff
 of the plan, ``plan.py``, turns the corner weights' gradients into the boxes'); forward mode
 and higher orders compose the same way. The max mode (``has_taps``): its taps and forward on the
-kernels of ``triton_max.py``, its gradients on the XLA path's form.
+kernels of ``triton_max.py``, its gradients on the same kernels with the taps (the feature
+gradient of grids of more than ``triton_max.MAX_GRAD_SAMPLES`` samples a bin on the XLA
+path's form).
 
 The feature maps reach the kernels as they are: each level's map reshaped to a table
 ``(N * H * W, C)`` (free), one operand each (the form's ``"x"`` group), never concatenated;
@@ -28,8 +30,8 @@ they split along the batch, each device running them on its own images (``partit
 ``roi_align`` and ``multi_scale_roi_align`` with ``mode="avg"`` in float32, bfloat16 and
 float16 (a static sample grid: ``sampling_ratio > 0``, or the ``max_samples`` grid of the
 adaptive count, whose padding samples are dead), maps not split over an Explicit mesh;
-``mode="max"`` with boxes ``(K, 5)`` or a list (its gradients on the XLA path's form; per-image
-boxes on the XLA path). :func:`roi_pool` runs its argmax and its gradient on the kernels of
+``mode="max"`` with boxes ``(K, 5)`` or a list (per-image boxes: the XLA path).
+:func:`roi_pool` runs its argmax and its gradient on the kernels of
 ``triton_pool.py`` (the same dtypes and maps), the rest as the XLA path.
 """
 
@@ -243,7 +245,7 @@ def roi_align(maps: tuple[jax.Array, ...], image: jax.Array, coords: jax.Array,
   """The XLA path's ``roi_align`` (``xla.py``) with the average's sampled sum and its
   derivatives (the feature gradient, the corner weights' gradients) on the kernels, the maps
   their operands as they are (no copy): ``(K, ph, pw, C)``; the max mode's taps and values on
-  the kernels (``triton_max.py``), its gradients on the XLA path's form."""
+  the kernels (``triton_max.py``), its gradients on the kernels with the taps."""
   assert math.prod(cfg.output_size) > 0
   return _roi_align_jit(maps, image, coords, level, cfg, interpret)
 
