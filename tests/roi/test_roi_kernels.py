@@ -202,6 +202,27 @@ def test_kernels_give_the_same_bits_twice(case):
     assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_the_flags_per_box_against_numpy(dtype):
+  """The flags that pick the kernels' shorter forms: a box's cotangents all finite (NaN, +inf
+  and -inf each clear it, huge finite values do not), a box's corners all live (no -1)."""
+  from jaxpool._src.roi.triton_levels import finite_boxes, live_boxes
+  rng = np.random.default_rng(0)
+  ct = rng.standard_normal((6, 5)).astype(np.float32)
+  ct[1, 3], ct[2, 0], ct[3, 4], ct[4, :] = np.nan, np.inf, -np.inf, 3e38
+  want = np.isfinite(ct.astype(np.float64)).all(axis=1)
+  assert np.asarray(finite_boxes(jnp.asarray(ct, dtype))).tolist() == want.astype(int).tolist()
+  assert finite_boxes(jnp.zeros((0, 5), dtype)).shape == (0,)
+  iy = rng.integers(0, 9, (4, 7, 2, 2))
+  ix = rng.integers(0, 9, (4, 7, 2, 2))
+  iy[1, 6, 1, 0], ix[2, 0, 0, 1] = -1, -1
+  live = [(iy[k] >= 0).all() and (ix[k] >= 0).all() for k in range(4)]
+  assert np.asarray(live_boxes(jnp.asarray(iy), jnp.asarray(ix))).tolist() == \
+      np.array(live, int).tolist()
+  assert live_boxes(jnp.zeros((0, 7, 2, 2), jnp.int32), jnp.zeros((0, 7, 2, 2), jnp.int32)).shape \
+      == (0,)
+
+
 def test_nan_cotangent_reaches_the_pixels_the_xla_path_reaches(case):
   """A NaN in one bin's cotangent spreads to that bin's live corners only (a pixel the bin
   does not sample stays finite), and to the coordinates of its box whose corner weights meet

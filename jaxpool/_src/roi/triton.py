@@ -20,7 +20,9 @@ box's level's table (a switch over the levels, ``triton_levels.on_level``). For 
 sample in row-major order ``(sy, sx)``, the four corners are gathered as channel vectors and
 added in torchvision's order ``(0, 0), (0, 1), (1, 0), (1, 1)``, each ``where(live, (wy * wx) *
 x, 0)``; the sample's value is added to the running sum: the order of the XLA path's
-``form._forward``.
+``form._forward``. A box whose corners are all live (a flag per box, computed outside the
+kernel) takes the same terms without the selects, each corner after the first a fused
+multiply-add when compiled (in interpret mode the XLA path's operations and bits).
 
 **Feature gradient** (:func:`feature_grad`): one program per tile of ``GRAD_ROWS`` pixel rows x
 ``GRAD_COLS`` columns of one image of one level x a block of channels; the program owns its
@@ -31,7 +33,8 @@ whose live corner rows and columns meet it, ascending (a mask, a running count a
 unique places: no sort). A program walks its cell's list, skipping a box whose live corner
 columns or rows miss its tile (scalar tests on the box's extents); for a box, it finds once
 the bins ``j`` whose live corner columns meet its columns, then visits the bin rows ``i``
-whose live corner rows meet its rows (per-bin extents, computed outside the kernel). Average
+whose live corner rows meet its rows (per-bin extents, computed outside the kernel) and, in
+each, those bins. Average
 ROI align is separable per box: the contribution of box ``k`` to pixel ``(r, c)`` is
 ``sum_{i, j} A[i, r] B[j, c] ct[k, i, j]`` with ``A[i, r] = sum of wy[k, i, sy, a] where
 iy[k, i, sy, a] == r`` (``sy`` then ``a`` ascending; ``B`` likewise), A and B computed per
@@ -39,15 +42,20 @@ pixel of the tile. Per pixel, in float32 from 0: the boxes in ascending order, i
 bin rows ``i`` ascending, the bins ``j`` ascending, each term ``where(hit, (A * B) * ct, 0)``
 (``hit``: a live corner of the bin lies on the pixel, so a NaN cotangent reaches exactly the
 pixels the XLA path's does; for a box whose cotangents are all finite, a flag computed outside
-the kernel, the form ``where(hit, A * B, 0) * ct``, fewer operations a term: the same bits in
-interpret mode, and compiled the same terms, which Triton may fuse into multiply-adds); a
-visited bin that misses a pixel adds an exact 0 there (the sum is never -0), so neither the
-tile nor the cells change the bits. The coarsest level's programs come first (they run
-longest); the next box's index and the next bin's cotangent are loaded ahead. The same
-bits on every run; equal to the XLA path's sorted sum to float32 rounding (a different order
-of the same terms). The tile (small: a bin's footprint covers most of it, so few of its terms
-are zeros) and the cells are the fastest at 7x7 of those ``benchmarks/roi_tiles_gpu.py``
-timed on Mask R-CNN's shapes on an H200 (within 3% at 14x14).
+the kernel from the largest magnitude, the form ``(A * B) * ct`` with no ``hit``: where no
+live corner lies on a pixel its weight ``A`` or ``B`` is +0, so its term is an exact zero;
+compiled, each term one fused multiply-add, one rounding, in interpret mode the product then
+the sum); a visited bin that misses a pixel adds an exact 0 there (the sum is never -0), so
+neither the tile nor the cells change the bits. A box's first and last bin meeting the tile,
+along each axis, come from one vector load of its bins' extents; the bin rows between them
+are visited (one that misses the tile adds zeros). The cotangent row is loaded as a ``(1,
+lanes)`` row of the tile's layout (a 1-D load took a trip through shared memory a bin). The
+coarsest level's programs come first (they run longest); the next box's index and the next
+bin's cotangent are loaded ahead. The same bits on every run; equal to the XLA path's sorted
+sum to float32 rounding (a different order of the same terms). The tile (small: a bin's
+footprint covers most of it, so few of its terms are zeros) and the cells are the fastest at
+7x7 of those ``benchmarks/roi_tiles_gpu.py`` timed on Mask R-CNN's shapes on an H200 (within 3%
+at 14x14).
 """
 
 from __future__ import annotations
@@ -64,7 +72,8 @@ from jax.experimental import pallas as pl
 from jaxpool._src.pallas.calls import out_struct
 from jaxpool._src.pallas.triton.tile import compiler_params, load, plgpu
 from jaxpool._src.roi import form
-from jaxpool._src.roi.triton_levels import box_lists, cells, extents, on_level, planes
+from jaxpool._src.roi.triton_levels import (box_lists, cells, extents, finite_boxes, live_boxes,
+                                            meeting, on_level, planes)
 
 F32 = jnp.float32
 I32 = jnp.int32
@@ -105,6 +114,13 @@ class _Lanes:
     if jnp.ndim(rows) == 0 or isinstance(self.index, pl.Slice):
       return (rows, self.index)
     return (rows[:, None], self.index[None, :])
+
+  def row(self, ref, row):
+    """``ref[row, lanes]`` as a ``(1, block)`` row (lanes past the channels: a clamped
+    copy)."""
+    if isinstance(self.index, pl.Slice):
+      return load(ref, (pl.ds(row, 1), self.index))
+    return load(ref, self.tile(row))[None, :]
 
   def store(self, ref, rows, value, row_mask=None):
     where = self.tile(rows)
@@ -159,7 +175,8 @@ def bin_row_program(ph, pw, lanes, block_cols, block_lanes, interpret):
   return ki // ph, ki % ph, lane, jnp.minimum(cols, pw - 1), col_mask
 
 
-def sample_values(refs, k, i, j, lane, *, starts, ph, pw, sy_n, sx_n, step, init, alive=None):
+def sample_values(refs, k, i, j, lane, *, starts, ph, pw, sy_n, sx_n, step, init, alive=None,
+                  all_live=False, interpret=True):
   """Bin row ``i`` of box ``k`` (its bins ``j``, a block of channels ``lane``): ``carry =
   step(s, v, carry)`` from ``init`` for each sample ``s = sy * sx_n + sx`` in row-major order,
   ``v`` its bilinear value ``(cols, lanes)`` in float32 (the four corners gathered as channel
@@ -167,7 +184,9 @@ def sample_values(refs, k, i, j, lane, *, starts, ph, pw, sy_n, sx_n, step, init
   the box's level's table. ``refs``: ``(base, stride, iy, ix, wy, wx)`` refs and the levels'
   tables. A loop over more than ``UNROLL`` samples skips those ``alive`` (a pair of
   predicates on ``sy`` and ``sx``) calls dead; by default the dead samples (all corners -1),
-  whose ``v`` is +0."""
+  whose ``v`` is +0. ``all_live``: the caller knows every corner of the box is live, so the
+  terms need no select, and compiled (``interpret`` False) each corner after the first is one
+  multiply-add (:func:`multiply_add`; in interpret mode the same operations as without)."""
   base_ref, stride_ref, iy_ref, ix_ref, wy_ref, wx_ref, x_refs = refs
   stride = stride_ref[k]
   if alive is None:
@@ -191,6 +210,10 @@ def sample_values(refs, k, i, j, lane, *, starts, ph, pw, sy_n, sx_n, step, init
           for b in (0, 1):
             rows = base + jnp.maximum(r[a], 0) * stride + jnp.maximum(c[b], 0)
             g = load(x_ref, lane.tile(rows)).astype(F32)
+            if all_live:
+              w = (u[a] * t[b])[:, None]
+              v = w * g if v is None else multiply_add(w, g, v, interpret)
+              continue
             live = (r[a] >= 0) & (c[b] >= 0)
             term = jnp.where(live[:, None], (u[a] * t[b])[:, None] * g, 0.0)
             v = term if v is None else v + term
@@ -203,14 +226,17 @@ def sample_values(refs, k, i, j, lane, *, starts, ph, pw, sy_n, sx_n, step, init
   return on_level(base_ref[k], starts, level_sum)
 
 
-def _forward_kernel(base_ref, stride_ref, iy_ref, ix_ref, wy_ref, wx_ref, *refs, starts, ph,
-                    pw, sy_n, sx_n, lanes, block_cols, block_lanes, interpret):
+def _forward_kernel(base_ref, stride_ref, iy_ref, ix_ref, wy_ref, wx_ref, live_ref, *refs,
+                    starts, ph, pw, sy_n, sx_n, lanes, block_cols, block_lanes, interpret):
   *x_refs, o_ref = refs  # (the levels' tables, then the output)
   k, i, lane, j, col_mask = bin_row_program(ph, pw, lanes, block_cols, block_lanes, interpret)
-  acc = sample_values((base_ref, stride_ref, iy_ref, ix_ref, wy_ref, wx_ref, x_refs), k, i, j,
-                      lane, starts=starts, ph=ph, pw=pw, sy_n=sy_n, sx_n=sx_n,
-                      step=lambda s, v, acc: acc + v,
-                      init=jnp.zeros((block_cols, block_lanes), F32))
+  values = functools.partial(
+      sample_values, (base_ref, stride_ref, iy_ref, ix_ref, wy_ref, wx_ref, x_refs), k, i, j,
+      lane, starts=starts, ph=ph, pw=pw, sy_n=sy_n, sx_n=sx_n, step=lambda s, v, acc: acc + v,
+      init=jnp.zeros((block_cols, block_lanes), F32), interpret=interpret)
+  # (A box whose samples all lie on the map, the common case, takes the form without selects:
+  # ``triton_levels.live_boxes``.)
+  acc = lax.cond(live_ref[k] != 0, lambda: values(all_live=True), values)
   lane.store(o_ref, (k * ph + i) * pw + j, acc.astype(o_ref.dtype), col_mask)
 
 
@@ -218,7 +244,8 @@ def forward(base, stride, iy, ix, wy, wx, x, *, dtype, interpret: bool) -> jax.A
   """The form's ``wrt="ct"`` of the average: ``(K, ph, pw, C)``, the float32 sums rounded
   once to ``dtype``. ``x``: the levels' tables ``(P_l, C)`` (a tuple, or one table), ``base``
   a row of their concatenation (``triton_levels``); the rest as ``plan.align_plan``'s."""
-  return bin_row_call(_forward_kernel, base, stride, iy, ix, wy, wx, x, (), dtype=dtype,
+  return bin_row_call(_forward_kernel, base, stride, iy, ix, wy, wx, x, (live_boxes(iy, ix),),
+                      dtype=dtype,
                       name="jaxpool_roi_align_fwd", interpret=interpret)
 
 
@@ -253,6 +280,19 @@ def bin_row_call(body, base, stride, iy, ix, wy, wx, x, extra, *, dtype, name, i
 
 
 # ----------------------------------------------------------------------------- feature gradient
+
+
+def multiply_add(w, v, acc, interpret: bool):
+  """``acc + w * v`` (``w`` ``(n, 1)``, ``v`` ``(1, lanes)``, ``acc`` ``(n, lanes)``, float32):
+  compiled, one fused multiply-add a term (one rounding); in interpret mode the product
+  rounded, then the sum."""
+  if interpret:
+    return acc + w * v
+  assert plgpu is not None
+  w, v = jnp.broadcast_to(w, acc.shape), jnp.broadcast_to(v, acc.shape)
+  return plgpu.elementwise_inline_asm(
+      "fma.rn.f32 $0, $1, $2, $3;", args=[w, v, acc], constraints="=r,r,r,r", pack=1,
+      result_shape_dtypes=[jax.ShapeDtypeStruct(acc.shape, acc.dtype)])[0]
 
 
 class Tile:
@@ -307,23 +347,14 @@ class Tile:
   def bin_columns(self, cext_ref, kk, pw):
     """The first and last bin ``j`` of box ``kk`` whose live columns (``cext_ref``: per bin,
     lowest and highest) meet the tile's (``pw`` and -1: none)."""
-    def col_range(j, carry):
-      lo, hi = carry
-      on = ((cext_ref[2 * (kk * pw + j)] <= self.col_last)
-            & (cext_ref[2 * (kk * pw + j) + 1] >= self.col0))
-      return jnp.where(on, jnp.minimum(lo, j), lo), jnp.where(on, j, hi)
-
-    return lax.fori_loop(0, pw, col_range, (jnp.int32(pw), jnp.int32(-1)))
+    return meeting(cext_ref, kk, pw, self.col0, self.col_last)
 
   def bin_rows(self, rext_ref, kk, ph, fn, acc):
-    """``acc = fn(i, acc)`` for the bin rows ``i`` of box ``kk``, ascending, whose live rows
-    meet the tile's."""
-    def row(i, acc):
-      on = ((rext_ref[2 * (kk * ph + i)] <= self.row_last)
-            & (rext_ref[2 * (kk * ph + i) + 1] >= self.row0))
-      return lax.cond(on, functools.partial(fn, i), lambda acc: acc, acc)
-
-    return lax.fori_loop(0, ph, row, acc)
+    """``acc = fn(i, acc)`` for the bin rows ``i`` of box ``kk``, ascending, from the first to
+    the last whose live rows meet the tile's (a row between them that misses the tile, if
+    any, adds exact zeros)."""
+    first, last = meeting(rext_ref, kk, ph, self.row0, self.row_last)
+    return lax.fori_loop(first, last + 1, fn, acc)
 
   def store(self, o_refs, lane, acc):
     """The tile's sums into its level's output (one output per level, or the one)."""
@@ -363,46 +394,47 @@ def _grad_kernel(count_ref, list_ref, ext_ref, rext_ref, cext_ref, iy_ref, ix_re
   n_lb = pl.cdiv(lanes, block_lanes)
   tile = Tile(planes, n_lb, block_rows, block_cols, band_rows, band_cols)
   lane = _Lanes(block_lanes, lanes, tile.lb, interpret)
-  r, c = tile.r, tile.c
+  # (The pixels as a column of the tile: their weights broadcast along the lanes in the
+  # tile's own layout.)
+  r, c = tile.r[:, None], tile.c[:, None]
 
-  def axis_weights(pixel, index_ref, weight_ref, first, n):
+  def axis_weights(pixel, index_ref, weight_ref, first, n, with_hit):
     """One bin's samples ``first .. first + n - 1`` along one axis: the summed weight of
-    their two corners on each pixel's row (or column) ``pixel``, and whether any lands there
-    (the samples in order, each corner 0 then 1; dead samples skipped)."""
+    their two corners on each pixel's row (or column) ``pixel``, and with ``with_hit``
+    whether any lands there (the samples in order, each corner 0 then 1; dead samples
+    skipped). A pixel where none lands has weight +0."""
     def sample(s, carry):
       weight, hit = carry
       for corner in (0, 1):
         at = (first + s) * 2 + corner
         on = pixel == index_ref[at]
         weight = weight + jnp.where(on, weight_ref[at], 0.0)
-        hit = hit | on
+        hit = (hit | on) if with_hit else hit
       return weight, hit
 
-    zeros = (jnp.zeros(pixel.shape, F32), jnp.zeros(pixel.shape, jnp.bool_))
+    zeros = (jnp.zeros(pixel.shape, F32), jnp.zeros(pixel.shape, jnp.bool_) if with_hit else None)
     return _over(n, sample, zeros, lambda s: index_ref[(first + s) * 2] >= 0)
 
   def bin_row(kk, j_first, j_last, finite, i, acc):
     """Bin row ``i`` of box ``kk``: its weight on each pixel's row and its bins' terms
     (``finite``: static, whether the box's cotangents are all finite)."""
-    A, hit_a = axis_weights(r, iy_ref, wy_ref, (kk * ph + i) * sy_n, sy_n)
+    A, hit_a = axis_weights(r, iy_ref, wy_ref, (kk * ph + i) * sy_n, sy_n, not finite)
 
     def fetch(j):  # bin j's cotangent (j clamped into the range: loaded, maybe unused)
       j = jnp.clip(jnp.minimum(j, j_last), 0, pw - 1)
-      return load(ct_ref, lane.tile((kk * ph + i) * pw + j)).astype(F32)
+      return lane.row(ct_ref, (kk * ph + i) * pw + j).astype(F32)
 
     def one(j, carry):
       acc, ct = carry
       ct_next = fetch(j + 1)  # (issued before this bin's work: its latency overlaps it)
-
-      B, hit_b = axis_weights(c, ix_ref, wx_ref, (kk * pw + j) * sx_n, sx_n)
-      # (A pixel that no live corner of the bin lies on adds an exact zero: no change, the
-      # sum never being -0. With finite cotangents the product of a zero weight is that zero,
-      # so the pixels' weights are masked, not the tile's terms: fewer operations a term.)
-      hit = hit_a & hit_b
+      B, hit_b = axis_weights(c, ix_ref, wx_ref, (kk * pw + j) * sx_n, sx_n, not finite)
       if finite:
-        acc = acc + jnp.where(hit, A * B, 0.0)[:, None] * ct[None, :]
-      else:
-        acc = acc + jnp.where(hit[:, None], (A * B)[:, None] * ct[None, :], 0.0)
+        # (A pixel that no live corner of the bin lies on has weight +0 along an axis, so
+        # its term is an exact zero with a finite cotangent: no change, the sum never being
+        # -0. The bits do not depend on the visited bins.)
+        acc = multiply_add(A * B, ct, acc, interpret)
+      else:  # (a NaN or infinite cotangent reaches only the pixels a live corner lies on)
+        acc = acc + jnp.where(hit_a & hit_b, (A * B) * ct, 0.0)
       return acc, ct_next
 
     return lax.fori_loop(j_first, j_last + 1, one, (acc, fetch(j_first)))[0]
@@ -446,7 +478,7 @@ def feature_grad(base, iy, ix, wy, wx, ct, *, levels, dtype, interpret: bool, co
   if taps is None:
     body = _grad_kernel
     # Per box: whether its cotangents are all finite (its terms then take the shorter form).
-    per_box = jnp.all(jnp.isfinite(ct.reshape(K, -1)), axis=1).astype(I32)
+    per_box = finite_boxes(ct.reshape(K, -1))
   else:
     body = taps_kernel
     per_box = taps.reshape(K * ph * pw, C).astype(I32)

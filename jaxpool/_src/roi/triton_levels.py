@@ -9,18 +9,22 @@ gradient's programs each own a tile of one image of one level and write it into 
 output (``_planes``), so each level's gradient comes out of the kernel as its own array.
 
 Here also the feature gradient's schedule (``triton.py``): its tiles' programs per level
-(:func:`planes`), its cells and their box lists (:func:`cells`, :func:`box_lists`) and the
-boxes' extents (:func:`extents`).
+(:func:`planes`), its cells and their box lists (:func:`cells`, :func:`box_lists`), the
+boxes' extents (:func:`extents`, read by :func:`meeting`), and the flags per box that pick a
+shorter form of the kernels' terms (:func:`live_boxes`, :func:`finite_boxes`).
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+
+from jaxpool._src.pallas.triton.tile import load
 
 I32 = jnp.int32
 
@@ -135,3 +139,29 @@ def box_lists(base, ext, levels, copies: int, band: int, cband: int):
   lists = jnp.zeros((n_cells, K), I32).at[rows, place].set(boxes, mode="drop",
                                                             unique_indices=True)
   return jnp.sum(meets, axis=1, dtype=I32), lists.reshape(-1)
+
+
+def live_boxes(iy, ix) -> jax.Array:
+  """Per box, 1 where every corner of every sample is live (no -1 in ``iy`` or ``ix``), else 0
+  (``int32``, ``(K,)``)."""
+  flat = lambda a: a.reshape(a.shape[0], math.prod(a.shape[1:]))
+  return ((jnp.min(flat(iy), axis=1, initial=0) >= 0)
+          & (jnp.min(flat(ix), axis=1, initial=0) >= 0)).astype(I32)
+
+
+def finite_boxes(ct) -> jax.Array:
+  """Per box (``ct`` ``(K, n)``), 1 where all its cotangents are finite, else 0 (``int32``): the
+  largest magnitude is finite (a NaN propagates through the maximum)."""
+  return jnp.isfinite(jnp.max(jnp.abs(ct), axis=1, initial=0)).astype(I32)
+
+
+def meeting(ext_ref, kk, n, low, high):
+  """The first and last of box ``kk``'s ``n`` bins along an axis whose live extent
+  (``ext_ref``: per bin, lowest and highest) meets ``[low, high]`` (``n`` and -1: none), read
+  in one vector load of the box's extents."""
+  at = jnp.arange(1 << max(0, (n - 1).bit_length()), dtype=I32)
+  bins = jnp.minimum(at, n - 1)
+  lo = load(ext_ref, (2 * (kk * n + bins),))
+  hi = load(ext_ref, (2 * (kk * n + bins) + 1,))
+  on = (lo <= high) & (hi >= low) & (at < n)
+  return jnp.min(jnp.where(on, at, n)), jnp.max(jnp.where(on, at, -1))
