@@ -26,7 +26,8 @@ regions per image, output 7x7 (box head) and 14x14 (mask head), ``sampling_ratio
   as ``fwd+dx``: the box gradient adds reads of what ``fwd+dx`` reads), peak memory, the same
   bits over 10 runs, and how far apart the two box gradients are.
 
-Writes ``benchmarks/results/roi_gpu_<device>.json``. ``--quick`` runs small shapes (on a CPU
+Writes ``benchmarks/results/roi_gpu_<device>.json`` after each case (``meta.complete``: false until
+the last case is in). ``--quick`` runs small shapes (on a CPU
 too) and writes ``build/benchmarks/roi_gpu_<device>_quick.json``.
 
     python benchmarks/roi_gpu.py            # on the GPU machine
@@ -339,6 +340,10 @@ def main():
   print(f"{dev.device_kind}: copy bandwidth {copy_gbs:.0f} GB/s", flush=True)
   rng = np.random.default_rng(0)
   results = []
+  path = args.out or result_path(__file__, device_tag(dev.device_kind), quick=args.quick)
+  meta = {"device": dev.device_kind, "jax": jax.__version__, "copy_GBps": copy_gbs,
+          "bytes": "fwd: |features| + |y|; fwd+dx: 2 |features| + 2 |y|",
+          "bytes_fwd+dx+dboxes": "2 |features| + 2 |y| (as fwd+dx)", "peak": PEAK}
   for dtype in dtypes:
     feats, boxes = make_case(rng, batch, image, channels, per_image, dtype)
     for out in sizes:
@@ -347,6 +352,9 @@ def main():
               "image": list(image), "channels": channels, "regions": batch * per_image,
               "rows": rows}
       results.append(case)
+      # (Saved after each case, marked incomplete until the last: a run cut short keeps what
+      # it measured.)
+      save(path, {**meta, "complete": False}, results)
       j, p, xp = rows["jaxpool"], rows["plain_jnp"], rows["jaxpool_xla"]
       print(f"{case['dtype']:9s} {out}: jaxpool ({rows['jaxpool_default_backend']}) "
             f"fwd {j['fwd']['ms']:.3f} ms "
@@ -364,10 +372,7 @@ def main():
             f"(x{rows['speedup_fwd+dx+dboxes_vs_xla_path']:.1f}); dboxes default vs XLA "
             f"{rows['max_abs_diff_dboxes_default_vs_xla']:.3g}", flush=True)
   print_box_table(results)
-  save(args.out or result_path(__file__, device_tag(dev.device_kind), quick=args.quick),
-       {"device": dev.device_kind, "jax": jax.__version__, "copy_GBps": copy_gbs,
-        "bytes": "fwd: |features| + |y|; fwd+dx: 2 |features| + 2 |y|",
-        "bytes_fwd+dx+dboxes": "2 |features| + 2 |y| (as fwd+dx)", "peak": PEAK}, results)
+  save(path, {**meta, "complete": True}, results)
 
 
 PEAK = "XLA memory analysis: (arguments + outputs + temporaries) / (arguments + outputs)"
