@@ -204,15 +204,22 @@ def test_kernels_give_the_same_bits_twice(case):
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_the_flags_per_box_against_numpy(dtype):
-  """The flags that pick the kernels' shorter forms: a box's cotangents all finite (NaN, +inf
-  and -inf each clear it, huge finite values do not), a box's corners all live (no -1)."""
+  """The flags that pick the kernels' shorter forms: a box's cotangents and weights all finite
+  (NaN, +inf and -inf each clear it, huge finite values do not; at 7 x 7 x 256 cotangents a box,
+  where XLA:CPU's maximum reduction can drop a NaN), a box's corners all live (no -1)."""
   from jaxpool._src.roi.triton_levels import finite_boxes, live_boxes
   rng = np.random.default_rng(0)
-  ct = rng.standard_normal((6, 5)).astype(np.float32)
-  ct[1, 3], ct[2, 0], ct[3, 4], ct[4, :] = np.nan, np.inf, -np.inf, 3e38
-  want = np.isfinite(ct.astype(np.float64)).all(axis=1)
-  assert np.asarray(finite_boxes(jnp.asarray(ct, dtype))).tolist() == want.astype(int).tolist()
-  assert finite_boxes(jnp.zeros((0, 5), dtype)).shape == (0,)
+  ct = rng.standard_normal((8, 7 * 7 * 256)).astype(np.float32)
+  ct[1, 3], ct[2, 0], ct[3, -1], ct[4, :] = np.nan, np.inf, -np.inf, 3e38
+  ct[5, 7000] = np.nan
+  wy = rng.uniform(size=(8, 7, 2, 2)).astype(np.float32)
+  wx = rng.uniform(size=(8, 7, 2, 2)).astype(np.float32)
+  wy[6, 3, 1, 0], wx[7, 0, 0, 1] = np.nan, np.inf
+  want = (np.isfinite(ct.astype(np.float64)).all(axis=1) & np.isfinite(wy).all(axis=(1, 2, 3))
+          & np.isfinite(wx).all(axis=(1, 2, 3)))
+  got = finite_boxes(jnp.asarray(ct, dtype), jnp.asarray(wy), jnp.asarray(wx))
+  assert np.asarray(got).tolist() == want.astype(int).tolist()
+  assert finite_boxes(*(jnp.zeros((0, *a.shape[1:]), a.dtype) for a in (ct, wy, wx))).shape == (0,)
   iy = rng.integers(0, 9, (4, 7, 2, 2))
   ix = rng.integers(0, 9, (4, 7, 2, 2))
   iy[1, 6, 1, 0], ix[2, 0, 0, 1] = -1, -1
@@ -221,6 +228,54 @@ def test_the_flags_per_box_against_numpy(dtype):
       np.array(live, int).tolist()
   assert live_boxes(jnp.zeros((0, 7, 2, 2), jnp.int32), jnp.zeros((0, 7, 2, 2), jnp.int32)).shape \
       == (0,)
+
+
+def _nan_mask_both(x, boxes, dy, **kw):
+  out = []
+  for impl in ("xla", "pallas"):
+    f = lambda v, impl=impl: jaxpool.roi_align(v, jnp.asarray(boxes), implementation=impl, **kw)
+    dx = jax.jit(lambda v, d, f=f: jax.vjp(f, v)[1](d)[0])(jnp.asarray(x), jnp.asarray(dy))
+    out.append(np.asarray(dx))
+  return out
+
+
+def test_one_nan_cotangent_among_many_channels():
+  """A NaN in one channel of one box's 2 x 2 x 256 cotangents (a size where XLA:CPU's maximum
+  reduction drops NaN) reaches the pixels the XLA path's reaches, in that channel only."""
+  rng = np.random.default_rng(0)
+  x = rng.standard_normal((1, 8, 8, 256)).astype(np.float32)
+  lo = rng.uniform(0, 4, (8, 2))
+  boxes = np.concatenate([np.zeros((8, 1)), lo, lo + 3], 1).astype(np.float32)
+  dy = rng.standard_normal((8, 2, 2, 256)).astype(np.float32)
+  dy[3, 0, 0, 7] = np.nan
+  xla, ours = _nan_mask_both(x, boxes, dy, output_size=2, sampling_ratio=2, aligned=True)
+  np.testing.assert_array_equal(np.isnan(ours), np.isnan(xla))
+  assert 0 < np.isnan(ours).sum() and set(np.argwhere(np.isnan(ours))[:, 3]) == {7}
+
+
+def test_overflowing_box_size_nan_weights_stay_on_their_pixels():
+  """Finite coordinates whose extent overflows float32 give NaN sample weights: the NaN reaches
+  the pixels the XLA path's reaches (the box takes the masked form of the terms)."""
+  x = np.random.default_rng(0).standard_normal((1, 6, 8, 1)).astype(np.float32)
+  boxes = np.array([[0, 1.6, -3e38, 2.6, 3e38]], np.float32)
+  xla, ours = _nan_mask_both(x, boxes, np.ones((1, 2, 2, 1), np.float32), output_size=2,
+                             sampling_ratio=2, aligned=True)
+  assert np.isnan(xla).any()
+  np.testing.assert_array_equal(np.isnan(ours), np.isnan(xla))
+
+
+def test_float16_values_have_the_xla_paths_bits():
+  """Interpreted, the forward of boxes whose corners are all live gives the XLA path's bits in
+  float16 too (a select-free sum that XLA:CPU would contract into multiply-adds would not)."""
+  rng = np.random.default_rng(1)
+  x = jnp.asarray(rng.standard_normal((1, 8, 8, 64)), jnp.float16)
+  lo = rng.uniform(0, 4, (40, 2))
+  boxes = jnp.asarray(np.concatenate([np.zeros((40, 1)), lo, lo + rng.uniform(0.1, 3.5, (40, 2))],
+                                     1), jnp.float32)
+  y = [np.asarray(jax.jit(lambda v, impl=impl: jaxpool.roi_align(
+      v, boxes, 3, sampling_ratio=2, aligned=True, implementation=impl))(x))
+       for impl in ("xla", "pallas")]
+  assert y[0].tobytes() == y[1].tobytes()
 
 
 def test_nan_cotangent_reaches_the_pixels_the_xla_path_reaches(case):

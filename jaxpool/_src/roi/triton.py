@@ -20,9 +20,9 @@ box's level's table (a switch over the levels, ``triton_levels.on_level``). For 
 sample in row-major order ``(sy, sx)``, the four corners are gathered as channel vectors and
 added in torchvision's order ``(0, 0), (0, 1), (1, 0), (1, 1)``, each ``where(live, (wy * wx) *
 x, 0)``; the sample's value is added to the running sum: the order of the XLA path's
-``form._forward``. A box whose corners are all live (a flag per box, computed outside the
-kernel) takes the same terms without the selects, each corner after the first a fused
-multiply-add when compiled (in interpret mode the XLA path's operations and bits).
+``form._forward``. Compiled, a box whose corners are all live (a flag per box, computed
+outside the kernel) takes the same terms without the selects, each corner after the first a
+fused multiply-add (in interpret mode the XLA path's operations and bits).
 
 **Feature gradient** (:func:`feature_grad`): one program per tile of ``GRAD_ROWS`` pixel rows x
 ``GRAD_COLS`` columns of one image of one level x a block of channels; the program owns its
@@ -41,13 +41,13 @@ iy[k, i, sy, a] == r`` (``sy`` then ``a`` ascending; ``B`` likewise), A and B co
 pixel of the tile. Per pixel, in float32 from 0: the boxes in ascending order, in each box the
 bin rows ``i`` ascending, the bins ``j`` ascending, each term ``where(hit, (A * B) * ct, 0)``
 (``hit``: a live corner of the bin lies on the pixel, so a NaN cotangent reaches exactly the
-pixels the XLA path's does; for a box whose cotangents are all finite, a flag computed outside
-the kernel from the largest magnitude, the form ``(A * B) * ct`` with no ``hit``: where no
-live corner lies on a pixel its weight ``A`` or ``B`` is +0, so its term is an exact zero;
+pixels the XLA path's does; for a box whose cotangents and corner weights are all finite, a
+flag computed outside the kernel, the form ``(A * B) * ct`` with no ``hit``: where no live
+corner lies on a pixel its weight ``A`` or ``B`` is +0, so its term is an exact zero;
 compiled, each term one fused multiply-add, one rounding, in interpret mode the product then
 the sum); a visited bin that misses a pixel adds an exact 0 there (the sum is never -0), so
 neither the tile nor the cells change the bits. A box's first and last bin meeting the tile,
-along each axis, come from one vector load of its bins' extents; the bin rows between them
+along each axis, come from two vector loads of its bins' extents; the bin rows between them
 are visited (one that misses the tile adds zeros). The cotangent row is loaded as a ``(1,
 lanes)`` row of the tile's layout (a 1-D load took a trip through shared memory a bin). The
 coarsest level's programs come first (they run longest); the next box's index and the next
@@ -184,9 +184,10 @@ def sample_values(refs, k, i, j, lane, *, starts, ph, pw, sy_n, sx_n, step, init
   the box's level's table. ``refs``: ``(base, stride, iy, ix, wy, wx)`` refs and the levels'
   tables. A loop over more than ``UNROLL`` samples skips those ``alive`` (a pair of
   predicates on ``sy`` and ``sx``) calls dead; by default the dead samples (all corners -1),
-  whose ``v`` is +0. ``all_live``: the caller knows every corner of the box is live, so the
-  terms need no select, and compiled (``interpret`` False) each corner after the first is one
-  multiply-add (:func:`multiply_add`; in interpret mode the same operations as without)."""
+  whose ``v`` is +0. ``all_live``: the caller knows every corner of the box is live, so
+  compiled (``interpret`` False) the terms need no select, and each corner after the first is
+  one multiply-add (:func:`multiply_add`); in interpret mode it changes nothing (the XLA
+  path's operations, whose selects keep XLA from contracting them: its bits)."""
   base_ref, stride_ref, iy_ref, ix_ref, wy_ref, wx_ref, x_refs = refs
   stride = stride_ref[k]
   if alive is None:
@@ -210,7 +211,7 @@ def sample_values(refs, k, i, j, lane, *, starts, ph, pw, sy_n, sx_n, step, init
           for b in (0, 1):
             rows = base + jnp.maximum(r[a], 0) * stride + jnp.maximum(c[b], 0)
             g = load(x_ref, lane.tile(rows)).astype(F32)
-            if all_live:
+            if all_live and not interpret:
               w = (u[a] * t[b])[:, None]
               v = w * g if v is None else multiply_add(w, g, v, interpret)
               continue
@@ -283,9 +284,8 @@ def bin_row_call(body, base, stride, iy, ix, wy, wx, x, extra, *, dtype, name, i
 
 
 def multiply_add(w, v, acc, interpret: bool):
-  """``acc + w * v`` (``w`` ``(n, 1)``, ``v`` ``(1, lanes)``, ``acc`` ``(n, lanes)``, float32):
-  compiled, one fused multiply-add a term (one rounding); in interpret mode the product
-  rounded, then the sum."""
+  """``acc + w * v`` (``w`` and ``v`` broadcast to ``acc``'s shape, float32): compiled, one fused
+  multiply-add an element (one rounding); in interpret mode the product, then the sum."""
   if interpret:
     return acc + w * v
   assert plgpu is not None
@@ -430,8 +430,8 @@ def _grad_kernel(count_ref, list_ref, ext_ref, rext_ref, cext_ref, iy_ref, ix_re
       B, hit_b = axis_weights(c, ix_ref, wx_ref, (kk * pw + j) * sx_n, sx_n, not finite)
       if finite:
         # (A pixel that no live corner of the bin lies on has weight +0 along an axis, so
-        # its term is an exact zero with a finite cotangent: no change, the sum never being
-        # -0. The bits do not depend on the visited bins.)
+        # with finite weights and cotangent its term is an exact zero: no change, the sum
+        # never being -0. The bits do not depend on the visited bins.)
         acc = multiply_add(A * B, ct, acc, interpret)
       else:  # (a NaN or infinite cotangent reaches only the pixels a live corner lies on)
         acc = acc + jnp.where(hit_a & hit_b, (A * B) * ct, 0.0)
@@ -477,8 +477,8 @@ def feature_grad(base, iy, ix, wy, wx, ct, *, levels, dtype, interpret: bool, co
       min(GRAD_COLS, _pow2(max(lv.width for lv in levels))), C, want)
   if taps is None:
     body = _grad_kernel
-    # Per box: whether its cotangents are all finite (its terms then take the shorter form).
-    per_box = finite_boxes(ct.reshape(K, -1))
+    # Per box: whether its cotangents and weights are all finite (the shorter form's terms).
+    per_box = finite_boxes(ct.reshape(K, -1), wy, wx)
   else:
     body = taps_kernel
     per_box = taps.reshape(K * ph * pw, C).astype(I32)

@@ -149,16 +149,20 @@ def live_boxes(iy, ix) -> jax.Array:
           & (jnp.min(flat(ix), axis=1, initial=0) >= 0)).astype(I32)
 
 
-def finite_boxes(ct) -> jax.Array:
-  """Per box (``ct`` ``(K, n)``), 1 where all its cotangents are finite, else 0 (``int32``): the
-  largest magnitude is finite (a NaN propagates through the maximum)."""
-  return jnp.isfinite(jnp.max(jnp.abs(ct), axis=1, initial=0)).astype(I32)
+def finite_boxes(ct, wy, wx) -> jax.Array:
+  """Per box, 1 where its cotangents (``ct`` ``(K, n)``) and its samples' corner weights (``wy``,
+  ``wx``, ``K`` first) are all finite, else 0 (``int32``): the boxes whose feature gradient
+  may drop the mask of its terms (``triton.py``)."""
+  def finite(a):
+    return jnp.all(jnp.isfinite(a.reshape(a.shape[0], math.prod(a.shape[1:]))), axis=1)
+
+  return (finite(ct) & finite(wy) & finite(wx)).astype(I32)
 
 
 def meeting(ext_ref, kk, n, low, high):
   """The first and last of box ``kk``'s ``n`` bins along an axis whose live extent
   (``ext_ref``: per bin, lowest and highest) meets ``[low, high]`` (``n`` and -1: none), read
-  in one vector load of the box's extents."""
+  in two vector loads of the box's extents (the lowest, the highest)."""
   at = jnp.arange(1 << max(0, (n - 1).bit_length()), dtype=I32)
   bins = jnp.minimum(at, n - 1)
   lo = load(ext_ref, (2 * (kk * n + bins),))
