@@ -26,9 +26,10 @@ regions per image, output 7x7 (box head) and 14x14 (mask head), ``sampling_ratio
   as ``fwd+dx``: the box gradient adds reads of what ``fwd+dx`` reads), peak memory, the same
   bits over 10 runs, and how far apart the two box gradients are.
 
-Writes ``benchmarks/results/roi_gpu_<device>.json`` after each case (``meta.complete``: false until
-the last case is in). ``--quick`` runs small shapes (on a CPU
-too) and writes ``build/benchmarks/roi_gpu_<device>_quick.json``.
+Writes ``benchmarks/results/roi_gpu_<device>.json`` at the end, and after each case the cases
+so far to ``build/benchmarks/roi_gpu_<device>_partial.json`` (``meta.complete`` false).
+``--quick`` runs small shapes (on a CPU too) and writes
+``build/benchmarks/roi_gpu_<device>_quick.json``.
 
     python benchmarks/roi_gpu.py            # on the GPU machine
     python benchmarks/roi_gpu.py --quick    # anywhere, a minute
@@ -52,7 +53,7 @@ from jaxpool._src import dispatch  # noqa: E402
 from jaxpool._src.roi.plan import AlignConfig, Level  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from result_path import device_tag, result_path  # noqa: E402
+from result_path import SCRATCH, device_tag, result_path  # noqa: E402
 from timing import median_ms_per_call  # noqa: E402
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -341,6 +342,7 @@ def main():
   rng = np.random.default_rng(0)
   results = []
   path = args.out or result_path(__file__, device_tag(dev.device_kind), quick=args.quick)
+  partial = os.path.join(SCRATCH, os.path.basename(path).replace(".json", "_partial.json"))
   meta = {"device": dev.device_kind, "jax": jax.__version__, "copy_GBps": copy_gbs,
           "bytes": "fwd: |features| + |y|; fwd+dx: 2 |features| + 2 |y|",
           "bytes_fwd+dx+dboxes": "2 |features| + 2 |y| (as fwd+dx)", "peak": PEAK}
@@ -352,9 +354,9 @@ def main():
               "image": list(image), "channels": channels, "regions": batch * per_image,
               "rows": rows}
       results.append(case)
-      # (Saved after each case, marked incomplete until the last: a run cut short keeps what
-      # it measured.)
-      save(path, {**meta, "complete": False}, results)
+      # (After each case, to a scratch file beside it: a run cut short keeps what it
+      # measured, and the results file holds only complete runs.)
+      save(partial, {**meta, "complete": False}, results)
       j, p, xp = rows["jaxpool"], rows["plain_jnp"], rows["jaxpool_xla"]
       print(f"{case['dtype']:9s} {out}: jaxpool ({rows['jaxpool_default_backend']}) "
             f"fwd {j['fwd']['ms']:.3f} ms "
@@ -381,8 +383,10 @@ PEAK = "XLA memory analysis: (arguments + outputs + temporaries) / (arguments + 
 def save(path, meta, results):
   """The results' JSON: ``{"meta": meta, "cases": results}``."""
   os.makedirs(os.path.dirname(path), exist_ok=True)
-  with open(path, "w") as f:
+  # (Written beside it, then renamed: a run killed while writing leaves the file it had.)
+  with open(path + ".tmp", "w") as f:
     json.dump({"meta": meta, "cases": results}, f, indent=1)
+  os.replace(path + ".tmp", path)
   print("wrote", path)
 
 

@@ -38,8 +38,8 @@ def _maps(rng, shape=(2, 10, 41, 5), dtype=np.float32):
   """Few distinct values (ties decide the argmax), NaN and -inf."""
   x = rng.integers(-3, 4, shape).astype(np.float32)
   flat = x.reshape(-1)
-  flat[rng.choice(flat.size, 12, replace=False)] = np.nan
-  flat[rng.choice(flat.size, 8, replace=False)] = -np.inf
+  flat[rng.choice(flat.size, min(12, flat.size), replace=False)] = np.nan  # (maps of any size)
+  flat[rng.choice(flat.size, min(8, flat.size), replace=False)] = -np.inf
   return jnp.asarray(x, dtype)
 
 
