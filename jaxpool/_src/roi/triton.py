@@ -235,9 +235,10 @@ def _forward_kernel(base_ref, stride_ref, iy_ref, ix_ref, wy_ref, wx_ref, live_r
       sample_values, (base_ref, stride_ref, iy_ref, ix_ref, wy_ref, wx_ref, x_refs), k, i, j,
       lane, starts=starts, ph=ph, pw=pw, sy_n=sy_n, sx_n=sx_n, step=lambda s, v, acc: acc + v,
       init=jnp.zeros((block_cols, block_lanes), F32), interpret=interpret)
-  # (A box whose samples all lie on the map, the common case, takes the form without selects:
-  # ``triton_levels.live_boxes``.)
-  acc = lax.cond(live_ref[k] != 0, lambda: values(all_live=True), values)
+  # (Compiled, a box whose samples all lie on the map, the common case, takes the form without
+  # selects: ``triton_levels.live_boxes``; interpreted, the two forms are one.)
+  acc = values() if interpret else lax.cond(live_ref[k] != 0, lambda: values(all_live=True),
+                                            values)
   lane.store(o_ref, (k * ph + i) * pw + j, acc.astype(o_ref.dtype), col_mask)
 
 
